@@ -1,0 +1,243 @@
+"""Typed schemas for every config group.
+
+Each YAML file under `conf/` starts from one of these schemas, so Hydra rejects a misspelt key or a
+value of the wrong type (`trainer.max_steps=abc`) with its own message before any work starts.
+`register_configs()` puts them in Hydra's ConfigStore under `schema/<group>/<name>`; it is called
+by `train.py` and the tests, never at import time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+# ----------------------------------------------------------------------------------------- model
+# A model is any `nn.Sequential` built by `_target_(input_shape=..., num_classes=..., **sizes)`;
+# the block order is what model-parallel strategies split into stages.
+
+
+@dataclass
+class MLPConfig:
+    _target_: str = "src.models.MLP"
+    hidden: int = 256
+    depth: int = 4
+
+
+@dataclass
+class ConvNetConfig:
+    _target_: str = "src.models.ConvNet"
+    width: int = 16
+    depth: int = 3
+    hidden: int = 128
+
+
+@dataclass
+class TransformerConfig:
+    _target_: str = "src.models.Transformer"
+    hidden: int = 64
+    depth: int = 2
+    heads: int = 4
+
+
+# ------------------------------------------------------------------------------------------ data
+# A dataset builder returns `src.data.Data` (in-memory train/val tensors plus their shapes).
+
+
+@dataclass
+class DataConfig:
+    _target_: str = MISSING
+    val_fraction: float = 0.1
+    """Share of the samples held out for validation, chosen from the seed."""
+
+
+@dataclass
+class SyntheticConfig(DataConfig):
+    _target_: str = "src.data.synthetic_classification"
+    input_dim: int = 32
+    num_classes: int = 10
+    num_samples: int = 8192
+    image_shape: list[int] | None = None
+    """Set (e.g. [1, 16, 16]) to generate image-shaped inputs for `model=convnet`."""
+
+
+@dataclass
+class SyntheticTokensConfig(DataConfig):
+    _target_: str = "src.data.synthetic_tokens"
+    vocab_size: int = 64
+    seq_len: int = 32
+    num_samples: int = 4096
+
+
+@dataclass
+class MNISTConfig(DataConfig):
+    _target_: str = "src.data.mnist"
+    root: str = "data"
+    """Folder holding `MNIST/raw/*-ubyte[.gz]` (torchvision's layout)."""
+    download: bool = False
+    """Fetch the files when missing; needs network. Never done unless asked."""
+
+
+# -------------------------------------------------------------------------------------- parallel
+
+
+@dataclass
+class ParallelConfig:
+    name: str = "single"
+    devices: int = 1
+    """Devices used by the whole job: GPUs on CUDA; replicas, processes or stages on CPU."""
+
+
+@dataclass
+class DistributedConfig(ParallelConfig):
+    """Settings shared by every strategy that runs one process per replica."""
+
+    nodes: int = 1
+    backend: str | None = None
+    """None picks nccl on CUDA and gloo on CPU."""
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    """0 lets the OS choose a free port (single node only)."""
+    timeout_s: float = 300.0
+    """Process-group timeout: a collective that waits longer raises instead of hanging."""
+    threads_per_rank: int | None = None
+    """Intra-op threads per rank; None divides the cores by the local ranks (or OMP_NUM_THREADS)."""
+
+
+@dataclass
+class PipelineConfig(ParallelConfig):
+    microbatches: int = 1
+    """1 runs the naive schedule; M>1 runs a GPipe schedule over M micro-batches."""
+    split_points: list[int] | None = None
+    """Block indices where a new stage starts; None balances stages by parameter count."""
+
+
+@dataclass
+class HybridConfig(DistributedConfig):
+    stages: int = 2
+    microbatches: int = 1
+    split_points: list[int] | None = None
+
+
+# --------------------------------------------------------------------------------------- trainer
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 300
+    """Optimizer steps to run."""
+    batch_size: int = 128
+    """Global batch per optimizer step, summed over devices and accumulation micro-steps."""
+    accumulate: int = 1
+    """Micro-steps per optimizer step; the batch must divide by it."""
+    log_every: int = 25
+    eval_every: int = 100
+    """0 evaluates only at the end."""
+    eval_batch_size: int = 512
+    precision: str = "fp32"
+    """fp32 or bf16 (autocast)."""
+    grad_clip: float = 0.0
+    """Max global gradient norm; 0 turns clipping off."""
+    checkpoint_every: int = 0
+    """0 writes `checkpoints/last.pt` only at the end."""
+    accelerator: str = "auto"
+    """auto, cpu or cuda."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms(True) (slower on CUDA)."""
+    timing_warmup_steps: int = 5
+    """Steps left out of the reported throughput."""
+
+
+# ------------------------------------------------------------------------------------- optimizer
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = MISSING
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    schedule: str = "cosine"
+    """constant, or cosine (linear warm-up, then cosine decay to min_lr_ratio * lr)."""
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class SGDConfig(OptimizerConfig):
+    name: str = "sgd"
+    lr: float = 0.1
+    momentum: float = 0.9
+    nesterov: bool = False
+
+
+@dataclass
+class AdamWConfig(OptimizerConfig):
+    name: str = "adamw"
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+
+
+# ---------------------------------------------------------------------------------------- logger
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "none"
+
+
+@dataclass
+class WandbConfig(LoggerConfig):
+    name: str = "wandb"
+    project: str = "parallel-training"
+    entity: str | None = None
+    group: str | None = None
+    run_name: str | None = None
+    tags: list[str] = field(default_factory=list)
+    job_type: str | None = None
+    mode: str = "offline"
+    """offline, online or disabled; the WANDB_MODE environment variable wins when set."""
+    init_timeout_s: float = 60.0
+
+
+# ---------------------------------------------------------------------------------------- config
+
+
+@dataclass
+class Config:
+    model: Any = MISSING
+    data: Any = MISSING
+    parallel: Any = MISSING
+    trainer: TrainerConfig = MISSING
+    optimizer: Any = MISSING
+    logger: Any = MISSING
+    seed: int = 0
+
+
+SCHEMAS = {
+    "model": {"mlp": MLPConfig, "convnet": ConvNetConfig, "transformer": TransformerConfig},
+    "data": {
+        "synthetic": SyntheticConfig,
+        "synthetic_tokens": SyntheticTokensConfig,
+        "mnist": MNISTConfig,
+    },
+    "parallel": {
+        "base": ParallelConfig,
+        "distributed": DistributedConfig,
+        "pipeline": PipelineConfig,
+        "hybrid": HybridConfig,
+    },
+    "trainer": {"default": TrainerConfig},
+    "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig},
+    "logger": {"none": LoggerConfig, "wandb": WandbConfig},
+}
+
+
+def register_configs() -> None:
+    """Store the schemas so that YAML files can start from `/schema/<group>/<name>@_here_`."""
+    store = ConfigStore.instance()
+    store.store(name="config_schema", node=Config)
+    for group, schemas in SCHEMAS.items():
+        for name, schema in schemas.items():
+            store.store(group=f"schema/{group}", name=name, node=schema)

@@ -1,0 +1,124 @@
+"""Models as ordered stacks of blocks.
+
+Every model is an `nn.Sequential`: a strategy may run it whole, replicate it, or cut the block list
+into stages, and the state_dict keys (`0.weight`, `1.0.weight`, ...) stay the same either way.
+Nothing here knows about devices or parallelism. The models have no dropout and no BatchNorm, so
+that every strategy computes exactly the same function as `single` (per-replica batch statistics
+would differ by design).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+
+def _mlp_block(width_in: int, width_out: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(width_in, width_out), nn.ReLU())
+
+
+class MLP(nn.Sequential):
+    """Flatten, `depth` hidden Linear+ReLU blocks, then a linear classifier head."""
+
+    def __init__(self, input_shape: Sequence[int], num_classes: int, hidden: int, depth: int):
+        if depth < 1:
+            raise ValueError(f"model.depth must be at least 1, got {depth}")
+        widths = [math.prod(input_shape)] + [hidden] * depth
+        blocks = [_mlp_block(a, b) for a, b in zip(widths[:-1], widths[1:], strict=True)]
+        blocks[0].insert(0, nn.Flatten())
+        super().__init__(*blocks, nn.Linear(hidden, num_classes))
+
+
+class ConvNet(nn.Sequential):
+    """`depth` conv blocks (3x3 conv, GroupNorm, ReLU, 2x2 pool after the first two), then a
+    Flatten+MLP head. Expects (batch, channels, height, width) input."""
+
+    def __init__(
+        self, input_shape: Sequence[int], num_classes: int, width: int, depth: int, hidden: int
+    ):
+        if len(input_shape) != 3:
+            raise ValueError(
+                f"model=convnet needs image-shaped input (channels, height, width), got "
+                f"{list(input_shape)}; use data=mnist or set data.image_shape=[1,16,16]"
+            )
+        channels, height, width_px = input_shape
+        blocks: list[nn.Module] = []
+        for i in range(depth):
+            layers = [
+                nn.Conv2d(channels if i == 0 else width, width, 3, padding=1),
+                nn.GroupNorm(1, width),
+                nn.ReLU(),
+            ]
+            if i < 2:
+                layers.append(nn.MaxPool2d(2))
+                height, width_px = height // 2, width_px // 2
+            blocks.append(nn.Sequential(*layers))
+        head = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(width * height * width_px, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, num_classes),
+        )
+        super().__init__(*blocks, head)
+
+
+class TokenEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, seq_len: int, hidden: int):
+        super().__init__()
+        self.token = nn.Embedding(vocab_size, hidden)
+        self.position = nn.Embedding(seq_len, hidden)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.token(tokens) + self.position(positions)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"model.hidden ({hidden}) must divide by model.heads ({heads})")
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, hidden = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, self.heads, -1).transpose(1, 3).unbind(2)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, length, hidden))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(hidden)
+        self.attention = CausalSelfAttention(hidden, heads)
+        self.norm2 = nn.LayerNorm(hidden)
+        self.mlp = nn.Sequential(
+            nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Transformer(nn.Sequential):
+    """A tiny causal language model: embedding, `depth` pre-norm blocks, norm + vocabulary head.
+
+    Input: token ids (batch, seq_len); output: logits (batch, seq_len, vocab_size).
+    """
+
+    def __init__(
+        self, input_shape: Sequence[int], num_classes: int, hidden: int, depth: int, heads: int
+    ):
+        (seq_len,) = input_shape
+        super().__init__(
+            TokenEmbedding(num_classes, seq_len, hidden),
+            *[TransformerBlock(hidden, heads) for _ in range(depth)],
+            nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, num_classes)),
+        )

@@ -1,0 +1,23 @@
+"""One module per `parallel=` option; `build_strategy` imports only the one asked for."""
+
+from __future__ import annotations
+
+import importlib
+
+from src.config import ParallelConfig
+from src.strategies.base import ConfigError, Strategy
+
+STRATEGIES = {
+    "single": "src.strategies.single:Single",
+}
+
+
+def build_strategy(cfg: ParallelConfig, device_type: str) -> Strategy:
+    """The strategy named by `cfg.name`, its settings checked; nothing is started yet."""
+    if cfg.name not in STRATEGIES:
+        raise ConfigError(
+            f"unknown parallel.name {cfg.name!r}; choose one of {', '.join(STRATEGIES)}"
+        )
+    module_name, class_name = STRATEGIES[cfg.name].split(":")
+    strategy_class = getattr(importlib.import_module(module_name), class_name)
+    return strategy_class(cfg, device_type)

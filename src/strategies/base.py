@@ -1,0 +1,157 @@
+"""The interface between the shared training loop and a way of spreading work over devices.
+
+The loop (`src/loop.py`) calls only what is below and never asks which strategy it holds.
+
+Before any work (in the launching process):
+    strategy = Strategy(cfg.parallel, device_type)   checks the settings, touches no device
+    strategy.check_batch(micro_batch)                  the global micro-batch splits as needed
+    strategy.processes_per_node                        how many local processes the job needs;
+                                                       more than 1 makes `train.py` launch them
+In each training process:
+    strategy.setup()                   process group, this process's devices, threads
+    model = strategy.wrap(model)       place / replicate / split a plain `nn.Sequential`
+    strategy.unwrap(model)             the plain model again (its parameters and state_dict keys
+                                       are the same as `single`'s); the optimizer is built on it
+    rank, world_size                   this process's data-parallel rank and the number of
+                                       data-parallel processes; the loader feeds each process
+                                       `global batch / world_size` samples
+    is_main                            the one process that logs and writes files
+Per micro-step:
+    with strategy.grad_sync(model, enabled):         False on accumulation steps that do not
+        out = strategy.apply(model, x, y, fn)        step the optimizer (DDP's no_sync)
+        (out / count).backward()
+    `apply` runs the forward pass however the strategy likes (scattered, pipelined, ...), calls
+    `fn(outputs, targets)` where the outputs are, and returns the sum of `fn`'s results over the
+    parts as one tensor. `fn` always returns sums (see `src/objective.py`), so dividing by the
+    number of targets gives the exact mean over the batch, whatever the split.
+Now and then:
+    strategy.all_reduce_sum(t)   sum over data-parallel processes (logging steps and eval only)
+    strategy.barrier()
+    strategy.synchronize()       wait for queued device work (timing)
+    strategy.peak_memory_mb()    (labels, megabytes): one entry per device the job used
+    strategy.report()            strategy-specific figures for summary.json (e.g. bubble)
+    strategy.teardown()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from src.config import ParallelConfig
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; raised before any process or run file is created."""
+
+
+def resolve_device_type(accelerator: str) -> str:
+    """'auto' becomes cuda when a GPU is visible, else cpu."""
+    if accelerator not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"trainer.accelerator must be auto, cpu or cuda, got {accelerator!r}")
+    if accelerator == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.accelerator=cuda but no GPU is visible; use auto or cpu")
+    if accelerator == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return accelerator
+
+
+def process_peak_memory_mb() -> float:
+    """Peak resident memory of this process (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+class Strategy:
+    """Defaults for a strategy that runs in one process; subclasses override what differs."""
+
+    processes_per_node: int = 1
+    rank: int = 0
+    world_size: int = 1
+    is_main: bool = True
+
+    def __init__(self, cfg: ParallelConfig, device_type: str):
+        self.cfg = cfg
+        self.device_type = device_type
+        if cfg.devices < 1:
+            raise ConfigError(f"parallel.devices must be at least 1, got {cfg.devices}")
+        if device_type == "cuda" and cfg.devices > torch.cuda.device_count():
+            raise ConfigError(
+                f"parallel.devices={cfg.devices} but only {torch.cuda.device_count()} GPU(s) "
+                "are visible; lower parallel.devices"
+            )
+        self.devices: list[torch.device] = []
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+    def check_batch(self, micro_batch: int) -> None:
+        """Raise ConfigError when a global micro-batch of this size cannot be split here."""
+        if micro_batch < 1:
+            raise ConfigError(
+                f"the micro-batch (trainer.batch_size / trainer.accumulate) is {micro_batch}; "
+                "raise trainer.batch_size"
+            )
+
+    def setup(self) -> None:
+        self.devices = self.local_devices()
+
+    def local_devices(self) -> list[torch.device]:
+        """The devices this process drives: the first `parallel.devices` of its kind."""
+        if self.device_type == "cuda":
+            return [torch.device("cuda", i) for i in range(self.cfg.devices)]
+        return [torch.device("cpu")] * self.cfg.devices
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def apply(
+        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, fn: LossFn
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def barrier(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        for device in set(self.devices):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+    def peak_memory_mb(self) -> tuple[list[str], list[float]]:
+        """One entry per CUDA device; on CPU, one per process (replicas share its memory)."""
+        if self.device_type == "cuda":
+            devices = sorted(set(self.devices), key=lambda d: d.index)
+            return (
+                [str(d) for d in devices],
+                [torch.cuda.max_memory_allocated(d) / 2**20 for d in devices],
+            )
+        return [f"cpu:rank{self.rank}"], [process_peak_memory_mb()]
+
+    def report(self) -> dict[str, Any]:
+        return {}
+
+    def teardown(self) -> None:
+        pass
+
+
+def move(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return batch.to(device, non_blocking=True)
