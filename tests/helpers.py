@@ -63,7 +63,7 @@ def run_train(
     return result
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_run(*overrides: str) -> Path:
     """A `parallel=single` run with these overrides, trained once per test session."""
     run_dir = Path(tempfile.mkdtemp(prefix="reference-"))
