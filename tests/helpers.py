@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import struct
 import subprocess
 import sys
 import tempfile
@@ -98,3 +99,44 @@ def assert_same_training(reference: Path, other: Path, atol: float = 1e-5) -> No
     for key, weight in expected_weights.items():
         difference = (actual_weights[key].float() - weight.float()).abs().max().item()
         assert difference < atol, f"{key}: max abs difference {difference:.2e}"
+
+
+def wandb_records(run_dir: Path) -> list[Any]:
+    """Every protobuf `Record` in the run's offline `.wandb` file.
+
+    The file is W&B's LevelDB-style log: a 7-byte header (":W&B", magic, version), then 32 KiB
+    blocks of chunks, each with a 7-byte header (crc32, length, type: 1 full, 2 first, 3 middle,
+    4 last); a block tail shorter than a chunk header is zero padding.
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = run_dir.glob("wandb/*run-*/run-*.wandb")
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", f"{path} is not a W&B run file"
+    block, position, pending, records = 32768, 7, b"", []
+    while position + 7 <= len(data):
+        left_in_block = block - position % block
+        if left_in_block < 7:
+            position += left_in_block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        chunk = data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 2):
+            pending = chunk
+        elif kind in (3, 4):
+            pending += chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+    return records
+
+
+def wandb_history(run_dir: Path) -> list[dict[str, Any]]:
+    """The rows logged with `run.log`, values decoded from JSON."""
+    rows = [r.history for r in wandb_records(run_dir) if r.WhichOneof("record_type") == "history"]
+    return [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in row.item}
+        for row in rows
+    ]

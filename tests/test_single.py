@@ -55,3 +55,11 @@ def test_same_seed_same_run_and_other_seed_differs(tmp_path):
     weights = {name: checkpoint(tmp_path / name)["model"]["0.1.weight"] for name in "abc"}
     assert torch.equal(weights["a"], weights["b"])
     assert not torch.equal(weights["a"], weights["c"])
+
+
+def test_default_experiment_learns(tmp_path):
+    """The README's first command, minus W&B: validation loss falls and accuracy beats chance."""
+    run_train("logger=none", run_dir=tmp_path)
+    val_losses = [row["val/loss"] for row in metrics(tmp_path) if "val/loss" in row]
+    assert len(val_losses) == 3 and val_losses[-1] < val_losses[0]
+    assert summary(tmp_path)["val_accuracy"] > 0.5

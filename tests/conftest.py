@@ -1,0 +1,22 @@
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from helpers import ROOT
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from src.config import register_configs
+
+
+@pytest.fixture(scope="session")
+def compose_config() -> Callable[..., DictConfig]:
+    """Compose the shipped `conf/` with command-line style overrides, as `train.py` would."""
+    register_configs()
+
+    def _compose(*overrides: str) -> DictConfig:
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            return compose("config", overrides=list(overrides))
+
+    return _compose

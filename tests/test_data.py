@@ -1,0 +1,88 @@
+"""Datasets, the real MNIST on-disk format, and the batch order shared by every strategy."""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import TINY, run_train, summary
+
+from src.data import mnist, read_idx, synthetic_classification, train_batches
+
+
+def write_idx(path: Path, array: torch.Tensor, compress: bool) -> None:
+    """Write `array` (uint8) in the IDX format MNIST ships in."""
+    header = struct.pack(">HBB", 0, 0x08, array.dim()) + struct.pack(
+        f">{array.dim()}I", *array.shape
+    )
+    payload = header + array.numpy().tobytes()
+    path.write_bytes(gzip.compress(payload) if compress else payload)
+
+
+def write_tiny_mnist(root: Path, samples: int = 200, compress: bool = True) -> None:
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (samples, 28, 28), generator=generator, dtype=torch.uint8)
+    labels = torch.randint(0, 10, (samples,), generator=generator, dtype=torch.uint8)
+    suffix = ".gz" if compress else ""
+    write_idx(raw / f"train-images-idx3-ubyte{suffix}", images, compress)
+    write_idx(raw / f"train-labels-idx1-ubyte{suffix}", labels, compress)
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_read_mnist_from_its_on_disk_format(tmp_path, compress):
+    write_tiny_mnist(tmp_path, compress=compress)
+    data = mnist(seed=0, root=str(tmp_path), download=False, val_fraction=0.1)
+    assert data.input_shape == (1, 28, 28) and data.num_classes == 10
+    assert len(data.train) == 180 and len(data.val) == 20
+    labels = read_idx(next((tmp_path / "MNIST" / "raw").glob("train-labels*")))
+    assert sorted(torch.cat([data.train.targets, data.val.targets]).tolist()) == sorted(
+        labels.long().tolist()
+    )
+
+
+def test_missing_mnist_names_the_setting(tmp_path):
+    with pytest.raises(FileNotFoundError, match="data.root"):
+        mnist(seed=0, root=str(tmp_path), download=False, val_fraction=0.1)
+
+
+def test_convnet_trains_on_mnist_files_through_train_py(tmp_path):
+    write_tiny_mnist(tmp_path / "data")
+    tiny = [override for override in TINY if not override.startswith("data.")]
+    run_train(
+        *tiny,
+        "model=convnet",
+        "model.width=4",
+        "data=mnist",
+        f"data.root={tmp_path / 'data'}",
+        run_dir=tmp_path / "run",
+    )
+    assert summary(tmp_path / "run")["steps"] == 6
+
+
+def test_synthetic_data_is_a_function_of_the_seed():
+    make = lambda seed: synthetic_classification(seed, 8, 3, 100, 0.2)  # noqa: E731
+    a, b, c = make(0), make(0), make(1)
+    assert torch.equal(a.train.inputs, b.train.inputs) and torch.equal(a.val.targets, b.val.targets)
+    assert not torch.equal(a.train.inputs, c.train.inputs)
+    assert set(a.train.targets.tolist()) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ranks_batches_together_are_the_single_process_batch(world_size):
+    data = synthetic_classification(0, 4, 3, 250, 0.1)
+    batch, steps = 12, 50  # 225 training samples: several epochs, with a dropped tail
+    single = list(itertools.islice(train_batches(data.train, batch, 7, 0, 1), steps))
+    ranks = [
+        list(itertools.islice(train_batches(data.train, batch, 7, rank, world_size), steps))
+        for rank in range(world_size)
+    ]
+    for step, (inputs, _) in enumerate(single):
+        sharded = torch.cat([ranks[rank][step][0] for rank in range(world_size)])
+        assert len(sharded) == batch
+        assert sorted(map(tuple, sharded.tolist())) == sorted(map(tuple, inputs.tolist()))
