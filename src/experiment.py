@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,8 @@ def train(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[str, Any]:
     strategy.setup()
     try:
         if cfg.trainer.deterministic:
+            # cuBLAS needs a fixed workspace to be deterministic (see torch's reproducibility notes).
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
         data = instantiate(cfg.data, seed=cfg.seed)
         torch.manual_seed(cfg.seed)

@@ -184,8 +184,10 @@ def fit(
             step_ms = speed.close_window()
             samples_per_sec = trainer.batch_size * 1000 / step_ms
             running_loss, steps_since_log = 0.0, 0
+            memory = dict(zip(*strategy.local_peak_memory_mb(), strict=True))
             record(
                 {
+                    **{f"memory/{device}_peak_mb": mb for device, mb in memory.items()},
                     "train/loss": train_loss,
                     "train/lr": lr,
                     "train/step_time_ms": step_ms,

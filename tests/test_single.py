@@ -5,7 +5,17 @@ from __future__ import annotations
 import math
 
 import torch
-from helpers import TINY, TINY_TRANSFORMER, checkpoint, metrics, run_train, summary
+from helpers import (
+    TINY,
+    TINY_TRANSFORMER,
+    assert_same_training,
+    checkpoint,
+    metrics,
+    reference_run,
+    run_train,
+    summary,
+    train_losses,
+)
 
 from src.models import MLP, Transformer
 
@@ -63,3 +73,16 @@ def test_default_experiment_learns(tmp_path):
     val_losses = [row["val/loss"] for row in metrics(tmp_path) if "val/loss" in row]
     assert len(val_losses) == 3 and val_losses[-1] < val_losses[0]
     assert summary(tmp_path)["val_accuracy"] > 0.5
+
+
+def test_accumulation_trains_the_same_global_batch(tmp_path):
+    """Two micro-steps of 12 give the step that one batch of 24 gives."""
+    run_train(*TINY, "trainer.accumulate=2", run_dir=tmp_path)
+    assert_same_training(reference_run(*TINY), tmp_path)
+
+
+def test_bf16_autocast_and_clipping_run(tmp_path):
+    run_train(*TINY, "trainer.precision=bf16", "trainer.grad_clip=0.5", run_dir=tmp_path)
+    losses = train_losses(tmp_path)
+    assert len(losses) == 6 and all(math.isfinite(loss) for loss in losses)
+    assert "memory/cpu:rank0_peak_mb" in metrics(tmp_path)[0]

@@ -28,7 +28,8 @@ Now and then:
     strategy.all_reduce_sum(t)   sum over data-parallel processes (logging steps and eval only)
     strategy.barrier()
     strategy.synchronize()       wait for queued device work (timing)
-    strategy.peak_memory_mb()    (labels, megabytes): one entry per device the job used
+    strategy.local_peak_memory_mb()   (labels, megabytes) for this process's devices
+    strategy.peak_memory_mb()    the same for every device the job used (all processes)
     strategy.report()            strategy-specific figures for summary.json (e.g. bubble)
     strategy.teardown()
 """
@@ -137,6 +138,9 @@ class Strategy:
                 torch.cuda.synchronize(device)
 
     def peak_memory_mb(self) -> tuple[list[str], list[float]]:
+        return self.local_peak_memory_mb()
+
+    def local_peak_memory_mb(self) -> tuple[list[str], list[float]]:
         """One entry per CUDA device; on CPU, one per process (replicas share its memory)."""
         if self.device_type == "cuda":
             devices = sorted(set(self.devices), key=lambda d: d.index)
