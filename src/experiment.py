@@ -60,7 +60,7 @@ def train(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[str, Any]:
     strategy.setup()
     try:
         if cfg.trainer.deterministic:
-            # cuBLAS needs a fixed workspace to be deterministic (see torch's reproducibility notes).
+            # cuBLAS is only deterministic with a fixed workspace (torch reproducibility notes).
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
         data = instantiate(cfg.data, seed=cfg.seed)
