@@ -9,6 +9,8 @@ from src.strategies.base import ConfigError, Strategy
 
 STRATEGIES = {
     "single": "src.strategies.single:Single",
+    "dp": "src.strategies.dp:DP",
+    "dp_criterion": "src.strategies.dp_criterion:DPCriterion",
 }
 
 

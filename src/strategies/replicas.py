@@ -1,0 +1,143 @@
+"""Scatter, replicate, parallel apply, gather: the data flow of `torch.nn.DataParallel`, shared by
+`parallel=dp` and `parallel=dp_criterion`.
+
+On CUDA, scatter / replicate / gather are torch.nn.parallel's own functions. On CPU,
+`torch.nn.DataParallel` silently becomes a plain call of the module, so a test there would check
+nothing; the CPU path below runs the same flow with `parallel.devices` replicas instead: the batch
+is chunked as torch chunks it, replica 0 is the module itself and the others are copies that hold
+the very same Parameters (so their gradients sum into the originals) and fresh copies of the
+buffers, each replica runs in its own thread, and the outputs are concatenated.
+
+`parallel_apply` is ours on both device types: torch's re-enters autocast in its worker threads
+with the device's default dtype (float16 on CUDA), which turns a bf16 run into an fp16 one, and it
+refuses to run without an accelerator.
+
+BatchNorm: as in torch, only replica 0 updates the module's running statistics (the other
+replicas' buffers are copies, dropped after the forward pass), from its own chunk of the batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch._utils import ExceptionWrapper
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+
+def scatter(batch: Any, devices: Sequence[torch.device]) -> list[Any]:
+    """One part of `batch` (a tensor, or a tuple/list/dict of them) per device, split on dim 0.
+
+    Chunks are `Tensor.chunk`'s: 5 samples on 4 devices give 2, 2, 1, and fewer samples than
+    devices give fewer parts, so the caller uses only the first `len(parts)` devices.
+    """
+    if devices[0].type == "cuda":
+        return list(torch.nn.parallel.scatter(batch, devices))
+    leaves, spec = tree_flatten(batch)
+    chunks = [x.chunk(len(devices)) if torch.is_tensor(x) else [x] * len(devices) for x in leaves]
+    parts = min(len(leaf_chunks) for leaf_chunks in chunks)
+    return [tree_unflatten([leaf_chunks[i] for leaf_chunks in chunks], spec) for i in range(parts)]
+
+
+def replicate(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
+    """One copy of `module` per device; gradients of every copy flow into `module`'s Parameters."""
+    if devices[0].type == "cuda":
+        return torch.nn.parallel.replicate(module, devices, detach=not torch.is_grad_enabled())
+    shared = {id(parameter): parameter for parameter in module.parameters()}
+    return [module] + [copy.deepcopy(module, memo=dict(shared)) for _ in devices[1:]]
+
+
+def gather(outputs: Sequence[Any], device: torch.device) -> Any:
+    """The per-device outputs concatenated on dim 0 on `device`, keeping their structure."""
+    if device.type == "cuda":
+        return torch.nn.parallel.gather(outputs, device)
+    _, spec = tree_flatten(outputs[0])
+    columns = zip(*(tree_flatten(output)[0] for output in outputs), strict=True)
+    return tree_unflatten([torch.cat(column) for column in columns], spec)
+
+
+def broadcast(kwargs: dict[str, Any], devices: Sequence[torch.device]) -> list[dict[str, Any]]:
+    """The same keyword arguments for every device, never split: they are not per-sample."""
+    return [_moved(kwargs, device) for device in devices]
+
+
+def _moved(tree: Any, device: torch.device) -> Any:
+    return tree_map(lambda x: x.to(device) if torch.is_tensor(x) else x, tree)
+
+
+@contextlib.contextmanager
+def _selected(device: torch.device, stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """Make `device` and the caller's stream on it current in a worker thread (CUDA only)."""
+    if device.type != "cuda":
+        yield
+        return
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        yield
+
+
+def parallel_apply(
+    fns: Sequence[Callable[..., Any]],
+    args: Sequence[tuple[Any, ...]],
+    devices: Sequence[torch.device],
+    kwargs: Sequence[dict[str, Any]] | None = None,
+) -> list[Any]:
+    """`fns[i](*args[i], **kwargs[i])` on `devices[i]`, each in its own thread, results in order.
+
+    Grad mode and autocast (enabled, dtype) are thread-local, so the workers copy the caller's.
+    An exception in a worker is re-raised here, with the worker's traceback in its message.
+    """
+    kwargs = kwargs or [{}] * len(fns)
+    device_type = devices[0].type
+    grad_enabled = torch.is_grad_enabled()
+    autocast_enabled = torch.is_autocast_enabled(device_type)
+    autocast_dtype = torch.get_autocast_dtype(device_type)
+    streams = [torch.cuda.current_stream(d) if d.type == "cuda" else None for d in devices]
+    results: list[Any] = [None] * len(fns)
+
+    def work(i: int) -> None:
+        try:
+            with (
+                torch.set_grad_enabled(grad_enabled),
+                torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_enabled),
+                _selected(devices[i], streams[i]),
+            ):
+                results[i] = fns[i](*args[i], **kwargs[i])
+        except Exception:  # noqa: BLE001 - handed to the caller's thread below
+            results[i] = ExceptionWrapper(where=f"in replica {i} on device {devices[i]}")
+
+    if len(fns) == 1:
+        work(0)
+    else:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(fns))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    for result in results:
+        if isinstance(result, ExceptionWrapper):
+            result.reraise()
+    return results
+
+
+class DataParallel(nn.Module):
+    """`torch.nn.DataParallel`'s forward pass on CUDA or CPU: positional inputs are scattered on
+    dim 0, keyword arguments are given whole to every replica. With `gather_outputs=False` it
+    returns the per-device outputs instead (PyTorch-Encoding's DataParallelModel)."""
+
+    def __init__(self, module: nn.Module, devices: Sequence[torch.device], gather_outputs: bool):
+        super().__init__()
+        self.module = module
+        self.devices = list(devices)
+        self.gather_outputs = gather_outputs
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        parts = scatter(inputs, self.devices)
+        devices = self.devices[: len(parts)]
+        replicas = replicate(self.module, devices)
+        outputs = parallel_apply(replicas, parts, devices, broadcast(kwargs, devices))
+        return gather(outputs, self.devices[0]) if self.gather_outputs else outputs

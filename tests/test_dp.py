@@ -1,0 +1,266 @@
+"""`parallel=dp` and `parallel=dp_criterion`: the replica data flow (scatter, replicate, parallel
+apply, gather or per-device loss), on CPU threads here and on real GPUs in the cuda tests."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+
+import pytest
+import torch
+from helpers import TINY, assert_same_training, reference_run, run_train, summary
+from torch import nn
+
+from src.config import ParallelConfig
+from src.models import MLP, Transformer
+from src.objective import loss_sum
+from src.strategies import build_strategy
+from src.strategies.dp_criterion import parallel_criterion
+from src.strategies.replicas import DataParallel
+
+CPU = torch.device("cpu")
+UNEVEN = (*TINY, "trainer.batch_size=25")  # 13+12 on 2 devices, 9+9+7 on 3
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("name", ["dp", "dp_criterion"])
+def test_train_py_matches_single(tmp_path, name, devices):
+    run_train(*UNEVEN, f"parallel={name}", f"parallel.devices={devices}", run_dir=tmp_path)
+    assert_same_training(reference_run(*UNEVEN), tmp_path)
+    result = summary(tmp_path)
+    assert result["strategy"] == name and result["devices"] == devices
+    assert result["world_size"] == 1 and len(result["peak_memory_mb"]) == 1
+
+
+# ------------------------------------------------------------------- the strategies, in process
+
+
+def strategy_step(name, devices, model, inputs, targets, fn=loss_sum, device_type="cpu"):
+    """One forward/backward through the strategy: (loss sum, gradients by parameter name)."""
+    strategy = build_strategy(ParallelConfig(name=name, devices=devices), device_type)
+    strategy.setup()
+    wrapped = strategy.wrap(copy.deepcopy(model))
+    total = strategy.apply(wrapped, inputs, targets, fn)
+    (total / len(targets)).backward()
+    grads = {key: p.grad.cpu() for key, p in strategy.unwrap(wrapped).named_parameters()}
+    return total.cpu(), grads
+
+
+def full_batch_step(model, inputs, targets, fn=loss_sum):
+    model = copy.deepcopy(model)
+    total = fn(model(inputs), targets)
+    (total / len(targets)).backward()
+    return total, {key: p.grad for key, p in model.named_parameters()}
+
+
+def assert_same_step(expected, actual):
+    torch.testing.assert_close(actual[0], expected[0], rtol=0, atol=1e-5)
+    assert actual[1].keys() == expected[1].keys()
+    for key, grad in expected[1].items():
+        torch.testing.assert_close(actual[1][key], grad, rtol=0, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("name", ["dp", "dp_criterion"])
+@pytest.mark.parametrize(("devices", "batch"), [(4, 5), (3, 25), (4, 2)])
+def test_loss_and_gradients_equal_the_full_batch_on_uneven_splits(name, devices, batch):
+    torch.manual_seed(0)
+    mlp = MLP(input_shape=(6,), num_classes=4, hidden=8, depth=2)
+    inputs, targets = torch.randn(batch, 6), torch.randint(0, 4, (batch,))
+    expected = full_batch_step(mlp, inputs, targets)
+    assert_same_step(expected, strategy_step(name, devices, mlp, inputs, targets))
+
+
+@pytest.mark.parametrize("name", ["dp", "dp_criterion"])
+def test_sequence_outputs_split_on_the_batch_dimension(name):
+    torch.manual_seed(0)
+    model = Transformer(input_shape=(5,), num_classes=7, hidden=8, depth=1, heads=2)
+    inputs, targets = torch.randint(0, 7, (5, 5)), torch.randint(0, 7, (5, 5))
+    expected = full_batch_step(model, inputs, targets)
+    assert_same_step(expected, strategy_step(name, 3, model, inputs, targets))
+
+
+class TwoHeads(nn.Module):
+    def __init__(self, as_dict: bool):
+        super().__init__()
+        self.as_dict = as_dict
+        self.logits = nn.Linear(6, 4)
+        self.score = nn.Linear(6, 1)
+
+    def forward(self, x):
+        logits, score = self.logits(x), self.score(x)
+        return {"logits": logits, "score": score} if self.as_dict else (logits, score)
+
+
+def two_head_loss(outputs, targets):
+    logits, score = (outputs["logits"], outputs["score"]) if isinstance(outputs, dict) else outputs
+    return loss_sum(logits, targets) + score.square().sum()
+
+
+@pytest.mark.parametrize("name", ["dp", "dp_criterion"])
+@pytest.mark.parametrize("as_dict", [False, True], ids=["tuple", "dict"])
+def test_tuple_and_dict_outputs(name, as_dict):
+    torch.manual_seed(0)
+    model = TwoHeads(as_dict)
+    inputs, targets = torch.randn(5, 6), torch.randint(0, 4, (5,))
+    expected = full_batch_step(model, inputs, targets, two_head_loss)
+    actual = strategy_step(name, 4, model, inputs, targets, two_head_loss)
+    assert_same_step(expected, actual)
+
+
+def test_check_batch_allows_uneven_splits_and_warns_about_idle_devices(caplog):
+    strategy = build_strategy(ParallelConfig(name="dp", devices=4), "cpu")
+    with caplog.at_level(logging.WARNING):
+        strategy.check_batch(5)
+        assert not caplog.records
+        strategy.check_batch(3)
+    assert "only 3 devices get work" in caplog.text
+
+
+# ----------------------------------------------------------------------------- the replica flow
+
+
+class Recorder(nn.Module):
+    """Scales by a weight and notes, per call, its thread, its chunk's size and its keyword
+    argument's shape with `record`, a function attribute that the replicas (copies) share."""
+
+    def __init__(self, record):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(()))
+        self.record = record
+
+    def forward(self, x, scale):
+        self.record((threading.current_thread().name, len(x), scale.shape))
+        return x * self.weight * scale.sum()
+
+
+@pytest.mark.parametrize(("batch", "chunks"), [(5, [2, 2, 1]), (9, [3, 3, 3]), (2, [1, 1])])
+def test_replicas_run_in_their_own_threads_on_chunks_and_kwargs_stay_whole(batch, chunks):
+    calls = []
+    recorder = Recorder(calls.append)
+    model = DataParallel(recorder, [CPU] * 4, gather_outputs=True)
+    x, scale = torch.arange(batch, dtype=torch.float32), torch.ones(batch)
+    output = model(x, scale=scale)
+
+    torch.testing.assert_close(output, x * batch)  # gathered in order
+    assert sorted(size for _, size, _ in calls) == sorted(chunks)
+    assert all(shape == (batch,) for _, _, shape in calls)  # a keyword argument is not split
+    threads = {thread for thread, _, _ in calls}
+    assert len(threads) == len(chunks) and threading.current_thread().name not in threads
+    output.sum().backward()
+    assert recorder.weight.grad == (x * batch).sum()  # every replica's gradient summed
+
+
+def test_batchnorm_running_statistics_come_from_the_first_replica():
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(3)
+    inputs = torch.randn(6, 3)
+    DataParallel(norm, [CPU] * 2, gather_outputs=True)(inputs)
+    first_chunk_only = nn.BatchNorm1d(3)
+    first_chunk_only(inputs[:3])
+    torch.testing.assert_close(norm.running_mean, first_chunk_only.running_mean)
+    torch.testing.assert_close(norm.running_var, first_chunk_only.running_var)
+
+
+def fail_on_the_short_chunk(x):
+    if len(x) == 1:
+        raise ValueError(f"chunk of {len(x)} sample")
+    return x
+
+
+class FailsOnShortChunk(nn.Module):
+    def forward(self, x):
+        return fail_on_the_short_chunk(x)
+
+
+@pytest.mark.parametrize("where", ["model", "criterion"])
+def test_an_exception_in_a_worker_is_raised_with_its_traceback(where):
+    module = FailsOnShortChunk() if where == "model" else nn.Identity()
+
+    def criterion(output, target):
+        return fail_on_the_short_chunk(output).sum()
+
+    with pytest.raises(ValueError, match="chunk of 1 sample") as error:
+        outputs = DataParallel(module, [CPU] * 4, gather_outputs=False)(torch.randn(5, 2))
+        parallel_criterion(criterion, outputs, torch.zeros(5), [CPU] * 3)
+    message = str(error.value)
+    assert "in replica 2" in message and "Original Traceback" in message
+    assert "fail_on_the_short_chunk" in message
+
+
+@pytest.mark.parametrize(
+    ("grad_enabled", "dtype"),
+    [(True, torch.bfloat16), (True, torch.float16), (False, None)],
+    ids=["bf16", "fp16", "no_grad-fp32"],
+)
+def test_workers_keep_the_callers_grad_mode_and_autocast_dtype(grad_enabled, dtype):
+    seen = []
+
+    def criterion(output, target):
+        seen.append(
+            (
+                threading.current_thread().name,
+                torch.is_grad_enabled(),
+                (output @ output.T).dtype,
+                output.dtype,
+            )
+        )
+        return output.float().sum()
+
+    # fp16 is not CPU autocast's default (bf16): seeing it in the threads shows the dtype is copied
+    autocast = torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+    with torch.set_grad_enabled(grad_enabled), autocast:
+        outputs = DataParallel(nn.Linear(4, 4), [CPU] * 3, gather_outputs=False)(torch.ones(6, 4))
+        parallel_criterion(criterion, outputs, torch.zeros(6), [CPU] * 3)
+
+    expected = dtype or torch.float32
+    assert len({thread for thread, *_ in seen}) == 3
+    assert all(record[1:] == (grad_enabled, expected, expected) for record in seen)
+
+
+# ---------------------------------------------------------------------------------- real GPUs
+
+
+def gpus(count: int) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(
+        torch.cuda.device_count() < count, reason=f"needs {count} CUDA GPU(s)"
+    )
+
+
+@pytest.mark.cuda
+@gpus(1)
+@pytest.mark.parametrize("name", ["dp", "dp_criterion"])
+def test_cuda_path_matches_the_full_batch_and_keeps_bf16(name):
+    devices = min(torch.cuda.device_count(), 4)
+    torch.manual_seed(0)
+    mlp = MLP(input_shape=(6,), num_classes=4, hidden=8, depth=2)
+    inputs, targets = torch.randn(2 * devices + 1, 6), torch.randint(0, 4, (2 * devices + 1,))
+    expected = full_batch_step(mlp, inputs, targets)
+    actual = strategy_step(name, devices, mlp, inputs, targets, device_type="cuda")
+    assert_same_step(expected, actual)
+
+    dtypes = []
+
+    def noting_dtype(outputs, targets):
+        dtypes.append(outputs.dtype)
+        return loss_sum(outputs, targets)
+
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        strategy_step(name, devices, mlp, inputs, targets, noting_dtype, device_type="cuda")
+    assert dtypes and all(dtype == torch.bfloat16 for dtype in dtypes)
+
+
+@pytest.mark.cuda
+@gpus(2)
+def test_dp_criterion_lowers_the_output_devices_peak_memory():
+    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 50_000))  # a large output
+    inputs, targets = torch.randn(512, 32), torch.randint(0, 50_000, (512,))
+    peaks = {}
+    for name in ("dp", "dp_criterion"):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(0)
+        strategy_step(name, 2, model, inputs, targets, device_type="cuda")
+        torch.cuda.synchronize()
+        peaks[name] = torch.cuda.max_memory_allocated(0)
+    assert peaks["dp_criterion"] < 0.8 * peaks["dp"], peaks
