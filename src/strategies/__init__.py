@@ -11,6 +11,7 @@ STRATEGIES = {
     "single": "src.strategies.single:Single",
     "dp": "src.strategies.dp:DP",
     "dp_criterion": "src.strategies.dp_criterion:DPCriterion",
+    "model_parallel": "src.strategies.model_parallel:ModelParallel",
 }
 
 

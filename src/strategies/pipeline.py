@@ -1,0 +1,181 @@
+"""A block stack cut into stages on their own devices, run over micro-batches in GPipe order.
+
+`Pipeline` wraps a plain `nn.Sequential` without copying it: each stage is a slice that shares
+the original blocks, so the parameters and state_dict keys stay those of `single`. Its forward
+takes the targets and the loss function too, so that the loss is computed on the last stage
+where the outputs are; `model_parallel` calls it directly and `hybrid` wraps it in DDP
+(`device_ids=None`), which passes the arguments through.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from src.strategies.base import ConfigError, LossFn, move
+
+log = logging.getLogger(__name__)
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """Share of stage time spent idle in a GPipe schedule: (S - 1) / (M + S - 1)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def gpipe_ticks(stages: int, microbatches: int) -> Iterator[list[tuple[int, int]]]:
+    """(stage, micro-batch) pairs per clock tick: at tick t, stage s runs micro-batch t - s.
+
+    Within a tick the last stage comes first: its input copy is queued on the previous stage's
+    device before that stage's next micro-batch, so on GPUs the copy does not wait behind it.
+    """
+    for tick in range(microbatches + stages - 1):
+        yield [
+            (stage, tick - stage)
+            for stage in reversed(range(stages))
+            if 0 <= tick - stage < microbatches
+        ]
+
+
+def balanced_split_points(block_sizes: Sequence[int], stages: int) -> list[int]:
+    """Where stages 1.. start, for the contiguous partition with the smallest largest stage.
+
+    Dynamic programming over (stages used, blocks covered); ties go to the earliest cut.
+    """
+    blocks = len(block_sizes)
+    prefix = [0, *itertools.accumulate(block_sizes)]
+    # largest[s][i]: the best largest-stage size when the first i blocks form s stages.
+    largest = [[float("inf")] * (blocks + 1) for _ in range(stages + 1)]
+    cut = [[0] * (blocks + 1) for _ in range(stages + 1)]
+    largest[0][0] = 0
+    for s in range(1, stages + 1):
+        for i in range(s, blocks + 1):
+            for j in range(s - 1, i):
+                candidate = max(largest[s - 1][j], prefix[i] - prefix[j])
+                if candidate < largest[s][i]:
+                    largest[s][i], cut[s][i] = candidate, j
+    points, end = [], blocks
+    for s in range(stages, 1, -1):
+        end = cut[s][end]
+        points.append(end)
+    return points[::-1]
+
+
+def check_split_points(
+    split_points: Sequence[int] | None, stages: int, stages_setting: str, blocks: int | None = None
+) -> None:
+    """Raise ConfigError for split points that cannot cut `blocks` blocks into `stages` stages.
+
+    `blocks=None` runs only the checks that need no model (before it is built).
+    """
+    if blocks is not None and stages > blocks:
+        raise ConfigError(
+            f"{stages_setting}={stages} stages but the model has only {blocks} blocks; "
+            f"lower {stages_setting} or deepen the model (model.depth)"
+        )
+    if split_points is None:
+        return
+    points = list(split_points)
+    if len(points) != stages - 1:
+        raise ConfigError(
+            f"parallel.split_points={points} has {len(points)} entries but {stages_setting}="
+            f"{stages} stages need {stages - 1} (block indices where stages 1.. start)"
+        )
+    if any(b <= a for a, b in itertools.pairwise([0, *points])):
+        raise ConfigError(
+            f"parallel.split_points={points} must be strictly increasing block indices above 0"
+        )
+    if blocks is not None and points and points[-1] >= blocks:
+        raise ConfigError(
+            f"parallel.split_points={points} reaches past the model's last block "
+            f"(index {blocks - 1}); every stage needs at least one block"
+        )
+
+
+def check_microbatches(microbatches: int, samples: int | None = None, batch_name: str = "") -> None:
+    """Raise ConfigError unless `samples` (when known) fill `microbatches` non-empty parts."""
+    if microbatches < 1:
+        raise ConfigError(f"parallel.microbatches must be at least 1, got {microbatches}")
+    if samples is not None and samples < microbatches:
+        raise ConfigError(
+            f"{batch_name} is {samples} samples, too few for parallel.microbatches="
+            f"{microbatches}; lower parallel.microbatches or raise trainer.batch_size"
+        )
+
+
+def parameter_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+class Pipeline(nn.Module):
+    """`model` cut at `split_points` (balanced by parameter count when None), stage i on
+    `devices[i]`; forward returns the sum of `fn` over `microbatches` micro-batches."""
+
+    def __init__(
+        self,
+        model: nn.Sequential,
+        devices: Sequence[torch.device],
+        microbatches: int,
+        split_points: Sequence[int] | None = None,
+        stages_setting: str = "parallel.devices",
+    ):
+        super().__init__()
+        check_split_points(split_points, len(devices), stages_setting, blocks=len(model))
+        if split_points is None:
+            split_points = balanced_split_points([parameter_count(b) for b in model], len(devices))
+        self.model = model
+        self.devices = list(devices)
+        self.microbatches = microbatches
+        self.split_points = list(split_points)
+        blocks, bounds = list(model), [0, *self.split_points, len(model)]
+        # A plain list, not registered: the blocks are registered once, through `self.model`.
+        self.stages = [
+            nn.Sequential(*blocks[a:b]).to(device)
+            for (a, b), device in zip(itertools.pairwise(bounds), devices, strict=True)
+        ]
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor, fn: LossFn) -> torch.Tensor:
+        # Uneven micro-batches are exact: `fn` returns sums. An eval batch smaller than M gets
+        # fewer micro-batches rather than empty ones.
+        chunks = min(self.microbatches, len(inputs))
+        micro_inputs = move(inputs, self.devices[0]).tensor_split(chunks)
+        micro_targets = move(targets, self.devices[-1]).tensor_split(chunks)
+        activations = list(micro_inputs)
+        total = None
+        last = len(self.stages) - 1
+        for tick in gpipe_ticks(len(self.stages), chunks):
+            for stage, micro in tick:
+                x = move(activations[micro], self.devices[stage])
+                activations[micro] = self.stages[stage](x)
+                if stage == last:
+                    part = fn(activations[micro], micro_targets[micro])
+                    total = part if total is None else total + part
+        return total
+
+    def describe(self) -> dict[str, Any]:
+        """The layout and schedule, for the log and summary.json."""
+        return {
+            "stages": len(self.stages),
+            "split_points": self.split_points,
+            "stage_parameters": [parameter_count(stage) for stage in self.stages],
+            "stage_devices": [str(d) for d in self.devices],
+            "microbatches": self.microbatches,
+            "bubble_fraction": bubble_fraction(len(self.stages), self.microbatches),
+        }
+
+
+def log_layout(layout: dict[str, Any]) -> None:
+    log.info(
+        "pipeline: %d stages on %s, split before blocks %s, parameters per stage %s; "
+        "%d micro-batch(es), bubble (idle) fraction %.1f%%",
+        layout["stages"],
+        ", ".join(layout["stage_devices"]),
+        layout["split_points"],
+        layout["stage_parameters"],
+        layout["microbatches"],
+        100 * layout["bubble_fraction"],
+    )
