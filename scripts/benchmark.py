@@ -1,12 +1,17 @@
-"""Measure what the template costs over hand-written PyTorch on the same workload.
+"""Measure what the template costs over hand-written PyTorch, and strategies against each other,
+on the same workload.
 
-    python scripts/benchmark.py                 # every comparison
-    python scripts/benchmark.py --only single   # one of them
+    python scripts/benchmark.py                         # every comparison
+    python scripts/benchmark.py --only model_parallel   # one of them
     python scripts/benchmark.py --rounds 7 --steps 400
 
-Each comparison runs the template and a plain loop in alternating rounds in this process tree,
-so both see the same machine state, and prints the median steady-state samples/s of each and
-their ratio (template / plain; 1.0 means no overhead). Warm-up steps are left out of both.
+Each comparison runs two sides in alternating rounds in this process tree, so both see the same
+machine state, and prints the median steady-state samples/s and step time of each and their
+speed ratio (first / second). Warm-up steps are left out of both.
+
+    single          the template's `parallel=single` / a plain PyTorch loop (1.0: no overhead)
+    model_parallel  2 stages, GPipe over 4 micro-batches / the naive schedule; on CPU the stages
+                    cannot overlap, so this shows what pipelining costs; on GPUs, what it gains
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from src.config import register_configs  # noqa: E402
 from src.experiment import check_config, train  # noqa: E402
 
 WARMUP_STEPS = 20
+BATCH_SIZE = 256
 WORKLOAD = (
     "model=mlp",
     "model.hidden=512",
@@ -40,7 +46,7 @@ WORKLOAD = (
     "data=synthetic",
     "data.input_dim=128",
     "data.num_samples=32768",
-    "trainer.batch_size=256",
+    f"trainer.batch_size={BATCH_SIZE}",
     "optimizer=adamw",
     "optimizer.schedule=constant",
     "optimizer.warmup_steps=0",
@@ -54,11 +60,11 @@ def compose_config(*overrides: str) -> DictConfig:
         return compose("config", overrides=list(overrides))
 
 
-def template_single(steps: int) -> float:
-    """samples/s of `parallel=single` through the template's own `train`."""
+def template_speed(steps: int, *overrides: str) -> float:
+    """samples/s of the workload with these overrides through the template's own `train`."""
     cfg = compose_config(
         *WORKLOAD,
-        "parallel=single",
+        *overrides,
         f"trainer.max_steps={steps}",
         f"trainer.timing_warmup_steps={WARMUP_STEPS}",
         "trainer.log_every=50",
@@ -66,6 +72,18 @@ def template_single(steps: int) -> float:
     )
     with tempfile.TemporaryDirectory() as run_dir:
         return train(cfg, Path(run_dir), check_config(cfg))["samples_per_sec"]
+
+
+def template_single(steps: int) -> float:
+    return template_speed(steps, "parallel=single")
+
+
+def model_parallel_pipelined(steps: int) -> float:
+    return template_speed(steps, "parallel=model_parallel", "parallel.microbatches=4")
+
+
+def model_parallel_naive(steps: int) -> float:
+    return template_speed(steps, "parallel=model_parallel", "parallel.microbatches=1")
 
 
 def plain_single(steps: int) -> float:
@@ -97,20 +115,26 @@ def plain_single(steps: int) -> float:
     return (steps - WARMUP_STEPS) * batch_size / (time.perf_counter() - started)
 
 
-COMPARISONS: dict[str, tuple[Callable[[int], float], Callable[[int], float]]] = {
-    "single": (template_single, plain_single),
+Run = Callable[[int], float]
+COMPARISONS: dict[str, tuple[tuple[str, Run], tuple[str, Run]]] = {
+    "single": (("template", template_single), ("plain", plain_single)),
+    "model_parallel": (
+        ("pipelined M=4", model_parallel_pipelined),
+        ("naive M=1", model_parallel_naive),
+    ),
 }
 
 
 def compare(name: str, rounds: int, steps: int) -> tuple[float, float]:
-    template, plain = COMPARISONS[name]
-    template_speeds, plain_speeds = [], []
+    """Median samples/s of the comparison's first and second side."""
+    (_, first), (_, second) = COMPARISONS[name]
+    first_speeds, second_speeds = [], []
     for round_index in range(rounds):
         # Alternate which side goes first so that neither always follows the other.
-        order = [(template, template_speeds), (plain, plain_speeds)]
+        order = [(first, first_speeds), (second, second_speeds)]
         for run, speeds in order if round_index % 2 == 0 else reversed(order):
             speeds.append(run(steps))
-    return statistics.median(template_speeds), statistics.median(plain_speeds)
+    return statistics.median(first_speeds), statistics.median(second_speeds)
 
 
 def main() -> None:
@@ -122,13 +146,18 @@ def main() -> None:
     register_configs()
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"{args.rounds} rounds x {args.steps} steps ({WARMUP_STEPS} warm-up)"
+        f"{args.rounds} rounds x {args.steps} steps ({WARMUP_STEPS} warm-up), "
+        f"batch {BATCH_SIZE}"
     )
-    print(f"{'comparison':<24}{'template samples/s':>20}{'plain samples/s':>18}{'ratio':>8}")
+    sides = "".join(f"  {side:<16}{'samples/s':>11}{'ms/step':>9}" for side in ("first", "second"))
+    print(f"{'comparison':<16}{sides}{'ratio':>8}")
     for name in args.only or COMPARISONS:
-        template_speed, plain_speed = compare(name, args.rounds, args.steps)
-        ratio = template_speed / plain_speed
-        print(f"{name:<24}{template_speed:>20,.0f}{plain_speed:>18,.0f}{ratio:>8.3f}")
+        speeds = compare(name, args.rounds, args.steps)
+        cells = "".join(
+            f"  {label:<16}{speed:>11,.0f}{1000 * BATCH_SIZE / speed:>9.2f}"
+            for (label, _), speed in zip(COMPARISONS[name], speeds, strict=True)
+        )
+        print(f"{name:<16}{cells}{speeds[0] / speeds[1]:>8.3f}")
 
 
 if __name__ == "__main__":
