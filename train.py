@@ -3,21 +3,41 @@
     python train.py                                   # MLP on synthetic data, one CPU/GPU
     python train.py parallel=ddp parallel.devices=4   # 4 processes (GPUs, or CPU with gloo)
     python train.py -m parallel=single,ddp parallel.devices=1,2
+    python train.py trainer.resume=auto hydra.run.dir=outputs/<run>   # continue a stopped run
 
 Configuration lives in conf/; `python train.py --help` lists the groups and options.
 """
 
+import logging
+import sys
+
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from src.config import register_configs
+from src.config import ConfigError, register_configs
+
+log = logging.getLogger(__name__)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float:
-    from src.experiment import run  # imported here so that --help and config errors stay fast
+    # Imported here so that --help and config errors stay fast.
+    from src.experiment import resume_command, run
+    from src.stopping import Interrupted, RunStopped
 
-    return run(cfg)["final_val_loss"]
+    # Expected failures get one message and an exit code instead of a traceback.
+    try:
+        return run(cfg)["final_val_loss"]
+    except Interrupted as stop:
+        log.error("%s; resume with:\n  %s", stop, resume_command())
+        sys.exit(stop.exit_code)
+    except (ConfigError, RunStopped) as error:
+        log.error("%s", error)
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise  # the sweep's other jobs still run; Hydra reports this one at the end
+        sys.exit(error.exit_code)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,16 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+
+class ConfigError(ValueError):
+    """A setting that cannot work; raised before any process or run file is created.
+
+    `train.py` prints its message as one line (no traceback) and exits with `exit_code`, so the
+    message names the setting and what to change."""
+
+    exit_code = 2
+
+
 # ----------------------------------------------------------------------------------------- model
 # A model is any `nn.Sequential` built by `_target_(input_shape=..., num_classes=..., **sizes)`;
 # the block order is what model-parallel strategies split into stages.
@@ -148,6 +158,13 @@ class TrainerConfig:
     """torch.use_deterministic_algorithms(True) (slower on CUDA)."""
     timing_warmup_steps: int = 5
     """Steps left out of the reported throughput."""
+    resume: str | None = None
+    """Continue a run: `auto` takes `checkpoints/last.pt` of the run folder (pass the old one as
+    hydra.run.dir=...; with no checkpoint there yet, the run starts afresh), or give a checkpoint
+    path. Model, optimizer, step (hence LR schedule and data order), RNG and W&B run carry on."""
+    skip_nonfinite: bool = False
+    """Skip optimizer steps whose loss is NaN/inf instead of stopping the run. Checks every step,
+    which waits on the device once per step (on GPUs this costs overlap)."""
 
 
 # ------------------------------------------------------------------------------------- optimizer

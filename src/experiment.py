@@ -6,53 +6,148 @@ runs before any process, model or tracker is created.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import shlex
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 
+from src.checkpoint import load_checkpoint, resume_path, set_rng_state
+from src.config import ConfigError
 from src.loop import fit
-from src.optim import build_optimizer
+from src.optim import build_optimizer, lr_schedule
 from src.strategies import build_strategy
-from src.strategies.base import ConfigError, Strategy, resolve_device_type
-from src.tracking import build_tracker
+from src.strategies.base import Strategy, resolve_device_type
+from src.tracking import build_tracker, check_tracker
 
 log = logging.getLogger(__name__)
 
 
-def check_config(cfg: DictConfig) -> Strategy:
-    """Every check that needs no process or device work; returns the (unstarted) strategy."""
+def check_config(cfg: DictConfig, run_dir: Path) -> Strategy:
+    """Every check that needs no process or device work; returns the (unstarted) strategy.
+
+    Besides the settings themselves, the data is built and the model and optimizer are built on
+    the meta device (no memory, no compute), so whatever their builders reject fails here; a
+    checkpoint to resume from is read (structure only) and matched against that model."""
     trainer = cfg.trainer
-    for key in ("max_steps", "batch_size", "accumulate", "log_every"):
-        if trainer[key] < 1:
-            raise ConfigError(f"trainer.{key} must be at least 1, got {trainer[key]}")
-    if trainer.batch_size % trainer.accumulate:
-        raise ConfigError(
-            f"trainer.batch_size={trainer.batch_size} does not divide into "
-            f"trainer.accumulate={trainer.accumulate} micro-batches"
-        )
-    if trainer.precision not in ("fp32", "bf16"):
-        raise ConfigError(f"trainer.precision must be fp32 or bf16, got {trainer.precision!r}")
+    check_trainer(trainer)
     device_type = resolve_device_type(trainer.accelerator)
     if trainer.precision == "bf16" and device_type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError("trainer.precision=bf16 but this GPU has no bf16 support; use fp32")
     strategy = build_strategy(cfg.parallel, device_type)
     strategy.check_batch(trainer.batch_size // trainer.accumulate)
+    check_tracker(cfg.logger)
+
+    with blame("data"):
+        data = instantiate(cfg.data, seed=cfg.seed)
+    if len(data.train) < trainer.batch_size:
+        raise ConfigError(
+            f"trainer.batch_size={trainer.batch_size} is more than the {len(data.train)} "
+            "training samples; lower trainer.batch_size or use more data"
+        )
+    with blame("model"), torch.device("meta"):
+        model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+    strategy.check_model(model)
+    with blame("optimizer"):
+        build_optimizer(cfg.optimizer, model.parameters())
+        lr_schedule(cfg.optimizer, trainer.max_steps)
+
+    checkpoint = resume_path(trainer.resume, run_dir)
+    if checkpoint is not None:
+        check_resumable(load_checkpoint(checkpoint, mmap=True), checkpoint, model, cfg)
     return strategy
 
 
+def check_trainer(trainer: DictConfig) -> None:
+    for key in ("max_steps", "batch_size", "accumulate", "log_every", "eval_batch_size"):
+        if trainer[key] < 1:
+            raise ConfigError(f"trainer.{key} must be at least 1, got {trainer[key]}")
+    for key in ("eval_every", "checkpoint_every", "grad_clip", "timing_warmup_steps"):
+        if trainer[key] < 0:
+            raise ConfigError(f"trainer.{key} must be 0 or more, got {trainer[key]}")
+    if trainer.batch_size % trainer.accumulate:
+        raise ConfigError(
+            f"trainer.batch_size={trainer.batch_size} does not divide into "
+            f"trainer.accumulate={trainer.accumulate} micro-batches; make the batch a multiple of "
+            "trainer.accumulate"
+        )
+    if trainer.precision not in ("fp32", "bf16"):
+        raise ConfigError(f"trainer.precision must be fp32 or bf16, got {trainer.precision!r}")
+
+
+@contextlib.contextmanager
+def blame(group: str) -> Iterator[None]:
+    """A ValueError or FileNotFoundError while building `group` means a setting its builder
+    cannot use: report it as a ConfigError, naming the group when the builder's message does not."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError, InstantiationException) as error:
+        cause = error.__cause__ if isinstance(error, InstantiationException) else error
+        if not isinstance(cause, (ValueError, FileNotFoundError)):
+            raise
+        message = str(cause)
+        raise ConfigError(message if group in message else f"{group}: {message}") from cause
+
+
+def check_resumable(state: dict[str, Any], path: Path, model: nn.Module, cfg: DictConfig) -> None:
+    """The checkpoint fits this run: same parameter shapes, same optimizer, steps left to do."""
+    saved = state["config"]
+    expected = {key: list(value.shape) for key, value in model.state_dict().items()}
+    found = {key: list(value.shape) for key, value in state["model"].items()}
+    if found != expected:
+        key = next(
+            k for k in sorted(expected.keys() | found.keys()) if expected.get(k) != found.get(k)
+        )
+        trained = " ".join(f"model.{k}={v}" for k, v in saved["model"].items() if k != "_target_")
+        raise ConfigError(
+            f"trainer.resume: {path} holds a different model ({key}: {found.get(key)} there, "
+            f"{expected.get(key)} here); it was trained with {saved['model']['_target_']} "
+            f"{trained} on {saved['data']['_target_']}: resume with those settings, or start a "
+            "new run"
+        )
+    if saved["optimizer"]["name"] != cfg.optimizer.name:
+        raise ConfigError(
+            f"trainer.resume: {path} was trained with optimizer={saved['optimizer']['name']}; "
+            "resume with the same optimizer, or start a new run"
+        )
+    if state["step"] >= cfg.trainer.max_steps:
+        raise ConfigError(
+            f"trainer.resume: {path} is at step {state['step']} and trainer.max_steps="
+            f"{cfg.trainer.max_steps}, so there is nothing left to train; raise trainer.max_steps"
+        )
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
-    strategy = check_config(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    strategy = check_config(cfg, run_dir)
     log.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
     return train(cfg, run_dir, strategy)
+
+
+def resume_command() -> str:
+    """The command line that continues this Hydra job's run from its last checkpoint."""
+    hydra_cfg = HydraConfig.get()
+    overrides = [o for o in hydra_cfg.overrides.task if not o.startswith("trainer.resume=")]
+    return shlex.join(
+        [
+            "python",
+            "train.py",
+            *overrides,
+            "trainer.resume=auto",
+            f"hydra.run.dir={hydra_cfg.runtime.output_dir}",
+        ]
+    )
 
 
 def train(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[str, Any]:
@@ -66,13 +161,24 @@ def train(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[str, Any]:
         data = instantiate(cfg.data, seed=cfg.seed)
         torch.manual_seed(cfg.seed)
         model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+        checkpoint = resume_path(cfg.trainer.resume, run_dir)
+        state = load_checkpoint(checkpoint) if checkpoint else None
+        if state:
+            model.load_state_dict(state["model"])
         model = strategy.wrap(model)
         optimizer = build_optimizer(cfg.optimizer, strategy.unwrap(model).parameters())
+        start_step, wandb_run_id = 0, None
+        if state:
+            optimizer.load_state_dict(state["optimizer"])
+            set_rng_state(state["rng"])
+            start_step, wandb_run_id = state["step"], state["wandb_run_id"]
+            if strategy.is_main:
+                log.info("resuming from %s at step %d", checkpoint, start_step)
         resolved = OmegaConf.to_container(cfg, resolve=True)
-        tracker = build_tracker(cfg.logger, str(run_dir), resolved, strategy.is_main)
+        tracker = build_tracker(cfg.logger, str(run_dir), resolved, strategy.is_main, wandb_run_id)
         summary, exit_code = None, 1
         try:
-            results = fit(cfg, strategy, model, optimizer, data, tracker, run_dir)
+            results = fit(cfg, strategy, model, optimizer, data, tracker, run_dir, start_step)
             summary = {
                 "strategy": strategy.name,
                 "devices": cfg.parallel.devices,

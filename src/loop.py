@@ -7,20 +7,25 @@ Nothing here waits on the devices except on logging, eval and checkpoint steps.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
+import os
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from src.checkpoint import rng_state, save_atomic
+from src.checkpoint import checkpoint_path, rng_state, save_atomic
 from src.data import Data, Split, train_batches, val_batches
 from src.objective import eval_sums, loss_sum
 from src.optim import lr_schedule
+from src.stopping import Interrupted, NonFiniteWatch, StopOnSignal
 from src.strategies.base import Strategy
 
 log = logging.getLogger(__name__)
@@ -33,6 +38,7 @@ class Throughput:
     def __init__(self, warmup_steps: int, samples_per_step: int):
         self.warmup_steps = warmup_steps
         self.samples_per_step = samples_per_step
+        self.steps_done = 0  # by this process: a resumed run warms up again
         self.steady_since: float | None = None
         self.steady_steps = 0
         self.excluded = 0.0
@@ -40,9 +46,10 @@ class Throughput:
         self.window_steps = 0
         self.window_ms: list[float] = []
 
-    def step_done(self, step: int, strategy: Strategy) -> None:
+    def step_done(self, strategy: Strategy) -> None:
+        self.steps_done += 1
         self.window_steps += 1
-        if step == self.warmup_steps:
+        if self.steps_done == self.warmup_steps:
             strategy.synchronize()
             self.steady_since = self.window_start = time.perf_counter()
             self.window_steps = 0
@@ -124,6 +131,55 @@ def progress_line(
     )
 
 
+@contextlib.contextmanager
+def open_history(path: Path, start_step: int, is_main: bool) -> Iterator[TextIO | None]:
+    """`metrics.jsonl` (main process only), opened to append the rows after `start_step`.
+
+    Rows past `start_step` come from a run that died after its last checkpoint (or an earlier run
+    in this folder); they are dropped first, so the file reads as one uninterrupted run."""
+    if not is_main:
+        yield None
+        return
+    if path.exists():
+        kept = [line for line in path.read_text().splitlines() if history_step(line) <= start_step]
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        os.replace(tmp, path)
+    with path.open("a") as history:
+        yield history
+
+
+def history_step(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError):  # a line cut short by a crash
+        return math.inf
+
+
+def forward_backward(
+    model: torch.nn.Module, strategy: Strategy, batches: Iterator, autocast: Any, accumulate: int
+) -> torch.Tensor:
+    """Gradients of one optimizer step, accumulated over `accumulate` micro-batches; returns the
+    step's loss (this process's mean, detached, still on the device)."""
+    step_loss = 0.0
+    for micro_step in range(accumulate):
+        inputs, targets = next(batches)
+        with strategy.grad_sync(model, enabled=micro_step == accumulate - 1):
+            with autocast:
+                total = strategy.apply(model, inputs, targets, loss_sum)
+            loss = total / (targets.numel() * accumulate)
+            loss.backward()
+        step_loss = step_loss + loss.detach()
+    return step_loss
+
+
+def window_loss(strategy: Strategy, running_loss: float | torch.Tensor, steps: int) -> float:
+    """Mean training loss over the `steps` stepped since the last log, over all processes."""
+    if steps == 0:  # every step of the window was skipped (trainer.skip_nonfinite)
+        return float("nan")
+    return strategy.all_reduce_sum(running_loss).item() / (steps * strategy.world_size)
+
+
 def fit(
     cfg: DictConfig,
     strategy: Strategy,
@@ -132,109 +188,145 @@ def fit(
     data: Data,
     tracker: Any,
     run_dir: Path,
+    start_step: int = 0,
 ) -> dict[str, Any]:
-    """Train for `trainer.max_steps` optimizer steps; returns the final figures."""
+    """Train from `start_step` (a resumed checkpoint's step, else 0) to `trainer.max_steps`;
+    returns the final figures.
+
+    Ends early with `Interrupted` after SIGINT/SIGTERM (once the current step is done and
+    checkpointed), or with `NonFiniteLoss` before a NaN/inf loss reaches a log or checkpoint."""
     trainer = cfg.trainer
     params = list(strategy.unwrap(model).parameters())
     micro_batch = trainer.batch_size // trainer.accumulate
-    batches = train_batches(data.train, micro_batch, cfg.seed, strategy.rank, strategy.world_size)
+    batches = train_batches(
+        data.train,
+        micro_batch,
+        cfg.seed,
+        strategy.rank,
+        strategy.world_size,
+        start_batch=start_step * trainer.accumulate,
+    )
     autocast = torch.autocast(
         strategy.device_type, dtype=torch.bfloat16, enabled=trainer.precision == "bf16"
     )
     lr_at = lr_schedule(cfg.optimizer, trainer.max_steps)
-    history = (run_dir / "metrics.jsonl").open("a") if strategy.is_main else None
     speed = Throughput(trainer.timing_warmup_steps, trainer.batch_size)
-    running_loss, steps_since_log = 0.0, 0  # becomes a tensor on the loss's device
+    nonfinite = NonFiniteWatch()
+    last_checkpoint = start_step or None
+    running_loss, steps_since_log, skipped_steps = 0.0, 0, 0  # the loss becomes a tensor
     train_loss = val_loss = val_accuracy = float("nan")
     started = time.perf_counter()
 
-    def record(metrics: dict[str, float], step: int) -> None:
-        tracker.log(metrics, step=step)
-        if history:
-            history.write(json.dumps({"step": step, **metrics}) + "\n")
-            history.flush()
+    with (
+        open_history(run_dir / "metrics.jsonl", start_step, strategy.is_main) as history,
+        StopOnSignal() as stop,
+    ):
 
-    model.train()
-    for step in range(1, trainer.max_steps + 1):
-        lr = lr_at(step - 1)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        def record(metrics: dict[str, float], step: int) -> None:
+            tracker.log(metrics, step=step)
+            if history:
+                history.write(json.dumps({"step": step, **metrics}) + "\n")
+                history.flush()
 
-        for micro_step in range(trainer.accumulate):
-            inputs, targets = next(batches)
-            with strategy.grad_sync(model, enabled=micro_step == trainer.accumulate - 1):
-                with autocast:
-                    total = strategy.apply(model, inputs, targets, loss_sum)
-                loss = total / (targets.numel() * trainer.accumulate)
-                loss.backward()
-            running_loss = running_loss + loss.detach()
+        model.train()
+        for step in range(start_step + 1, trainer.max_steps + 1):
+            lr = lr_at(step - 1)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
 
-        if trainer.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, trainer.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        steps_since_log += 1
-        speed.step_done(step, strategy)
+            step_loss = forward_backward(model, strategy, batches, autocast, trainer.accumulate)
+            # Skipping must know now whether this step's loss is finite: one wait on the device
+            # per step, which is why it is opt-in. All processes decide on the same summed loss.
+            if (
+                trainer.skip_nonfinite
+                and not torch.isfinite(strategy.all_reduce_sum(step_loss.clone())).item()
+            ):
+                skipped_steps += 1
+                if strategy.is_main:
+                    log.warning("step %d: non-finite loss, optimizer step skipped", step)
+            else:
+                nonfinite.observe(step, step_loss)
+                if trainer.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(params, trainer.grad_clip)
+                optimizer.step()
+                running_loss = running_loss + step_loss
+                steps_since_log += 1
+            optimizer.zero_grad(set_to_none=True)
+            speed.step_done(strategy)
 
-        last = step == trainer.max_steps
-        if step % trainer.log_every == 0 or last:
-            train_loss = strategy.all_reduce_sum(running_loss).item() / (
-                steps_since_log * strategy.world_size
+            last = step == trainer.max_steps
+            log_now = step % trainer.log_every == 0 or last
+            eval_now = (trainer.eval_every and step % trainer.eval_every == 0) or last
+            stop_now = stop.requested and not last
+            checkpoint_now = (
+                (trainer.checkpoint_every and step % trainer.checkpoint_every == 0)
+                or last
+                or stop_now
             )
-            step_ms = speed.close_window()
-            samples_per_sec = trainer.batch_size * 1000 / step_ms
-            running_loss, steps_since_log = 0.0, 0
-            memory = dict(zip(*strategy.local_peak_memory_mb(), strict=True))
-            record(
-                {
-                    **{f"memory/{device}_peak_mb": mb for device, mb in memory.items()},
-                    "train/loss": train_loss,
-                    "train/lr": lr,
-                    "train/step_time_ms": step_ms,
-                    "train/samples_per_sec": samples_per_sec,
-                },
-                step,
-            )
-            if strategy.is_main:
-                eta = (trainer.max_steps - step) * step_ms / 1000
-                log.info(progress_line(step, trainer.max_steps, train_loss, samples_per_sec, eta))
+            if log_now or eval_now or checkpoint_now:
+                nonfinite.check(strategy, step, last_checkpoint)
 
-        if (trainer.eval_every and step % trainer.eval_every == 0) or last:
-            paused = speed.pause()
-            val_loss, val_accuracy = evaluate(
-                model, strategy, data.val, trainer.eval_batch_size, autocast
-            )
-            record({"val/loss": val_loss, "val/accuracy": val_accuracy}, step)
-            if strategy.is_main:
-                log.info(
-                    "step %d | val loss %.4f | val accuracy %.2f%%",
+            if log_now:
+                train_loss = window_loss(strategy, running_loss, steps_since_log)
+                step_ms = speed.close_window()
+                samples_per_sec = trainer.batch_size * 1000 / step_ms
+                running_loss, steps_since_log = 0.0, 0
+                memory = dict(zip(*strategy.local_peak_memory_mb(), strict=True))
+                record(
+                    {
+                        **{f"memory/{device}_peak_mb": mb for device, mb in memory.items()},
+                        "train/loss": train_loss,
+                        "train/lr": lr,
+                        "train/step_time_ms": step_ms,
+                        "train/samples_per_sec": samples_per_sec,
+                    },
                     step,
-                    val_loss,
-                    100 * val_accuracy,
                 )
-            speed.resume(paused)
+                if strategy.is_main:
+                    eta = (trainer.max_steps - step) * step_ms / 1000
+                    log.info(
+                        progress_line(step, trainer.max_steps, train_loss, samples_per_sec, eta)
+                    )
 
-        if (trainer.checkpoint_every and step % trainer.checkpoint_every == 0) or last:
-            paused = speed.pause()
-            write_checkpoint(
-                run_dir / "checkpoints" / "last.pt",
-                strategy,
-                model,
-                optimizer,
-                step,
-                cfg,
-                tracker.run_id,
-            )
-            speed.resume(paused)
+            if eval_now:
+                paused = speed.pause()
+                val_loss, val_accuracy = evaluate(
+                    model, strategy, data.val, trainer.eval_batch_size, autocast
+                )
+                record({"val/loss": val_loss, "val/accuracy": val_accuracy}, step)
+                if strategy.is_main:
+                    log.info(
+                        "step %d | val loss %.4f | val accuracy %.2f%%",
+                        step,
+                        val_loss,
+                        100 * val_accuracy,
+                    )
+                speed.resume(paused)
 
-    if history:
-        history.close()
+            if checkpoint_now:
+                paused = speed.pause()
+                write_checkpoint(
+                    checkpoint_path(run_dir),
+                    strategy,
+                    model,
+                    optimizer,
+                    step,
+                    cfg,
+                    tracker.run_id,
+                )
+                last_checkpoint = step
+                speed.resume(paused)
+
+            if stop_now:
+                raise Interrupted(stop.signal, step, checkpoint_path(run_dir))
+
     memory_devices, memory_mb = strategy.peak_memory_mb()
     return {
         "steps": trainer.max_steps,
         "final_train_loss": train_loss,
         "final_val_loss": val_loss,
         "val_accuracy": val_accuracy,
+        "skipped_steps": skipped_steps,
         **speed.summary(),
         "peak_memory_mb": memory_mb,
         "memory_devices": memory_devices,

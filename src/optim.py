@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from src.config import OptimizerConfig
+from src.config import ConfigError, OptimizerConfig
 
 
 def build_optimizer(
@@ -25,13 +25,13 @@ def build_optimizer(
         return torch.optim.AdamW(
             params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
         )
-    raise ValueError(f"unknown optimizer.name {cfg.name!r}; choose sgd or adamw")
+    raise ConfigError(f"unknown optimizer.name {cfg.name!r}; choose sgd or adamw")
 
 
 def lr_schedule(cfg: OptimizerConfig, max_steps: int) -> Callable[[int], float]:
     """The learning rate at each step: linear warm-up, then constant or cosine decay."""
     if cfg.schedule not in ("constant", "cosine"):
-        raise ValueError(f"optimizer.schedule must be constant or cosine, got {cfg.schedule!r}")
+        raise ConfigError(f"optimizer.schedule must be constant or cosine, got {cfg.schedule!r}")
 
     def lr_at(step: int) -> float:
         if step < cfg.warmup_steps:

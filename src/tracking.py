@@ -11,7 +11,19 @@ import logging
 import os
 from typing import Any
 
+from src.config import ConfigError
+
 log = logging.getLogger(__name__)
+
+WANDB_MODES = ("offline", "online", "shared", "disabled")
+
+
+def check_tracker(cfg: Any) -> None:
+    """Settings that W&B would only reject once training starts (where it must not fail)."""
+    if cfg.name not in ("none", "wandb"):
+        raise ConfigError(f"unknown logger.name {cfg.name!r}; use logger=wandb or logger=none")
+    if cfg.name == "wandb" and cfg.mode not in WANDB_MODES:
+        raise ConfigError(f"logger.mode must be one of {', '.join(WANDB_MODES)}, got {cfg.mode!r}")
 
 
 class NullTracker:

@@ -142,7 +142,7 @@ def test_more_stages_than_blocks_stops_train_py_with_the_setting_named(tmp_path)
         *TINY, "parallel=model_parallel", "parallel.devices=5", run_dir=tmp_path, check=False
     )
     assert result.returncode != 0
-    assert "parallel.devices=5 stages but the model has only 4 blocks" in result.stderr
+    assert "parallel.devices=5 stages but the model has only 4 blocks" in result.stdout
     assert not (tmp_path / "metrics.jsonl").exists()
 
 

@@ -5,6 +5,7 @@ The loop (`src/loop.py`) calls only what is below and never asks which strategy 
 Before any work (in the launching process):
     strategy = Strategy(cfg.parallel, device_type)   checks the settings, touches no device
     strategy.check_batch(micro_batch)                  the global micro-batch splits as needed
+    strategy.check_model(model)                        the model (built on the meta device) fits
     strategy.processes_per_node                        how many local processes the job needs;
                                                        more than 1 makes `train.py` launch them
 In each training process:
@@ -45,13 +46,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from src.config import ParallelConfig
+from src.config import ConfigError, ParallelConfig
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class ConfigError(ValueError):
-    """A setting that cannot work; raised before any process or run file is created."""
 
 
 def resolve_device_type(accelerator: str) -> str:
@@ -102,6 +99,10 @@ class Strategy:
                 f"the micro-batch (trainer.batch_size / trainer.accumulate) is {micro_batch}; "
                 "raise trainer.batch_size"
             )
+
+    def check_model(self, model: nn.Module) -> None:
+        """Raise ConfigError when `model` (built on the meta device: shapes, no memory) cannot be
+        placed this way, e.g. more stages than blocks."""
 
     def setup(self) -> None:
         self.devices = self.local_devices()

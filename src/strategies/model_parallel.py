@@ -26,6 +26,9 @@ class ModelParallel(Strategy):
             self.cfg.microbatches, micro_batch, "the batch per micro-step (batch_size / accumulate)"
         )
 
+    def check_model(self, model: nn.Module) -> None:
+        check_split_points(self.cfg.split_points, self.cfg.devices, "parallel.devices", len(model))
+
     def wrap(self, model: nn.Module) -> nn.Module:
         pipeline = Pipeline(model, self.devices, self.cfg.microbatches, self.cfg.split_points)
         self.layout = pipeline.describe()

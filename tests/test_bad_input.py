@@ -1,0 +1,193 @@
+"""Bad input fails fast through the real `train.py`: a non-zero exit, one message that names the
+setting (and what to change), no traceback, and nothing written that a run would leave.
+
+Exit 1 rows are refused by Hydra itself (schema, unknown option); exit 2 rows by `check_config`
+(a `ConfigError`), before any process, model or tracker is started.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import TINY, reference_run, run_train
+
+HYDRA, CHECK = 1, 2
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+CUDA = pytest.mark.cuda
+NEEDS_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+NEEDS_GPU_WITHOUT_BF16 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.is_bf16_supported(),
+    reason="needs a GPU without bf16",
+)
+
+# (overrides on top of TINY, exit code, what the message must say). {finished}, {truncated} and
+# {foreign} are files made by the test: a finished run's checkpoint (6 of 6 steps, MLP hidden=32,
+# adamw), that checkpoint cut in half, and a torch file that is no checkpoint.
+ROWS = [
+    pytest.param(["parallel=nosuch"], HYDRA, "Could not find 'parallel/nosuch'", id="strategy"),
+    pytest.param(["model=nosuch"], HYDRA, "Could not find 'model/nosuch'", id="model"),
+    pytest.param(
+        ["parallel.name=nosuch"], CHECK, "unknown parallel.name 'nosuch'", id="strategy-name"
+    ),
+    pytest.param(["parallel.devices=0"], CHECK, "parallel.devices must be at least 1", id="dev0"),
+    pytest.param(["parallel.devices=2"], CHECK, "parallel=single uses one device", id="single2"),
+    pytest.param(
+        ["parallel=model_parallel", "parallel.devices=5"],
+        CHECK,
+        "parallel.devices=5 stages but the model has only 4 blocks",
+        id="more-stages-than-blocks",
+    ),
+    pytest.param(
+        ["parallel=model_parallel", "parallel.microbatches=30"],
+        CHECK,
+        "is 24 samples, too few for parallel.microbatches=30",
+        id="more-microbatches-than-samples",
+    ),
+    pytest.param(
+        ["trainer.max_steps=abc"],
+        HYDRA,
+        "Value 'abc' of type 'str' could not be converted to Integer\n    full_key: "
+        "trainer.max_steps",
+        id="not-an-int",
+    ),
+    pytest.param(
+        ["trainer.max_stepz=5"], HYDRA, "Key 'max_stepz' not in 'TrainerConfig'", id="typo"
+    ),
+    pytest.param(
+        ["trainer.accumulate=5"],
+        CHECK,
+        "trainer.batch_size=24 does not divide into trainer.accumulate=5 micro-batches",
+        id="accumulate",
+    ),
+    pytest.param(
+        ["trainer.batch_size=1000"],
+        CHECK,
+        "trainer.batch_size=1000 is more than the 540 training samples",
+        id="batch-over-data",
+    ),
+    pytest.param(
+        ["trainer.accelerator=cuda"],
+        CHECK,
+        "trainer.accelerator=cuda but no GPU is visible; use auto or cpu",
+        id="cuda-without-gpu",
+        marks=NO_GPU,
+    ),
+    pytest.param(
+        ["trainer.precision=bf16"],
+        CHECK,
+        "trainer.precision=bf16 but this GPU has no bf16 support; use fp32",
+        id="bf16-unsupported",
+        marks=[CUDA, NEEDS_GPU_WITHOUT_BF16],
+    ),
+    pytest.param(
+        ["trainer.accelerator=cuda", "parallel.devices=99"],
+        CHECK,
+        "parallel.devices=99 but only",
+        id="more-devices-than-gpus",
+        marks=[CUDA, NEEDS_GPU],
+    ),
+    pytest.param(
+        ["optimizer.schedule=linear"],
+        CHECK,
+        "optimizer.schedule must be constant or cosine, got 'linear'",
+        id="schedule",
+    ),
+    pytest.param(["optimizer.lr=-1"], CHECK, "optimizer: Invalid learning rate", id="lr"),
+    pytest.param(
+        ["model=convnet"], CHECK, "model=convnet needs image-shaped input", id="convnet-flat-data"
+    ),
+    pytest.param(
+        ["model=transformer", "data=synthetic_tokens", "model.heads=5"],
+        CHECK,
+        "model.hidden (64) must divide by model.heads (5)",
+        id="heads",
+    ),
+    pytest.param(
+        ["data=mnist", "data.root=/nonexistent"],
+        CHECK,
+        "not found in /nonexistent/MNIST/raw; point data.root at the folder",
+        id="dataset-folder",
+    ),
+    pytest.param(
+        ["logger=wandb", "logger.mode=onlin"],
+        CHECK,
+        "logger.mode must be one of offline, online, shared, disabled, got 'onlin'",
+        id="wandb-mode",
+    ),
+    pytest.param(
+        ["trainer.resume=/nonexistent/last.pt"],
+        CHECK,
+        "trainer.resume: no checkpoint at /nonexistent/last.pt",
+        id="resume-missing",
+    ),
+    pytest.param(
+        ["trainer.resume={truncated}"],
+        CHECK,
+        "is not a checkpoint, or it was cut short",
+        id="resume-truncated",
+    ),
+    pytest.param(
+        ["trainer.resume={foreign}"],
+        CHECK,
+        "is not a checkpoint written by train.py",
+        id="resume-foreign",
+    ),
+    pytest.param(
+        ["trainer.resume={finished}", "model.hidden=64", "trainer.max_steps=12"],
+        CHECK,
+        "holds a different model (0.1.bias: [32] there, [64] here); it was trained with "
+        "src.models.MLP model.hidden=32 model.depth=3",
+        id="resume-other-model",
+    ),
+    pytest.param(
+        ["trainer.resume={finished}", "optimizer=sgd", "trainer.max_steps=12"],
+        CHECK,
+        "was trained with optimizer=adamw",
+        id="resume-other-optimizer",
+    ),
+    pytest.param(
+        ["trainer.resume={finished}"],
+        CHECK,
+        "is at step 6 and trainer.max_steps=6, so there is nothing left to train",
+        id="resume-finished",
+    ),
+]
+
+
+def with_overrides(base: tuple[str, ...], overrides: list[str]) -> list[str]:
+    """`base` without what `overrides` replace (`data=mnist` also drops `data.*`), then them."""
+    keys = [override.split("=")[0] for override in overrides]
+    kept = [
+        option
+        for option in base
+        if not any(option.split("=")[0] == key or option.startswith(f"{key}.") for key in keys)
+    ]
+    return kept + overrides
+
+
+@pytest.fixture
+def files(tmp_path):
+    finished = reference_run(*TINY) / "checkpoints" / "last.pt"
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(finished.read_bytes()[: finished.stat().st_size // 2])
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"weights": torch.ones(3)}, foreign)
+    return {"finished": finished, "truncated": truncated, "foreign": foreign}
+
+
+@pytest.mark.parametrize("overrides, exit_code, message", ROWS)
+def test_bad_input_fails_fast_with_one_clear_message(
+    tmp_path, files, overrides, exit_code, message
+):
+    run_dir = tmp_path / "run"
+    overrides = [override.format(**files) for override in overrides]
+    result = run_train(*with_overrides(TINY, overrides), run_dir=run_dir, check=False)
+
+    output = result.stdout + result.stderr
+    assert result.returncode == exit_code, output
+    assert message in output
+    assert "Traceback" not in output
+    if exit_code == CHECK:
+        assert output.count("[ERROR]") == 1, output
+    left = {path.name for path in run_dir.iterdir()} if run_dir.exists() else set()
+    assert left <= {".hydra", "train.log"}, f"a refused run wrote {left}"

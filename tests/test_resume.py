@@ -1,0 +1,187 @@
+"""Runs that are killed, stopped or crash mid-checkpoint lose nothing: resumed, they end exactly
+where an uninterrupted run ends.
+
+The interrupted runs are real `train.py` processes, signalled once their output shows a step.
+Their stdout is a pipe of one page that the test stops reading at that point, so a run can get
+at most a page of log lines (a few dozen steps) ahead and cannot finish first: no sleeps, no
+races, whatever the machine's load.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, TINY, assert_same_training, checkpoint, reference_run, run_train
+
+from src.checkpoint import save_atomic
+
+# 60 steps, each logged (TINY), a checkpoint every 5: step 6's log line means step 5 is saved.
+RESUMABLE = (*TINY, "trainer.max_steps=60", "trainer.checkpoint_every=5")
+PIPE_BYTES = 4096
+
+
+class Run:
+    """`train.py` in the background, read line by line; it blocks once it is a page ahead."""
+
+    def __init__(self, *overrides: str, run_dir: Path, env: dict[str, str] | None = None):
+        read_end, write_end = os.pipe()
+        fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        self.process = subprocess.Popen(
+            [sys.executable, "train.py", *overrides, f"hydra.run.dir={run_dir}"],
+            cwd=ROOT,
+            stdout=write_end,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "WANDB_SILENT": "true", **(env or {})},
+        )
+        os.close(write_end)
+        self.output = os.fdopen(read_end, "rb", buffering=0)  # unbuffered: reads one line only
+        self.lines: list[str] = []
+
+    def wait_for(self, text: str) -> None:
+        while not any(text in line for line in self.lines[-1:]):
+            line = self.output.readline().decode()
+            assert line, f"train.py ended before printing {text!r}:\n{''.join(self.lines)}"
+            self.lines.append(line)
+
+    def finish(self) -> tuple[int, str]:
+        """Read the rest of the output (unblocking the run) and wait for the exit code."""
+        self.lines.append(self.output.read().decode())
+        self.output.close()
+        return self.process.wait(timeout=120), "".join(self.lines)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        ("parallel=single",),
+        ("parallel=dp",),
+        ("parallel=model_parallel", "parallel.microbatches=2"),
+    ],
+    ids=["single", "dp", "model_parallel"],
+)
+def test_killed_run_resumes_to_the_same_weights(tmp_path, strategy):
+    """Killed mid-run and resumed, every strategy ends where an uninterrupted `single` run does."""
+    reference = reference_run(*RESUMABLE)
+    run = Run(*RESUMABLE, *strategy, run_dir=tmp_path)
+    run.wait_for("step 6/60")
+    run.process.kill()  # SIGKILL: no handler, no clean-up
+    returncode, _ = run.finish()
+    assert returncode == -signal.SIGKILL
+    assert not (tmp_path / "summary.json").exists()
+    saved_step = checkpoint(tmp_path)["step"]
+    assert 5 <= saved_step < 60
+
+    result = run_train(*RESUMABLE, *strategy, "trainer.resume=auto", run_dir=tmp_path)
+
+    assert f"resuming from {tmp_path}/checkpoints/last.pt at step {saved_step}" in result.stdout
+    assert_same_training(reference, tmp_path)  # every step's loss, and the final weights
+    assert checkpoint(tmp_path)["step"] == 60
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_stops_after_the_step_and_prints_the_resume_command(tmp_path):
+    """W&B (offline) included: the resumed run continues the same W&B run."""
+    overrides = [o for o in RESUMABLE if o != "logger=none"] + ["logger=wandb"]
+    run = Run(*overrides, run_dir=tmp_path)
+    run.wait_for("step 6/60")
+    run.process.send_signal(signal.SIGTERM)
+    returncode, output = run.finish()
+
+    assert returncode == 128 + signal.SIGTERM
+    stopped = re.search(r"stopped by SIGTERM after step (\d+); checkpoint saved to (\S+); ", output)
+    assert stopped, output
+    assert stopped[2] == str(tmp_path / "checkpoints" / "last.pt")
+    state = checkpoint(tmp_path)
+    assert state["step"] == int(stopped[1]) < 60
+    assert not (tmp_path / "summary.json").exists()
+    command = output.split("resume with:\n")[1].splitlines()[0].strip()
+    assert command.endswith(f"trainer.resume=auto hydra.run.dir={tmp_path}")
+
+    python, script, *arguments = shlex.split(command)
+    assert (python, script) == ("python", "train.py")
+    resumed = subprocess.run(
+        [sys.executable, script, *arguments],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "WANDB_SILENT": "true"},
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert_same_training(reference_run(*RESUMABLE), tmp_path)
+    run_id = state["wandb_run_id"]
+    assert run_id and checkpoint(tmp_path)["wandb_run_id"] == run_id
+    wandb_runs = sorted(path.name for path in (tmp_path / "wandb").glob("offline-run-*"))
+    assert len(wandb_runs) == 2 and all(name.endswith(f"-{run_id}") for name in wandb_runs)
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_stops_gracefully(tmp_path):
+    run = Run(*RESUMABLE, run_dir=tmp_path)
+    run.wait_for("step 6/60")
+    run.process.send_signal(signal.SIGINT)
+    returncode, output = run.finish()
+
+    assert returncode == 128 + signal.SIGINT
+    assert "SIGINT received: stopping after the current step" in output
+    assert "stopped by SIGINT after step" in output and "trainer.resume=auto" in output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+    assert checkpoint(tmp_path)["step"] >= 6
+
+
+def test_resume_auto_without_a_checkpoint_starts_afresh(tmp_path):
+    run_train(*TINY, "trainer.resume=auto", run_dir=tmp_path)
+    assert_same_training(reference_run(*TINY), tmp_path)
+
+
+WRITE_HALF_THEN_HANG = """
+import io, sys, torch
+from pathlib import Path
+from src.checkpoint import save_atomic
+
+real_save = torch.save
+
+def write_half_then_hang(state, file):
+    buffer = io.BytesIO()
+    real_save(state, buffer)
+    file.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+    file.flush()
+    print("half written", flush=True)
+    sys.stdin.read()  # until the test kills this process
+
+torch.save = write_half_then_hang
+save_atomic({"step": 2, "weights": torch.zeros(1000)}, Path(sys.argv[1]))
+"""
+
+
+def test_checkpoint_write_killed_midway_leaves_the_previous_one(tmp_path):
+    path = tmp_path / "checkpoints" / "last.pt"
+    save_atomic({"step": 1, "weights": torch.ones(1000)}, path)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITE_HALF_THEN_HANG, str(path)],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert writer.stdout.readline() == "half written\n"
+    partial = [p for p in path.parent.iterdir() if p != path]
+    assert len(partial) == 1 and partial[0].stat().st_size > 0  # the new file, half written
+    writer.kill()
+    writer.wait()
+
+    state = torch.load(path, weights_only=True)
+    assert state["step"] == 1 and torch.equal(state["weights"], torch.ones(1000))
+    save_atomic({"step": 3, "weights": torch.zeros(1000)}, path)  # the next write still works
+    assert torch.load(path, weights_only=True)["step"] == 3
+    assert [p.name for p in path.parent.iterdir()] == ["last.pt"]
