@@ -2,7 +2,8 @@
 
 It knows the optimizer, the accumulation count and `strategy.is_main`; how the model is placed,
 split or replicated, and where the loss is computed, belong to the strategy (`strategies/base.py`).
-Nothing here waits on the devices except on logging, eval and checkpoint steps.
+Nothing here waits on the devices except on logging, eval and checkpoint steps (and on every step
+with `trainer.skip_nonfinite`).
 """
 
 from __future__ import annotations
@@ -173,6 +174,12 @@ def forward_backward(
     return step_loss
 
 
+def finite_everywhere(strategy: Strategy, step_loss: torch.Tensor) -> bool:
+    """Whether every process's loss is finite; all processes get the same answer. It waits on
+    the device every step, which is why skipping non-finite steps is opt-in."""
+    return torch.isfinite(strategy.all_reduce_sum(step_loss.clone())).item()  # may sum in place
+
+
 def window_loss(strategy: Strategy, running_loss: float | torch.Tensor, steps: int) -> float:
     """Mean training loss over the `steps` stepped since the last log, over all processes."""
     if steps == 0:  # every step of the window was skipped (trainer.skip_nonfinite)
@@ -235,12 +242,7 @@ def fit(
                 group["lr"] = lr
 
             step_loss = forward_backward(model, strategy, batches, autocast, trainer.accumulate)
-            # Skipping must know now whether this step's loss is finite: one wait on the device
-            # per step, which is why it is opt-in. All processes decide on the same summed loss.
-            if (
-                trainer.skip_nonfinite
-                and not torch.isfinite(strategy.all_reduce_sum(step_loss.clone())).item()
-            ):
+            if trainer.skip_nonfinite and not finite_everywhere(strategy, step_loss):
                 skipped_steps += 1
                 if strategy.is_main:
                     log.warning("step %d: non-finite loss, optimizer step skipped", step)
