@@ -17,6 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from src.config import ConfigError, register_configs
+from src.launch import follow_rank0_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -42,4 +43,5 @@ def main(cfg: DictConfig) -> float:
 
 if __name__ == "__main__":
     register_configs()
+    follow_rank0_run_dir()  # ranks started by torchrun/srun share rank 0's run directory
     main()

@@ -12,11 +12,15 @@ speed ratio (first / second). Warm-up steps are left out of both.
     single          the template's `parallel=single` / a plain PyTorch loop (1.0: no overhead)
     model_parallel  2 stages, GPipe over 4 micro-batches / the naive schedule; on CPU the stages
                     cannot overlap, so this shows what pipelining costs; on GPUs, what it gains
+    ddp             the template's `parallel=ddp`, 2 CPU processes started by its launcher / a
+                    hand-written DDP loop in 2 processes (1.0: no overhead)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import statistics
 import sys
 import tempfile
@@ -25,17 +29,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+from torch.nn.parallel import DistributedDataParallel
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from src.config import register_configs  # noqa: E402
-from src.experiment import check_config, train  # noqa: E402
+from src.experiment import check_config, train, train_worker  # noqa: E402
+from src.launch import launch  # noqa: E402
 
 WARMUP_STEPS = 20
 BATCH_SIZE = 256
@@ -71,7 +78,7 @@ def template_speed(steps: int, *overrides: str) -> float:
         "trainer.eval_every=0",
     )
     with tempfile.TemporaryDirectory() as run_dir:
-        return train(cfg, Path(run_dir), check_config(cfg))["samples_per_sec"]
+        return train(cfg, Path(run_dir), check_config(cfg, Path(run_dir)))["samples_per_sec"]
 
 
 def template_single(steps: int) -> float:
@@ -115,6 +122,80 @@ def plain_single(steps: int) -> float:
     return (steps - WARMUP_STEPS) * batch_size / (time.perf_counter() - started)
 
 
+DDP_PROCESSES = 2
+
+
+def template_ddp(steps: int) -> float:
+    """samples/s of `parallel=ddp` with 2 CPU processes, started by the template's launcher."""
+    cfg = compose_config(
+        *WORKLOAD,
+        "parallel=ddp",
+        f"parallel.devices={DDP_PROCESSES}",
+        "trainer.accelerator=cpu",
+        f"trainer.max_steps={steps}",
+        f"trainer.timing_warmup_steps={WARMUP_STEPS}",
+        "trainer.log_every=50",
+        "trainer.eval_every=0",
+    )
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    with tempfile.TemporaryDirectory() as run_dir:
+        processes = check_config(cfg, Path(run_dir)).processes_per_node
+        no_logging = {"version": 1, "disable_existing_loggers": False}
+        summary = launch(train_worker, (resolved, run_dir), processes, 1, cfg.parallel, no_logging)
+    return summary["samples_per_sec"]
+
+
+def plain_ddp_worker(rank: int, workload: dict, steps: int, port: int, result_path: str) -> None:
+    """A hand-written DDP loop, as `torchrun --nproc_per_node=2` would run it (1 thread/rank)."""
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // DDP_PROCESSES))
+    store = dist.TCPStore("127.0.0.1", port, DDP_PROCESSES, is_master=rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=DDP_PROCESSES)
+    cfg = OmegaConf.create(workload)
+    data = instantiate(cfg.data, seed=cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+    model = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay
+    )
+    inputs, targets = data.train.inputs, data.train.targets
+    local_batch = BATCH_SIZE // DDP_PROCESSES
+    generator = torch.Generator().manual_seed(cfg.seed)
+    order, position = torch.randperm(len(targets), generator=generator), 0
+    for step in range(steps):
+        if step == WARMUP_STEPS:
+            started = time.perf_counter()
+        if position + cfg.trainer.batch_size > len(targets):
+            order, position = torch.randperm(len(targets), generator=generator), 0
+        start = position + rank * local_batch
+        batch = order[start : start + local_batch]
+        position += cfg.trainer.batch_size
+        loss = F.cross_entropy(model(inputs[batch]), targets[batch])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % 50 == 0:
+            loss.item()
+    seconds = time.perf_counter() - started
+    if rank == 0:
+        speed = (steps - WARMUP_STEPS) * cfg.trainer.batch_size / seconds
+        Path(result_path).write_text(str(speed))
+    dist.destroy_process_group()
+
+
+def plain_ddp(steps: int) -> float:
+    workload = OmegaConf.to_container(compose_config(*WORKLOAD), resolve=True)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with tempfile.TemporaryDirectory() as result_dir:
+        result_path = str(Path(result_dir) / "samples_per_sec")
+        torch.multiprocessing.spawn(
+            plain_ddp_worker, args=(workload, steps, port, result_path), nprocs=DDP_PROCESSES
+        )
+        return float(Path(result_path).read_text())
+
+
 Run = Callable[[int], float]
 COMPARISONS: dict[str, tuple[tuple[str, Run], tuple[str, Run]]] = {
     "single": (("template", template_single), ("plain", plain_single)),
@@ -122,6 +203,7 @@ COMPARISONS: dict[str, tuple[tuple[str, Run], tuple[str, Run]]] = {
         ("pipelined M=4", model_parallel_pipelined),
         ("naive M=1", model_parallel_naive),
     ),
+    "ddp": (("template", template_ddp), ("plain DDP", plain_ddp)),
 }
 
 

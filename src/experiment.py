@@ -13,6 +13,7 @@ import math
 import os
 import shlex
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,16 @@ from torch import nn
 
 from src.checkpoint import load_checkpoint, resume_path, set_rng_state
 from src.config import ConfigError
+from src.launch import (
+    configure_logging,
+    join_started_ranks,
+    launch,
+    run_as_rank,
+    started_ranks,
+)
 from src.loop import fit
 from src.optim import build_optimizer, lr_schedule
+from src.stopping import RunStopped
 from src.strategies import build_strategy
 from src.strategies.base import Strategy, resolve_device_type
 from src.tracking import build_tracker, check_tracker
@@ -129,9 +138,37 @@ def check_resumable(state: dict[str, Any], path: Path, model: nn.Module, cfg: Di
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    """Train in this process, in processes started here, or as one of the ranks that torchrun or
+    srun started (see `src/launch.py`); returns the summary of this node's lowest rank."""
+    hydra = HydraConfig.get()
+    run_dir = Path(hydra.runtime.output_dir)
     strategy = check_config(cfg, run_dir)
-    log.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
+    job_logging = OmegaConf.to_container(hydra.job_logging, resolve=True)
+    nodes = cfg.parallel.get("nodes", 1)
+    ranks = started_ranks()
+    launching = ranks is None and strategy.processes_per_node * nodes > 1
+    if ranks is not None:
+        if ranks.world_size != strategy.processes_per_node * nodes:
+            raise ConfigError(
+                f"{ranks.world_size} processes were started ({ranks.local_world_size} per node) "
+                f"but parallel={strategy.name} runs {strategy.processes_per_node} per node on "
+                f"{nodes} node(s): make parallel.devices (and parallel.nodes) match the launcher"
+            )
+        join_started_ranks(ranks, str(run_dir), job_logging)
+    elif launching:
+        configure_logging(job_logging, "launcher")
+    if ranks is None or ranks.rank == 0:
+        log.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
+    if launching:
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        args = (resolved, str(run_dir))
+        per_node = strategy.processes_per_node
+        outcome = launch(train_worker, args, per_node, nodes, cfg.parallel, job_logging)
+        if isinstance(outcome, StoppedEarly):
+            raise outcome.error()
+        return outcome
+    if ranks is not None:
+        return run_as_rank(train, cfg, run_dir, strategy)
     return train(cfg, run_dir, strategy)
 
 
@@ -148,6 +185,30 @@ def resume_command() -> str:
             f"hydra.run.dir={hydra_cfg.runtime.output_dir}",
         ]
     )
+
+
+@dataclass(frozen=True)
+class StoppedEarly:
+    """A `RunStopped` that every rank raised at the same step (they agree on it, e.g. on a
+    non-finite loss), handed back to the launcher as the run's outcome rather than as a crash."""
+
+    message: str
+    exit_code: int
+
+    def error(self) -> RunStopped:
+        error = RunStopped(self.message)
+        error.exit_code = self.exit_code
+        return error
+
+
+def train_worker(resolved_cfg: dict[str, Any], run_dir: str) -> dict[str, Any] | StoppedEarly:
+    """`train` in a process started by `launch`, from the config the launcher checked."""
+    cfg = OmegaConf.create(resolved_cfg)
+    strategy = build_strategy(cfg.parallel, resolve_device_type(cfg.trainer.accelerator))
+    try:
+        return train(cfg, Path(run_dir), strategy)
+    except RunStopped as stop:
+        return StoppedEarly(str(stop), stop.exit_code)
 
 
 def train(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[str, Any]:

@@ -12,6 +12,7 @@ STRATEGIES = {
     "dp": "src.strategies.dp:DP",
     "dp_criterion": "src.strategies.dp_criterion:DPCriterion",
     "model_parallel": "src.strategies.model_parallel:ModelParallel",
+    "ddp": "src.strategies.ddp:DDP",
 }
 
 

@@ -1,0 +1,215 @@
+"""Start the processes of a multi-process strategy, or join the ones torchrun or srun started.
+
+`python train.py parallel=ddp parallel.devices=4` runs one Hydra job. Inside it, `launch` starts
+the ranks with PyTorch's elastic agent, as `torchrun --standalone` would: c10d rendezvous on a
+port the OS picks (so jobs on one machine never collide), no restarts. The workers get the
+resolved config and the run directory; they log to the job's `train.log` and console with their
+rank on every line.
+
+When something else already started the ranks (`torchrun --nproc_per_node=N train.py ...`, or
+`srun` with one task per device), every rank runs its own Hydra job and nothing is launched.
+`follow_rank0_run_dir` (called by `train.py` before Hydra starts) makes the other ranks wait
+for rank 0's run directory, so that `${now:...}` is resolved once and there is one run directory.
+
+torch is imported inside the functions that need it, so that `train.py --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import logging.config
+import os
+import re
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+RUN_DIR_KEY = "template/run_dir"
+FAILURES_KEY = "template/failures"
+# A failing rank waits a moment before it exits, so that the launcher sees the rank that failed
+# first (or that was killed without a word) exit first, and names it, rather than one of the
+# ranks that failed after it because a peer went away. Later failures wait longer; the launcher
+# stops them as soon as the first one has exited.
+FIRST_FAILURE_WAIT_S = 1.0
+LATER_FAILURE_WAIT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where this process sits in a job whose ranks were started by torchrun or srun."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def adopt_slurm_environment() -> None:
+    """Under `srun` with several tasks, set torchrun's variables from SLURM's.
+
+    MASTER_ADDR defaults to the first node of the step and MASTER_PORT to a port derived from
+    the job id, unless they are exported already (the usual sbatch recipe).
+    """
+    env = os.environ
+    if "RANK" in env or int(env.get("SLURM_NTASKS", "1")) < 2 or "SLURM_PROCID" not in env:
+        return
+    world_size = int(env["SLURM_NTASKS"])
+    nodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1")))
+    nodelist = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+    env["RANK"] = env["SLURM_PROCID"]
+    env["WORLD_SIZE"] = str(world_size)
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    env["LOCAL_WORLD_SIZE"] = str(world_size // nodes)  # srun spreads tasks evenly
+    env.setdefault("MASTER_ADDR", first_node(nodelist))
+    env.setdefault("MASTER_PORT", str(15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+
+
+def first_node(nodelist: str) -> str:
+    """The first host of a SLURM node list: 'gpu[07-09,12],cpu1' -> 'gpu07'."""
+    match = re.match(r"([^,\[]+)(?:\[([^\],-]+))?", nodelist)
+    if match is None:
+        raise ValueError(f"cannot read the first node of SLURM node list {nodelist!r}")
+    return match.group(1) + (match.group(2) or "")
+
+
+def started_ranks() -> Ranks | None:
+    """The ranks torchrun or srun started, or None when this process is the only one."""
+    env = os.environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    world_size = int(env["WORLD_SIZE"])
+    return Ranks(
+        rank=int(env["RANK"]),
+        world_size=world_size,
+        local_rank=int(env.get("LOCAL_RANK", "0")),
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world_size))),
+    )
+
+
+@functools.cache
+def rank_store() -> Any:
+    """This process's connection to the job's key-value store (`env://`, as the process group's).
+
+    Under torchrun the agent hosts the store; under srun rank 0 hosts it, and the process group
+    later shares the same server. Cached: the connection (and rank 0's server) lives as long as
+    the process.
+    """
+    from torch.distributed.rendezvous import rendezvous
+
+    store, _, _ = next(rendezvous("env://"))
+    return store
+
+
+def follow_rank0_run_dir() -> None:
+    """Before Hydra starts: on ranks other than 0, use rank 0's run directory.
+
+    Rank 0 composes its config and publishes its run directory (`join_started_ranks`); the other
+    ranks wait for it and run their Hydra job in it, without rewriting its `.hydra/` files.
+    """
+    adopt_slurm_environment()
+    ranks = started_ranks()
+    if ranks is None or ranks.world_size == 1:
+        return
+    if {"-m", "--multirun"} & set(sys.argv):
+        sys.exit("train.py: sweeps (-m) cannot run inside torchrun/srun; launch them without it")
+    store = rank_store()  # on rank 0 under srun: the server, which dies with it if it fails
+    if ranks.rank != 0:
+        run_dir = store.get(RUN_DIR_KEY).decode()
+        sys.argv += [f"hydra.run.dir={run_dir}", "hydra.output_subdir=null"]
+
+
+def join_started_ranks(ranks: Ranks, run_dir: str, job_logging: dict[str, Any]) -> None:
+    """Inside the Hydra job of a rank started by torchrun/srun: tag its log lines with its rank;
+    rank 0 tells the others where the run directory is (see `follow_rank0_run_dir`)."""
+    configure_logging(job_logging, f"rank{ranks.rank}")
+    if ranks.rank == 0 and ranks.world_size > 1:
+        rank_store().set(RUN_DIR_KEY, run_dir)
+
+
+def configure_logging(job_logging: dict[str, Any], label: str) -> None:
+    """Hydra's logging setup (console and the run's `train.log`), every line tagged `[label]`."""
+    config = copy.deepcopy(job_logging)
+    for formatter in config.get("formatters", {}).values():
+        if "format" in formatter:
+            formatter["format"] = f"[{label}]{formatter['format']}"
+    logging.config.dictConfig(config)
+
+
+def run_as_rank(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run `fn` as one rank of a multi-process job; on failure, log it and leave in order."""
+    try:
+        return fn(*args)
+    except Exception:
+        log.exception("failed")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            wait = FIRST_FAILURE_WAIT_S if failure_order() == 1 else LATER_FAILURE_WAIT_S
+            time.sleep(wait)
+        raise
+
+
+def failure_order() -> int:
+    """1 for the first rank of the job to report a failure, 2 for the next, ..."""
+    try:
+        return int(rank_store().add(FAILURES_KEY, 1))
+    except Exception:  # noqa: BLE001 - the store may have died with the rank that hosted it
+        return 1
+
+
+def _worker(fn: Callable[..., Any], args: tuple, job_logging: dict[str, Any]) -> Any:
+    """Entry point of each launched process (the agent sets RANK, WORLD_SIZE, ...)."""
+    configure_logging(job_logging, f"rank{os.environ['RANK']}")
+    return run_as_rank(fn, *args)
+
+
+def launch(
+    fn: Callable[..., Any],
+    args: tuple,
+    processes_per_node: int,
+    nodes: int,
+    parallel: Any,
+    job_logging: dict[str, Any],
+) -> Any:
+    """Run `fn(*args)` in `processes_per_node` new processes on this node; returns the result
+    of the lowest rank here. `parallel` gives master_addr/master_port and timeout_s.
+
+    A failure in any rank stops them all and raises `ChildFailedError`, which names the rank
+    that failed first and shows its traceback.
+    """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if nodes == 1 and parallel.master_port == 0:
+        endpoint, run_id = "localhost:0", uuid.uuid4().hex
+    else:
+        # Every node's launcher must name the same rendezvous.
+        endpoint = f"{parallel.master_addr}:{parallel.master_port}"
+        run_id = f"train-{endpoint}"
+    log.info(
+        "launching %d processes per node on %d node(s), rendezvous at %s",
+        processes_per_node,
+        nodes,
+        endpoint,
+    )
+    with tempfile.TemporaryDirectory(prefix="torchelastic-") as error_dir:
+        config = LaunchConfig(
+            min_nodes=nodes,
+            max_nodes=nodes,
+            nproc_per_node=processes_per_node,
+            run_id=run_id,
+            rdzv_backend="c10d",
+            rdzv_endpoint=endpoint,
+            rdzv_configs={"timeout": int(parallel.timeout_s)},
+            max_restarts=0,
+            start_method="spawn",
+            logs_specs=DefaultLogsSpecs(log_dir=error_dir),
+        )
+        results = elastic_launch(config, _worker)(fn, args, job_logging)
+    return results[min(results)]

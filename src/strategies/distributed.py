@@ -1,0 +1,122 @@
+"""What every strategy with one process per device shares: the process group and its ranks.
+
+Each process drives one device (`cuda:<local rank>`, or the CPU) and joins a torch.distributed
+process group: NCCL on CUDA, gloo on CPU, unless `parallel.backend` says otherwise. The ranks come
+from the environment set by whoever started the processes (`src/launch.py`, torchrun or srun);
+a job of one process needs none.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from src.config import ConfigError
+from src.strategies.base import Strategy
+
+log = logging.getLogger(__name__)
+
+
+def rank_threads(threads_per_rank: int | None, local_processes: int) -> tuple[int, str]:
+    """Intra-op threads for one rank, and why: ranks sharing the cores must not fight over them."""
+    if threads_per_rank:
+        return threads_per_rank, "parallel.threads_per_rank"
+    if os.environ.get("OMP_NUM_THREADS"):
+        return int(os.environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, cores // local_processes), f"{cores} cores / {local_processes} local processes"
+
+
+class Distributed(Strategy):
+    def __init__(self, cfg, device_type: str):
+        super().__init__(cfg, device_type)
+        self.backend = cfg.backend or ("nccl" if device_type == "cuda" else "gloo")
+        if self.backend == "nccl" and device_type != "cuda":
+            raise ConfigError("parallel.backend=nccl needs CUDA devices; use gloo on CPU")
+        if cfg.nodes < 1:
+            raise ConfigError(f"parallel.nodes must be at least 1, got {cfg.nodes}")
+        if cfg.nodes > 1 and cfg.master_port == 0:
+            raise ConfigError(
+                "parallel.nodes > 1 needs a rendezvous every node can reach: set "
+                "parallel.master_addr to the first node and parallel.master_port to a free port"
+            )
+        if cfg.timeout_s <= 0:
+            raise ConfigError(f"parallel.timeout_s must be positive, got {cfg.timeout_s}")
+        if cfg.threads_per_rank is not None and cfg.threads_per_rank < 1:
+            raise ConfigError(
+                f"parallel.threads_per_rank must be at least 1 or null, got {cfg.threads_per_rank}"
+            )
+        self.processes_per_node = cfg.devices
+        self.world_size = cfg.devices * cfg.nodes
+        self.rank = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def check_batch(self, micro_batch: int) -> None:
+        super().check_batch(micro_batch)
+        if micro_batch % self.world_size:
+            raise ConfigError(
+                f"the global micro-batch (trainer.batch_size / trainer.accumulate = {micro_batch}) "
+                f"does not split evenly over {self.world_size} processes (parallel.devices="
+                f"{self.cfg.devices} x parallel.nodes={self.cfg.nodes}); change trainer.batch_size "
+                "or parallel.devices"
+            )
+
+    def setup(self) -> None:
+        env = os.environ
+        self.rank = int(env.get("RANK", "0"))
+        local_rank = int(env.get("LOCAL_RANK", "0"))
+        local_processes = int(env.get("LOCAL_WORLD_SIZE", "1"))
+        if self.device_type == "cuda":
+            self.device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        self.devices = [self.device]
+        threads, reason = rank_threads(self.cfg.threads_per_rank, local_processes)
+        torch.set_num_threads(threads)
+        log.info("%s, %s, %d intra-op thread(s) (%s)", self.device, self.backend, threads, reason)
+        timeout = timedelta(seconds=self.cfg.timeout_s)
+        if "RANK" in env:
+            dist.init_process_group(self.backend, init_method="env://", timeout=timeout)
+        else:  # a job of one process: nobody to meet
+            dist.init_process_group(
+                self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        # A copy on the device the backend works on (NCCL: the GPU), so the caller's is untouched.
+        reduced = tensor.detach().to(self.device, copy=True)
+        dist.all_reduce(reduced)
+        return reduced.to(tensor.device)
+
+    def barrier(self) -> None:
+        dist.barrier(device_ids=[self.device.index] if self.backend == "nccl" else None)
+
+    def peak_memory_mb(self) -> tuple[list[str], list[float]]:
+        """Every rank's devices, in rank order."""
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, self.local_peak_memory_mb())
+        labels = [label for rank_labels, _ in gathered for label in rank_labels]
+        megabytes = [mb for _, rank_mb in gathered for mb in rank_mb]
+        return labels, megabytes
+
+    def local_peak_memory_mb(self) -> tuple[list[str], list[float]]:
+        labels, megabytes = super().local_peak_memory_mb()
+        if self.device_type == "cuda" and self.cfg.nodes > 1:
+            labels = [f"rank{self.rank}:{label}" for label in labels]
+        return labels, megabytes
+
+    def teardown(self) -> None:
+        # A failing rank (an exception on its way through `train`) leaves its group open until
+        # the process exits: its peers then fail only after it has reported its failure (see
+        # `launch.run_as_rank`), so that the launcher names this rank rather than one of them.
+        if dist.is_initialized() and sys.exc_info()[0] is None:
+            dist.destroy_process_group()

@@ -1,0 +1,33 @@
+"""A model for fault tests only, picked with `model._target_=tests.faulty_models.FaultyMLP`.
+
+In its FAIL_AT_STEP-th training forward pass, on the rank named by FAIL_RANK, it raises
+(FAULT=raise), kills its own process without a word (FAULT=kill) or stops forever (FAULT=hang).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import torch
+
+from src.models import MLP
+
+
+class FaultyMLP(MLP):
+    def __init__(self, **sizes):
+        super().__init__(**sizes)
+        self.training_forwards = 0
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.training_forwards += 1
+            failing_rank = os.environ["RANK"] == os.environ["FAIL_RANK"]
+            if failing_rank and self.training_forwards == int(os.environ["FAIL_AT_STEP"]):
+                if os.environ["FAULT"] == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if os.environ["FAULT"] == "hang":
+                    threading.Event().wait()
+                raise RuntimeError(f"injected failure in training step {self.training_forwards}")
+        return super().forward(inputs)

@@ -1,0 +1,243 @@
+"""`parallel=ddp` through the real `train.py`: gloo process groups on CPU, NCCL where GPUs are."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import (
+    ROOT,
+    TINY,
+    assert_same_training,
+    checkpoint,
+    metrics,
+    reference_run,
+    run_train,
+    summary,
+)
+
+from src.config import ConfigError
+from src.experiment import check_config
+from src.launch import adopt_slurm_environment, first_node
+from src.models import MLP
+
+DDP = ("parallel=ddp", "parallel.devices=2")
+
+
+def start_train(*overrides: str, run_dir: Path, env: dict[str, str] | None = None):
+    """`python train.py <overrides>` in the background; `finish` waits for it."""
+    return subprocess.Popen(
+        [sys.executable, "train.py", *overrides, f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "WANDB_SILENT": "true", **(env or {})},
+    )
+
+
+def finish(process: subprocess.Popen, timeout: float = 300) -> str:
+    stdout, stderr = process.communicate(timeout=timeout)
+    assert process.returncode == 0, (
+        f"exited {process.returncode}\n{stdout[-3000:]}\n{stderr[-3000:]}"
+    )
+    return stdout + stderr
+
+
+def log_lines(run_dir: Path) -> list[str]:
+    """train.log's records (continuation lines of a multi-line message left out)."""
+    return [line for line in (run_dir / "train.log").read_text().splitlines() if line[:1] == "["]
+
+
+def val_losses(run_dir: Path) -> torch.Tensor:
+    return torch.tensor([row["val/loss"] for row in metrics(run_dir) if "val/loss" in row])
+
+
+def test_two_ddp_jobs_at_once_train_exactly_like_single(tmp_path):
+    """Both jobs rendezvous on ports the OS picks, so they run side by side; the second one
+    accumulates gradients (no_sync on the first micro-step) and logs to W&B."""
+    with_wandb = (*(o for o in TINY if o != "logger=none"), "logger=wandb", "logger.mode=offline")
+    jobs = {"plain": TINY, "accumulate": (*with_wandb, "trainer.accumulate=2")}
+    processes = [
+        start_train(*overrides, *DDP, run_dir=tmp_path / name) for name, overrides in jobs.items()
+    ]
+    for process in processes:
+        finish(process)
+    assert_same_training(reference_run(*TINY), tmp_path / "plain")
+    assert_same_training(reference_run(*TINY, "trainer.accumulate=2"), tmp_path / "accumulate")
+
+    run_dir = tmp_path / "plain"
+    expected_val = val_losses(reference_run(*TINY))
+    torch.testing.assert_close(val_losses(run_dir), expected_val, rtol=0, atol=1e-5)
+    result = summary(run_dir)
+    assert result["strategy"] == "ddp" and result["world_size"] == 2
+    assert result["memory_devices"] == ["cpu:rank0", "cpu:rank1"]
+    assert result["global_batch"] == 24 and result["samples_per_sec"] > 0
+    MLP(input_shape=(32,), num_classes=10, hidden=32, depth=3).load_state_dict(
+        checkpoint(run_dir)["model"]
+    )
+    lines = log_lines(run_dir)
+    assert all(re.match(r"\[(rank[01]|launcher)\]", line) for line in lines)
+    assert any(line.startswith("[rank1]") for line in lines)
+    assert sum("step 6/6" in line for line in lines) == 1, "one progress bar"
+    assert sorted(path.name for path in run_dir.iterdir()) == [
+        ".hydra",
+        "checkpoints",
+        "metrics.jsonl",
+        "summary.json",
+        "train.log",
+    ]
+    assert len(list((tmp_path / "accumulate").glob("wandb/offline-run-*"))) == 1
+
+
+def processes_of_job(marker: str) -> list[int]:
+    """Processes whose environment holds DDP_TEST_JOB=<marker> (launcher, agent, workers)."""
+    pids = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"DDP_TEST_JOB={marker}".encode() in environ.read_bytes().split(b"\0"):
+                pids.append(int(environ.parent.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return pids
+
+
+@pytest.mark.parametrize(
+    "fault, named_rank, error",
+    [
+        ("raise", 1, "RuntimeError: injected failure in training step 3"),
+        ("kill", 1, "Signal 9 (SIGKILL)"),
+        # Rank 1 stops; rank 0's next collective gives up after parallel.timeout_s.
+        ("hang", 0, "Timed out waiting 5000ms"),
+    ],
+)
+def test_failing_rank_stops_the_whole_job_and_is_named(tmp_path, fault, named_rank, error):
+    marker = uuid.uuid4().hex
+    env = {"FAIL_RANK": "1", "FAIL_AT_STEP": "3", "FAULT": fault, "DDP_TEST_JOB": marker}
+    started = time.monotonic()
+    result = run_train(
+        *TINY,
+        *DDP,
+        "parallel.timeout_s=5",
+        "model._target_=tests.faulty_models.FaultyMLP",
+        run_dir=tmp_path,
+        check=False,
+        timeout=60,
+        env=env,
+    )
+    elapsed = time.monotonic() - started
+
+    assert result.returncode != 0
+    assert elapsed < 30
+    root_cause = result.stderr.split("Root Cause")[-1]
+    rank_line = rf"rank\s*: {named_rank} \(local_rank: {named_rank}\)"
+    assert re.search(rank_line, root_cause), result.stderr[-3000:]
+    assert error in root_cause
+    assert not (tmp_path / "summary.json").exists()
+    assert processes_of_job(marker) == []
+
+
+def test_ranks_started_by_torchrun_share_one_run_dir(tmp_path):
+    """Each rank resolves `${now:...}` itself; all must still land in rank 0's directory."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "train.py",
+        *TINY,
+        *DDP,
+        f"hydra.run.dir={tmp_path}/${{now:%H-%M-%S-%f}}",
+    ]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = tmp_path.iterdir()
+    assert_same_training(reference_run(*TINY), run_dir)
+    lines = log_lines(run_dir)
+    assert any(line.startswith("[rank1]") for line in lines)
+    assert all(re.match(r"\[rank[01]\]", line) for line in lines)
+
+
+def test_ranks_started_by_srun_share_one_run_dir(tmp_path):
+    """Two `train.py` processes with the variables `srun -n 2` sets; rank 0 hosts the store."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    tasks = [
+        start_train(
+            *TINY,
+            *DDP,
+            run_dir=tmp_path / "${now:%H-%M-%S-%f}",
+            env={
+                "SLURM_PROCID": str(rank),
+                "SLURM_LOCALID": str(rank),
+                "SLURM_NTASKS": "2",
+                "SLURM_NNODES": "1",
+                "SLURM_JOB_NODELIST": "localhost",
+                "MASTER_PORT": str(port),
+            },
+        )
+        for rank in (0, 1)
+    ]
+    for task in tasks:
+        finish(task)
+    (run_dir,) = tmp_path.iterdir()
+    assert_same_training(reference_run(*TINY), run_dir)
+
+
+def test_batch_that_does_not_split_over_the_ranks_is_a_config_error(compose_config):
+    cfg = compose_config(*DDP, "trainer.batch_size=25", "trainer.accelerator=cpu")
+    with pytest.raises(ConfigError, match=r"trainer\.batch_size.*parallel\.devices"):
+        check_config(cfg)
+
+
+def test_slurm_variables_become_torchrun_variables(monkeypatch):
+    slurm = {
+        "SLURM_PROCID": "5",
+        "SLURM_LOCALID": "1",
+        "SLURM_NTASKS": "8",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "gpu[07-09,12]",
+        "MASTER_PORT": "29555",
+    }
+    monkeypatch.setattr(os, "environ", slurm)
+    adopt_slurm_environment()
+    assert [os.environ[name] for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")] == ["5", "8", "1"]
+    assert os.environ["LOCAL_WORLD_SIZE"] == "4"
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("gpu07", "29555")
+    assert first_node("node1,node2") == "node1"
+
+
+def cuda_devices() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(cuda_devices() < 2, reason="needs 2 CUDA GPUs")
+def test_ddp_on_two_gpus_uses_nccl_and_one_gpu_per_rank(tmp_path):
+    gpu = ("trainer.accelerator=cuda",)
+    run_train(*TINY, *DDP, *gpu, run_dir=tmp_path)
+    assert summary(tmp_path)["memory_devices"] == ["cuda:0", "cuda:1"]
+    lines = log_lines(tmp_path)
+    assert any(line.startswith("[rank1]") and "cuda:1, nccl" in line for line in lines)
+    assert_same_training(reference_run(*TINY, *gpu), tmp_path)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(cuda_devices() < 1, reason="needs a CUDA GPU")
+def test_ddp_on_one_gpu_trains_in_process_like_single(tmp_path):
+    gpu = ("trainer.accelerator=cuda",)
+    run_train(*TINY, "parallel=ddp", "parallel.devices=1", *gpu, run_dir=tmp_path)
+    assert summary(tmp_path)["memory_devices"] == ["cuda:0"]
+    assert any("cuda:0, nccl" in line for line in log_lines(tmp_path))
+    assert_same_training(reference_run(*TINY, *gpu), tmp_path)
