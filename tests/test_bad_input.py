@@ -44,6 +44,58 @@ ROWS = [
         id="more-microbatches-than-samples",
     ),
     pytest.param(
+        ["parallel=model_parallel", "trainer.accelerator=cpu", "parallel.split_points=[4]"],
+        CHECK,
+        "parallel.split_points=[4] reaches past the model's last block (index 3)",
+        id="split-past-last-block",
+    ),
+    pytest.param(
+        ["parallel=model_parallel", "trainer.accelerator=cuda", "parallel.devices=99"],
+        CHECK,
+        "parallel.devices=99 but only",
+        id="model-parallel-more-devices-than-gpus",
+        marks=[CUDA, NEEDS_GPU],
+    ),
+    pytest.param(
+        ["parallel=hybrid", "trainer.accelerator=cpu", "parallel.devices=10", "parallel.stages=5"],
+        CHECK,
+        "parallel.stages=5 stages but the model has only 4 blocks",
+        id="hybrid-more-stages-than-blocks",
+    ),
+    pytest.param(
+        ["parallel=hybrid", "trainer.accelerator=cpu", "parallel.devices=3", "parallel.stages=2"],
+        CHECK,
+        "parallel.devices=3 does not divide into processes of parallel.stages=2 devices each",
+        id="hybrid-devices-not-multiple-of-stages",
+    ),
+    pytest.param(
+        ["parallel=hybrid", "trainer.accelerator=cpu", "parallel.devices=2", "parallel.stages=2"],
+        CHECK,
+        "is a single process, with nothing to run data-parallel: use parallel=model_parallel "
+        "parallel.devices=2",
+        id="hybrid-single-process",
+    ),
+    pytest.param(
+        ["parallel=hybrid", "trainer.accelerator=cpu", "parallel.devices=10", "parallel.stages=2"],
+        CHECK,
+        "does not split evenly over 5 processes (parallel.devices=10 / parallel.stages=2 x "
+        "parallel.nodes=1)",
+        id="hybrid-batch-over-processes",
+    ),
+    pytest.param(
+        ["parallel=hybrid", "trainer.accelerator=cpu", "parallel.microbatches=13"],
+        CHECK,
+        "is 12 samples, too few for parallel.microbatches=13",
+        id="hybrid-more-microbatches-than-samples",
+    ),
+    pytest.param(
+        ["parallel=hybrid", "trainer.accelerator=cuda", "parallel.devices=98"],
+        CHECK,
+        "parallel.devices=98 but only",
+        id="hybrid-more-devices-than-gpus",
+        marks=[CUDA, NEEDS_GPU],
+    ),
+    pytest.param(
         ["trainer.max_steps=abc"],
         HYDRA,
         "Value 'abc' of type 'str' could not be converted to Integer\n    full_key: "

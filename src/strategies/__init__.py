@@ -13,6 +13,7 @@ STRATEGIES = {
     "dp_criterion": "src.strategies.dp_criterion:DPCriterion",
     "model_parallel": "src.strategies.model_parallel:ModelParallel",
     "ddp": "src.strategies.ddp:DDP",
+    "hybrid": "src.strategies.hybrid:Hybrid",
 }
 
 

@@ -1,6 +1,7 @@
-"""What every strategy with one process per device shares: the process group and its ranks.
+"""What every strategy with one process per replica shares: the process group and its ranks.
 
-Each process drives one device (`cuda:<local rank>`, or the CPU) and joins a torch.distributed
+Each process drives its `local_devices()` (for ddp `cuda:<local rank>`, or the CPU; hybrid
+overrides them with its stages' devices) and joins a torch.distributed
 process group: NCCL on CUDA, gloo on CPU, unless `parallel.backend` says otherwise. The ranks come
 from the environment set by whoever started the processes (`src/launch.py`, torchrun or srun);
 a job of one process needs none.
@@ -54,6 +55,7 @@ class Distributed(Strategy):
         self.processes_per_node = cfg.devices
         self.world_size = cfg.devices * cfg.nodes
         self.rank = 0
+        self.local_rank = 0
 
     @property
     def is_main(self) -> bool:
@@ -64,25 +66,27 @@ class Distributed(Strategy):
         if micro_batch % self.world_size:
             raise ConfigError(
                 f"the global micro-batch (trainer.batch_size / trainer.accumulate = {micro_batch}) "
-                f"does not split evenly over {self.world_size} processes (parallel.devices="
-                f"{self.cfg.devices} x parallel.nodes={self.cfg.nodes}); change trainer.batch_size "
-                "or parallel.devices"
+                f"does not split evenly over {self.world_size} processes ("
+                f"{self.processes_from_settings()}); change trainer.batch_size or parallel.devices"
             )
+
+    def processes_from_settings(self) -> str:
+        """How the settings give the number of processes, for messages."""
+        return f"parallel.devices={self.cfg.devices} x parallel.nodes={self.cfg.nodes}"
 
     def setup(self) -> None:
         env = os.environ
         self.rank = int(env.get("RANK", "0"))
-        local_rank = int(env.get("LOCAL_RANK", "0"))
+        self.local_rank = int(env.get("LOCAL_RANK", "0"))
         local_processes = int(env.get("LOCAL_WORLD_SIZE", "1"))
-        if self.device_type == "cuda":
-            self.device = torch.device("cuda", local_rank)
+        self.devices = self.local_devices()
+        self.device = self.devices[0]  # where this rank's collectives run
+        if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        else:
-            self.device = torch.device("cpu")
-        self.devices = [self.device]
         threads, reason = rank_threads(self.cfg.threads_per_rank, local_processes)
         torch.set_num_threads(threads)
-        log.info("%s, %s, %d intra-op thread(s) (%s)", self.device, self.backend, threads, reason)
+        devices = ", ".join(str(device) for device in self.devices)
+        log.info("%s, %s, %d intra-op thread(s) (%s)", devices, self.backend, threads, reason)
         timeout = timedelta(seconds=self.cfg.timeout_s)
         if "RANK" in env:
             dist.init_process_group(self.backend, init_method="env://", timeout=timeout)
@@ -90,6 +94,12 @@ class Distributed(Strategy):
             dist.init_process_group(
                 self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
             )
+
+    def local_devices(self) -> list[torch.device]:
+        """`cuda:<local rank>`, or the CPU (call after `setup` has read the local rank)."""
+        if self.device_type == "cuda":
+            return [torch.device("cuda", self.local_rank)]
+        return [torch.device("cpu")]
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         # A copy on the device the backend works on (NCCL: the GPU), so the caller's is untouched.
