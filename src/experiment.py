@@ -215,48 +215,56 @@ def train(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[str, Any]:
     """Train in this process (one of several, for multi-process strategies)."""
     strategy.setup()
     try:
-        if cfg.trainer.deterministic:
-            # cuBLAS is only deterministic with a fixed workspace (torch reproducibility notes).
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True)
-        data = instantiate(cfg.data, seed=cfg.seed)
-        torch.manual_seed(cfg.seed)
-        model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
-        checkpoint = resume_path(cfg.trainer.resume, run_dir)
-        state = load_checkpoint(checkpoint) if checkpoint else None
-        if state:
-            model.load_state_dict(state["model"])
-        model = strategy.wrap(model)
-        optimizer = build_optimizer(cfg.optimizer, strategy.unwrap(model).parameters())
-        start_step, wandb_run_id = 0, None
-        if state:
-            optimizer.load_state_dict(state["optimizer"])
-            set_rng_state(state["rng"])
-            start_step, wandb_run_id = state["step"], state["wandb_run_id"]
-            if strategy.is_main:
-                log.info("resuming from %s at step %d", checkpoint, start_step)
-        resolved = OmegaConf.to_container(cfg, resolve=True)
-        tracker = build_tracker(cfg.logger, str(run_dir), resolved, strategy.is_main, wandb_run_id)
-        summary, exit_code = None, 1
-        try:
-            results = fit(cfg, strategy, model, optimizer, data, tracker, run_dir, start_step)
-            summary = {
-                "strategy": strategy.name,
-                "devices": cfg.parallel.devices,
-                "world_size": strategy.world_size,
-                "global_batch": cfg.trainer.batch_size,
-                **results,
-                **strategy.report(),
-            }
-            exit_code = 0
-        finally:
-            tracker.finish(summary, exit_code)
-        if strategy.is_main:
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-            log.info("\n%s", format_summary(summary, run_dir))
-        return summary
+        # Everything built for training (the model, and DDP's reducer that holds the process
+        # group) is released when `build_and_fit` returns, before the group is torn down: a
+        # reducer that outlives it can deadlock with gloo's worker threads at exit.
+        return build_and_fit(cfg, run_dir, strategy)
     finally:
         strategy.teardown()
+
+
+def build_and_fit(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[str, Any]:
+    """Build data, model, optimizer and tracker, restore a checkpoint if asked, train, report."""
+    if cfg.trainer.deterministic:
+        # cuBLAS is only deterministic with a fixed workspace (torch reproducibility notes).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    data = instantiate(cfg.data, seed=cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+    checkpoint = resume_path(cfg.trainer.resume, run_dir)
+    state = load_checkpoint(checkpoint) if checkpoint else None
+    if state:
+        model.load_state_dict(state["model"])
+    model = strategy.wrap(model)
+    optimizer = build_optimizer(cfg.optimizer, strategy.unwrap(model).parameters())
+    start_step, wandb_run_id = 0, None
+    if state:
+        optimizer.load_state_dict(state["optimizer"])
+        set_rng_state(state["rng"])
+        start_step, wandb_run_id = state["step"], state["wandb_run_id"]
+        if strategy.is_main:
+            log.info("resuming from %s at step %d", checkpoint, start_step)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    tracker = build_tracker(cfg.logger, str(run_dir), resolved, strategy.is_main, wandb_run_id)
+    summary, exit_code = None, 1
+    try:
+        results = fit(cfg, strategy, model, optimizer, data, tracker, run_dir, start_step)
+        summary = {
+            "strategy": strategy.name,
+            "devices": cfg.parallel.devices,
+            "world_size": strategy.world_size,
+            "global_batch": cfg.trainer.batch_size,
+            **results,
+            **strategy.report(),
+        }
+        exit_code = 0
+    finally:
+        tracker.finish(summary, exit_code)
+    if strategy.is_main:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        log.info("\n%s", format_summary(summary, run_dir))
+    return summary
 
 
 def format_summary(summary: dict[str, Any], run_dir: Path) -> str:

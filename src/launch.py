@@ -210,6 +210,10 @@ def launch(
             max_restarts=0,
             start_method="spawn",
             logs_specs=DefaultLogsSpecs(log_dir=error_dir),
+            # When the job stops (a failed rank, or SIGINT/SIGTERM), the other ranks get this
+            # long to finish their step and checkpoint before SIGKILL; a rank stuck in a
+            # collective could not answer sooner anyway.
+            shutdown_timeout=max(1, int(parallel.timeout_s)),
         )
         results = elastic_launch(config, _worker)(fn, args, job_logging)
     return results[min(results)]
