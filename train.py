@@ -12,8 +12,6 @@ import logging
 import sys
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from src.config import ConfigError, register_configs
@@ -27,17 +25,17 @@ def main(cfg: DictConfig) -> float:
     # Imported here so that --help and config errors stay fast.
     from src.experiment import resume_command, run
     from src.stopping import Interrupted, RunStopped
+    from src.sweep import run_job
 
-    # Expected failures get one message and an exit code instead of a traceback.
+    # Expected failures get one message and an exit code instead of a traceback. In a multirun,
+    # `run_job` records how each job ended and the sweep goes on; a signal still stops it.
     try:
-        return run(cfg)["final_val_loss"]
+        return run_job(run, cfg)
     except Interrupted as stop:
         log.error("%s; resume with:\n  %s", stop, resume_command())
         sys.exit(stop.exit_code)
     except (ConfigError, RunStopped) as error:
         log.error("%s", error)
-        if HydraConfig.get().mode == RunMode.MULTIRUN:
-            raise  # the sweep's other jobs still run; Hydra reports this one at the end
         sys.exit(error.exit_code)
 
 

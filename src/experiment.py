@@ -214,6 +214,9 @@ def train_worker(resolved_cfg: dict[str, Any], run_dir: str) -> dict[str, Any] |
 def train(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[str, Any]:
     """Train in this process (one of several, for multi-process strategies)."""
     strategy.setup()
+    # A multirun runs its jobs in one process: each job's peak memory must count from its start.
+    for device in {device for device in strategy.devices if device.type == "cuda"}:
+        torch.cuda.reset_peak_memory_stats(device)
     try:
         # Everything built for training (the model, and DDP's reducer that holds the process
         # group) is released when `build_and_fit` returns, before the group is torn down: a

@@ -1,0 +1,295 @@
+"""The scaling report of a sweep: one row per job, as `summary.csv`, `summary.md` and `scaling.png`.
+
+It runs at the end of every multirun (the `ScalingReport` callback in `conf/config.yaml`) and by
+hand on an existing sweep directory, to rebuild the table and the plot:
+
+    python -m src.report outputs/multirun/2026-05-09/12-00-00-000000
+
+Each job directory holds `.hydra/` (its config and overrides), `status.json` (see `src/sweep.py`)
+and, when it trained, `summary.json`. Speed-up is over the sweep's `single` job (the one with the
+same swept settings outside `parallel`); scaling efficiency is speed-up / devices. The sweep exits
+non-zero when a job failed, or when no job could run at all; a combination that cannot run is
+reported as skipped and is not an error.
+
+matplotlib is imported only to draw the plot (training never pays for it); without it the table
+is still written.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import sys
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+SWEPT_BY_STRATEGY = ("parallel", "parallel.devices")
+
+
+@dataclass
+class Row:
+    job: str
+    strategy: str
+    devices: int
+    variant: str
+    """The job's swept settings other than the strategy and device count, e.g. `model=mlp`."""
+    world_size: int | None = None
+    samples_per_sec: float | None = None
+    speedup: float | None = None
+    efficiency: float | None = None
+    step_time_ms: float | None = None
+    peak_memory_max_mb: float | None = None
+    peak_memory_spread_mb: float | None = None
+    """Largest minus smallest peak over the job's devices: the load imbalance."""
+    final_train_loss: float | None = None
+    final_val_loss: float | None = None
+    status: str = "failed"
+    reason: str = ""
+
+
+# ------------------------------------------------------------------------------- reading the jobs
+
+
+def job_dirs(sweep_dir: Path) -> list[Path]:
+    """Directories of the sweep's jobs (they hold `.hydra/config.yaml`), in job order."""
+    found = [path.parent.parent for path in sweep_dir.glob("*/.hydra/config.yaml")]
+    return sorted(
+        found, key=lambda d: (not d.name.isdigit(), int(d.name) if d.name.isdigit() else 0, d.name)
+    )
+
+
+def read_overrides(job_dir: Path) -> dict[str, str]:
+    overrides = OmegaConf.load(job_dir / ".hydra" / "overrides.yaml")
+    return dict(override.split("=", 1) for override in overrides)
+
+
+def swept_variants(all_overrides: list[dict[str, str]]) -> list[str]:
+    """For each job, its overrides that differ across the sweep, strategy and devices left out."""
+    keys = {key for overrides in all_overrides for key in overrides}
+    swept = sorted(
+        key
+        for key in keys - set(SWEPT_BY_STRATEGY)
+        if len({overrides.get(key) for overrides in all_overrides}) > 1
+    )
+    return [
+        " ".join(f"{key}={overrides[key]}" for key in swept if key in overrides)
+        for overrides in all_overrides
+    ]
+
+
+def read_row(job_dir: Path, variant: str) -> Row:
+    config = OmegaConf.load(job_dir / ".hydra" / "config.yaml")
+    row = Row(
+        job=job_dir.name,
+        strategy=str(OmegaConf.select(config, "parallel.name")),
+        devices=int(OmegaConf.select(config, "parallel.devices")),
+        variant=variant,
+    )
+    status_file, summary_file = job_dir / "status.json", job_dir / "summary.json"
+    if status_file.exists():
+        status = json.loads(status_file.read_text())
+        row.status, row.reason = status["status"], status["reason"]
+    elif summary_file.exists():
+        row.status = "ok"  # written before status files existed, or by hand
+    else:
+        row.reason = "no summary.json or status.json: the job did not finish (killed?)"
+    if row.status == "ok":
+        if not summary_file.exists():
+            row.status, row.reason = "failed", "status ok but no summary.json"
+            return row
+        fill_from_summary(row, json.loads(summary_file.read_text()))
+    return row
+
+
+def fill_from_summary(row: Row, summary: dict[str, Any]) -> None:
+    row.world_size = summary["world_size"]
+    row.samples_per_sec = summary["samples_per_sec"]
+    row.step_time_ms = summary["step_time_ms"]
+    row.final_train_loss = summary["final_train_loss"]
+    row.final_val_loss = summary["final_val_loss"]
+    memory = summary["peak_memory_mb"]
+    if memory:
+        row.peak_memory_max_mb = max(memory)
+        row.peak_memory_spread_mb = max(memory) - min(memory)
+
+
+def add_speedups(rows: list[Row]) -> None:
+    """Speed-up over the `single` job of the same variant, and speed-up per device."""
+    baselines: dict[str, float] = {}
+    for row in rows:
+        if row.strategy == "single" and row.status == "ok":
+            baselines.setdefault(non_parallel(row.variant), row.samples_per_sec)
+    for row in rows:
+        baseline = baselines.get(non_parallel(row.variant))
+        if row.status == "ok" and baseline and not math.isnan(baseline):
+            row.speedup = row.samples_per_sec / baseline
+            row.efficiency = row.speedup / row.devices
+
+
+def non_parallel(variant: str) -> str:
+    return " ".join(part for part in variant.split() if not part.startswith("parallel."))
+
+
+def collect(sweep_dir: Path) -> list[Row]:
+    dirs = job_dirs(sweep_dir)
+    variants = swept_variants([read_overrides(job_dir) for job_dir in dirs])
+    rows = [read_row(job_dir, variant) for job_dir, variant in zip(dirs, variants, strict=True)]
+    add_speedups(rows)
+    return rows
+
+
+# ------------------------------------------------------------------------------- writing the report
+
+COLUMN_TITLES = {
+    "job": "job",
+    "strategy": "strategy",
+    "devices": "devices",
+    "variant": "variant",
+    "world_size": "world size",
+    "samples_per_sec": "samples/s",
+    "speedup": "speed-up",
+    "efficiency": "efficiency",
+    "step_time_ms": "step ms",
+    "peak_memory_max_mb": "peak MB (max)",
+    "peak_memory_spread_mb": "peak MB (spread)",
+    "final_train_loss": "train loss",
+    "final_val_loss": "val loss",
+    "status": "status",
+}
+
+
+def format_cell(name: str, value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    if name == "speedup":
+        return f"{value:.2f}x"
+    if name == "efficiency":
+        return f"{100 * value:.0f}%"
+    if name in ("samples_per_sec", "peak_memory_max_mb", "peak_memory_spread_mb"):
+        return f"{value:,.0f}"
+    if name == "step_time_ms":
+        return f"{value:.3g}"
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    return str(value)
+
+
+def markdown_table(rows: list[Row]) -> str:
+    """The table with the reason folded into the status (`skipped: ...`)."""
+    names = [n for n in COLUMN_TITLES if n != "variant" or any(row.variant for row in rows)]
+    lines = [
+        "| " + " | ".join(COLUMN_TITLES[n] for n in names) + " |",
+        "|"
+        + "|".join("---:" if n not in ("strategy", "variant", "status") else "---" for n in names)
+        + "|",
+    ]
+    for row in rows:
+        cells = asdict(row)
+        cells["status"] = f"{row.status}: {row.reason}" if row.reason else row.status
+        line = " | ".join(format_cell(n, cells[n]).replace("|", "\\|") for n in names)
+        lines.append(f"| {line} |")
+    return "\n".join(lines)
+
+
+def write_csv(rows: list[Row], path: Path) -> None:
+    with path.open("w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=[f.name for f in fields(Row)])
+        writer.writeheader()
+        writer.writerows(asdict(row) for row in rows)
+
+
+def plot(rows: list[Row], path: Path, title: str) -> None:
+    """Throughput and scaling efficiency against device count, one line per strategy."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend, Agg renders the file
+
+    figure = Figure(figsize=(11, 4.2), layout="constrained")
+    throughput, efficiency = figure.subplots(1, 2)
+    lines: dict[str, list[Row]] = {}
+    for row in rows:
+        if row.status == "ok":
+            label = f"{row.strategy} {row.variant}".strip()
+            lines.setdefault(label, []).append(row)
+    for label, points in lines.items():
+        points.sort(key=lambda row: row.devices)
+        devices = [row.devices for row in points]
+        throughput.plot(devices, [row.samples_per_sec for row in points], "o-", label=label)
+        if any(row.efficiency is not None for row in points):
+            efficiency.plot(devices, [row.efficiency for row in points], "o-", label=label)
+    efficiency.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="ideal")
+    all_devices = sorted({row.devices for row in rows})
+    for axes, ylabel in ((throughput, "samples/s"), (efficiency, "speed-up / devices")):
+        axes.set_xlabel("devices")
+        axes.set_ylabel(ylabel)
+        axes.set_xticks(all_devices)
+        axes.grid(alpha=0.3)
+    throughput.set_title("throughput")
+    efficiency.set_title("scaling efficiency (vs single)")
+    if lines:
+        throughput.legend(fontsize="small")
+    figure.suptitle(title, fontsize="small")
+    figure.savefig(path, dpi=110)
+
+
+def write_report(sweep_dir: Path) -> list[Row]:
+    """Write summary.csv, summary.md and scaling.png into the sweep directory; print the table."""
+    rows = collect(sweep_dir)
+    table = markdown_table(rows)
+    write_csv(rows, sweep_dir / "summary.csv")
+    (sweep_dir / "summary.md").write_text(f"# Sweep {sweep_dir}\n\n{table}\n")
+    try:
+        plot(rows, sweep_dir / "scaling.png", str(sweep_dir))
+    except ImportError:
+        log.warning("matplotlib is not installed: no scaling.png (pip install matplotlib)")
+    print(f"\nScaling report for {sweep_dir} (summary.csv, summary.md, scaling.png):\n{table}\n")
+    return rows
+
+
+def failure_message(rows: list[Row]) -> str | None:
+    """Why the sweep should exit non-zero, or None."""
+    failed = [row.job for row in rows if row.status == "failed"]
+    if failed:
+        jobs = ", ".join(failed)
+        return f"{len(failed)} of {len(rows)} jobs failed (jobs {jobs}); see their train.log"
+    if not any(row.status == "ok" for row in rows):
+        return "no job of the sweep could run"
+    return None
+
+
+class ScalingReport(Callback):
+    """Hydra callback: the report at the end of a multirun, and a non-zero exit if a job failed."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        message = failure_message(write_report(Path(config.hydra.sweep.dir)))
+        if message:
+            # Hydra turns an exception raised by a callback into a warning; SystemExit is the one
+            # way to make the multirun's exit status say that something failed.
+            raise SystemExit(f"sweep: {message}")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or not Path(argv[0]).is_dir():
+        print("usage: python -m src.report <sweep dir>", file=sys.stderr)
+        return 2
+    sweep_dir = Path(argv[0])
+    if not job_dirs(sweep_dir):
+        print(f"{sweep_dir} holds no job directories (*/.hydra/config.yaml)", file=sys.stderr)
+        return 2
+    rows = write_report(sweep_dir)
+    message = failure_message(rows)
+    if message:
+        print(f"sweep: {message}", file=sys.stderr)
+    return 1 if message else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
