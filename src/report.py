@@ -39,6 +39,7 @@ class Row:
     job: str
     strategy: str
     devices: int
+    """Devices of the whole job: parallel.devices x parallel.nodes."""
     variant: str
     """The job's swept settings other than the strategy and device count, e.g. `model=mlp`."""
     world_size: int | None = None
@@ -61,14 +62,12 @@ class Row:
 def job_dirs(sweep_dir: Path) -> list[Path]:
     """Directories of the sweep's jobs (they hold `.hydra/config.yaml`), in job order."""
     found = [path.parent.parent for path in sweep_dir.glob("*/.hydra/config.yaml")]
-    return sorted(
-        found, key=lambda d: (not d.name.isdigit(), int(d.name) if d.name.isdigit() else 0, d.name)
-    )
+    return sorted(found, key=lambda d: (len(d.name), d.name))  # 2 before 10
 
 
 def read_overrides(job_dir: Path) -> dict[str, str]:
     overrides = OmegaConf.load(job_dir / ".hydra" / "overrides.yaml")
-    return dict(override.split("=", 1) for override in overrides)
+    return dict(override.partition("=")[::2] for override in overrides)  # `~key` has no value
 
 
 def swept_variants(all_overrides: list[dict[str, str]]) -> list[str]:
@@ -87,10 +86,11 @@ def swept_variants(all_overrides: list[dict[str, str]]) -> list[str]:
 
 def read_row(job_dir: Path, variant: str) -> Row:
     config = OmegaConf.load(job_dir / ".hydra" / "config.yaml")
+    nodes = OmegaConf.select(config, "parallel.nodes", default=1)
     row = Row(
         job=job_dir.name,
         strategy=str(OmegaConf.select(config, "parallel.name")),
-        devices=int(OmegaConf.select(config, "parallel.devices")),
+        devices=int(OmegaConf.select(config, "parallel.devices")) * nodes,
         variant=variant,
     )
     status_file, summary_file = job_dir / "status.json", job_dir / "summary.json"
@@ -98,13 +98,10 @@ def read_row(job_dir: Path, variant: str) -> Row:
         status = json.loads(status_file.read_text())
         row.status, row.reason = status["status"], status["reason"]
     elif summary_file.exists():
-        row.status = "ok"  # written before status files existed, or by hand
+        row.status = "ok"  # a job that ran without src/sweep.py, e.g. from an older sweep
     else:
         row.reason = "no summary.json or status.json: the job did not finish (killed?)"
-    if row.status == "ok":
-        if not summary_file.exists():
-            row.status, row.reason = "failed", "status ok but no summary.json"
-            return row
+    if row.status == "ok" and summary_file.exists():
         fill_from_summary(row, json.loads(summary_file.read_text()))
     return row
 
@@ -187,11 +184,10 @@ def format_cell(name: str, value: Any) -> str:
 def markdown_table(rows: list[Row]) -> str:
     """The table with the reason folded into the status (`skipped: ...`)."""
     names = [n for n in COLUMN_TITLES if n != "variant" or any(row.variant for row in rows)]
+    align = ["---" if n in ("strategy", "variant", "status") else "---:" for n in names]
     lines = [
         "| " + " | ".join(COLUMN_TITLES[n] for n in names) + " |",
-        "|"
-        + "|".join("---:" if n not in ("strategy", "variant", "status") else "---" for n in names)
-        + "|",
+        "|" + "|".join(align) + "|",
     ]
     for row in rows:
         cells = asdict(row)
@@ -231,6 +227,7 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
         axes.set_xlabel("devices")
         axes.set_ylabel(ylabel)
         axes.set_xticks(all_devices)
+        axes.set_ylim(bottom=0)
         axes.grid(alpha=0.3)
     throughput.set_title("throughput")
     efficiency.set_title("scaling efficiency (vs single)")
