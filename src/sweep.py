@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,6 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from src.config import ConfigError
-from src.launch import started_ranks
 from src.stopping import Interrupted
 
 log = logging.getLogger(__name__)
@@ -61,9 +61,8 @@ def run_job(run: Callable[[DictConfig], dict[str, Any]], cfg: DictConfig) -> flo
 
 
 def write_status(job_dir: Path, status: str, reason: str = "") -> None:
-    ranks = started_ranks()
-    if ranks is not None and ranks.rank != 0:
-        return  # one of the ranks SLURM started: rank 0 speaks for the job
+    if os.environ.get("RANK", "0") != "0":
+        return  # one of several ranks that srun started, each in this job: rank 0 speaks for it
     job_dir.mkdir(parents=True, exist_ok=True)
     text = json.dumps({"status": status, "reason": reason}, indent=2) + "\n"
     (job_dir / STATUS_FILE).write_text(text)

@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 
 from hydra_plugins.parallel_training.slurm_launcher import SlurmLauncher, slurm_resources
 from src.config import register_configs
+from src.strategies import STRATEGIES
 
 
 def run_sweep(
@@ -188,3 +189,11 @@ def test_slurm_launcher_runs_a_ddp_job_as_the_ranks_slurm_started(tmp_path):
     assert_same_training(reference_run(*TINY), job_dir)
     log = (job_dir / "train.log").read_text()
     assert "[rank0]" in log and "[rank1]" in log and "launching" not in log
+
+
+def test_scaling_preset_sweeps_every_strategy_over_device_counts():
+    cfg = compose_with_hydra("experiment=scaling")
+    params = cfg.hydra.sweeper.params
+    assert set(params.parallel.split(",")) == set(STRATEGIES), "add new strategies to the preset"
+    assert params["parallel.devices"] == "1,2,4"
+    assert cfg.trainer.max_steps <= 100

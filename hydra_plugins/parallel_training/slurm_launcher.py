@@ -30,8 +30,6 @@ from hydra.core.utils import JobReturn
 from hydra_plugins.hydra_submitit_launcher import submitit_launcher
 from omegaconf import DictConfig
 
-from src.launch import adopt_slurm_environment
-
 
 def slurm_resources(cfg: DictConfig) -> dict[str, int | None]:
     """The allocation one job needs: `nodes`, `tasks_per_node`, `gpus_per_node`."""
@@ -54,6 +52,8 @@ def slurm_resources(cfg: DictConfig) -> dict[str, int | None]:
 class SlurmLauncher(submitit_launcher.SlurmLauncher):
     def __call__(self, *args: Any, **kwargs: Any) -> JobReturn:
         """One SLURM task of a job: runs its Hydra job as one of the job's ranks."""
+        from src.launch import adopt_slurm_environment
+
         adopt_slurm_environment()
         return super().__call__(*args, **kwargs)
 
