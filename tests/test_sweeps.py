@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
 import re
+import signal
 import socket
 import struct
 import subprocess
@@ -23,7 +25,7 @@ from src.strategies import STRATEGIES
 
 
 def run_sweep(
-    *overrides: str, sweep_dir: Path, env: dict[str, str] | None = None
+    *overrides: str, sweep_dir: Path, env: dict[str, str] | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess:
     """`python train.py -m <overrides> hydra.sweep.dir=<sweep_dir>` in a subprocess."""
     return subprocess.run(
@@ -31,7 +33,7 @@ def run_sweep(
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
         env={**os.environ, "WANDB_SILENT": "true", **(env or {})},
     )
 
@@ -144,6 +146,7 @@ def test_slurm_preset_sizes_each_job_from_its_parallel_settings():
     assert resources("parallel=dp", "parallel.devices=4") == (1, 1, 4)  # one process, 4 GPUs
     assert resources("parallel=dp", "parallel.devices=4", "trainer.accelerator=cpu") == (1, 1, None)
     assert resources("parallel=ddp", "parallel.devices=8") == (1, 8, 8)  # one task per GPU
+    assert resources("parallel=hybrid", "parallel.devices=8") == (1, 4, 8)  # 2 stages a task
     two_nodes = ("parallel.nodes=2", "parallel.master_port=29500")
     assert resources("parallel=ddp", "parallel.devices=4", *two_nodes) == (2, 4, 4)
     assert resources("parallel=single", "parallel.devices=2") == (1, 1, None)  # only says why not
@@ -156,6 +159,13 @@ def test_concurrent_preset_composes_the_joblib_launcher():
     assert launcher.joblib["n_jobs"] == 3
 
 
+def cancel_jobs(sweep_dir: Path) -> None:
+    """scancel for the stand-in: stop what is left of the sweep's jobs (their process groups)."""
+    for job in sweep_dir.glob(".submitit/[0-9]*"):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(int(job.name), signal.SIGKILL)
+
+
 def test_slurm_launcher_runs_a_ddp_job_as_the_ranks_slurm_started(tmp_path):
     """The whole SLURM path on this machine: tests/slurm holds stand-ins for `sbatch` (runs the
     batch script as a one-node job) and `srun` (starts its tasks with the variables srun sets).
@@ -165,18 +175,22 @@ def test_slurm_launcher_runs_a_ddp_job_as_the_ranks_slurm_started(tmp_path):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     sweep_dir = tmp_path / "sweep"
-    result = run_sweep(
-        "hydra/launcher=slurm",
-        "parallel=ddp,single",
-        "parallel.devices=2",
-        "trainer.accelerator=cpu",
-        *TINY,
-        sweep_dir=sweep_dir,
-        env={
-            "PATH": f"{ROOT / 'tests' / 'slurm'}{os.pathsep}{os.environ['PATH']}",
-            "MASTER_PORT": str(port),
-        },
-    )
+    try:
+        result = run_sweep(
+            "hydra/launcher=slurm",
+            "parallel=ddp,single",
+            "parallel.devices=2",
+            "trainer.accelerator=cpu",
+            *TINY,
+            sweep_dir=sweep_dir,
+            env={
+                "PATH": f"{ROOT / 'tests' / 'slurm'}{os.pathsep}{os.environ['PATH']}",
+                "MASTER_PORT": str(port),
+            },
+            timeout=120,
+        )
+    finally:
+        cancel_jobs(sweep_dir)
     assert result.returncode == 0, result.stderr[-4000:]
     ddp, single = read_csv(sweep_dir / "summary.csv")
     assert (ddp["strategy"], ddp["world_size"], ddp["status"]) == ("ddp", "2", "ok")
