@@ -45,6 +45,7 @@ class Throughput:
         self.excluded = 0.0
         self.window_start = time.perf_counter()
         self.window_steps = 0
+        self.window_is_steady = False  # whether the current logging window began after warm-up
         self.window_ms: list[float] = []
 
     def step_done(self, strategy: Strategy) -> None:
@@ -52,8 +53,7 @@ class Throughput:
         self.window_steps += 1
         if self.steps_done == self.warmup_steps:
             strategy.synchronize()
-            self.steady_since = self.window_start = time.perf_counter()
-            self.window_steps = 0
+            self.steady_since = time.perf_counter()
         elif self.steady_since is not None:
             self.steady_steps += 1
 
@@ -61,9 +61,10 @@ class Throughput:
         """End a logging window (the caller has synchronized); returns its ms per step."""
         now = time.perf_counter()
         ms = 1000 * (now - self.window_start) / max(1, self.window_steps)
-        if self.steady_since is not None and self.window_steps:
+        if self.window_is_steady and self.window_steps:
             self.window_ms.append(ms)
         self.window_start, self.window_steps = now, 0
+        self.window_is_steady = self.steady_since is not None
         return ms
 
     def pause(self) -> float:
@@ -71,7 +72,8 @@ class Throughput:
 
     def resume(self, paused_at: float) -> None:
         elapsed = time.perf_counter() - paused_at
-        self.excluded += elapsed
+        if self.steady_since is not None:
+            self.excluded += elapsed
         self.window_start += elapsed
 
     def summary(self) -> dict[str, float]:
