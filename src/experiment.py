@@ -54,7 +54,7 @@ def check_config(cfg: DictConfig, run_dir: Path) -> Strategy:
     device_type = resolve_device_type(trainer.accelerator)
     if trainer.precision == "bf16" and device_type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError("trainer.precision=bf16 but this GPU has no bf16 support; use fp32")
-    strategy = build_strategy(cfg.parallel, device_type)
+    strategy = build_strategy(cfg.parallel, device_type, trainer.precision)
     strategy.check_batch(trainer.batch_size // trainer.accumulate)
     check_tracker(cfg.logger)
 
@@ -204,7 +204,8 @@ class StoppedEarly:
 def train_worker(resolved_cfg: dict[str, Any], run_dir: str) -> dict[str, Any] | StoppedEarly:
     """`train` in a process started by `launch`, from the config the launcher checked."""
     cfg = OmegaConf.create(resolved_cfg)
-    strategy = build_strategy(cfg.parallel, resolve_device_type(cfg.trainer.accelerator))
+    device_type = resolve_device_type(cfg.trainer.accelerator)
+    strategy = build_strategy(cfg.parallel, device_type, cfg.trainer.precision)
     try:
         return train(cfg, Path(run_dir), strategy)
     except RunStopped as stop:
@@ -243,7 +244,7 @@ def build_and_fit(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[st
     optimizer = build_optimizer(cfg.optimizer, strategy.unwrap(model).parameters())
     start_step, wandb_run_id = 0, None
     if state:
-        optimizer.load_state_dict(state["optimizer"])
+        strategy.load_optimizer_state_dict(model, optimizer, state["optimizer"])
         set_rng_state(state["rng"])
         start_step, wandb_run_id = state["step"], state["wandb_run_id"]
         if strategy.is_main:

@@ -110,9 +110,9 @@ def write_checkpoint(
     cfg: DictConfig,
     tracker_run_id: str | None,
 ) -> None:
-    state = {
-        "model": strategy.unwrap(model).state_dict(),
-        "optimizer": optimizer.state_dict(),
+    state = {  # every process takes part: a sharded strategy gathers the state
+        "model": strategy.model_state_dict(model),
+        "optimizer": strategy.optimizer_state_dict(model, optimizer),
         "step": step,
         "rng": rng_state(),
         "config": OmegaConf.to_container(cfg, resolve=True),

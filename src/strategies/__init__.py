@@ -14,15 +14,19 @@ STRATEGIES = {
     "model_parallel": "src.strategies.model_parallel:ModelParallel",
     "ddp": "src.strategies.ddp:DDP",
     "hybrid": "src.strategies.hybrid:Hybrid",
+    "fsdp": "src.strategies.fsdp:FSDP",
 }
 
 
-def build_strategy(cfg: ParallelConfig, device_type: str) -> Strategy:
-    """The strategy named by `cfg.name`, its settings checked; nothing is started yet."""
+def build_strategy(cfg: ParallelConfig, device_type: str, precision: str = "fp32") -> Strategy:
+    """The strategy named by `cfg.name`, its settings checked; nothing is started yet.
+    `precision` is `trainer.precision`, for strategies that keep parameters in it (fsdp)."""
     if cfg.name not in STRATEGIES:
         raise ConfigError(
             f"unknown parallel.name {cfg.name!r}; choose one of {', '.join(STRATEGIES)}"
         )
     module_name, class_name = STRATEGIES[cfg.name].split(":")
     strategy_class = getattr(importlib.import_module(module_name), class_name)
-    return strategy_class(cfg, device_type)
+    strategy = strategy_class(cfg, device_type)
+    strategy.precision = precision
+    return strategy

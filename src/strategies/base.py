@@ -4,6 +4,7 @@ The loop (`src/loop.py`) calls only what is below and never asks which strategy 
 
 Before any work (in the launching process):
     strategy = Strategy(cfg.parallel, device_type)   checks the settings, touches no device
+    strategy.precision                                 trainer.precision (set by build_strategy)
     strategy.check_batch(micro_batch)                  the global micro-batch splits as needed
     strategy.check_model(model)                        the model (built on the meta device) fits
     strategy.processes_per_node                        how many local processes the job needs;
@@ -25,6 +26,11 @@ Per micro-step:
     `fn(outputs, targets)` where the outputs are, and returns the sum of `fn`'s results over the
     parts as one tensor. `fn` always returns sums (see `src/objective.py`), so dividing by the
     number of targets gives the exact mean over the batch, whatever the split.
+Checkpoints (every process calls these; the main one writes the file):
+    strategy.model_state_dict(model)                 the full state_dict, single's keys
+    strategy.optimizer_state_dict(model, optimizer)  the full optimizer state, single's format
+    strategy.load_optimizer_state_dict(model, optimizer, state)   the inverse, on resume
+    A checkpoint's model weights are loaded into the plain model before `wrap`.
 Now and then:
     strategy.all_reduce_sum(t)   sum over data-parallel processes (logging steps and eval only)
     strategy.barrier()
@@ -75,6 +81,7 @@ class Strategy:
     rank: int = 0
     world_size: int = 1
     is_main: bool = True
+    precision: str = "fp32"
 
     def __init__(self, cfg: ParallelConfig, device_type: str):
         self.cfg = cfg
@@ -126,6 +133,19 @@ class Strategy:
 
     def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return self.unwrap(model).state_dict()
+
+    def optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        optimizer.load_state_dict(state)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from src.strategies.base import LossFn, move
 from src.strategies.distributed import Distributed
 
 
@@ -29,11 +27,6 @@ class DDP(Distributed):
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module
-
-    def apply(
-        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, fn: LossFn
-    ) -> torch.Tensor:
-        return fn(model(move(inputs, self.device)), move(targets, self.device))
 
     def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if enabled else model.no_sync()

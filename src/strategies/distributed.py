@@ -16,9 +16,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from src.config import ConfigError
-from src.strategies.base import Strategy
+from src.strategies.base import LossFn, Strategy, move
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,11 @@ class Distributed(Strategy):
         if self.device_type == "cuda":
             return [torch.device("cuda", self.local_rank)]
         return [torch.device("cpu")]
+
+    def apply(
+        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, fn: LossFn
+    ) -> torch.Tensor:
+        return fn(model(move(inputs, self.device)), move(targets, self.device))
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         # A copy on the device the backend works on (NCCL: the GPU), so the caller's is untouched.

@@ -1,0 +1,104 @@
+"""`parallel=fsdp`: fully sharded data parallel (PyTorch's FSDP2), one process per device.
+
+Launched and fed like ddp: each rank trains on `global batch / world size` samples. Unlike ddp,
+no rank holds the whole model. Every block of the `nn.Sequential` (then the root, for what is
+left) is sharded: each parameter is split along its first dimension into `world size` pieces
+(DTensors), and so are its gradient and optimizer state. A block's full parameters are
+all-gathered just before its forward pass and again before its backward pass, and freed after;
+its gradients are reduce-scattered (averaged), so each rank gets the gradient of its own shard
+and steps the optimizer on it. Parameters, gradients and optimizer state take 1/world size of
+the memory per device, for a second all-gather per block per step (ddp: one all-reduce).
+
+With `trainer.precision=bf16` the gathered parameters are bf16 (half the all-gather traffic and
+the memory of the unsharded block) while the shards, the gradient reduction and the optimizer
+stay fp32. The loop's autocast still runs on top: it leaves bf16 matmuls as they are and casts to
+fp32 where it always does (softmax, norms, the loss), so the two agree.
+
+Checkpoints are gathered on rank 0 into single's format (full state_dict; the optimizer state
+keyed by parameter index), so `single` loads an fsdp checkpoint and fsdp resumes from any
+strategy's: the weights are loaded before sharding, the optimizer state is split on loading.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from src.strategies.distributed import Distributed
+
+# Full tensors, gathered onto rank 0's CPU (the other ranks get nothing back).
+GATHERED_ON_MAIN = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# Every rank passes the full state (each one read the checkpoint) and keeps its own shards.
+SPLIT_FROM_FULL = StateDictOptions(full_state_dict=True)
+
+
+class FSDP(Distributed):
+    def wrap(self, model: nn.Module) -> nn.Module:
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        policy = MixedPrecisionPolicy()
+        if self.precision == "bf16":
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        return fully_shard(model, mesh=mesh, mp_policy=policy)
+
+    def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        return gradient_sync(model, enabled)
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return get_model_state_dict(model, options=GATHERED_ON_MAIN)
+
+    def optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, Any]:
+        state = get_optimizer_state_dict(model, optimizer, options=GATHERED_ON_MAIN)
+        if not self.is_main:
+            return {}
+        index = {name: i for i, name in enumerate(parameter_names(model, optimizer))}
+        return renamed(state, index)
+
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        names = dict(enumerate(parameter_names(model, optimizer)))
+        set_optimizer_state_dict(model, optimizer, renamed(state, names), options=SPLIT_FROM_FULL)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: FSDPModule, enabled: bool) -> Iterator[None]:
+    """Off: gradients accumulate unsharded on each rank, reduce-scattered on a later micro-step."""
+    model.set_requires_gradient_sync(enabled)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The name of each of the optimizer's parameters, in the order that `state_dict` numbers
+    them (`single`'s checkpoints key the optimizer state by that number)."""
+    name_of = {param: name for name, param in model.named_parameters()}
+    return [name_of[param] for group in optimizer.param_groups for param in group["params"]]
+
+
+def renamed(state: dict[str, Any], new_key: dict) -> dict[str, Any]:
+    """An optimizer state dict with its parameter keys (names or indices) mapped by `new_key`."""
+    return {
+        "state": {new_key[key]: value for key, value in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [new_key[key] for key in group["params"]]}
+            for group in state["param_groups"]
+        ],
+    }
