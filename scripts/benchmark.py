@@ -14,6 +14,9 @@ speed ratio (first / second). Warm-up steps are left out of both.
                     cannot overlap, so this shows what pipelining costs; on GPUs, what it gains
     ddp             the template's `parallel=ddp`, 2 CPU processes started by its launcher / a
                     hand-written DDP loop in 2 processes (1.0: no overhead)
+    fsdp            the template's `parallel=fsdp` / its `parallel=ddp`, 2 CPU processes each:
+                    what sharding costs in time (an all-gather per block in forward and again
+                    in backward); what it saves in memory is in each run's summary.json
 """
 
 from __future__ import annotations
@@ -125,11 +128,12 @@ def plain_single(steps: int) -> float:
 DDP_PROCESSES = 2
 
 
-def template_ddp(steps: int) -> float:
-    """samples/s of `parallel=ddp` with 2 CPU processes, started by the template's launcher."""
+def template_launched(steps: int, strategy: str) -> float:
+    """samples/s of a multi-process strategy with 2 CPU processes, started by the template's
+    launcher."""
     cfg = compose_config(
         *WORKLOAD,
-        "parallel=ddp",
+        f"parallel={strategy}",
         f"parallel.devices={DDP_PROCESSES}",
         "trainer.accelerator=cpu",
         f"trainer.max_steps={steps}",
@@ -143,6 +147,14 @@ def template_ddp(steps: int) -> float:
         no_logging = {"version": 1, "disable_existing_loggers": False}
         summary = launch(train_worker, (resolved, run_dir), processes, 1, cfg.parallel, no_logging)
     return summary["samples_per_sec"]
+
+
+def template_ddp(steps: int) -> float:
+    return template_launched(steps, "ddp")
+
+
+def template_fsdp(steps: int) -> float:
+    return template_launched(steps, "fsdp")
 
 
 def plain_ddp_worker(rank: int, workload: dict, steps: int, port: int, result_path: str) -> None:
@@ -204,6 +216,7 @@ COMPARISONS: dict[str, tuple[tuple[str, Run], tuple[str, Run]]] = {
         ("naive M=1", model_parallel_naive),
     ),
     "ddp": (("template", template_ddp), ("plain DDP", plain_ddp)),
+    "fsdp": (("fsdp", template_fsdp), ("ddp", template_ddp)),
 }
 
 

@@ -96,6 +96,13 @@ ROWS = [
         marks=[CUDA, NEEDS_GPU],
     ),
     pytest.param(
+        ["parallel=fsdp", "trainer.accelerator=cpu", "parallel.devices=5"],
+        CHECK,
+        "(trainer.batch_size / trainer.accumulate = 24) does not split evenly over 5 processes "
+        "(parallel.devices=5 x parallel.nodes=1)",
+        id="fsdp-batch-over-ranks",
+    ),
+    pytest.param(
         ["trainer.max_steps=abc"],
         HYDRA,
         "Value 'abc' of type 'str' could not be converted to Integer\n    full_key: "
