@@ -3,11 +3,15 @@ where GPUs are."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 from helpers import (
+    ROOT,
     TINY,
     TINY_TRANSFORMER,
     assert_same_training,
@@ -16,12 +20,8 @@ from helpers import (
     run_train,
     summary,
 )
-from torch.distributed.tensor import DTensor
 
-from src.config import DistributedConfig
 from src.models import MLP
-from src.objective import loss_sum
-from src.strategies import build_strategy
 
 FSDP = ("parallel=fsdp", "parallel.devices=2")
 # SGD at full rate from the first step, because Adam's steps hardly change when every gradient
@@ -67,27 +67,42 @@ def test_fsdp_checkpoint_is_single_s_and_both_resume_from_it(tmp_path):
         assert_same_training(reference_run(*TINY), tmp_path / name)
 
 
-@pytest.mark.parametrize(
-    "precision, gathered_dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)]
-)
-def test_bf16_gathers_bf16_parameters_but_keeps_fp32_shards_and_gradients(
-    precision, gathered_dtype
-):
-    """In this process, as a job of one rank: what a block's layers see in the forward pass."""
-    strategy = build_strategy(DistributedConfig(name="fsdp", devices=1), "cpu", precision)
-    strategy.setup()
-    try:
-        model = strategy.wrap(MLP(input_shape=(32,), num_classes=10, hidden=32, depth=3))
-        seen = []
-        model[1][0].register_forward_pre_hook(lambda layer, _: seen.append(layer.weight.dtype))
-        inputs, targets = torch.randn(4, 32), torch.randint(0, 10, (4,))
-        strategy.apply(model, inputs, targets, loss_sum).backward()
-        assert seen == [gathered_dtype]
-        for param in model.parameters():
-            assert isinstance(param, DTensor)
-            assert param.dtype == param.grad.dtype == torch.float32
-    finally:
-        strategy.teardown()
+# One rank, in a process of its own (a process group outlives a failed test in pytest's).
+WHAT_A_LAYER_SEES = """
+import json, sys, torch
+from src.config import DistributedConfig
+from src.models import MLP
+from src.objective import loss_sum
+from src.strategies import build_strategy
+
+strategy = build_strategy(DistributedConfig(name="fsdp", devices=1), "cpu", sys.argv[1])
+strategy.setup()
+model = strategy.wrap(MLP(input_shape=(32,), num_classes=10, hidden=32, depth=3))
+gathered = []
+model[1][0].register_forward_pre_hook(lambda layer, _: gathered.append(str(layer.weight.dtype)))
+strategy.apply(model, torch.randn(4, 32), torch.randint(0, 10, (4,)), loss_sum).backward()
+params = list(model.parameters())
+print(json.dumps({
+    "gathered": gathered,
+    "kept": sorted({str(p.dtype) for p in params} | {str(p.grad.dtype) for p in params}),
+    "sharded": all(type(p).__name__ == "DTensor" for p in params),
+}))
+strategy.teardown()
+"""
+
+
+@pytest.mark.parametrize("precision, gathered", [("fp32", "float32"), ("bf16", "bfloat16")])
+def test_bf16_gathers_bf16_parameters_but_keeps_fp32_shards_and_gradients(precision, gathered):
+    result = subprocess.run(
+        [sys.executable, "-c", WHAT_A_LAYER_SEES, precision],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.splitlines()[-1])
+    assert seen == {"gathered": [f"torch.{gathered}"], "kept": ["torch.float32"], "sharded": True}
 
 
 def cuda_devices() -> int:
