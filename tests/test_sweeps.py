@@ -147,6 +147,7 @@ def test_slurm_preset_sizes_each_job_from_its_parallel_settings():
     assert resources("parallel=dp", "parallel.devices=4", "trainer.accelerator=cpu") == (1, 1, None)
     assert resources("parallel=ddp", "parallel.devices=8") == (1, 8, 8)  # one task per GPU
     assert resources("parallel=hybrid", "parallel.devices=8") == (1, 4, 8)  # 2 stages a task
+    assert resources("parallel=fsdp", "parallel.devices=8") == (1, 8, 8)
     two_nodes = ("parallel.nodes=2", "parallel.master_port=29500")
     assert resources("parallel=ddp", "parallel.devices=4", *two_nodes) == (2, 4, 4)
     assert resources("parallel=single", "parallel.devices=2") == (1, 1, None)  # only says why not
