@@ -39,7 +39,7 @@ FAILURES_KEY = "template/failures"
 # ranks that failed after it because a peer went away. Later failures wait longer; the launcher
 # stops them as soon as the first one has exited.
 FIRST_FAILURE_WAIT_S = 1.0
-LATER_FAILURE_WAIT_S = 10.0
+LATER_FAILURE_WAIT_S = 3.0
 
 
 @dataclass(frozen=True)

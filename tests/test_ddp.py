@@ -149,6 +149,24 @@ def test_failing_rank_stops_the_whole_job_and_is_named(
     assert processes_of_job(marker) == []
 
 
+def test_non_finite_loss_stops_every_rank_with_one_message(tmp_path):
+    """The ranks agree on the step (the check is all-reduced), so this is the run's outcome, not
+    a crash: the same one-line message and exit code as `single`, no traceback."""
+    diverging = (
+        "optimizer=sgd",
+        "optimizer.lr=1000",
+        "optimizer.warmup_steps=0",
+        "trainer.checkpoint_every=2",
+    )
+    result = run_train(*TINY, *DDP, *diverging, run_dir=tmp_path, check=False)
+
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "the training loss became non-finite at step 4" in output
+    assert "Traceback" not in output
+    assert checkpoint(tmp_path)["step"] == 2
+
+
 def test_ranks_started_by_torchrun_share_one_run_dir(tmp_path):
     """Each rank resolves `${now:...}` itself; all must still land in rank 0's directory."""
     command = [

@@ -16,17 +16,37 @@ from src.strategies.distributed import Distributed
 
 
 class DDP(Distributed):
+    replica: DistributedDataParallel | None = None
+
     def wrap(self, model: nn.Module) -> nn.Module:
-        return DistributedDataParallel(
-            model.to(self.device),
-            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+        cuda = self.device.type == "cuda"
+        return self.replicate(model.to(self.device), [self.device.index] if cuda else None)
+
+    def replicate(self, module: nn.Module, device_ids: list[int] | None) -> nn.Module:
+        """`module` under DDP, kept so that `teardown` can take the process group from it."""
+        self.replica = DistributedDataParallel(
+            module,
+            device_ids=device_ids,
             # The template's models hold no running statistics, so there is nothing to
             # sync before every forward pass (one collective per step saved).
             forward_sync_buffers=False,
         )
+        return self.replica
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module
 
     def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if enabled else model.no_sync()
+
+    def teardown(self) -> None:
+        # DDP's reducer holds the process group, and a DDP module sits in reference cycles, so
+        # the reducer dies whenever the cyclic GC gets to it, possibly after the group was
+        # destroyed: then, as the group's last holder, it destroys the group under the GIL,
+        # joining gloo's worker threads while one of them waits for the GIL to free the last
+        # collective's tensors, a deadlock (pytorch/pytorch#56297; reproduced here within 100
+        # init/train/destroy rounds, also with a barrier before destroy_process_group). Taken
+        # from it now, the group dies with its Python handle, whose destructor releases the GIL.
+        if self.replica is not None:
+            self.replica.reducer = self.replica.logger = self.replica.process_group = None
+        super().teardown()

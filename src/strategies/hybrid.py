@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from src.config import ConfigError
 from src.strategies.base import LossFn
@@ -77,8 +76,8 @@ class Hybrid(DDP):
         self.layout = pipeline.describe()
         log_layout(self.layout)
         # A module on several devices takes no device_ids; DDP then leaves the inputs where they
-        # are and passes (inputs, targets, fn) on to the pipeline. No buffers to sync (see ddp).
-        return DistributedDataParallel(pipeline, device_ids=None, forward_sync_buffers=False)
+        # are and passes (inputs, targets, fn) on to the pipeline.
+        return self.replicate(pipeline, device_ids=None)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module.model
