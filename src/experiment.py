@@ -219,9 +219,6 @@ def train(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[str, Any]:
     for device in {device for device in strategy.devices if device.type == "cuda"}:
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        # Everything built for training (the model, and DDP's reducer that holds the process
-        # group) is released when `build_and_fit` returns, before the group is torn down: a
-        # reducer that outlives it can deadlock with gloo's worker threads at exit.
         return build_and_fit(cfg, run_dir, strategy)
     finally:
         strategy.teardown()

@@ -135,7 +135,4 @@ class Distributed(Strategy):
         # the process exits: its peers then fail only after it has reported its failure (see
         # `launch.run_as_rank`), so that the launcher names this rank rather than one of them.
         if dist.is_initialized() and sys.exc_info()[0] is None:
-            # Waiting here (without the GIL) lets gloo's worker threads drop their finished
-            # work, which needs the GIL, before the group's destructor joins them.
-            self.barrier()
             dist.destroy_process_group()
