@@ -66,10 +66,11 @@ class Run:
         ("parallel=single",),
         ("parallel=dp",),
         ("parallel=model_parallel", "parallel.microbatches=2"),
+        ("parallel=ddp", "parallel.devices=2"),
         ("parallel=hybrid", "parallel.devices=4", "parallel.stages=2", "parallel.microbatches=2"),
         ("parallel=fsdp", "parallel.devices=2"),
     ],
-    ids=["single", "dp", "model_parallel", "hybrid", "fsdp"],
+    ids=["single", "dp", "model_parallel", "ddp", "hybrid", "fsdp"],
 )
 def test_killed_run_resumes_to_the_same_weights(tmp_path, strategy):
     """Killed mid-run and resumed, every strategy ends where an uninterrupted `single` run does."""
