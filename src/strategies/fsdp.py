@@ -7,7 +7,9 @@ left) is sharded: each parameter is split along its first dimension into `world 
 all-gathered just before its forward pass and again before its backward pass, and freed after;
 its gradients are reduce-scattered (averaged), so each rank gets the gradient of its own shard
 and steps the optimizer on it. Parameters, gradients and optimizer state take 1/world size of
-the memory per device, for a second all-gather per block per step (ddp: one all-reduce).
+the memory per device, for a second all-gather per block per step (ddp: one all-reduce). On the
+accumulation micro-steps that do not step the optimizer, gradients stay whole on each rank until
+the last one reduce-scatters them (communication saved for memory, as in DDP's no_sync).
 
 With `trainer.precision=bf16` the gathered parameters are bf16 (half the all-gather traffic and
 the memory of the unsharded block) while the shards, the gradient reduction and the optimizer
@@ -17,6 +19,8 @@ fp32 where it always does (softmax, norms, the loss), so the two agree.
 Checkpoints are gathered on rank 0 into single's format (full state_dict; the optimizer state
 keyed by parameter index), so `single` loads an fsdp checkpoint and fsdp resumes from any
 strategy's: the weights are loaded before sharding, the optimizer state is split on loading.
+The whole model and a checkpoint's whole state still pass through each process's host memory
+(built, or read, before sharding; gathered on rank 0's CPU); only device memory is sharded.
 """
 
 from __future__ import annotations
