@@ -12,8 +12,8 @@ import logging
 import math
 import os
 import shlex
+import signal
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +24,10 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from src.checkpoint import load_checkpoint, resume_path, set_rng_state
+from src.checkpoint import checkpoint_path, load_checkpoint, resume_path, set_rng_state
 from src.config import ConfigError
 from src.launch import (
+    KilledBySignal,
     configure_logging,
     join_started_ranks,
     launch,
@@ -35,7 +36,7 @@ from src.launch import (
 )
 from src.loop import fit
 from src.optim import build_optimizer, lr_schedule
-from src.stopping import RunStopped
+from src.stopping import Interrupted, RunStopped
 from src.strategies import build_strategy
 from src.strategies.base import Strategy, resolve_device_type
 from src.tracking import build_tracker, check_tracker
@@ -163,9 +164,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         resolved = OmegaConf.to_container(cfg, resolve=True)
         args = (resolved, str(run_dir))
         per_node = strategy.processes_per_node
-        outcome = launch(train_worker, args, per_node, nodes, cfg.parallel, job_logging)
-        if isinstance(outcome, StoppedEarly):
-            raise outcome.error()
+        outcome = launch_and_stop_on_signal(args, per_node, nodes, cfg.parallel, job_logging)
+        if isinstance(outcome, RunStopped):
+            raise outcome
         return outcome
     if ranks is not None:
         return run_as_rank(train, cfg, run_dir, strategy)
@@ -187,29 +188,35 @@ def resume_command() -> str:
     )
 
 
-@dataclass(frozen=True)
-class StoppedEarly:
-    """A `RunStopped` that every rank raised at the same step (they agree on it, e.g. on a
-    non-finite loss), handed back to the launcher as the run's outcome rather than as a crash."""
+def launch_and_stop_on_signal(
+    args: tuple, per_node: int, nodes: int, parallel: DictConfig, job_logging: dict[str, Any]
+) -> dict[str, Any] | RunStopped:
+    """`launch` the ranks of `train_worker`. A first SIGINT/SIGTERM stops them together after a
+    step, and comes back as their outcome; a second one kills them (or the first, before they
+    have started): then the last checkpoint says where the run can resume from."""
+    try:
+        return launch(train_worker, args, per_node, nodes, parallel, job_logging)
+    except KilledBySignal as stopped:
+        path = checkpoint_path(Path(args[1]))
+        kept = "no checkpoint was written"
+        if path.exists():
+            step = load_checkpoint(path, mmap=True)["step"]
+            kept = f"the last checkpoint, {path}, is from step {step}"
+        name = signal.Signals(stopped.signum).name
+        raise Interrupted(f"stopped by {name} at once; {kept}", 128 + stopped.signum) from None
 
-    message: str
-    exit_code: int
 
-    def error(self) -> RunStopped:
-        error = RunStopped(self.message)
-        error.exit_code = self.exit_code
-        return error
-
-
-def train_worker(resolved_cfg: dict[str, Any], run_dir: str) -> dict[str, Any] | StoppedEarly:
-    """`train` in a process started by `launch`, from the config the launcher checked."""
+def train_worker(resolved_cfg: dict[str, Any], run_dir: str) -> dict[str, Any] | RunStopped:
+    """`train` in a process started by `launch`, from the config the launcher checked. A stop
+    that every rank made at the same step (they agree on signals and non-finite losses) is the
+    run's outcome, handed back to the launcher, not a crash."""
     cfg = OmegaConf.create(resolved_cfg)
     device_type = resolve_device_type(cfg.trainer.accelerator)
     strategy = build_strategy(cfg.parallel, device_type, cfg.trainer.precision)
     try:
         return train(cfg, Path(run_dir), strategy)
     except RunStopped as stop:
-        return StoppedEarly(str(stop), stop.exit_code)
+        return stop
 
 
 def train(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[str, Any]:

@@ -16,18 +16,22 @@ torch is imported inside the functions that need it, so that `train.py --help` s
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
 import logging.config
 import os
 import re
+import signal
 import sys
 import tempfile
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -40,6 +44,19 @@ FAILURES_KEY = "template/failures"
 # stops them as soon as the first one has exited.
 FIRST_FAILURE_WAIT_S = 1.0
 LATER_FAILURE_WAIT_S = 3.0
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+AGENT_HANDLED_SIGNALS = "SIGHUP,SIGQUIT"  # torch's agent stops the ranks at once on these
+
+
+class KilledBySignal(BaseException):
+    """`launch` stopped its ranks at once: a second SIGINT/SIGTERM, or one before they started.
+
+    A BaseException, like KeyboardInterrupt, so that no `except Exception` in torch's agent
+    stops it on its way out."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 @dataclass(frozen=True)
@@ -166,7 +183,22 @@ def failure_order() -> int:
 def _worker(fn: Callable[..., Any], args: tuple, job_logging: dict[str, Any]) -> Any:
     """Entry point of each launched process (the agent sets RANK, WORLD_SIZE, ...)."""
     configure_logging(job_logging, f"rank{os.environ['RANK']}")
-    return run_as_rank(fn, *args)
+    # Connect to the launcher's store now: a rank that fails later tells it (`failure_order`),
+    # and once the launcher has died, a new connection would wait 30 minutes for it.
+    rank_store()
+    launcher = os.getppid()
+    result = run_as_rank(fn, *args)
+    # torch hands the result to the launcher and waits until it has read it: forever, if the
+    # launcher was killed (which sends each rank a SIGINT, so that they stop, see `launch`).
+    threading.Thread(target=exit_once_orphaned, args=(launcher,), daemon=True).start()
+    return result
+
+
+def exit_once_orphaned(launcher: int) -> None:
+    while os.getppid() == launcher:
+        time.sleep(0.1)
+    logging.shutdown()
+    os._exit(1)
 
 
 def launch(
@@ -214,6 +246,46 @@ def launch(
             # long to finish their step and checkpoint before SIGKILL; a rank stuck in a
             # collective could not answer sooner anyway.
             shutdown_timeout=max(1, int(parallel.timeout_s)),
+            signals_to_handle=AGENT_HANDLED_SIGNALS,
         )
-        results = elastic_launch(config, _worker)(fn, args, job_logging)
+        with stop_signals_passed_to_ranks():
+            results = elastic_launch(config, _worker)(fn, args, job_logging)
     return results[min(results)]
+
+
+@contextlib.contextmanager
+def stop_signals_passed_to_ranks() -> Iterator[None]:
+    """While the ranks run, pass a SIGINT/SIGTERM to this process on to them, and keep waiting
+    for their results: they stop together and checkpoint, and hand back the stop as their
+    outcome (see `src/stopping.py`). A second signal kills them at once.
+
+    torch's agent would instead stop collecting the ranks' results and wait for them to exit,
+    which they cannot do until their results are read: `launch` tells it to leave these signals
+    alone (`AGENT_HANDLED_SIGNALS`).
+    """
+    import multiprocessing
+
+    received: list[int] = []
+
+    def pass_on(signum: int, frame: FrameType | None) -> None:
+        ranks = multiprocessing.active_children()
+        name = signal.Signals(signum).name
+        if received or not ranks:
+            for rank in ranks:
+                rank.kill()
+            raise KilledBySignal(signum)
+        received.append(signum)
+        log.warning(
+            "%s received: the ranks stop together at the next step they log, evaluate or "
+            "checkpoint (send it again to stop them at once)",
+            name,
+        )
+        for rank in ranks:
+            os.kill(rank.pid, signum)
+
+    previous = {signum: signal.signal(signum, pass_on) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

@@ -26,7 +26,7 @@ from src.checkpoint import checkpoint_path, rng_state, save_atomic
 from src.data import Data, Split, train_batches, val_batches
 from src.objective import eval_sums, loss_sum
 from src.optim import lr_schedule
-from src.stopping import Interrupted, NonFiniteWatch, StopOnSignal
+from src.stopping import Interrupted, NonFiniteWatch, StopOnSignal, agree_to_stop
 from src.strategies.base import Strategy
 
 log = logging.getLogger(__name__)
@@ -228,7 +228,7 @@ def fit(
 
     with (
         open_history(run_dir / "metrics.jsonl", start_step, strategy.is_main) as history,
-        StopOnSignal() as stop,
+        StopOnSignal(second_signal_stops_at_once=strategy.world_size == 1) as stop,
     ):
 
         def record(metrics: dict[str, float], step: int) -> None:
@@ -261,14 +261,21 @@ def fit(
             last = step == trainer.max_steps
             log_now = step % trainer.log_every == 0 or last
             eval_now = (trainer.eval_every and step % trainer.eval_every == 0) or last
-            stop_now = stop.requested and not last
-            checkpoint_now = (
-                (trainer.checkpoint_every and step % trainer.checkpoint_every == 0)
-                or last
-                or stop_now
-            )
-            if log_now or eval_now or checkpoint_now:
-                nonfinite.check(strategy, step, last_checkpoint)
+            checkpoint_due = (
+                trainer.checkpoint_every and step % trainer.checkpoint_every == 0
+            ) or last
+            # Several processes stop together, after a step they synchronize at anyway; one
+            # process on its own stops after the current step.
+            stop_signal = None
+            if (
+                log_now
+                or eval_now
+                or checkpoint_due
+                or (stop.requested and strategy.world_size == 1)
+            ):
+                stop_signal = agree_to_stop(strategy, nonfinite, stop, step, last_checkpoint)
+            stop_now = stop_signal is not None and not last
+            checkpoint_now = checkpoint_due or stop_now
 
             if log_now:
                 train_loss = window_loss(strategy, running_loss, steps_since_log)
@@ -322,7 +329,7 @@ def fit(
                 speed.resume(paused)
 
             if stop_now:
-                raise Interrupted(stop.signal, step, checkpoint_path(run_dir))
+                raise Interrupted.by(stop_signal, step, checkpoint_path(run_dir))
 
     memory_devices, memory_mb = strategy.peak_memory_mb()
     return {

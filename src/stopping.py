@@ -18,27 +18,42 @@ log = logging.getLogger(__name__)
 
 
 class RunStopped(Exception):
-    """Training ended before `trainer.max_steps` for a reason the user can act on."""
+    """Training ended before `trainer.max_steps` for a reason the user can act on.
 
-    exit_code = 1
+    It pickles as it is, so that a launched rank can hand it to the launcher as its outcome."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message, exit_code)
+        self.exit_code = exit_code
+
+    def __str__(self) -> str:
+        return self.args[0]
 
 
 class Interrupted(RunStopped):
-    def __init__(self, signum: int, step: int, checkpoint: Path):
-        self.exit_code = 128 + signum  # what a shell reports for a process the signal killed
+    """Stopped by SIGINT or SIGTERM; the exit code is what a shell reports for a process that
+    the signal killed."""
+
+    @classmethod
+    def by(cls, signum: int, step: int | None, checkpoint: Path) -> Interrupted:
         name = signal.Signals(signum).name
-        super().__init__(f"stopped by {name} after step {step}; checkpoint saved to {checkpoint}")
+        if step is None:
+            return cls(f"stopped by {name} before the first checkpoint", 128 + signum)
+        return cls(
+            f"stopped by {name} after step {step}; checkpoint saved to {checkpoint}", 128 + signum
+        )
 
 
 class NonFiniteLoss(RunStopped):
-    def __init__(self, step: int | None, checked_at: int, last_checkpoint: int | None):
+    @classmethod
+    def at(cls, step: int | None, checked_at: int, last_checkpoint: int | None) -> NonFiniteLoss:
         where = f"at step {step}" if step else f"on another process by step {checked_at}"
         kept = (
             f"the last checkpoint (step {last_checkpoint}) is kept"
             if last_checkpoint is not None
             else "no checkpoint was written"
         )
-        super().__init__(
+        return cls(
             f"the training loss became non-finite {where}; stopped, and {kept}. Lower "
             "optimizer.lr, set trainer.grad_clip, or set trainer.skip_nonfinite=true to skip "
             "such steps"
@@ -46,13 +61,21 @@ class NonFiniteLoss(RunStopped):
 
 
 class StopOnSignal:
-    """Turns the first SIGINT (Ctrl-C) or SIGTERM into a request that the loop honours after the
-    current step. The previous handlers come straight back, so a second signal stops at once."""
+    """Turns SIGINT (Ctrl-C) and SIGTERM into a request to stop after a step.
+
+    A process on its own stops after the current step, and the previous handlers come straight
+    back, so that a second signal stops it at once. The processes of a multi-process job must
+    stop after the same step: they settle it in `agree_to_stop`. They keep every later signal to
+    themselves, because one Ctrl-C reaches each of them twice (from the terminal, and passed on
+    by the launcher); stopping them at once is the launcher's call (SIGKILL after
+    parallel.timeout_s).
+    """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self) -> None:
+    def __init__(self, second_signal_stops_at_once: bool = True) -> None:
         self.signal: int | None = None
+        self.second_signal_stops_at_once = second_signal_stops_at_once
         self._previous: dict[int, object] = {}
 
     @property
@@ -67,12 +90,21 @@ class StopOnSignal:
         self._restore()
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
+        if self.signal is not None:
+            return
         self.signal = signum
-        self._restore()
-        log.warning(
-            "%s received: stopping after the current step (send it again to stop at once)",
-            signal.Signals(signum).name,
-        )
+        if self.second_signal_stops_at_once:
+            self._restore()
+            log.warning(
+                "%s received: stopping after the current step (send it again to stop at once)",
+                signal.Signals(signum).name,
+            )
+        else:
+            log.warning(
+                "%s received: stopping with the other processes at the next step they log, "
+                "evaluate or checkpoint",
+                signal.Signals(signum).name,
+            )
 
     def _restore(self) -> None:
         for signum, handler in self._previous.items():
@@ -83,8 +115,8 @@ class StopOnSignal:
 class NonFiniteWatch:
     """Remembers the first step whose loss was NaN or infinite, without waiting on the device.
 
-    `observe` queues two tiny ops on the loss's device per step; only `check`, called on steps
-    that synchronize anyway (logging, eval, checkpoint), reads the result back. A per-step
+    `observe` queues two tiny ops on the loss's device per step; only `agree_to_stop`, called on
+    steps that synchronize anyway (logging, eval, checkpoint), reads the result back. A per-step
     `.item()` would make the host wait for every step on a GPU and lose the overlap of queueing
     step k+1 while step k runs."""
 
@@ -98,9 +130,28 @@ class NonFiniteWatch:
         else:
             self.first_step = torch.where(self.first_step > 0, self.first_step, bad_step)
 
-    def check(self, strategy: Strategy, step: int, last_checkpoint: int | None) -> None:
-        """Raise NonFiniteLoss if any process has seen a non-finite loss (all agree)."""
-        if self.first_step is None:
-            return
-        if strategy.all_reduce_sum(self.first_step.clone()).item() > 0:
-            raise NonFiniteLoss(int(self.first_step.item()), step, last_checkpoint)
+
+def agree_to_stop(
+    strategy: Strategy,
+    nonfinite: NonFiniteWatch,
+    stop: StopOnSignal,
+    step: int,
+    last_checkpoint: int | None,
+) -> int | None:
+    """What every process must do after `step`, settled in one all-reduce on a step where they
+    synchronize anyway (log, eval, checkpoint): raises NonFiniteLoss if any process has seen a
+    non-finite loss; returns the signal to stop for if any process has received one, else None.
+    """
+    first_bad = nonfinite.first_step
+    if first_bad is None:  # no step observed yet
+        first_bad = torch.zeros(())
+    received = [float(stop.signal == signum) for signum in StopOnSignal.SIGNALS]
+    flags = torch.tensor([0.0, *received], device=first_bad.device)
+    flags[0] = first_bad
+    any_bad, *signal_counts = strategy.all_reduce_sum(flags).tolist()
+    if any_bad > 0:
+        raise NonFiniteLoss.at(int(first_bad.item()) or None, step, last_checkpoint)
+    if stop.signal is not None:
+        return stop.signal
+    received_anywhere = zip(StopOnSignal.SIGNALS, signal_counts, strict=True)
+    return next((signum for signum, count in received_anywhere if count), None)

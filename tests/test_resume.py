@@ -33,6 +33,7 @@ class Run:
     """`train.py` in the background, read line by line; it blocks once it is a page ahead."""
 
     def __init__(self, *overrides: str, run_dir: Path, env: dict[str, str] | None = None):
+        # Its own session and process group, which a terminal's Ctrl-C would signal as a whole.
         read_end, write_end = os.pipe()
         fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         self.process = subprocess.Popen(
@@ -41,6 +42,7 @@ class Run:
             stdout=write_end,
             stderr=subprocess.STDOUT,
             env={**os.environ, "WANDB_SILENT": "true", **(env or {})},
+            start_new_session=True,
         )
         os.close(write_end)
         self.output = os.fdopen(read_end, "rb", buffering=0)  # unbuffered: reads one line only
@@ -101,15 +103,30 @@ def test_sigterm_stops_after_the_step_and_prints_the_resume_command(tmp_path):
     returncode, output = run.finish()
 
     assert returncode == 128 + signal.SIGTERM
-    stopped = re.search(r"stopped by SIGTERM after step (\d+); checkpoint saved to (\S+); ", output)
-    assert stopped, output
-    assert stopped[2] == str(tmp_path / "checkpoints" / "last.pt")
     state = checkpoint(tmp_path)
-    assert state["step"] == int(stopped[1]) < 60
+    assert state["step"] == stopped_step(output, "SIGTERM", tmp_path) < 60
     assert not (tmp_path / "summary.json").exists()
-    command = output.split("resume with:\n")[1].splitlines()[0].strip()
-    assert command.endswith(f"trainer.resume=auto hydra.run.dir={tmp_path}")
+    resume_with_the_printed_command(output, tmp_path)
+    assert_same_training(reference_run(*RESUMABLE), tmp_path)
+    run_id = state["wandb_run_id"]
+    assert run_id and checkpoint(tmp_path)["wandb_run_id"] == run_id
+    wandb_runs = sorted(path.name for path in (tmp_path / "wandb").glob("offline-run-*"))
+    assert len(wandb_runs) == 2 and all(name.endswith(f"-{run_id}") for name in wandb_runs)
 
+
+def stopped_step(output: str, signal_name: str, run_dir: Path) -> int:
+    """The step the run says it stopped after, having saved its checkpoint."""
+    stopped = re.search(
+        rf"stopped by {signal_name} after step (\d+); checkpoint saved to (\S+); ", output
+    )
+    assert stopped, output
+    assert stopped[2] == str(run_dir / "checkpoints" / "last.pt")
+    return int(stopped[1])
+
+
+def resume_with_the_printed_command(output: str, run_dir: Path) -> None:
+    command = output.split("resume with:\n")[1].splitlines()[0].strip()
+    assert command.endswith(f"trainer.resume=auto hydra.run.dir={run_dir}")
     python, script, *arguments = shlex.split(command)
     assert (python, script) == ("python", "train.py")
     resumed = subprocess.run(
@@ -121,11 +138,68 @@ def test_sigterm_stops_after_the_step_and_prints_the_resume_command(tmp_path):
         env={**os.environ, "WANDB_SILENT": "true"},
     )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert_same_training(reference_run(*RESUMABLE), tmp_path)
-    run_id = state["wandb_run_id"]
-    assert run_id and checkpoint(tmp_path)["wandb_run_id"] == run_id
-    wandb_runs = sorted(path.name for path in (tmp_path / "wandb").glob("offline-run-*"))
-    assert len(wandb_runs) == 2 and all(name.endswith(f"-{run_id}") for name in wandb_runs)
+
+
+def rank_pids(launcher_pid: int) -> list[int]:
+    """The processes a multi-process job's launcher started for its ranks."""
+    children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
+    return [
+        pid
+        for pid in map(int, children)
+        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+
+
+DDP = ("parallel=ddp", "parallel.devices=2")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "signum, target",
+    [
+        (signal.SIGTERM, "launcher"),  # `kill <pid>` of train.py, as a scheduler would
+        (signal.SIGINT, "process group"),  # Ctrl-C: the terminal signals every process
+        (signal.SIGTERM, "one rank"),  # the other rank never hears of it but for its peer
+    ],
+    ids=["sigterm-launcher", "ctrl-c", "sigterm-one-rank"],
+)
+def test_ddp_job_stops_as_one_and_resumes(tmp_path, signum, target):
+    """Every rank stops after the same step, the checkpoint is written once, the job exits like
+    a single run and resumes to the weights of an uninterrupted run."""
+    reference = reference_run(*RESUMABLE)
+    run = Run(*RESUMABLE, *DDP, run_dir=tmp_path)
+    run.wait_for("step 6/60")
+    if target == "launcher":
+        run.process.send_signal(signum)
+    elif target == "process group":
+        os.killpg(run.process.pid, signum)
+    else:
+        os.kill(rank_pids(run.process.pid)[-1], signum)
+    returncode, output = run.finish()
+
+    assert returncode == 128 + signum
+    name = signal.Signals(signum).name
+    assert 6 <= stopped_step(output, name, tmp_path) == checkpoint(tmp_path)["step"] < 60
+    assert "Traceback" not in output and "failed" not in output, output
+    assert not (tmp_path / "summary.json").exists()
+    resume_with_the_printed_command(output, tmp_path)
+    assert_same_training(reference, tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_a_second_signal_stops_a_ddp_job_at_once(tmp_path):
+    """The ranks would stop at step 1000 (their next log); the second signal does not wait."""
+    slow_to_stop = ("trainer.log_every=1000", "trainer.eval_every=0", "trainer.checkpoint_every=0")
+    run = Run(*RESUMABLE, *slow_to_stop, "trainer.max_steps=100000", *DDP, run_dir=tmp_path)
+    run.wait_for("intra-op thread")
+    run.process.send_signal(signal.SIGTERM)
+    run.wait_for("SIGTERM received: the ranks stop together")
+    run.process.send_signal(signal.SIGINT)
+    returncode, output = run.finish()
+
+    assert returncode == 128 + signal.SIGINT, output
+    assert "stopped by SIGINT at once; no checkpoint was written; resume with:" in output
+    assert not (tmp_path / "checkpoints").exists()
 
 
 @pytest.mark.timeout(300)
