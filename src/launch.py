@@ -162,6 +162,9 @@ def configure_logging(job_logging: dict[str, Any], label: str) -> None:
 
 def run_as_rank(fn: Callable[..., Any], *args: Any) -> Any:
     """Run `fn` as one rank of a multi-process job; on failure, log it and leave in order."""
+    from src.stopping import hold_stop_signals_for_this_rank
+
+    hold_stop_signals_for_this_rank()
     try:
         return fn(*args)
     except Exception:
@@ -281,7 +284,8 @@ def stop_signals_passed_to_ranks() -> Iterator[None]:
             name,
         )
         for rank in ranks:
-            os.kill(rank.pid, signum)
+            with contextlib.suppress(ProcessLookupError):  # it has just exited
+                os.kill(rank.pid, signum)
 
     previous = {signum: signal.signal(signum, pass_on) for signum in STOP_SIGNALS}
     try:

@@ -26,7 +26,7 @@ from src.checkpoint import checkpoint_path, rng_state, save_atomic
 from src.data import Data, Split, train_batches, val_batches
 from src.objective import eval_sums, loss_sum
 from src.optim import lr_schedule
-from src.stopping import Interrupted, NonFiniteWatch, StopOnSignal, agree_to_stop
+from src.stopping import Interrupted, NonFiniteWatch, agree_to_stop, stop_signals
 from src.strategies.base import Strategy
 
 log = logging.getLogger(__name__)
@@ -228,7 +228,7 @@ def fit(
 
     with (
         open_history(run_dir / "metrics.jsonl", start_step, strategy.is_main) as history,
-        StopOnSignal(second_signal_stops_at_once=strategy.world_size == 1) as stop,
+        stop_signals() as stop,
     ):
 
         def record(metrics: dict[str, float], step: int) -> None:

@@ -5,6 +5,7 @@ Both end in an exception that `train.py` reports as one message, with an exit co
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 from pathlib import Path
@@ -35,10 +36,8 @@ class Interrupted(RunStopped):
     the signal killed."""
 
     @classmethod
-    def by(cls, signum: int, step: int | None, checkpoint: Path) -> Interrupted:
+    def by(cls, signum: int, step: int, checkpoint: Path) -> Interrupted:
         name = signal.Signals(signum).name
-        if step is None:
-            return cls(f"stopped by {name} before the first checkpoint", 128 + signum)
         return cls(
             f"stopped by {name} after step {step}; checkpoint saved to {checkpoint}", 128 + signum
         )
@@ -64,11 +63,12 @@ class StopOnSignal:
     """Turns SIGINT (Ctrl-C) and SIGTERM into a request to stop after a step.
 
     A process on its own stops after the current step, and the previous handlers come straight
-    back, so that a second signal stops it at once. The processes of a multi-process job must
-    stop after the same step: they settle it in `agree_to_stop`. They keep every later signal to
-    themselves, because one Ctrl-C reaches each of them twice (from the terminal, and passed on
-    by the launcher); stopping them at once is the launcher's call (SIGKILL after
-    parallel.timeout_s).
+    back, so that a second signal stops it at once. The ranks of a multi-process job must stop
+    after the same step: they settle it in `agree_to_stop`, and hold their handler from start to
+    exit (`hold_stop_signals_for_this_rank`), so that a signal while they start up or finish
+    cannot kill one of them alone. They keep every later signal to themselves, because one
+    Ctrl-C reaches each rank twice (from the terminal, and passed on by the launcher); stopping
+    them at once is the launcher's call (SIGKILL after a second signal, or parallel.timeout_s).
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -93,23 +93,42 @@ class StopOnSignal:
         if self.signal is not None:
             return
         self.signal = signum
+        name = signal.Signals(signum).name
         if self.second_signal_stops_at_once:
             self._restore()
             log.warning(
                 "%s received: stopping after the current step (send it again to stop at once)",
-                signal.Signals(signum).name,
+                name,
             )
         else:
             log.warning(
                 "%s received: stopping with the other processes at the next step they log, "
                 "evaluate or checkpoint",
-                signal.Signals(signum).name,
+                name,
             )
 
     def _restore(self) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
+
+
+_rank_stop: StopOnSignal | None = None  # signal handlers belong to the process, and so does this
+
+
+def hold_stop_signals_for_this_rank() -> None:
+    """In a rank of a multi-process job, as it starts: from now to its exit, SIGINT and SIGTERM
+    only ask `fit` to stop with the other ranks (see `StopOnSignal`)."""
+    global _rank_stop
+    if _rank_stop is None:
+        _rank_stop = StopOnSignal(second_signal_stops_at_once=False).__enter__()
+
+
+def stop_signals() -> contextlib.AbstractContextManager[StopOnSignal]:
+    """What `fit` watches for a stop: this rank's handler, or one of its own for this run."""
+    if _rank_stop is not None:
+        return contextlib.nullcontext(_rank_stop)
+    return StopOnSignal()
 
 
 class NonFiniteWatch:
@@ -145,13 +164,16 @@ def agree_to_stop(
     first_bad = nonfinite.first_step
     if first_bad is None:  # no step observed yet
         first_bad = torch.zeros(())
-    received = [float(stop.signal == signum) for signum in StopOnSignal.SIGNALS]
+    # Read once: a signal that lands during the all-reduce must wait for the next agreement,
+    # or this process would decide on what the others did not see.
+    received_here = stop.signal
+    received = [float(received_here == signum) for signum in StopOnSignal.SIGNALS]
     flags = torch.tensor([0.0, *received], device=first_bad.device)
     flags[0] = first_bad
     any_bad, *signal_counts = strategy.all_reduce_sum(flags).tolist()
     if any_bad > 0:
         raise NonFiniteLoss.at(int(first_bad.item()) or None, step, last_checkpoint)
-    if stop.signal is not None:
-        return stop.signal
-    received_anywhere = zip(StopOnSignal.SIGNALS, signal_counts, strict=True)
-    return next((signum for signum, count in received_anywhere if count), None)
+    if not any(signal_counts):
+        return None
+    counted = zip(StopOnSignal.SIGNALS, signal_counts, strict=True)
+    return received_here or next(signum for signum, count in counted if count)

@@ -48,8 +48,8 @@ class Run:
         self.output = os.fdopen(read_end, "rb", buffering=0)  # unbuffered: reads one line only
         self.lines: list[str] = []
 
-    def wait_for(self, text: str) -> None:
-        while not any(text in line for line in self.lines[-1:]):
+    def wait_for(self, text: str, times: int = 1) -> None:
+        while sum(text in line for line in self.lines) < times:
             line = self.output.readline().decode()
             assert line, f"train.py ended before printing {text!r}:\n{''.join(self.lines)}"
             self.lines.append(line)
@@ -187,11 +187,29 @@ def test_ddp_job_stops_as_one_and_resumes(tmp_path, signum, target):
 
 
 @pytest.mark.timeout(300)
+def test_a_signal_while_ddp_ranks_start_up_stops_them_together(tmp_path):
+    """Signalled before their process group, data and model exist (most likely: they get there
+    in about a second), the ranks neither die nor hang: they stop after the same step."""
+    run = Run(*RESUMABLE, *DDP, run_dir=tmp_path)
+    run.wait_for("intra-op thread", times=2)
+    run.process.send_signal(signal.SIGTERM)
+    returncode, output = run.finish()
+
+    assert returncode == 128 + signal.SIGTERM, output
+    assert 1 <= stopped_step(output, "SIGTERM", tmp_path) == checkpoint(tmp_path)["step"] < 60
+
+
+@pytest.mark.timeout(300)
 def test_a_second_signal_stops_a_ddp_job_at_once(tmp_path):
-    """The ranks would stop at step 1000 (their next log); the second signal does not wait."""
-    slow_to_stop = ("trainer.log_every=1000", "trainer.eval_every=0", "trainer.checkpoint_every=0")
-    run = Run(*RESUMABLE, *slow_to_stop, "trainer.max_steps=100000", *DDP, run_dir=tmp_path)
-    run.wait_for("intra-op thread")
+    """The ranks would only stop at their next log, eval or checkpoint, which never comes: the
+    first signal cannot end the job, the second one does, at once."""
+    never_in_sync = (
+        "trainer.log_every=100000",
+        "trainer.eval_every=0",
+        "trainer.checkpoint_every=0",
+    )
+    run = Run(*RESUMABLE, *never_in_sync, "trainer.max_steps=100000", *DDP, run_dir=tmp_path)
+    run.wait_for("intra-op thread", times=2)  # both ranks are up, and hold their stop signals
     run.process.send_signal(signal.SIGTERM)
     run.wait_for("SIGTERM received: the ranks stop together")
     run.process.send_signal(signal.SIGINT)
