@@ -6,8 +6,9 @@ on the same workload.
     python scripts/benchmark.py --rounds 7 --steps 400
 
 Each comparison runs two sides in alternating rounds in this process tree, so both see the same
-machine state, and prints the median steady-state samples/s and step time of each and their
-speed ratio (first / second). Warm-up steps are left out of both.
+machine state, and prints the median steady-state samples/s and step time of each, and the
+median over rounds of their speed ratio (first / second) with its range. Warm-up steps are left
+out of both.
 
     single          the template's `parallel=single` / a plain PyTorch loop (1.0: no overhead)
     model_parallel  2 stages, GPipe over 4 micro-batches / the naive schedule; on CPU the stages
@@ -220,8 +221,8 @@ COMPARISONS: dict[str, tuple[tuple[str, Run], tuple[str, Run]]] = {
 }
 
 
-def compare(name: str, rounds: int, steps: int) -> tuple[float, float]:
-    """Median samples/s of the comparison's first and second side."""
+def compare(name: str, rounds: int, steps: int) -> tuple[float, float, list[float]]:
+    """Median samples/s of the comparison's first and second side, and each round's ratio."""
     (_, first), (_, second) = COMPARISONS[name]
     first_speeds, second_speeds = [], []
     for round_index in range(rounds):
@@ -229,7 +230,8 @@ def compare(name: str, rounds: int, steps: int) -> tuple[float, float]:
         order = [(first, first_speeds), (second, second_speeds)]
         for run, speeds in order if round_index % 2 == 0 else reversed(order):
             speeds.append(run(steps))
-    return statistics.median(first_speeds), statistics.median(second_speeds)
+    ratios = [a / b for a, b in zip(first_speeds, second_speeds, strict=True)]
+    return statistics.median(first_speeds), statistics.median(second_speeds), ratios
 
 
 def main() -> None:
@@ -245,14 +247,17 @@ def main() -> None:
         f"batch {BATCH_SIZE}"
     )
     sides = "".join(f"  {side:<16}{'samples/s':>11}{'ms/step':>9}" for side in ("first", "second"))
-    print(f"{'comparison':<16}{sides}{'ratio':>8}")
+    print(f"{'comparison':<16}{sides}{'ratio':>8}  (rounds' ratios: min-max)")
     for name in args.only or COMPARISONS:
-        speeds = compare(name, args.rounds, args.steps)
+        *speeds, ratios = compare(name, args.rounds, args.steps)
         cells = "".join(
             f"  {label:<16}{speed:>11,.0f}{1000 * BATCH_SIZE / speed:>9.2f}"
             for (label, _), speed in zip(COMPARISONS[name], speeds, strict=True)
         )
-        print(f"{name:<16}{cells}{speeds[0] / speeds[1]:>8.3f}")
+        # The median of the rounds' ratios: each round's two sides ran back to back, so a
+        # machine that speeds up or slows down between rounds moves both.
+        spread = f"{min(ratios):.3f}-{max(ratios):.3f}"
+        print(f"{name:<16}{cells}{statistics.median(ratios):>8.3f}  ({spread})")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoint import checkpoint_path, rng_state, save_atomic
+from src.config import TrainerConfig
 from src.data import Data, Split, train_batches, val_batches
 from src.objective import eval_sums, loss_sum
 from src.optim import lr_schedule
@@ -204,7 +205,8 @@ def fit(
 
     Ends early with `Interrupted` after SIGINT/SIGTERM (once the current step is done and
     checkpointed), or with `NonFiniteLoss` before a NaN/inf loss reaches a log or checkpoint."""
-    trainer = cfg.trainer
+    # Plain attributes: an OmegaConf lookup takes microseconds, and the loop makes several a step.
+    trainer = TrainerConfig(**OmegaConf.to_container(cfg.trainer, resolve=True))
     params = list(strategy.unwrap(model).parameters())
     micro_batch = trainer.batch_size // trainer.accumulate
     batches = train_batches(

@@ -33,13 +33,16 @@ def lr_schedule(cfg: OptimizerConfig, max_steps: int) -> Callable[[int], float]:
     if cfg.schedule not in ("constant", "cosine"):
         raise ConfigError(f"optimizer.schedule must be constant or cosine, got {cfg.schedule!r}")
 
+    # Read once: the loop calls lr_at every step, and a config lookup takes microseconds.
+    lr, warmup_steps, schedule = cfg.lr, cfg.warmup_steps, cfg.schedule
+    floor = lr * cfg.min_lr_ratio
+
     def lr_at(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return cfg.lr * (step + 1) / cfg.warmup_steps
-        if cfg.schedule == "constant":
-            return cfg.lr
-        progress = (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps)
-        floor = cfg.lr * cfg.min_lr_ratio
-        return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        if step < warmup_steps:
+            return lr * (step + 1) / warmup_steps
+        if schedule == "constant":
+            return lr
+        progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+        return floor + (lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return lr_at
