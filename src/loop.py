@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from src.checkpoint import checkpoint_path, rng_state, save_atomic
 from src.config import TrainerConfig
 from src.data import Data, Split, train_batches, val_batches
-from src.objective import eval_sums, loss_sum
+from src.objective import loss_and_correct
 from src.optim import lr_schedule
 from src.stopping import Interrupted, NonFiniteWatch, agree_to_stop, stop_signals
 from src.strategies.base import Strategy
@@ -95,7 +95,7 @@ def evaluate(
     sums = torch.zeros(2)
     with torch.no_grad(), autocast:
         for inputs, targets in val_batches(split, batch_size, strategy.rank, strategy.world_size):
-            sums += strategy.apply(model, inputs, targets, eval_sums).float().cpu()
+            sums += strategy.apply(model, inputs, targets, loss_and_correct).float().cpu()
     model.train()
     loss, correct = strategy.all_reduce_sum(sums).tolist()
     count = split.targets.numel()
@@ -162,19 +162,20 @@ def history_step(line: str) -> float:
 
 def forward_backward(
     model: torch.nn.Module, strategy: Strategy, batches: Iterator, autocast: Any, accumulate: int
-) -> torch.Tensor:
-    """Gradients of one optimizer step, accumulated over `accumulate` micro-batches; returns the
-    step's loss (this process's mean, detached, still on the device)."""
-    step_loss = 0.0
+) -> tuple[torch.Tensor, int]:
+    """Gradients of one optimizer step, accumulated over `accumulate` micro-batches. Returns this
+    process's [summed loss, correct predictions] over the step's targets (detached, still on the
+    device) and the number of those targets."""
+    step_sums, targets_seen = 0.0, 0
     for micro_step in range(accumulate):
         inputs, targets = next(batches)
         with strategy.grad_sync(model, enabled=micro_step == accumulate - 1):
             with autocast:
-                total = strategy.apply(model, inputs, targets, loss_sum)
-            loss = total / (targets.numel() * accumulate)
-            loss.backward()
-        step_loss = step_loss + loss.detach()
-    return step_loss
+                sums = strategy.apply(model, inputs, targets, loss_and_correct)
+            (sums[0] / (targets.numel() * accumulate)).backward()
+        step_sums = step_sums + sums.detach()
+        targets_seen += targets.numel()
+    return step_sums, targets_seen
 
 
 def finite_everywhere(strategy: Strategy, step_loss: torch.Tensor) -> bool:
@@ -183,11 +184,16 @@ def finite_everywhere(strategy: Strategy, step_loss: torch.Tensor) -> bool:
     return torch.isfinite(strategy.all_reduce_sum(step_loss.clone())).item()  # may sum in place
 
 
-def window_loss(strategy: Strategy, running_loss: float | torch.Tensor, steps: int) -> float:
-    """Mean training loss over the `steps` stepped since the last log, over all processes."""
-    if steps == 0:  # every step of the window was skipped (trainer.skip_nonfinite)
-        return float("nan")
-    return strategy.all_reduce_sum(running_loss).item() / (steps * strategy.world_size)
+def window_means(
+    strategy: Strategy, running_sums: float | torch.Tensor, targets: int
+) -> tuple[float, float]:
+    """Training loss and accuracy over the targets of the steps since the last log, over all
+    processes (NaN when every step of the window was skipped, see trainer.skip_nonfinite)."""
+    if targets == 0:
+        return float("nan"), float("nan")
+    counts = torch.tensor([float(targets)], device=running_sums.device)
+    loss, correct, total = strategy.all_reduce_sum(torch.cat([running_sums, counts])).tolist()
+    return loss / total, correct / total
 
 
 def fit(
@@ -224,8 +230,8 @@ def fit(
     speed = Throughput(trainer.timing_warmup_steps, trainer.batch_size)
     nonfinite = NonFiniteWatch()
     last_checkpoint = start_step or None
-    running_loss, steps_since_log, skipped_steps = 0.0, 0, 0  # the loss becomes a tensor
-    train_loss = val_loss = val_accuracy = float("nan")
+    running_sums, targets_since_log, skipped_steps = 0.0, 0, 0  # the sums become a tensor
+    train_loss = train_accuracy = val_loss = val_accuracy = float("nan")
     started = time.perf_counter()
 
     with (
@@ -245,18 +251,20 @@ def fit(
             for group in optimizer.param_groups:
                 group["lr"] = lr
 
-            step_loss = forward_backward(model, strategy, batches, autocast, trainer.accumulate)
-            if trainer.skip_nonfinite and not finite_everywhere(strategy, step_loss):
+            step_sums, targets = forward_backward(
+                model, strategy, batches, autocast, trainer.accumulate
+            )
+            if trainer.skip_nonfinite and not finite_everywhere(strategy, step_sums[0]):
                 skipped_steps += 1
                 if strategy.is_main:
                     log.warning("step %d: non-finite loss, optimizer step skipped", step)
             else:
-                nonfinite.observe(step, step_loss)
+                nonfinite.observe(step, step_sums[0])
                 if trainer.grad_clip > 0:
                     torch.nn.utils.clip_grad_norm_(params, trainer.grad_clip)
                 optimizer.step()
-                running_loss = running_loss + step_loss
-                steps_since_log += 1
+                running_sums = running_sums + step_sums
+                targets_since_log += targets
             optimizer.zero_grad(set_to_none=True)
             speed.step_done(strategy)
 
@@ -268,27 +276,24 @@ def fit(
             ) or last
             # Several processes stop together, after a step they synchronize at anyway; one
             # process on its own stops after the current step.
+            in_sync = log_now or eval_now or checkpoint_due
             stop_signal = None
-            if (
-                log_now
-                or eval_now
-                or checkpoint_due
-                or (stop.requested and strategy.world_size == 1)
-            ):
+            if in_sync or (stop.requested and strategy.world_size == 1):
                 stop_signal = agree_to_stop(strategy, nonfinite, stop, step, last_checkpoint)
             stop_now = stop_signal is not None and not last
             checkpoint_now = checkpoint_due or stop_now
 
             if log_now:
-                train_loss = window_loss(strategy, running_loss, steps_since_log)
+                train_loss, train_accuracy = window_means(strategy, running_sums, targets_since_log)
                 step_ms = speed.close_window()
                 samples_per_sec = trainer.batch_size * 1000 / step_ms
-                running_loss, steps_since_log = 0.0, 0
+                running_sums, targets_since_log = 0.0, 0
                 memory = dict(zip(*strategy.local_peak_memory_mb(), strict=True))
                 record(
                     {
                         **{f"memory/{device}_peak_mb": mb for device, mb in memory.items()},
                         "train/loss": train_loss,
+                        "train/accuracy": train_accuracy,
                         "train/lr": lr,
                         "train/step_time_ms": step_ms,
                         "train/samples_per_sec": samples_per_sec,
@@ -337,6 +342,7 @@ def fit(
     return {
         "steps": trainer.max_steps,
         "final_train_loss": train_loss,
+        "final_train_accuracy": train_accuracy,
         "final_val_loss": val_loss,
         "val_accuracy": val_accuracy,
         "skipped_steps": skipped_steps,

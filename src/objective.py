@@ -17,7 +17,8 @@ def loss_sum(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(outputs.flatten(0, -2).float(), targets.flatten(), reduction="sum")
 
 
-def eval_sums(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """[summed cross-entropy, number of correct predictions] over the batch."""
+def loss_and_correct(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """[summed cross-entropy, number of correct predictions] over the batch (the first one
+    differentiable): what training and evaluation both measure."""
     correct = (outputs.argmax(-1) == targets).sum()
     return torch.stack([loss_sum(outputs, targets), correct.to(torch.float32)])

@@ -81,6 +81,10 @@ def train_losses(run_dir: Path) -> list[float]:
     return [row["train/loss"] for row in metrics(run_dir) if "train/loss" in row]
 
 
+def train_accuracies(run_dir: Path) -> list[float]:
+    return [row["train/accuracy"] for row in metrics(run_dir) if "train/loss" in row]
+
+
 def summary(run_dir: Path) -> dict[str, Any]:
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -90,10 +94,13 @@ def checkpoint(run_dir: Path) -> dict[str, Any]:
 
 
 def assert_same_training(reference: Path, other: Path, atol: float = 1e-5) -> None:
-    """Same per-step losses and final weights (max abs difference below `atol`)."""
+    """Same per-step losses and final weights (max abs difference below `atol`), and the same
+    training accuracy (give or take a prediction that float noise flipped)."""
     expected, actual = train_losses(reference), train_losses(other)
     assert len(actual) == len(expected)
     torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=0, atol=atol)
+    expected, actual = train_accuracies(reference), train_accuracies(other)
+    torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=0, atol=0.05)
     expected_weights, actual_weights = checkpoint(reference)["model"], checkpoint(other)["model"]
     assert actual_weights.keys() == expected_weights.keys()
     for key, weight in expected_weights.items():

@@ -26,6 +26,7 @@ SUMMARY_KEYS = {
     "global_batch",
     "steps",
     "final_train_loss",
+    "final_train_accuracy",
     "final_val_loss",
     "val_accuracy",
     "samples_per_sec",
@@ -73,6 +74,9 @@ def test_default_experiment_learns(tmp_path):
     val_losses = [row["val/loss"] for row in metrics(tmp_path) if "val/loss" in row]
     assert len(val_losses) == 3 and val_losses[-1] < val_losses[0]
     assert summary(tmp_path)["val_accuracy"] > 0.5
+    train_accuracy = [row["train/accuracy"] for row in metrics(tmp_path) if "train/loss" in row]
+    assert train_accuracy[-1] > max(0.5, train_accuracy[0])
+    assert summary(tmp_path)["final_train_accuracy"] == train_accuracy[-1]
 
 
 def test_accumulation_trains_the_same_global_batch(tmp_path):
