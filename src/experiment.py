@@ -157,6 +157,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             )
         join_started_ranks(ranks, str(run_dir), job_logging)
     elif launching:
+        if nodes > 1 and cfg.parallel.master_port == 0:
+            # Under srun or torchrun the rendezvous comes from their environment instead.
+            raise ConfigError(
+                "parallel.nodes > 1 needs a rendezvous every node can reach: set "
+                "parallel.master_addr to the first node and parallel.master_port to a free port"
+            )
         configure_logging(job_logging, "launcher")
     if ranks is None or ranks.rank == 0:
         log.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))

@@ -103,6 +103,12 @@ ROWS = [
         id="fsdp-batch-over-ranks",
     ),
     pytest.param(
+        ["parallel=ddp", "trainer.accelerator=cpu", "parallel.nodes=2"],
+        CHECK,
+        "parallel.nodes > 1 needs a rendezvous every node can reach: set parallel.master_addr",
+        id="ddp-nodes-without-rendezvous",
+    ),
+    pytest.param(
         ["trainer.max_steps=abc"],
         HYDRA,
         "Value 'abc' of type 'str' could not be converted to Integer\n    full_key: "

@@ -148,7 +148,7 @@ def test_slurm_preset_sizes_each_job_from_its_parallel_settings():
     assert resources("parallel=ddp", "parallel.devices=8") == (1, 8, 8)  # one task per GPU
     assert resources("parallel=hybrid", "parallel.devices=8") == (1, 4, 8)  # 2 stages a task
     assert resources("parallel=fsdp", "parallel.devices=8") == (1, 8, 8)
-    two_nodes = ("parallel.nodes=2", "parallel.master_port=29500")
+    two_nodes = ("parallel.nodes=2",)  # srun gives the rendezvous: no master_port needed
     assert resources("parallel=ddp", "parallel.devices=4", *two_nodes) == (2, 4, 4)
     assert resources("parallel=single", "parallel.devices=2") == (1, 1, None)  # only says why not
 

@@ -42,11 +42,6 @@ class Distributed(Strategy):
             raise ConfigError("parallel.backend=nccl needs CUDA devices; use gloo on CPU")
         if cfg.nodes < 1:
             raise ConfigError(f"parallel.nodes must be at least 1, got {cfg.nodes}")
-        if cfg.nodes > 1 and cfg.master_port == 0:
-            raise ConfigError(
-                "parallel.nodes > 1 needs a rendezvous every node can reach: set "
-                "parallel.master_addr to the first node and parallel.master_port to a free port"
-            )
         if cfg.timeout_s <= 0:
             raise ConfigError(f"parallel.timeout_s must be positive, got {cfg.timeout_s}")
         if cfg.threads_per_rank is not None and cfg.threads_per_rank < 1:
