@@ -204,10 +204,11 @@ def launch_and_stop_on_signal(
         return launch(train_worker, args, per_node, nodes, parallel, job_logging)
     except KilledBySignal as stopped:
         path = checkpoint_path(Path(args[1]))
-        kept = "no checkpoint was written"
-        if path.exists():
+        try:
             step = load_checkpoint(path, mmap=True)["step"]
             kept = f"the last checkpoint, {path}, is from step {step}"
+        except ConfigError:  # none yet (a checkpoint is never half-written)
+            kept = "no checkpoint was written"
         name = signal.Signals(stopped.signum).name
         raise Interrupted(f"stopped by {name} at once; {kept}", 128 + stopped.signum) from None
 

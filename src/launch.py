@@ -26,7 +26,6 @@ import re
 import signal
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -44,7 +43,6 @@ FAILURES_KEY = "template/failures"
 # stops them as soon as the first one has exited.
 FIRST_FAILURE_WAIT_S = 1.0
 LATER_FAILURE_WAIT_S = 3.0
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 AGENT_HANDLED_SIGNALS = "SIGHUP,SIGQUIT"  # torch's agent stops the ranks at once on these
 
 
@@ -164,7 +162,7 @@ def run_as_rank(fn: Callable[..., Any], *args: Any) -> Any:
     """Run `fn` as one rank of a multi-process job; on failure, log it and leave in order."""
     from src.stopping import hold_stop_signals_for_this_rank
 
-    hold_stop_signals_for_this_rank()
+    hold_stop_signals_for_this_rank(job_failed=job_failed)
     try:
         return fn(*args)
     except Exception:
@@ -173,6 +171,17 @@ def run_as_rank(fn: Callable[..., Any], *args: Any) -> Any:
             wait = FIRST_FAILURE_WAIT_S if failure_order() == 1 else LATER_FAILURE_WAIT_S
             time.sleep(wait)
         raise
+
+
+def job_failed() -> bool:
+    """Whether a rank has reported a failure, or the store has died with the launcher (or the
+    rank 0) that hosted it: either way the job is over."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return False
+    try:
+        return int(rank_store().add(FAILURES_KEY, 0)) > 0
+    except Exception:  # noqa: BLE001 - whatever the error, the store is gone
+        return True
 
 
 def failure_order() -> int:
@@ -187,21 +196,10 @@ def _worker(fn: Callable[..., Any], args: tuple, job_logging: dict[str, Any]) ->
     """Entry point of each launched process (the agent sets RANK, WORLD_SIZE, ...)."""
     configure_logging(job_logging, f"rank{os.environ['RANK']}")
     # Connect to the launcher's store now: a rank that fails later tells it (`failure_order`),
-    # and once the launcher has died, a new connection would wait 30 minutes for it.
+    # signals ask it whether the job is over (`job_failed`), and once the launcher has died, a
+    # new connection would wait 30 minutes for it.
     rank_store()
-    launcher = os.getppid()
-    result = run_as_rank(fn, *args)
-    # torch hands the result to the launcher and waits until it has read it: forever, if the
-    # launcher was killed (which sends each rank a SIGINT, so that they stop, see `launch`).
-    threading.Thread(target=exit_once_orphaned, args=(launcher,), daemon=True).start()
-    return result
-
-
-def exit_once_orphaned(launcher: int) -> None:
-    while os.getppid() == launcher:
-        time.sleep(0.1)
-    logging.shutdown()
-    os._exit(1)
+    return run_as_rank(fn, *args)
 
 
 def launch(
@@ -268,6 +266,8 @@ def stop_signals_passed_to_ranks() -> Iterator[None]:
     """
     import multiprocessing
 
+    from src.stopping import StopOnSignal
+
     received: list[int] = []
 
     def pass_on(signum: int, frame: FrameType | None) -> None:
@@ -287,7 +287,7 @@ def stop_signals_passed_to_ranks() -> Iterator[None]:
             with contextlib.suppress(ProcessLookupError):  # it has just exited
                 os.kill(rank.pid, signum)
 
-    previous = {signum: signal.signal(signum, pass_on) for signum in STOP_SIGNALS}
+    previous = {signum: signal.signal(signum, pass_on) for signum in StopOnSignal.SIGNALS}
     try:
         yield
     finally:

@@ -209,8 +209,9 @@ def fit(
     """Train from `start_step` (a resumed checkpoint's step, else 0) to `trainer.max_steps`;
     returns the final figures.
 
-    Ends early with `Interrupted` after SIGINT/SIGTERM (once the current step is done and
-    checkpointed), or with `NonFiniteLoss` before a NaN/inf loss reaches a log or checkpoint."""
+    Ends early with `Interrupted` after SIGINT/SIGTERM, checkpointed: one process after the
+    current step, several together after their next log, eval or checkpoint step. Ends with
+    `NonFiniteLoss` before a NaN/inf loss reaches a log or checkpoint."""
     # Plain attributes: an OmegaConf lookup takes microseconds, and the loop makes several a step.
     trainer = TrainerConfig(**OmegaConf.to_container(cfg.trainer, resolve=True))
     params = list(strategy.unwrap(model).parameters())

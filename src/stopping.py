@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -73,9 +75,14 @@ class StopOnSignal:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self, second_signal_stops_at_once: bool = True) -> None:
+    def __init__(
+        self,
+        second_signal_stops_at_once: bool = True,
+        job_failed: Callable[[], bool] | None = None,
+    ) -> None:
         self.signal: int | None = None
         self.second_signal_stops_at_once = second_signal_stops_at_once
+        self.job_failed = job_failed
         self._previous: dict[int, object] = {}
 
     @property
@@ -90,6 +97,10 @@ class StopOnSignal:
         self._restore()
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
+        if self.job_failed is not None and self.job_failed():
+            # Not a request to stop: the launcher ending what is left of a failed job.
+            logging.shutdown()
+            os._exit(128 + signum)
         if self.signal is not None:
             return
         self.signal = signum
@@ -116,12 +127,13 @@ class StopOnSignal:
 _rank_stop: StopOnSignal | None = None  # signal handlers belong to the process, and so does this
 
 
-def hold_stop_signals_for_this_rank() -> None:
+def hold_stop_signals_for_this_rank(job_failed: Callable[[], bool]) -> None:
     """In a rank of a multi-process job, as it starts: from now to its exit, SIGINT and SIGTERM
-    only ask `fit` to stop with the other ranks (see `StopOnSignal`)."""
+    only ask `fit` to stop with the other ranks (see `StopOnSignal`), unless `job_failed()`
+    says that the job is over (a rank failed, or the launcher died): then the rank exits."""
     global _rank_stop
     if _rank_stop is None:
-        _rank_stop = StopOnSignal(second_signal_stops_at_once=False).__enter__()
+        _rank_stop = StopOnSignal(False, job_failed).__enter__()
 
 
 def stop_signals() -> contextlib.AbstractContextManager[StopOnSignal]:

@@ -2,6 +2,7 @@
 
 In its FAIL_AT_STEP-th training forward pass, on the rank named by FAIL_RANK, it raises
 (FAULT=raise), kills its own process without a word (FAULT=kill) or stops forever (FAULT=hang).
+The rank named by BUSY_RANK (if any) then keeps computing (a Python-level wait) instead.
 """
 
 from __future__ import annotations
@@ -24,7 +25,11 @@ class FaultyMLP(MLP):
         if self.training:
             self.training_forwards += 1
             failing_rank = os.environ["RANK"] == os.environ["FAIL_RANK"]
-            if failing_rank and self.training_forwards == int(os.environ["FAIL_AT_STEP"]):
+            busy_rank = os.environ["RANK"] == os.environ.get("BUSY_RANK")
+            at_step = self.training_forwards == int(os.environ["FAIL_AT_STEP"])
+            if busy_rank and at_step:
+                threading.Event().wait()
+            if failing_rank and at_step:
                 if os.environ["FAULT"] == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 if os.environ["FAULT"] == "hang":

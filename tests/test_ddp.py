@@ -149,6 +149,29 @@ def test_failing_rank_stops_the_whole_job_and_is_named(
     assert processes_of_job(marker) == []
 
 
+def test_a_rank_busy_when_its_peer_fails_is_stopped_at_once(tmp_path):
+    """Rank 1 raises while rank 0 is computing, far from any collective. The launcher's SIGTERM
+    must end rank 0 at once: a stop request would wait for parallel.timeout_s (60 s)."""
+    env = {"FAIL_RANK": "1", "FAIL_AT_STEP": "3", "FAULT": "raise", "BUSY_RANK": "0"}
+    started = time.monotonic()
+    result = run_train(
+        *TINY,
+        *DDP,
+        "parallel.timeout_s=60",
+        "model._target_=tests.faulty_models.FaultyMLP",
+        run_dir=tmp_path,
+        check=False,
+        timeout=120,
+        env=env,
+    )
+
+    assert result.returncode != 0
+    assert time.monotonic() - started < 30
+    assert (
+        "RuntimeError: injected failure in training step 3" in result.stderr.split("Root Cause")[-1]
+    )
+
+
 def test_non_finite_loss_stops_every_rank_with_one_message(tmp_path):
     """The ranks agree on the step (the check is all-reduced), so this is the run's outcome, not
     a crash: the same one-line message and exit code as `single`, no traceback."""

@@ -21,7 +21,7 @@ In each training process:
 Per micro-step:
     with strategy.grad_sync(model, enabled):         False on accumulation steps that do not
         out = strategy.apply(model, x, y, fn)        step the optimizer (DDP's no_sync)
-        (out / count).backward()
+        (out[0] / count).backward()                  fn gives [loss sum, correct predictions]
     `apply` runs the forward pass however the strategy likes (scattered, pipelined, ...), calls
     `fn(outputs, targets)` where the outputs are, and returns the sum of `fn`'s results over the
     parts as one tensor. `fn` always returns sums (see `src/objective.py`), so dividing by the
@@ -32,7 +32,8 @@ Checkpoints (every process calls these; the main one writes the file):
     strategy.load_optimizer_state_dict(model, optimizer, state)   the inverse, on resume
     A checkpoint's model weights are loaded into the plain model before `wrap`.
 Now and then:
-    strategy.all_reduce_sum(t)   sum over data-parallel processes (logging steps and eval only)
+    strategy.all_reduce_sum(t)   sum over data-parallel processes (on log, eval and checkpoint
+                                 steps; every step with trainer.skip_nonfinite)
     strategy.barrier()
     strategy.synchronize()       wait for queued device work (timing)
     strategy.local_peak_memory_mb()   (labels, megabytes) for this process's devices
