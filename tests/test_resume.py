@@ -153,21 +153,25 @@ def rank_pids(launcher_pid: int) -> list[int]:
 DDP = ("parallel=ddp", "parallel.devices=2")
 
 
+FSDP = ("parallel=fsdp", "parallel.devices=2")
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "signum, target",
+    "strategy, signum, target",
     [
-        (signal.SIGTERM, "launcher"),  # `kill <pid>` of train.py, as a scheduler would
-        (signal.SIGINT, "process group"),  # Ctrl-C: the terminal signals every process
-        (signal.SIGTERM, "one rank"),  # the other rank never hears of it but for its peer
+        (DDP, signal.SIGTERM, "launcher"),  # `kill <pid>` of train.py, as a scheduler would
+        (DDP, signal.SIGINT, "process group"),  # Ctrl-C: the terminal signals every process
+        (DDP, signal.SIGTERM, "one rank"),  # the other rank never hears of it but for its peer
+        (FSDP, signal.SIGTERM, "launcher"),  # the checkpoint gathers the shards of every rank
     ],
-    ids=["sigterm-launcher", "ctrl-c", "sigterm-one-rank"],
+    ids=["ddp-sigterm-launcher", "ddp-ctrl-c", "ddp-sigterm-one-rank", "fsdp-sigterm-launcher"],
 )
-def test_ddp_job_stops_as_one_and_resumes(tmp_path, signum, target):
+def test_multi_process_job_stops_as_one_and_resumes(tmp_path, strategy, signum, target):
     """Every rank stops after the same step, the checkpoint is written once, the job exits like
     a single run and resumes to the weights of an uninterrupted run."""
     reference = reference_run(*RESUMABLE)
-    run = Run(*RESUMABLE, *DDP, run_dir=tmp_path)
+    run = Run(*RESUMABLE, *strategy, run_dir=tmp_path)
     run.wait_for("step 6/60")
     if target == "launcher":
         run.process.send_signal(signum)
