@@ -27,6 +27,9 @@ from src.checkpoint import save_atomic
 # 60 steps, each logged (TINY), a checkpoint every 5: step 6's log line means step 5 is saved.
 RESUMABLE = (*TINY, "trainer.max_steps=60", "trainer.checkpoint_every=5")
 PIPE_BYTES = 4096
+DDP = ("parallel=ddp", "parallel.devices=2")
+FSDP = ("parallel=fsdp", "parallel.devices=2")
+HYBRID = ("parallel=hybrid", "parallel.devices=4", "parallel.stages=2", "parallel.microbatches=2")
 
 
 class Run:
@@ -68,9 +71,9 @@ class Run:
         ("parallel=single",),
         ("parallel=dp",),
         ("parallel=model_parallel", "parallel.microbatches=2"),
-        ("parallel=ddp", "parallel.devices=2"),
-        ("parallel=hybrid", "parallel.devices=4", "parallel.stages=2", "parallel.microbatches=2"),
-        ("parallel=fsdp", "parallel.devices=2"),
+        DDP,
+        HYBRID,
+        FSDP,
     ],
     ids=["single", "dp", "model_parallel", "ddp", "hybrid", "fsdp"],
 )
@@ -150,12 +153,6 @@ def rank_pids(launcher_pid: int) -> list[int]:
     ]
 
 
-DDP = ("parallel=ddp", "parallel.devices=2")
-
-
-FSDP = ("parallel=fsdp", "parallel.devices=2")
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "strategy, signum, target",
@@ -164,8 +161,15 @@ FSDP = ("parallel=fsdp", "parallel.devices=2")
         (DDP, signal.SIGINT, "process group"),  # Ctrl-C: the terminal signals every process
         (DDP, signal.SIGTERM, "one rank"),  # the other rank never hears of it but for its peer
         (FSDP, signal.SIGTERM, "launcher"),  # the checkpoint gathers the shards of every rank
+        (HYBRID, signal.SIGINT, "process group"),  # two pipelines of two stages each
     ],
-    ids=["ddp-sigterm-launcher", "ddp-ctrl-c", "ddp-sigterm-one-rank", "fsdp-sigterm-launcher"],
+    ids=[
+        "ddp-sigterm-launcher",
+        "ddp-ctrl-c",
+        "ddp-sigterm-one-rank",
+        "fsdp-sigterm-launcher",
+        "hybrid-ctrl-c",
+    ],
 )
 def test_multi_process_job_stops_as_one_and_resumes(tmp_path, strategy, signum, target):
     """Every rank stops after the same step, the checkpoint is written once, the job exits like
