@@ -178,18 +178,22 @@ def job_failed() -> bool:
     rank 0) that hosted it: either way the job is over."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return False
-    try:
-        return int(rank_store().add(FAILURES_KEY, 0)) > 0
-    except Exception:  # noqa: BLE001 - whatever the error, the store is gone
-        return True
+    failures = reported_failures(add=0)
+    return failures is None or failures > 0
 
 
 def failure_order() -> int:
     """1 for the first rank of the job to report a failure, 2 for the next, ..."""
+    return reported_failures(add=1) or 1
+
+
+def reported_failures(add: int) -> int | None:
+    """The job's count of failed ranks after adding `add`; None if the store is gone (it dies
+    with the launcher, or under srun with rank 0)."""
     try:
-        return int(rank_store().add(FAILURES_KEY, 1))
-    except Exception:  # noqa: BLE001 - the store may have died with the rank that hosted it
-        return 1
+        return int(rank_store().add(FAILURES_KEY, add))
+    except Exception:  # noqa: BLE001 - whatever the error, the store is unreachable
+        return None
 
 
 def _worker(fn: Callable[..., Any], args: tuple, job_logging: dict[str, Any]) -> Any:

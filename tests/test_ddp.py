@@ -110,6 +110,25 @@ def processes_of_job(marker: str) -> list[int]:
     return pids
 
 
+def run_faulty_job(
+    tmp_path: Path, env: dict[str, str], timeout_s: int, give_up_after_s: int
+) -> tuple[subprocess.CompletedProcess, float]:
+    """A 2-rank ddp run of `tests.faulty_models.FaultyMLP` (faults set by `env`, collectives
+    timing out after `timeout_s`); the result and how many seconds it took."""
+    started = time.monotonic()
+    result = run_train(
+        *TINY,
+        *DDP,
+        f"parallel.timeout_s={timeout_s}",
+        "model._target_=tests.faulty_models.FaultyMLP",
+        run_dir=tmp_path,
+        check=False,
+        timeout=give_up_after_s,
+        env=env,
+    )
+    return result, time.monotonic() - started
+
+
 @pytest.mark.parametrize(
     "fault, named_rank, error, within_s",
     [
@@ -126,18 +145,7 @@ def test_failing_rank_stops_the_whole_job_and_is_named(
 ):
     marker = uuid.uuid4().hex
     env = {"FAIL_RANK": "1", "FAIL_AT_STEP": "3", "FAULT": fault, "DDP_TEST_JOB": marker}
-    started = time.monotonic()
-    result = run_train(
-        *TINY,
-        *DDP,
-        "parallel.timeout_s=5",
-        "model._target_=tests.faulty_models.FaultyMLP",
-        run_dir=tmp_path,
-        check=False,
-        timeout=60,
-        env=env,
-    )
-    elapsed = time.monotonic() - started
+    result, elapsed = run_faulty_job(tmp_path, env, timeout_s=5, give_up_after_s=60)
 
     assert result.returncode != 0
     assert elapsed < within_s
@@ -153,20 +161,10 @@ def test_a_rank_busy_when_its_peer_fails_is_stopped_at_once(tmp_path):
     """Rank 1 raises while rank 0 is computing, far from any collective. The launcher's SIGTERM
     must end rank 0 at once: a stop request would wait for parallel.timeout_s (60 s)."""
     env = {"FAIL_RANK": "1", "FAIL_AT_STEP": "3", "FAULT": "raise", "BUSY_RANK": "0"}
-    started = time.monotonic()
-    result = run_train(
-        *TINY,
-        *DDP,
-        "parallel.timeout_s=60",
-        "model._target_=tests.faulty_models.FaultyMLP",
-        run_dir=tmp_path,
-        check=False,
-        timeout=120,
-        env=env,
-    )
+    result, elapsed = run_faulty_job(tmp_path, env, timeout_s=60, give_up_after_s=120)
 
     assert result.returncode != 0
-    assert time.monotonic() - started < 30
+    assert elapsed < 30
     assert (
         "RuntimeError: injected failure in training step 3" in result.stderr.split("Root Cause")[-1]
     )
