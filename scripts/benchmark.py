@@ -10,7 +10,10 @@ machine state, and prints the median steady-state samples/s and step time of eac
 median over rounds of their speed ratio (first / second) with its range. Warm-up steps are left
 out of both.
 
-    single          the template's `parallel=single` / a plain PyTorch loop (1.0: no overhead)
+    single          the template's `parallel=single` / a plain PyTorch loop (1.0: no overhead),
+                    both on the same device (a GPU when one is visible, see --device)
+    overhead        the same on a tiny model (16 wide, batch 16), so that a step is almost all
+                    host work: the difference in ms/step is the template's per-step overhead
     model_parallel  2 stages, GPipe over 4 micro-batches / the naive schedule; on CPU the stages
                     cannot overlap, so this shows what pipelining costs; on GPUs, what it gains
     ddp             the template's `parallel=ddp`, 2 CPU processes started by its launcher / a
@@ -50,6 +53,7 @@ from src.launch import launch  # noqa: E402
 
 WARMUP_STEPS = 20
 BATCH_SIZE = 256
+DEVICE = "cpu"  # set from --device in main()
 WORKLOAD = (
     "model=mlp",
     "model.hidden=512",
@@ -63,6 +67,15 @@ WORKLOAD = (
     "optimizer.warmup_steps=0",
     "logger=none",
 )
+OVERHEAD_BATCH_SIZE = 16
+# Tiny overrides on top of WORKLOAD: a step is then almost only the host's work.
+OVERHEAD_WORKLOAD = (
+    "model.hidden=16",
+    "model.depth=1",
+    "data.input_dim=16",
+    "data.num_samples=4096",
+    f"trainer.batch_size={OVERHEAD_BATCH_SIZE}",
+)
 
 
 def compose_config(*overrides: str) -> DictConfig:
@@ -75,6 +88,7 @@ def template_speed(steps: int, *overrides: str) -> float:
     """samples/s of the workload with these overrides through the template's own `train`."""
     cfg = compose_config(
         *WORKLOAD,
+        f"trainer.accelerator={DEVICE}",
         *overrides,
         f"trainer.max_steps={steps}",
         f"trainer.timing_warmup_steps={WARMUP_STEPS}",
@@ -97,24 +111,38 @@ def model_parallel_naive(steps: int) -> float:
     return template_speed(steps, "parallel=model_parallel", "parallel.microbatches=1")
 
 
-def plain_single(steps: int) -> float:
-    """The same model, data, optimizer and batch in a loop written by hand."""
-    cfg = compose_config(*WORKLOAD)
+def template_overhead(steps: int) -> float:
+    return template_speed(steps, "parallel=single", *OVERHEAD_WORKLOAD)
+
+
+def plain_single(steps: int, *overrides: str) -> float:
+    """The same model, data, optimizer and batch in a loop written by hand, on the template's
+    device: data kept on a GPU (as the template keeps a small dataset), fused AdamW there, TF32
+    matmuls (the template's default on CUDA)."""
+    cfg = compose_config(*WORKLOAD, *overrides)
+    device = torch.device(DEVICE)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
     data = instantiate(cfg.data, seed=cfg.seed)
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+    model.to(device)
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay
+        model.parameters(),
+        lr=cfg.optimizer.lr,
+        weight_decay=cfg.optimizer.weight_decay,
+        fused=device.type == "cuda" or None,
     )
-    inputs, targets = data.train.inputs, data.train.targets
+    inputs, targets = data.train.inputs.to(device), data.train.targets.to(device)
     batch_size = cfg.trainer.batch_size
     generator = torch.Generator().manual_seed(cfg.seed)
-    order, position = torch.randperm(len(targets), generator=generator), 0
+    order, position = torch.randperm(len(targets), generator=generator).to(device), 0
     for step in range(steps):
         if step == WARMUP_STEPS:
             started = time.perf_counter()
         if position + batch_size > len(targets):
-            order, position = torch.randperm(len(targets), generator=generator), 0
+            order = torch.randperm(len(targets), generator=generator).to(device)
+            position = 0
         batch = order[position : position + batch_size]
         position += batch_size
         loss = F.cross_entropy(model(inputs[batch]), targets[batch])
@@ -123,7 +151,12 @@ def plain_single(steps: int) -> float:
         optimizer.zero_grad(set_to_none=True)
         if step % 50 == 0:
             loss.item()
+    loss.item()  # wait for the queued steps
     return (steps - WARMUP_STEPS) * batch_size / (time.perf_counter() - started)
+
+
+def plain_overhead(steps: int) -> float:
+    return plain_single(steps, *OVERHEAD_WORKLOAD)
 
 
 DDP_PROCESSES = 2
@@ -212,6 +245,7 @@ def plain_ddp(steps: int) -> float:
 Run = Callable[[int], float]
 COMPARISONS: dict[str, tuple[tuple[str, Run], tuple[str, Run]]] = {
     "single": (("template", template_single), ("plain", plain_single)),
+    "overhead": (("template", template_overhead), ("plain", plain_overhead)),
     "model_parallel": (
         ("pipelined M=4", model_parallel_pipelined),
         ("naive M=1", model_parallel_naive),
@@ -239,25 +273,40 @@ def main() -> None:
     parser.add_argument("--only", choices=sorted(COMPARISONS), action="append")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where single, overhead and model_parallel run (auto: a GPU when one is visible); "
+        "ddp and fsdp always run 2 CPU processes",
+    )
     args = parser.parse_args()
+    global DEVICE
+    auto_device = "cuda" if torch.cuda.is_available() else "cpu"
+    DEVICE = auto_device if args.device == "auto" else args.device
     register_configs()
+    gpu = f", {torch.cuda.get_device_name()}" if DEVICE == "cuda" else ""
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}, device {DEVICE}{gpu}, {torch.get_num_threads()} threads, "
         f"{args.rounds} rounds x {args.steps} steps ({WARMUP_STEPS} warm-up), "
-        f"batch {BATCH_SIZE}"
+        f"batch {BATCH_SIZE} ({OVERHEAD_BATCH_SIZE} for overhead)"
     )
     sides = "".join(f"  {side:<16}{'samples/s':>11}{'ms/step':>9}" for side in ("first", "second"))
     print(f"{'comparison':<16}{sides}{'ratio':>8}  (rounds' ratios: min-max)")
     for name in args.only or COMPARISONS:
         *speeds, ratios = compare(name, args.rounds, args.steps)
+        batch = OVERHEAD_BATCH_SIZE if name == "overhead" else BATCH_SIZE
+        step_ms = [1000 * batch / speed for speed in speeds]
         cells = "".join(
-            f"  {label:<16}{speed:>11,.0f}{1000 * BATCH_SIZE / speed:>9.2f}"
-            for (label, _), speed in zip(COMPARISONS[name], speeds, strict=True)
+            f"  {label:<16}{speed:>11,.0f}{ms:>9.3f}"
+            for (label, _), speed, ms in zip(COMPARISONS[name], speeds, step_ms, strict=True)
         )
         # The median of the rounds' ratios: each round's two sides ran back to back, so a
         # machine that speeds up or slows down between rounds moves both.
         spread = f"{min(ratios):.3f}-{max(ratios):.3f}"
         print(f"{name:<16}{cells}{statistics.median(ratios):>8.3f}  ({spread})")
+        if name == "overhead":
+            print(f"{'':<16}  the template's host work: {step_ms[0] - step_ms[1]:+.3f} ms/step")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,13 @@ class Split:
     def __len__(self) -> int:
         return len(self.targets)
 
+    @property
+    def nbytes(self) -> int:
+        return self.inputs.nbytes + self.targets.nbytes
+
+    def to(self, device: torch.device) -> Split:
+        return Split(self.inputs.to(device), self.targets.to(device))
+
 
 @dataclass
 class Data:
@@ -40,6 +47,9 @@ class Data:
     input_shape: tuple[int, ...]
     num_classes: int
     """Classes, or the vocabulary size for token data."""
+
+    def to(self, device: torch.device) -> Data:
+        return Data(self.train.to(device), self.val.to(device), self.input_shape, self.num_classes)
 
 
 def _split(
@@ -161,7 +171,7 @@ def train_batches(
     )
     while True:
         sampler.set_epoch(epoch)
-        indices = torch.tensor(list(sampler))
+        indices = torch.tensor(list(sampler), device=split.targets.device)
         for b in range(skip, per_epoch):
             batch = indices[b * local : (b + 1) * local]
             yield split.inputs[batch], split.targets[batch]
@@ -170,6 +180,6 @@ def train_batches(
 
 def val_batches(split: Split, batch_size: int, rank: int, world_size: int) -> Iterator[Batch]:
     """The validation set in a fixed order; rank r takes every W-th sample, none twice."""
-    indices = torch.arange(rank, len(split), world_size)
+    indices = torch.arange(rank, len(split), world_size, device=split.targets.device)
     for batch in indices.split(max(1, batch_size // world_size)):
         yield split.inputs[batch], split.targets[batch]

@@ -92,11 +92,13 @@ def evaluate(
 ) -> tuple[float, float]:
     """Mean loss and accuracy over the whole validation set (all ranks together)."""
     model.eval()
-    sums = torch.zeros(2)
+    sums = None
     with torch.no_grad(), autocast:
         for inputs, targets in val_batches(split, batch_size, strategy.rank, strategy.world_size):
-            sums += strategy.apply(model, inputs, targets, loss_and_correct).float().cpu()
+            part = strategy.apply(model, inputs, targets, loss_and_correct).float()
+            sums = part if sums is None else sums + part  # on the device: one wait, at the end
     model.train()
+    sums = torch.zeros(2) if sums is None else sums
     loss, correct = strategy.all_reduce_sum(sums).tolist()
     count = split.targets.numel()
     return loss / count, correct / count
@@ -166,14 +168,15 @@ def forward_backward(
     """Gradients of one optimizer step, accumulated over `accumulate` micro-batches. Returns this
     process's [summed loss, correct predictions] over the step's targets (detached, still on the
     device) and the number of those targets."""
-    step_sums, targets_seen = 0.0, 0
+    step_sums, targets_seen = None, 0
     for micro_step in range(accumulate):
         inputs, targets = next(batches)
         with strategy.grad_sync(model, enabled=micro_step == accumulate - 1):
             with autocast:
                 sums = strategy.apply(model, inputs, targets, loss_and_correct)
             (sums[0] / (targets.numel() * accumulate)).backward()
-        step_sums = step_sums + sums.detach()
+        sums = sums.detach()
+        step_sums = sums if step_sums is None else step_sums + sums
         targets_seen += targets.numel()
     return step_sums, targets_seen
 
@@ -185,12 +188,14 @@ def finite_everywhere(strategy: Strategy, step_loss: torch.Tensor) -> bool:
 
 
 def window_means(
-    strategy: Strategy, running_sums: float | torch.Tensor, targets: int
+    strategy: Strategy, step_sums: list[torch.Tensor], targets: int
 ) -> tuple[float, float]:
-    """Training loss and accuracy over the targets of the steps since the last log, over all
-    processes (NaN when every step of the window was skipped, see trainer.skip_nonfinite)."""
+    """Training loss and accuracy over the targets of the steps since the last log (their
+    `forward_backward` sums), over all processes (NaN when every step of the window was skipped,
+    see trainer.skip_nonfinite). Summed here, not per step: one device op per step saved."""
     if targets == 0:
         return float("nan"), float("nan")
+    running_sums = torch.stack(step_sums).sum(0)
     counts = torch.tensor([float(targets)], device=running_sums.device)
     loss, correct, total = strategy.all_reduce_sum(torch.cat([running_sums, counts])).tolist()
     return loss / total, correct / total
@@ -231,7 +236,8 @@ def fit(
     speed = Throughput(trainer.timing_warmup_steps, trainer.batch_size)
     nonfinite = NonFiniteWatch()
     last_checkpoint = start_step or None
-    running_sums, targets_since_log, skipped_steps = 0.0, 0, 0  # the sums become a tensor
+    window_sums: list[torch.Tensor] = []  # each step's sums since the last log
+    targets_since_log, skipped_steps = 0, 0
     train_loss = train_accuracy = val_loss = val_accuracy = float("nan")
     started = time.perf_counter()
 
@@ -260,11 +266,11 @@ def fit(
                 if strategy.is_main:
                     log.warning("step %d: non-finite loss, optimizer step skipped", step)
             else:
-                nonfinite.observe(step, step_sums[0])
+                nonfinite.observe(step, step_sums)
                 if trainer.grad_clip > 0:
                     torch.nn.utils.clip_grad_norm_(params, trainer.grad_clip)
                 optimizer.step()
-                running_sums = running_sums + step_sums
+                window_sums.append(step_sums)
                 targets_since_log += targets
             optimizer.zero_grad(set_to_none=True)
             speed.step_done(strategy)
@@ -285,10 +291,10 @@ def fit(
             checkpoint_now = checkpoint_due or stop_now
 
             if log_now:
-                train_loss, train_accuracy = window_means(strategy, running_sums, targets_since_log)
+                train_loss, train_accuracy = window_means(strategy, window_sums, targets_since_log)
                 step_ms = speed.close_window()
                 samples_per_sec = trainer.batch_size * 1000 / step_ms
-                running_sums, targets_since_log = 0.0, 0
+                window_sums, targets_since_log = [], 0
                 memory = dict(zip(*strategy.local_peak_memory_mb(), strict=True))
                 record(
                     {

@@ -20,5 +20,5 @@ def loss_sum(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def loss_and_correct(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """[summed cross-entropy, number of correct predictions] over the batch (the first one
     differentiable): what training and evaluation both measure."""
-    correct = (outputs.argmax(-1) == targets).sum()
-    return torch.stack([loss_sum(outputs, targets), correct.to(torch.float32)])
+    correct = (outputs.argmax(-1) == targets).sum(dtype=torch.float32)
+    return torch.stack([loss_sum(outputs, targets), correct])

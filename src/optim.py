@@ -13,6 +13,7 @@ from src.config import ConfigError, OptimizerConfig
 def build_optimizer(
     cfg: OptimizerConfig, params: Iterable[torch.nn.Parameter]
 ) -> torch.optim.Optimizer:
+    params = list(params)
     if cfg.name == "sgd":
         return torch.optim.SGD(
             params,
@@ -23,9 +24,20 @@ def build_optimizer(
         )
     if cfg.name == "adamw":
         return torch.optim.AdamW(
-            params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+            params,
+            lr=cfg.lr,
+            betas=tuple(cfg.betas),
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            fused=on_cuda(params) or None,
         )
     raise ConfigError(f"unknown optimizer.name {cfg.name!r}; choose sgd or adamw")
+
+
+def on_cuda(params: list[torch.nn.Parameter]) -> bool:
+    """Whether every parameter is on a GPU, where one fused kernel per step replaces AdamW's
+    per-tensor (foreach) kernels; a CPU or meta model keeps torch's default."""
+    return bool(params) and all(param.device.type == "cuda" for param in params)
 
 
 def lr_schedule(cfg: OptimizerConfig, max_steps: int) -> Callable[[int], float]:

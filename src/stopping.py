@@ -144,22 +144,37 @@ def stop_signals() -> contextlib.AbstractContextManager[StopOnSignal]:
 
 
 class NonFiniteWatch:
-    """Remembers the first step whose loss was NaN or infinite, without waiting on the device.
+    """Finds the first step whose loss was NaN or infinite, without waiting on the device and
+    without device work per step.
 
-    `observe` queues two tiny ops on the loss's device per step; only `agree_to_stop`, called on
-    steps that synchronize anyway (logging, eval, checkpoint), reads the result back. A per-step
-    `.item()` would make the host wait for every step on a GPU and lose the overlap of queueing
+    `observe` only keeps a reference to each step's sums; `pending`, called on steps that
+    synchronize anyway (logging, eval, checkpoint), checks them all at once. A per-step check
+    costs several kernel launches a step (host time that shows on a fast GPU step), and a
+    per-step `.item()` would make the host wait for every step and lose the overlap of queueing
     step k+1 while step k runs."""
 
     def __init__(self) -> None:
-        self.first_step: torch.Tensor | None = None  # 0 while every loss has been finite
+        self.steps: list[int] = []
+        self.sums: list[torch.Tensor] = []
 
-    def observe(self, step: int, loss: torch.Tensor) -> None:
-        bad_step = torch.where(torch.isfinite(loss), 0.0, float(step))
-        if self.first_step is None:
-            self.first_step = bad_step
-        else:
-            self.first_step = torch.where(self.first_step > 0, self.first_step, bad_step)
+    def observe(self, step: int, sums: torch.Tensor) -> None:
+        self.steps.append(step)
+        self.sums.append(sums)
+
+    def pending(self) -> torch.Tensor | None:
+        """Whether each step observed since the last `clear` had a non-finite loss (a bool
+        tensor on the device, nothing read back yet); None when no step was observed."""
+        if not self.sums:
+            return None
+        return ~torch.stack(self.sums)[:, 0].isfinite()
+
+    def first_bad_step(self, bad: torch.Tensor) -> int | None:
+        """The first step that `pending` flagged (reads the flags back), or None."""
+        flagged = bad.nonzero()
+        return self.steps[int(flagged[0])] if len(flagged) else None
+
+    def clear(self) -> None:
+        self.steps, self.sums = [], []
 
 
 def agree_to_stop(
@@ -173,18 +188,19 @@ def agree_to_stop(
     synchronize anyway (log, eval, checkpoint): raises NonFiniteLoss if any process has seen a
     non-finite loss; returns the signal to stop for if any process has received one, else None.
     """
-    first_bad = nonfinite.first_step
-    if first_bad is None:  # no step observed yet
-        first_bad = torch.zeros(())
+    bad = nonfinite.pending()
     # Read once: a signal that lands during the all-reduce must wait for the next agreement,
     # or this process would decide on what the others did not see.
     received_here = stop.signal
     received = [float(received_here == signum) for signum in StopOnSignal.SIGNALS]
-    flags = torch.tensor([0.0, *received], device=first_bad.device)
-    flags[0] = first_bad
+    flags = torch.tensor([0.0, *received], device=bad.device if bad is not None else "cpu")
+    if bad is not None:
+        flags[0] = bad.sum()
     any_bad, *signal_counts = strategy.all_reduce_sum(flags).tolist()
     if any_bad > 0:
-        raise NonFiniteLoss.at(int(first_bad.item()) or None, step, last_checkpoint)
+        first_bad = nonfinite.first_bad_step(bad) if bad is not None else None
+        raise NonFiniteLoss.at(first_bad, step, last_checkpoint)
+    nonfinite.clear()
     if not any(signal_counts):
         return None
     counted = zip(StopOnSignal.SIGNALS, signal_counts, strict=True)
