@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# Check the template on a GPU machine in a few minutes: the CUDA-marked tests, then a one-minute
-# scaling sweep (experiment=scaling) over the strategies and 1, 2, 4, ... of the GPUs present,
-# ending with the scaling table. Exits non-zero if a test or a sweep job failed.
+# Check the template on a GPU machine in a few minutes, in this order (cheapest first):
+#   1. the default run (`python train.py`) on the GPU;
+#   2. the CUDA-marked tests: every strategy that fits on the GPUs present, a kill-and-resume;
+#   3. the GPU benchmark: template vs a plain loop on the same GPU, and the per-step overhead;
+#   4. a one-minute scaling sweep (experiment=scaling) over the strategies and 1, 2, 4, ... of the
+#      GPUs present, ending with the scaling table;
+#   5. the full test suite (CPU tests are pinned to the CPU and must pass on a GPU box too).
+# Exits non-zero if any part failed; each part runs anyway.
 #
 #   scripts/gpu_check.sh                      # extra arguments go to the sweep, e.g. logger=none
+#   GPU_CHECK_SKIP_SUITE=1 scripts/gpu_check.sh   # without part 5
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,12 +21,33 @@ fi
 devices=1
 while [ $((devices * 2)) -le "$gpus" ]; do devices="$devices,$((devices * 2))"; done
 [ "${devices##*,}" = "$gpus" ] || devices="$devices,$gpus"
-python -c "import torch; print(*(torch.cuda.get_device_name(i) for i in range($gpus)), sep='\n')"
+python -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda)
+for i in range(torch.cuda.device_count()): print(f'cuda:{i}', torch.cuda.get_device_name(i))"
+# W&B is a runtime dependency; a box without it still checks everything else.
+logger=()
+python -c "import wandb" 2>/dev/null || { echo "wandb is not installed: logger=none"; logger=(logger=none); }
 
-status=0
-python -m pytest -q -m cuda || status=1
+failed=()
+part() {  # part NAME COMMAND...: run one part, time it, remember failures
+  local name=$1 start=$SECONDS
+  shift
+  echo; echo "=== gpu_check: $name"
+  "$@" || failed+=("$name")
+  echo "=== gpu_check: $name took $((SECONDS - start)) s"
+}
+stamp=$(date +%Y-%m-%d_%H-%M-%S)
+part "default run" python train.py "${logger[@]}" "hydra.run.dir=outputs/gpu-check/$stamp/default"
+part "cuda tests" python -m pytest -q -m cuda -p no:cacheprovider
+part "benchmark" python scripts/benchmark.py --device cuda --only single --only overhead --rounds 3
 # A model big enough for the GPUs to have work; still about a minute for the whole sweep.
-python train.py -m experiment=scaling "parallel.devices=$devices" trainer.accelerator=cuda \
-  model.hidden=1024 model.depth=8 trainer.batch_size=1024 \
-  "hydra.sweep.dir=outputs/multirun/gpu-check/$(date +%Y-%m-%d_%H-%M-%S)" "$@" || status=1
-exit $status
+part "scaling sweep" python train.py -m experiment=scaling "parallel.devices=$devices" \
+  trainer.accelerator=cuda model.hidden=1024 model.depth=8 trainer.batch_size=1024 \
+  "hydra.sweep.dir=outputs/gpu-check/$stamp/sweep" "${logger[@]}" "$@"
+[ -n "${GPU_CHECK_SKIP_SUITE:-}" ] || part "full test suite" python -m pytest -q -p no:cacheprovider
+
+echo
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "gpu_check: FAILED: ${failed[*]}"
+  exit 1
+fi
+echo "gpu_check: all parts passed"

@@ -15,6 +15,7 @@ A job of a sweep also joins the sweep's W&B group unless `logger.group` is set.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
@@ -57,7 +59,17 @@ def run_job(run: Callable[[DictConfig], dict[str, Any]], cfg: DictConfig) -> flo
     else:
         write_status(job_dir, "ok")
         return summary["final_val_loss"]
+    finally:
+        release_device_memory()
     return math.nan
+
+
+def release_device_memory() -> None:
+    """Hand the GPU memory that this job's tensors left cached back to the driver: the next job
+    of the sweep runs in this process, maybe on other GPUs, and its peak counts from zero."""
+    gc.collect()  # a failed job's traceback can hold its model and optimizer
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def write_status(job_dir: Path, status: str, reason: str = "") -> None:

@@ -30,6 +30,12 @@ ROWS = [
         ["parallel.name=nosuch"], CHECK, "unknown parallel.name 'nosuch'", id="strategy-name"
     ),
     pytest.param(["parallel.devices=0"], CHECK, "parallel.devices must be at least 1", id="dev0"),
+    pytest.param(
+        ["trainer.matmul_precision=tf32"],
+        CHECK,
+        "trainer.matmul_precision must be one of auto, highest, high, medium, got 'tf32'",
+        id="matmul-precision",
+    ),
     pytest.param(["parallel.devices=2"], CHECK, "parallel=single uses one device", id="single2"),
     pytest.param(
         ["parallel=model_parallel", "parallel.devices=5"],

@@ -79,8 +79,20 @@ class Run:
 )
 def test_killed_run_resumes_to_the_same_weights(tmp_path, strategy):
     """Killed mid-run and resumed, every strategy ends where an uninterrupted `single` run does."""
-    reference = reference_run(*RESUMABLE)
-    run = Run(*RESUMABLE, *strategy, run_dir=tmp_path)
+    kill_and_resume(tmp_path, *RESUMABLE, *strategy, reference=reference_run(*RESUMABLE))
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_killed_gpu_run_resumes_to_the_same_weights(tmp_path):
+    gpu = (*RESUMABLE, "trainer.accelerator=cuda", "trainer.matmul_precision=highest")
+    kill_and_resume(tmp_path, *gpu, reference=reference_run(*gpu))
+
+
+def kill_and_resume(tmp_path: Path, *overrides: str, reference: Path) -> None:
+    """SIGKILL a run once step 6 is logged, resume it, and compare it with `reference`."""
+    run = Run(*overrides, run_dir=tmp_path)
     run.wait_for("step 6/60")
     run.process.kill()  # SIGKILL: no handler, no clean-up
     returncode, _ = run.finish()
@@ -89,7 +101,7 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path, strategy):
     saved_step = checkpoint(tmp_path)["step"]
     assert 5 <= saved_step < 60
 
-    result = run_train(*RESUMABLE, *strategy, "trainer.resume=auto", run_dir=tmp_path)
+    result = run_train(*overrides, "trainer.resume=auto", run_dir=tmp_path)
 
     assert f"resuming from {tmp_path}/checkpoints/last.pt at step {saved_step}" in result.stdout
     assert_same_training(reference, tmp_path)  # every step's loss, and the final weights

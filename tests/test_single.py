@@ -24,6 +24,7 @@ SUMMARY_KEYS = {
     "devices",
     "world_size",
     "global_batch",
+    "matmul_precision",
     "steps",
     "final_train_loss",
     "final_train_accuracy",
@@ -43,6 +44,7 @@ def test_single_run_writes_summary_and_loadable_checkpoint(tmp_path):
     assert result.keys() >= SUMMARY_KEYS
     assert result["strategy"] == "single" and result["world_size"] == 1
     assert result["steps"] == 6 and result["global_batch"] == 24
+    assert result["matmul_precision"] == "highest"  # true fp32 on CPU unless asked otherwise
     assert len(result["peak_memory_mb"]) == 1 and result["samples_per_sec"] > 0
 
     state = checkpoint(tmp_path)
