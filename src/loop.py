@@ -94,8 +94,11 @@ def evaluate(
     model.eval()
     sums = torch.zeros(2)
     with torch.no_grad(), autocast:
-        for inputs, targets in val_batches(split, batch_size, strategy.rank, strategy.world_size):
-            sums += strategy.apply(model, inputs, targets, loss_and_correct).float().cpu()
+        shard = val_batches(split, batch_size, strategy.rank, strategy.world_size)
+        for inputs, targets, counted in shard:
+            batch_sums = strategy.apply(model, inputs, targets, loss_and_correct)
+            if counted:
+                sums += batch_sums.float().cpu()
     model.train()
     loss, correct = strategy.all_reduce_sum(sums).tolist()
     count = split.targets.numel()
