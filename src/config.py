@@ -125,7 +125,14 @@ class PipelineConfig(ParallelConfig):
 
 
 @dataclass
-class HybridConfig(DistributedConfig):
+class DDPConfig(DistributedConfig):
+    broadcast_buffers: bool = True
+    """Copy rank 0's buffers (e.g. BatchNorm running statistics) to every rank before each
+    training forward pass, as torch's DDP does by default; false lets each rank keep its own."""
+
+
+@dataclass
+class HybridConfig(DDPConfig):
     stages: int = 2
     microbatches: int = 1
     split_points: list[int] | None = None
@@ -242,6 +249,7 @@ SCHEMAS = {
     "parallel": {
         "base": ParallelConfig,
         "distributed": DistributedConfig,
+        "ddp": DDPConfig,
         "pipeline": PipelineConfig,
         "hybrid": HybridConfig,
     },

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,6 +94,24 @@ def summary(run_dir: Path) -> dict[str, Any]:
 
 def checkpoint(run_dir: Path) -> dict[str, Any]:
     return torch.load(run_dir / "checkpoints" / "last.pt", map_location="cpu", weights_only=False)
+
+
+def evaluate_checkpoint(run_dir: Path) -> list[float]:
+    """[val loss, val accuracy] of the run's checkpointed model, evaluated whole in this process
+    on the data its config names."""
+    from src.config import ParallelConfig
+    from src.loop import evaluate
+    from src.strategies import build_strategy
+
+    state = checkpoint(run_dir)
+    cfg = OmegaConf.create(state["config"])
+    data = instantiate(cfg.data, seed=cfg.seed)
+    model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+    model.load_state_dict(state["model"])
+    single = build_strategy(ParallelConfig(), "cpu")
+    single.setup()
+    batch = cfg.trainer.eval_batch_size
+    return list(evaluate(single.wrap(model), single, data.val, batch, contextlib.nullcontext()))
 
 
 def assert_same_training(reference: Path, other: Path, atol: float = 1e-5) -> None:
