@@ -110,8 +110,10 @@ class DistributedConfig(ParallelConfig):
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     """0 lets the OS choose a free port (single node only)."""
-    timeout_s: float = 300.0
-    """Process-group timeout: a collective that waits longer raises instead of hanging."""
+    timeout_s: float = 600.0
+    """Process-group timeout: a collective that waits longer ends the job instead of hanging
+    (gloo raises; NCCL's watchdog aborts the process). Keep it above the slowest checkpoint
+    write: the other ranks wait for rank 0's meanwhile."""
     threads_per_rank: int | None = None
     """Intra-op threads per rank; None divides the cores by the local ranks (or OMP_NUM_THREADS)."""
 

@@ -129,6 +129,13 @@ def assert_same_training(reference: Path, other: Path, atol: float = 1e-5) -> No
         assert difference < atol, f"{key}: max abs difference {difference:.2e}"
 
 
+def pretend_gpus(monkeypatch: Any, count: int) -> None:
+    """As far as the checks and the device mapping ask, this process sees `count` GPUs (a
+    machine, or an srun task given only its own)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
 def wandb_records(run_dir: Path) -> list[Any]:
     """Every protobuf `Record` in the run's offline `.wandb` file.
 

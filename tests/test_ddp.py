@@ -20,6 +20,7 @@ from helpers import (
     checkpoint,
     evaluate_checkpoint,
     metrics,
+    pretend_gpus,
     reference_run,
     run_train,
     summary,
@@ -319,6 +320,23 @@ def test_batch_that_does_not_split_over_the_ranks_is_a_config_error(compose_conf
     cfg = compose_config(*DDP, "trainer.batch_size=25", "trainer.accelerator=cpu")
     with pytest.raises(ConfigError, match=r"trainer\.batch_size.*parallel\.devices"):
         check_config(cfg, tmp_path)
+
+
+def test_under_srun_gpus_per_task_each_rank_drives_the_one_gpu_it_sees(
+    monkeypatch, compose_config, tmp_path
+):
+    cfg = compose_config(*TINY, "parallel=ddp", "parallel.devices=4", "trainer.accelerator=cuda")
+    pretend_gpus(monkeypatch, 1)
+    with pytest.raises(ConfigError, match=r"parallel\.devices=4 but only 1 GPU"):
+        check_config(cfg, tmp_path)  # a job started here needs all four
+
+    for name, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3"}.items():
+        monkeypatch.setenv(name, value)
+    strategy = check_config(cfg, tmp_path)  # each rank needs one
+    strategy.local_rank = 3
+    assert strategy.local_devices() == [torch.device("cuda", 0)]
+    pretend_gpus(monkeypatch, 4)  # all the node's GPUs visible to every rank
+    assert strategy.local_devices() == [torch.device("cuda", 3)]
 
 
 def test_slurm_variables_become_torchrun_variables(monkeypatch):
