@@ -110,8 +110,10 @@ class DistributedConfig(ParallelConfig):
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     """0 lets the OS choose a free port (single node only)."""
-    timeout_s: float = 300.0
-    """Process-group timeout: a collective that waits longer raises instead of hanging."""
+    timeout_s: float = 600.0
+    """Process-group timeout: a collective that waits longer ends the job instead of hanging
+    (gloo raises; NCCL's watchdog aborts the process). Keep it above the slowest checkpoint
+    write: the other ranks wait for rank 0's meanwhile."""
     threads_per_rank: int | None = None
     """Intra-op threads per rank; None divides the cores by the local ranks (or OMP_NUM_THREADS)."""
 
@@ -125,7 +127,14 @@ class PipelineConfig(ParallelConfig):
 
 
 @dataclass
-class HybridConfig(DistributedConfig):
+class DDPConfig(DistributedConfig):
+    broadcast_buffers: bool = True
+    """Copy rank 0's buffers (e.g. BatchNorm running statistics) to every rank before each
+    training forward pass, as torch's DDP does by default; false lets each rank keep its own."""
+
+
+@dataclass
+class HybridConfig(DDPConfig):
     stages: int = 2
     microbatches: int = 1
     split_points: list[int] | None = None
@@ -245,6 +254,7 @@ SCHEMAS = {
     "parallel": {
         "base": ParallelConfig,
         "distributed": DistributedConfig,
+        "ddp": DDPConfig,
         "pipeline": PipelineConfig,
         "hybrid": HybridConfig,
     },

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import logging
+import math
 import struct
 import urllib.request
 from collections.abc import Iterator
@@ -178,8 +179,23 @@ def train_batches(
         epoch, skip = epoch + 1, 0
 
 
-def val_batches(split: Split, batch_size: int, rank: int, world_size: int) -> Iterator[Batch]:
-    """The validation set in a fixed order; rank r takes every W-th sample, none twice."""
+def val_batches(
+    split: Split, batch_size: int, rank: int, world_size: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, bool]]:
+    """The validation set in a fixed order as (inputs, targets, counted); rank r takes every
+    W-th sample, none twice.
+
+    Every rank yields as many batches as the rank with the most samples: where the ranks' forward
+    passes meet in collectives (fsdp gathers each block's parameters), they must run the same
+    number. A rank short of samples pads with the set's first sample, yielded with
+    `counted=False`: run through the model, left out of the figures.
+    """
+    local = max(1, batch_size // world_size)
     indices = torch.arange(rank, len(split), world_size, device=split.targets.device)
-    for batch in indices.split(max(1, batch_size // world_size)):
-        yield split.inputs[batch], split.targets[batch]
+    most_per_rank = math.ceil(len(split) / world_size)
+    for start in range(0, most_per_rank, local):
+        batch = indices[start : start + local]
+        if len(batch):
+            yield split.inputs[batch], split.targets[batch], True
+        else:
+            yield split.inputs[:1], split.targets[:1], False

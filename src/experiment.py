@@ -54,9 +54,15 @@ def check_config(cfg: DictConfig, run_dir: Path) -> Strategy:
     trainer = cfg.trainer
     check_trainer(trainer)
     device_type = resolve_device_type(trainer.accelerator)
-    if trainer.precision == "bf16" and device_type == "cuda" and not torch.cuda.is_bf16_supported():
+    if (
+        trainer.precision == "bf16"
+        and device_type == "cuda"
+        # V100 and T4 only emulate bf16 (slowly), and pass unless emulation is left out.
+        and not torch.cuda.is_bf16_supported(including_emulation=False)
+    ):
         raise ConfigError("trainer.precision=bf16 but this GPU has no bf16 support; use fp32")
     strategy = build_strategy(cfg.parallel, device_type, trainer.precision)
+    strategy.check_visible_gpus(ranks_started=started_ranks() is not None)
     strategy.check_batch(trainer.batch_size // trainer.accumulate)
     check_tracker(cfg.logger)
 

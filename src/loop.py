@@ -94,9 +94,11 @@ def evaluate(
     model.eval()
     sums = None
     with torch.no_grad(), autocast:
-        for inputs, targets in val_batches(split, batch_size, strategy.rank, strategy.world_size):
-            part = strategy.apply(model, inputs, targets, loss_and_correct).float()
-            sums = part if sums is None else sums + part  # on the device: one wait, at the end
+        shard = val_batches(split, batch_size, strategy.rank, strategy.world_size)
+        for inputs, targets, counted in shard:
+            part = strategy.apply(model, inputs, targets, loss_and_correct)
+            if counted:  # summed on the device: one wait, at the end
+                sums = part.float() if sums is None else sums + part.float()
     model.train()
     sums = torch.zeros(2) if sums is None else sums
     loss, correct = strategy.all_reduce_sum(sums).tolist()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,6 +96,24 @@ def checkpoint(run_dir: Path) -> dict[str, Any]:
     return torch.load(run_dir / "checkpoints" / "last.pt", map_location="cpu", weights_only=False)
 
 
+def evaluate_checkpoint(run_dir: Path) -> list[float]:
+    """[val loss, val accuracy] of the run's checkpointed model, evaluated whole in this process
+    on the data its config names."""
+    from src.config import ParallelConfig
+    from src.loop import evaluate
+    from src.strategies import build_strategy
+
+    state = checkpoint(run_dir)
+    cfg = OmegaConf.create(state["config"])
+    data = instantiate(cfg.data, seed=cfg.seed)
+    model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+    model.load_state_dict(state["model"])
+    single = build_strategy(ParallelConfig(), "cpu")
+    single.setup()
+    batch = cfg.trainer.eval_batch_size
+    return list(evaluate(single.wrap(model), single, data.val, batch, contextlib.nullcontext()))
+
+
 def assert_same_training(reference: Path, other: Path, atol: float = 1e-5) -> None:
     """Same per-step losses and final weights (max abs difference below `atol`), and the same
     training accuracy (give or take a prediction that float noise flipped)."""
@@ -106,6 +127,13 @@ def assert_same_training(reference: Path, other: Path, atol: float = 1e-5) -> No
     for key, weight in expected_weights.items():
         difference = (actual_weights[key].float() - weight.float()).abs().max().item()
         assert difference < atol, f"{key}: max abs difference {difference:.2e}"
+
+
+def pretend_gpus(monkeypatch: Any, count: int) -> None:
+    """As far as the checks and the device mapping ask, this process sees `count` GPUs (a
+    machine, or an srun task given only its own)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
 
 
 def wandb_records(run_dir: Path) -> list[Any]:

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TINY, reference_run, run_train
+from helpers import TINY, pretend_gpus, reference_run, run_train
+
+from src.config import ConfigError
+from src.experiment import check_config
 
 HYDRA, CHECK = 1, 2
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
 CUDA = pytest.mark.cuda
 NEEDS_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 NEEDS_GPU_WITHOUT_BF16 = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.is_bf16_supported(),
+    not torch.cuda.is_available() or torch.cuda.is_bf16_supported(including_emulation=False),
     reason="needs a GPU without bf16",
 )
 
@@ -262,3 +265,13 @@ def test_bad_input_fails_fast_with_one_clear_message(
         assert output.count("[ERROR]") == 1, output
     left = {path.name for path in run_dir.iterdir()} if run_dir.exists() else set()
     assert left <= {".hydra", "train.log"}, f"a refused run wrote {left}"
+
+
+def test_bf16_on_a_gpu_that_only_emulates_it_is_refused(monkeypatch, compose_config, tmp_path):
+    """V100 and T4 report bf16 support unless emulation is left out."""
+    cfg = compose_config(*TINY, "trainer.accelerator=cuda", "trainer.precision=bf16")
+    pretend_gpus(monkeypatch, 1)
+    emulating = lambda including_emulation=True: including_emulation  # noqa: E731
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", emulating)
+    with pytest.raises(ConfigError, match="trainer.precision=bf16 but this GPU has no bf16"):
+        check_config(cfg, tmp_path)

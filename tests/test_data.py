@@ -11,7 +11,14 @@ import pytest
 import torch
 from helpers import TINY, run_train, summary
 
-from src.data import mnist, read_idx, synthetic_classification, train_batches
+from src.data import (
+    Split,
+    mnist,
+    read_idx,
+    synthetic_classification,
+    train_batches,
+    val_batches,
+)
 
 
 def write_idx(path: Path, array: torch.Tensor, compress: bool) -> None:
@@ -86,3 +93,19 @@ def test_ranks_batches_together_are_the_single_process_batch(world_size):
         sharded = torch.cat([ranks[rank][step][0] for rank in range(world_size)])
         assert len(sharded) == batch
         assert sorted(map(tuple, sharded.tolist())) == sorted(map(tuple, inputs.tolist()))
+
+
+@pytest.mark.parametrize(
+    "samples, world_size, eval_batch",
+    [(61, 2, 20), (61, 2, 2), (61, 2, 60), (61, 3, 7), (513, 2, 512), (1, 3, 4), (10, 4, 1)],
+)
+def test_every_rank_runs_as_many_eval_batches_and_each_sample_counts_once(
+    samples, world_size, eval_batch
+):
+    split = Split(torch.arange(samples), torch.zeros(samples, dtype=torch.long))
+    batches = [list(val_batches(split, eval_batch, r, world_size)) for r in range(world_size)]
+
+    assert len({len(rank_batches) for rank_batches in batches}) == 1
+    assert all(len(inputs) > 0 for rank_batches in batches for inputs, _, _ in rank_batches)
+    counted = [inputs for rank_batches in batches for inputs, _, counted in rank_batches if counted]
+    assert sorted(torch.cat(counted).tolist()) == list(range(samples))

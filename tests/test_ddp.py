@@ -18,16 +18,20 @@ from helpers import (
     TINY,
     assert_same_training,
     checkpoint,
+    evaluate_checkpoint,
     metrics,
+    pretend_gpus,
     reference_run,
     run_train,
     summary,
 )
 
-from src.config import ConfigError
+import src.strategies.ddp
+from src.config import ConfigError, DDPConfig
 from src.experiment import check_config
 from src.launch import adopt_slurm_environment, first_node
 from src.models import MLP
+from src.strategies import build_strategy
 
 DDP = ("parallel=ddp", "parallel.devices=2")
 
@@ -59,6 +63,12 @@ def log_lines(run_dir: Path) -> list[str]:
 
 def val_losses(run_dir: Path) -> torch.Tensor:
     return torch.tensor([row["val/loss"] for row in metrics(run_dir) if "val/loss" in row])
+
+
+def val_figures(run_dir: Path) -> torch.Tensor:
+    """[val loss, val accuracy] per evaluation."""
+    rows = [row for row in metrics(run_dir) if "val/loss" in row]
+    return torch.tensor([[row["val/loss"], row["val/accuracy"]] for row in rows])
 
 
 def test_two_ddp_jobs_at_once_train_exactly_like_single(tmp_path):
@@ -237,10 +247,96 @@ def test_ranks_started_by_srun_share_one_run_dir(tmp_path):
     assert_same_training(reference_run(*TINY), run_dir)
 
 
+BATCHNORM = (*TINY, "model._target_=tests.unusual_models.BatchNormMLP", "trainer.accelerator=cpu")
+HYBRID = ("parallel=hybrid", "parallel.devices=4", "parallel.stages=2")
+
+
+@pytest.mark.parametrize("strategy", [DDP, HYBRID], ids=["ddp", "hybrid"])
+def test_every_rank_evaluates_with_rank_0s_buffers_which_the_checkpoint_holds(tmp_path, strategy):
+    """BatchNorm's running statistics: each rank updates them from its own samples, and DDP
+    copies rank 0's to every rank before each forward pass, so the job's final validation
+    figures are those of the model it saved."""
+    run_train(*BATCHNORM, *strategy, run_dir=tmp_path)
+    final = val_figures(tmp_path)[-1]
+    torch.testing.assert_close(
+        final, torch.tensor(evaluate_checkpoint(tmp_path)), rtol=0, atol=1e-5
+    )
+
+
+def test_without_broadcast_buffers_each_rank_keeps_its_own(tmp_path):
+    run_train(*BATCHNORM, *DDP, "parallel.broadcast_buffers=false", run_dir=tmp_path)
+    final = val_figures(tmp_path)[-1]
+    assert (final[0] - evaluate_checkpoint(tmp_path)[0]).abs() > 1e-4
+
+
+class TorchDDPBefore2_13(torch.nn.Module):
+    """DistributedDataParallel's constructor as torch 2.9 to 2.12 declare it (the versions
+    requirements.txt allows besides 2.13, which is installed here): no `forward_sync_buffers`."""
+
+    def __init__(
+        self,
+        module,
+        device_ids=None,
+        output_device=None,
+        dim=0,
+        broadcast_buffers=True,
+        init_sync=True,
+        process_group=None,
+        bucket_cap_mb=None,
+        find_unused_parameters=False,
+        check_reduction=False,
+        gradient_as_bucket_view=False,
+        static_graph=False,
+        delay_all_reduce_named_params=None,
+        param_to_hook_all_reduce=None,
+        mixed_precision=None,
+        device_mesh=None,
+        skip_all_reduce_unused_params=False,
+    ):
+        super().__init__()
+        self.module, self.syncs_buffers = module, broadcast_buffers
+
+
+class TorchDDP2_13(torch.nn.Module):
+    """The same in torch 2.13: `broadcast_buffers` deprecated for `forward_sync_buffers`."""
+
+    def __init__(self, module, device_ids=None, broadcast_buffers=None, forward_sync_buffers=None):
+        super().__init__()
+        if broadcast_buffers is not None:
+            raise AssertionError("broadcast_buffers is deprecated in torch 2.13")
+        self.module, self.syncs_buffers = module, forward_sync_buffers
+
+
+@pytest.mark.parametrize("torch_ddp", [TorchDDPBefore2_13, TorchDDP2_13])
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_ddp_passes_only_arguments_the_installed_torch_knows(monkeypatch, torch_ddp, broadcast):
+    monkeypatch.setattr(src.strategies.ddp, "DistributedDataParallel", torch_ddp)
+    strategy = build_strategy(DDPConfig(name="ddp", broadcast_buffers=broadcast), "cpu")
+    replica = strategy.replicate(MLP(input_shape=(4,), num_classes=2, hidden=4, depth=1), None)
+    assert replica.syncs_buffers is broadcast
+
+
 def test_batch_that_does_not_split_over_the_ranks_is_a_config_error(compose_config, tmp_path):
     cfg = compose_config(*DDP, "trainer.batch_size=25", "trainer.accelerator=cpu")
     with pytest.raises(ConfigError, match=r"trainer\.batch_size.*parallel\.devices"):
         check_config(cfg, tmp_path)
+
+
+def test_under_srun_gpus_per_task_each_rank_drives_the_one_gpu_it_sees(
+    monkeypatch, compose_config, tmp_path
+):
+    cfg = compose_config(*TINY, "parallel=ddp", "parallel.devices=4", "trainer.accelerator=cuda")
+    pretend_gpus(monkeypatch, 1)
+    with pytest.raises(ConfigError, match=r"parallel\.devices=4 but only 1 GPU"):
+        check_config(cfg, tmp_path)  # a job started here needs all four
+
+    for name, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3"}.items():
+        monkeypatch.setenv(name, value)
+    strategy = check_config(cfg, tmp_path)  # each rank needs one
+    strategy.local_rank = 3
+    assert strategy.local_devices() == [torch.device("cuda", 0)]
+    pretend_gpus(monkeypatch, 4)  # all the node's GPUs visible to every rank
+    assert strategy.local_devices() == [torch.device("cuda", 3)]
 
 
 def test_slurm_variables_become_torchrun_variables(monkeypatch):

@@ -121,3 +121,27 @@ def test_fsdp_on_gpus_uses_nccl_and_bf16_trains_like_single_bf16(tmp_path):
     run_train(*bf16, *fsdp, run_dir=tmp_path / "bf16")
     # bf16 rounding differs (fsdp casts the weights once, autocast per op): close, not equal.
     assert_same_training(reference_run(*bf16), tmp_path / "bf16", atol=1e-2)
+
+
+CPU_SGD = (*SGD, "trainer.accelerator=cpu")
+
+
+def test_fsdp_starts_every_rank_from_rank_0s_weights(tmp_path):
+    """As DDP does: a model whose initialisation is not all from the seeded RNG (here, from the
+    rank) would otherwise train a different model on each rank."""
+    workload = (*CPU_SGD, "model._target_=tests.unusual_models.RankSeededMLP")
+    run_train(*workload, *FSDP, run_dir=tmp_path)
+    assert_same_training(reference_run(*workload), tmp_path)
+
+
+def test_fsdp_trains_a_model_whose_blocks_share_a_parameter_like_single(tmp_path):
+    """Tied embeddings: the first block and the last share a weight, so they form one unit."""
+    workload = (
+        *TINY_TRANSFORMER,
+        "optimizer=sgd",
+        "optimizer.warmup_steps=0",
+        "trainer.accelerator=cpu",
+        "model._target_=tests.unusual_models.TiedTransformer",
+    )
+    run_train(*workload, *FSDP, run_dir=tmp_path)
+    assert_same_training(reference_run(*workload), tmp_path)

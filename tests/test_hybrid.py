@@ -14,12 +14,13 @@ from helpers import (
     assert_same_training,
     checkpoint,
     metrics,
+    pretend_gpus,
     reference_run,
     run_train,
     summary,
 )
 
-from src.config import HybridConfig
+from src.config import ConfigError, HybridConfig
 from src.models import MLP
 from src.strategies import build_strategy
 
@@ -81,13 +82,23 @@ def test_hybrid_trains_the_transformer_exactly_like_single(tmp_path):
     assert summary(tmp_path)["bubble_fraction"] == pytest.approx(1 / 2)
 
 
-def test_processes_and_their_gpus_follow_from_devices_and_stages():
+def test_processes_and_their_gpus_follow_from_devices_and_stages(monkeypatch):
     config = HybridConfig(name="hybrid", devices=8, stages=2, nodes=2, master_port=29500)
     strategy = build_strategy(config, "cpu")
     assert (strategy.processes_per_node, strategy.world_size) == (4, 8)
     # Which GPUs process p drives needs no GPU to work out: p * stages .. p * stages + stages - 1.
     strategy.device_type, strategy.local_rank = "cuda", 3
+    pretend_gpus(monkeypatch, 8)
     assert strategy.local_devices() == [torch.device("cuda", 6), torch.device("cuda", 7)]
+    # Under `srun --gpus-per-task=2` each process sees its own pair only, and needs no more.
+    pretend_gpus(monkeypatch, 2)
+    assert strategy.local_devices() == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    strategy.check_visible_gpus(ranks_started=True)
+    with pytest.raises(ConfigError, match=r"parallel\.devices=8 but only 2 GPU"):
+        strategy.check_visible_gpus(ranks_started=False)
+    pretend_gpus(monkeypatch, 1)
+    with pytest.raises(ConfigError, match=r"drives 2 GPU\(s\) but this one sees 1"):
+        strategy.check_visible_gpus(ranks_started=True)
 
 
 @pytest.mark.cuda

@@ -6,6 +6,7 @@ Before any work (in the launching process):
     strategy = Strategy(cfg.parallel, device_type)   checks the settings, touches no device
     strategy.precision                                 trainer.precision (set by build_strategy)
     strategy.check_batch(micro_batch)                  the global micro-batch splits as needed
+    strategy.check_visible_gpus(ranks_started)         enough GPUs for the job, or for this rank
     strategy.check_model(model)                        the model (built on the meta device) fits
     strategy.processes_per_node                        how many local processes the job needs;
                                                        more than 1 makes `train.py` launch them
@@ -89,11 +90,6 @@ class Strategy:
         self.device_type = device_type
         if cfg.devices < 1:
             raise ConfigError(f"parallel.devices must be at least 1, got {cfg.devices}")
-        if device_type == "cuda" and cfg.devices > torch.cuda.device_count():
-            raise ConfigError(
-                f"parallel.devices={cfg.devices} but only {torch.cuda.device_count()} GPU(s) "
-                "are visible; lower parallel.devices"
-            )
         self.devices: list[torch.device] = []
 
     @property
@@ -106,6 +102,25 @@ class Strategy:
             raise ConfigError(
                 f"the micro-batch (trainer.batch_size / trainer.accumulate) is {micro_batch}; "
                 "raise trainer.batch_size"
+            )
+
+    def check_visible_gpus(self, ranks_started: bool) -> None:
+        """Raise ConfigError when too few GPUs are visible: all of `parallel.devices` to a job
+        started here, one process's share to each rank that torchrun or srun started (under
+        `srun --gpus-per-task`, a rank sees its own GPUs only)."""
+        if self.device_type != "cuda":
+            return
+        visible = torch.cuda.device_count()
+        per_process = self.cfg.devices // self.processes_per_node
+        if not ranks_started and self.cfg.devices > visible:
+            raise ConfigError(
+                f"parallel.devices={self.cfg.devices} but only {visible} GPU(s) are visible; "
+                "lower parallel.devices"
+            )
+        if per_process > visible:
+            raise ConfigError(
+                f"each process of parallel={self.name} drives {per_process} GPU(s) but this one "
+                f"sees {visible}; give each task {per_process} GPU(s) (srun --gpus-per-task)"
             )
 
     def check_model(self, model: nn.Module) -> None:

@@ -2,12 +2,15 @@
 
 Each rank runs the loop on `global batch / world size` samples; DDP averages the gradients
 across ranks during backward (bucketed all-reduce overlapping with it), so every replica takes
-the same optimizer step that `single` takes on the whole batch.
+the same optimizer step that `single` takes on the whole batch. Buffers (BatchNorm running
+statistics) are rank 0's on every rank before each training forward pass, unless
+`parallel.broadcast_buffers=false`; the checkpoint holds rank 0's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -25,11 +28,7 @@ class DDP(Distributed):
     def replicate(self, module: nn.Module, device_ids: list[int] | None) -> nn.Module:
         """`module` under DDP, kept so that `teardown` can take the process group from it."""
         self.replica = DistributedDataParallel(
-            module,
-            device_ids=device_ids,
-            # The template's models hold no running statistics, so there is nothing to
-            # sync before every forward pass (one collective per step saved).
-            forward_sync_buffers=False,
+            module, device_ids=device_ids, **buffer_sync(self.cfg.broadcast_buffers)
         )
         return self.replica
 
@@ -50,3 +49,13 @@ class DDP(Distributed):
         if self.replica is not None:
             self.replica.reducer = self.replica.logger = self.replica.process_group = None
         super().teardown()
+
+
+def buffer_sync(broadcast: bool) -> dict[str, bool]:
+    """The keyword that gives DDP `parallel.broadcast_buffers`: torch 2.13 renamed
+    `broadcast_buffers` (which now warns) to `forward_sync_buffers`; torch 2.9 to 2.12 know only
+    the old name. With false, the new one still starts every rank from rank 0's buffers, the old
+    one from each rank's own (equal for models built from the seed)."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
+        return {"forward_sync_buffers": broadcast}
+    return {"broadcast_buffers": broadcast}

@@ -1,6 +1,7 @@
 """What every strategy with one process per replica shares: the process group and its ranks.
 
-Each process drives its `local_devices()` (for ddp `cuda:<local rank>`, or the CPU; hybrid
+Each process drives its `local_devices()` (for ddp `cuda:<local rank>` among the GPUs it sees,
+or the CPU; hybrid
 overrides them with its stages' devices) and joins a torch.distributed
 process group: NCCL on CUDA, gloo on CPU, unless `parallel.backend` says otherwise. The ranks come
 from the environment set by whoever started the processes (`src/launch.py`, torchrun or srun);
@@ -92,9 +93,11 @@ class Distributed(Strategy):
             )
 
     def local_devices(self) -> list[torch.device]:
-        """`cuda:<local rank>`, or the CPU (call after `setup` has read the local rank)."""
+        """`cuda:<local rank>`, or the CPU (call after `setup` has read the local rank). A rank
+        that sees fewer GPUs than there are local ranks (`srun --gpus-per-task=1`) sees its own
+        only: local rank modulo the visible GPUs."""
         if self.device_type == "cuda":
-            return [torch.device("cuda", self.local_rank)]
+            return [torch.device("cuda", self.local_rank % torch.cuda.device_count())]
         return [torch.device("cpu")]
 
     def apply(

@@ -1,15 +1,16 @@
 """`parallel=fsdp`: fully sharded data parallel (PyTorch's FSDP2), one process per device.
 
-Launched and fed like ddp: each rank trains on `global batch / world size` samples. Unlike ddp,
-no rank holds the whole model. Every block of the `nn.Sequential` (then the root, for what is
-left) is sharded: each parameter is split along its first dimension into `world size` pieces
-(DTensors), and so are its gradient and optimizer state. A block's full parameters are
-all-gathered just before its forward pass and again before its backward pass, and freed after;
-its gradients are reduce-scattered (averaged), so each rank gets the gradient of its own shard
-and steps the optimizer on it. Parameters, gradients and optimizer state take 1/world size of
-the memory per device, for a second all-gather per block per step (ddp: one all-reduce). On the
-accumulation micro-steps that do not step the optimizer, gradients stay whole on each rank until
-the last one reduce-scatters them (communication saved for memory, as in DDP's no_sync).
+Launched and fed like ddp: each rank trains on `global batch / world size` samples, starting from
+rank 0's weights. Unlike ddp, no rank holds the whole model. Every block of the `nn.Sequential`
+(blocks that share a parameter together; then the root, for what is left) is sharded: each parameter
+is split along its first dimension into `world size` pieces (DTensors), and so are its gradient and
+optimizer state. A block's full parameters are all-gathered just before its forward pass and again
+before its backward pass, and freed after; its gradients are reduce-scattered (averaged), so each
+rank gets the gradient of its own shard and steps the optimizer on it. Parameters, gradients and
+optimizer state take 1/world size of the memory per device, for a second all-gather per block per
+step (ddp: one all-reduce). On the accumulation micro-steps that do not step the optimizer,
+gradients stay whole on each rank until the last one reduce-scatters them (communication saved for
+memory, as in DDP's no_sync).
 
 With `trainer.precision=bf16` the gathered parameters are bf16 (half the all-gather traffic and
 the memory of the unsharded block) while the shards, the gradient reduction and the optimizer
@@ -26,10 +27,12 @@ The whole model and a checkpoint's whole state still pass through each process's
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -50,12 +53,13 @@ SPLIT_FROM_FULL = StateDictOptions(full_state_dict=True)
 
 class FSDP(Distributed):
     def wrap(self, model: nn.Module) -> nn.Module:
+        copy_from_rank0(model, self.device)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         policy = MixedPrecisionPolicy()
         if self.precision == "bf16":
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in model:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
+        for unit in sharding_units(model):
+            fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=policy)
         return fully_shard(model, mesh=mesh, mp_policy=policy)
 
     def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
@@ -78,6 +82,31 @@ class FSDP(Distributed):
     ) -> None:
         names = dict(enumerate(parameter_names(model, optimizer)))
         set_optimizer_state_dict(model, optimizer, renamed(state, names), options=SPLIT_FROM_FULL)
+
+
+def copy_from_rank0(model: nn.Module, device: torch.device) -> None:
+    """Give every rank rank 0's parameters and buffers, as DDP does when it wraps a model: one
+    whose initialisation does not come only from the seeded RNG would otherwise start from
+    different weights on each rank. One tensor at a time through `device` (the backend's), so
+    the device never holds more than one of them whole."""
+    with torch.no_grad():
+        for tensor in itertools.chain(model.parameters(), model.buffers()):
+            on_device = tensor.to(device)  # the tensor itself when it is there already
+            dist.broadcast(on_device, src=0)
+            if on_device is not tensor:
+                tensor.copy_(on_device)
+
+
+def sharding_units(model: nn.Sequential) -> list[list[nn.Module]]:
+    """The blocks grouped into FSDP units: each block on its own, except that blocks sharing a
+    parameter (tied embeddings) form one unit, since one unit alone can shard and gather it."""
+    units: list[list[nn.Module]] = []
+    for block in model:
+        params = set(block.parameters())
+        sharing = [unit for unit in units if any(params & set(b.parameters()) for b in unit)]
+        units = [unit for unit in units if unit not in sharing]
+        units.append([b for unit in sharing for b in unit] + [block])
+    return units
 
 
 @contextlib.contextmanager

@@ -65,7 +65,8 @@ class Hybrid(DDP):
 
     def local_devices(self) -> list[torch.device]:
         if self.device_type == "cuda":
-            first = self.local_rank * self.cfg.stages
+            # Modulo the visible GPUs: under `srun --gpus-per-task=<stages>` a rank sees its own.
+            first = self.local_rank * self.cfg.stages % torch.cuda.device_count()
             return [torch.device("cuda", first + i) for i in range(self.cfg.stages)]
         return [torch.device("cpu")] * self.cfg.stages
 
