@@ -191,7 +191,7 @@ def val_batches(
     `counted=False`: run through the model, left out of the figures.
     """
     local = max(1, batch_size // world_size)
-    indices = torch.arange(rank, len(split), world_size, device=split.targets.device)
+    indices = torch.arange(len(split), device=split.targets.device)[rank::world_size]
     most_per_rank = math.ceil(len(split) / world_size)
     for start in range(0, most_per_rank, local):
         batch = indices[start : start + local]
