@@ -56,7 +56,7 @@ class WandbTracker:
         self.run = self._start_or_go_offline(mode) if mode in SERVER_MODES else self._start(mode)
         if self.run.settings.mode == "offline":
             sync_dir = self.run.settings.sync_dir
-            log.info("W&B offline run in %s; upload it with: wandb sync %s", sync_dir, sync_dir)
+            log.info("W&B offline run; upload it with: wandb sync %s", sync_dir)
         self.run_id = self.run.id
 
     def _start(self, mode: str) -> Any:
