@@ -275,6 +275,7 @@ def build_and_fit(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[st
             "world_size": strategy.world_size,
             "global_batch": cfg.trainer.batch_size,
             **results,
+            **cpu_share(strategy),
             **strategy.report(),
         }
         exit_code = 0
@@ -284,6 +285,17 @@ def build_and_fit(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[st
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         log.info(format_summary(summary, run_dir))
     return summary
+
+
+def cpu_share(strategy: Strategy) -> dict[str, int]:
+    """This node's processes, each one's intra-op threads, and the cores they may use: with more
+    threads than cores the processes compete for them, and the scaling report says so."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "processes_per_node": strategy.processes_per_node,
+        "threads_per_process": torch.get_num_threads(),
+        "cores": cores,
+    }
 
 
 def format_summary(summary: dict[str, Any], run_dir: Path) -> str:
