@@ -228,6 +228,7 @@ class WandbConfig(LoggerConfig):
     mode: str = "offline"
     """offline, online or disabled; the WANDB_MODE environment variable wins when set."""
     init_timeout_s: float = 60.0
+    """How long an online run may take to start before the run logs offline instead."""
 
 
 # ---------------------------------------------------------------------------------------- config

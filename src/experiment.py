@@ -13,6 +13,7 @@ import math
 import os
 import shlex
 import signal
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,8 @@ from src.strategies.base import Strategy, resolve_device_type
 from src.tracking import build_tracker, check_tracker
 
 log = logging.getLogger(__name__)
+# Its records go to train.log only (conf/config.yaml), not to the console.
+train_log_only = logging.getLogger("train_log_only")
 
 
 def check_config(cfg: DictConfig, run_dir: Path) -> Strategy:
@@ -200,7 +203,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             )
         configure_logging(job_logging, "launcher")
     if ranks is None or ranks.rank == 0:
-        log.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
+        log.info("overrides: %s", " ".join(hydra.overrides.task) or "none")
+        train_log_only.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
     if launching:
         resolved = OmegaConf.to_container(cfg, resolve=True)
         args = (resolved, str(run_dir))
@@ -309,6 +313,7 @@ def build_and_fit(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[st
             "global_batch": cfg.trainer.batch_size,
             "matmul_precision": matmul_precision,
             **results,
+            **cpu_share(strategy),
             **strategy.report(),
         }
         exit_code = 0
@@ -316,7 +321,7 @@ def build_and_fit(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[st
         tracker.finish(summary, exit_code)
     if strategy.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        log.info("\n%s", format_summary(summary, run_dir))
+        log.info(format_summary(summary, run_dir))
     return summary
 
 
@@ -337,19 +342,33 @@ def keep_on_device(data: Data, device: torch.device) -> Data:
     return data.to(device)
 
 
+def cpu_share(strategy: Strategy) -> dict[str, int]:
+    """This node's processes, each one's intra-op threads, and the cores they may use: with more
+    threads than cores the processes compete for them, and the scaling report says so."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "processes_per_node": strategy.processes_per_node,
+        "threads_per_process": torch.get_num_threads(),
+        "cores": cores,
+    }
+
+
 def format_summary(summary: dict[str, Any], run_dir: Path) -> str:
+    """`key=value` for every figure of summary.json, a few to a line."""
+
     def fmt(value: Any) -> str:
         if isinstance(value, float):
             if math.isnan(value):
                 return "nan"
             return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
         if isinstance(value, list):
-            return ", ".join(fmt(v) for v in value)
-        return str(value)
+            return ",".join(fmt(v) for v in value)
+        return str(value).replace(" ", "_")
 
-    rows = [(key, fmt(value)) for key, value in summary.items()]
-    rows.append(("outputs", str(run_dir)))
-    width = max(len(key) for key, _ in rows)
-    lines = [f"  {key:<{width}}  {value}" for key, value in rows]
-    rule = "-" * max(len(line) for line in lines)
-    return "\n".join(["run summary", rule, *lines, rule])
+    pairs = [f"{key}={fmt(value)}" for key, value in summary.items()]
+    pairs.append(f"outputs={run_dir}")
+    text = "run summary: " + " ".join(pairs)
+    wrap = textwrap.TextWrapper(
+        width=100, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False
+    )
+    return "\n".join(wrap.wrap(text))

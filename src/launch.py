@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
+import ctypes.util
 import functools
 import logging
 import logging.config
@@ -44,6 +46,7 @@ FAILURES_KEY = "template/failures"
 FIRST_FAILURE_WAIT_S = 1.0
 LATER_FAILURE_WAIT_S = 3.0
 AGENT_HANDLED_SIGNALS = "SIGHUP,SIGQUIT"  # torch's agent stops the ranks at once on these
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 class KilledBySignal(BaseException):
@@ -196,8 +199,30 @@ def reported_failures(add: int) -> int | None:
         return None
 
 
-def _worker(fn: Callable[..., Any], args: tuple, job_logging: dict[str, Any]) -> Any:
+def end_with_launcher(launcher_pid: int) -> None:
+    """From now on, the kernel kills this rank the moment its launcher dies (Linux), and it
+    exits at once if the launcher is already gone.
+
+    Without this, a launcher killed while its ranks start leaves them behind: torch asks for a
+    SIGINT on the parent's death, but only once a rank has imported torch (a launcher that
+    dies before then sends nothing), and a rank blocked in C++ (connecting to the launcher's
+    store, meeting the others in the process group) cannot run a Python signal handler until
+    that call gives up, minutes later. With the launcher gone nobody collects the ranks' results,
+    and a checkpoint is never half-written, so nothing is lost by SIGKILL."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+            log.warning("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
+    # Checked after prctl: a launcher that died before it would never signal this rank.
+    if os.getppid() != launcher_pid:
+        os._exit(128 + signal.SIGKILL)
+
+
+def _worker(
+    fn: Callable[..., Any], args: tuple, job_logging: dict[str, Any], launcher_pid: int
+) -> Any:
     """Entry point of each launched process (the agent sets RANK, WORLD_SIZE, ...)."""
+    end_with_launcher(launcher_pid)
     configure_logging(job_logging, f"rank{os.environ['RANK']}")
     # Connect to the launcher's store now: a rank that fails later tells it (`failure_order`),
     # signals ask it whether the job is over (`job_failed`), and once the launcher has died, a
@@ -254,7 +279,7 @@ def launch(
             signals_to_handle=AGENT_HANDLED_SIGNALS,
         )
         with stop_signals_passed_to_ranks():
-            results = elastic_launch(config, _worker)(fn, args, job_logging)
+            results = elastic_launch(config, _worker)(fn, args, job_logging, os.getpid())
     return results[min(results)]
 
 

@@ -34,38 +34,42 @@ log = logging.getLogger(__name__)
 
 
 class Throughput:
-    """Steady-state speed: steps before `warmup_steps` and time spent outside training (eval,
-    checkpoints) are left out; step time is the median over logging windows."""
+    """Steady-state speed, from the logging windows after warm-up.
+
+    A window's time runs from the end of the previous logging step's bookkeeping to the
+    synchronization at its own logging step: warm-up steps, logging, eval and checkpoints are
+    left out, and with them the one-time costs their first calls pay (in the first job of an
+    in-process sweep, W&B's first log, say). Step time is the median over the windows, so that a
+    window disturbed by something else on the machine does not count; `step_time_spread`
+    ((slowest - fastest) / median) says how much the windows disagree."""
 
     def __init__(self, warmup_steps: int, samples_per_step: int):
         self.warmup_steps = warmup_steps
         self.samples_per_step = samples_per_step
         self.steps_done = 0  # by this process: a resumed run warms up again
-        self.steady_since: float | None = None
-        self.steady_steps = 0
-        self.excluded = 0.0
-        self.window_start = time.perf_counter()
-        self.window_steps = 0
-        self.window_is_steady = False  # whether the current logging window began after warm-up
-        self.window_ms: list[float] = []
+        now = time.perf_counter()
+        self.window_start, self.window_steps = now, 0  # the logging window, for progress lines
+        self.timed_start = now if warmup_steps == 0 else None  # its part after warm-up
+        self.timed_steps = 0
+        self.window_ms: list[float] = []  # ms per step of each window's timed part
 
     def step_done(self, strategy: Strategy) -> None:
         self.steps_done += 1
         self.window_steps += 1
-        if self.steps_done == self.warmup_steps:
+        if self.timed_start is not None:
+            self.timed_steps += 1
+        elif self.steps_done == self.warmup_steps:
             strategy.synchronize()
-            self.steady_since = time.perf_counter()
-        elif self.steady_since is not None:
-            self.steady_steps += 1
+            self.timed_start = time.perf_counter()
 
     def close_window(self) -> float:
         """End a logging window (the caller has synchronized); returns its ms per step."""
         now = time.perf_counter()
-        ms = 1000 * (now - self.window_start) / max(1, self.window_steps)
-        if self.window_is_steady and self.window_steps:
-            self.window_ms.append(ms)
+        ms = 1000 * (now - self.window_start) / self.window_steps
+        if self.timed_steps:
+            self.window_ms.append(1000 * (now - self.timed_start) / self.timed_steps)
+            self.timed_start, self.timed_steps = now, 0
         self.window_start, self.window_steps = now, 0
-        self.window_is_steady = self.steady_since is not None
         return ms
 
     def pause(self) -> float:
@@ -73,17 +77,19 @@ class Throughput:
 
     def resume(self, paused_at: float) -> None:
         elapsed = time.perf_counter() - paused_at
-        if self.steady_since is not None:
-            self.excluded += elapsed
         self.window_start += elapsed
+        if self.timed_start is not None:
+            self.timed_start += elapsed
 
     def summary(self) -> dict[str, float]:
-        if self.steady_since is None or not self.steady_steps:
-            return {"samples_per_sec": float("nan"), "step_time_ms": float("nan")}
-        seconds = time.perf_counter() - self.steady_since - self.excluded
+        if not self.window_ms:
+            nan = float("nan")
+            return {"samples_per_sec": nan, "step_time_ms": nan, "step_time_spread": nan}
+        step_ms = statistics.median(self.window_ms)
         return {
-            "samples_per_sec": self.steady_steps * self.samples_per_step / seconds,
-            "step_time_ms": statistics.median(self.window_ms) if self.window_ms else float("nan"),
+            "samples_per_sec": self.samples_per_step * 1000 / step_ms,
+            "step_time_ms": step_ms,
+            "step_time_spread": (max(self.window_ms) - min(self.window_ms)) / step_ms,
         }
 
 
@@ -295,6 +301,7 @@ def fit(
             if log_now:
                 train_loss, train_accuracy = window_means(strategy, window_sums, targets_since_log)
                 step_ms = speed.close_window()
+                paused = speed.pause()
                 samples_per_sec = trainer.batch_size * 1000 / step_ms
                 window_sums, targets_since_log = [], 0
                 memory = dict(zip(*strategy.local_peak_memory_mb(), strict=True))
@@ -314,6 +321,7 @@ def fit(
                     log.info(
                         progress_line(step, trainer.max_steps, train_loss, samples_per_sec, eta)
                     )
+                speed.resume(paused)
 
             if eval_now:
                 paused = speed.pause()

@@ -7,9 +7,11 @@ hand on an existing sweep directory, to rebuild the table and the plot:
 
 Each job directory holds `.hydra/` (its config and overrides), `status.json` (see `src/sweep.py`)
 and, when it trained, `summary.json`. Speed-up is over the sweep's `single` job (the one with the
-same swept settings outside `parallel`); scaling efficiency is speed-up / devices. The sweep exits
-non-zero when a job failed, or when no job could run at all; a combination that cannot run is
-reported as skipped and is not an error.
+same swept settings outside `parallel`); scaling efficiency is speed-up / devices. Numbers that
+cannot be trusted are flagged in the table and the plot, with the reason under the table:
+more threads than cores, step times that disagree between logging windows, and efficiencies over
+100%. The sweep exits non-zero when a job failed, or when no job could run at all; a combination
+that cannot run is reported as skipped and is not an error.
 
 matplotlib is imported only to draw the plot (training never pays for it); without it the table
 is still written.
@@ -32,6 +34,29 @@ from omegaconf import DictConfig, OmegaConf
 log = logging.getLogger(__name__)
 
 SWEPT_BY_STRATEGY = ("parallel", "parallel.devices")
+# A job whose logging windows' step times differ by more than this fraction of their median was
+# disturbed while it ran (see `Throughput` in src/loop.py).
+NOISY_SPREAD = 0.5
+
+# Why a flagged number cannot be trusted, and what to do about it (printed under the table).
+FLAG_REASONS = {
+    "oversubscribed": (
+        "more threads (processes x intra-op threads) than cores: the processes compete for the "
+        "cores, so the speed measures the machine more than the strategy. Lower "
+        "parallel.threads_per_rank (or OMP_NUM_THREADS) or parallel.devices until processes x "
+        "threads <= cores."
+    ),
+    "noisy": (
+        f"step times differ by more than {NOISY_SPREAD:.0%} of their median between logging "
+        "windows: something else ran on the machine. Rerun on a quiet machine, or with more "
+        "trainer.max_steps."
+    ),
+    "efficiency > 100%": (
+        "faster per device than the single job: not a real speed-up. The single baseline or this "
+        "job was disturbed (see noisy), or the baseline was oversubscribed; rerun on a quiet "
+        "machine."
+    ),
+}
 
 
 @dataclass
@@ -47,6 +72,11 @@ class Row:
     speedup: float | None = None
     efficiency: float | None = None
     step_time_ms: float | None = None
+    step_time_spread: float | None = None
+    """(Slowest - fastest) / median step time over the job's logging windows."""
+    threads: int | None = None
+    """Compute threads on the node: processes per node x intra-op threads per process."""
+    cores: int | None = None
     peak_memory_max_mb: float | None = None
     peak_memory_spread_mb: float | None = None
     """Largest minus smallest peak over the job's devices: the load imbalance."""
@@ -54,6 +84,8 @@ class Row:
     final_val_loss: float | None = None
     status: str = "failed"
     reason: str = ""
+    flags: str = ""
+    """Why the job's numbers cannot be trusted, comma-separated keys of FLAG_REASONS."""
 
 
 # ------------------------------------------------------------------------------- reading the jobs
@@ -110,6 +142,10 @@ def fill_from_summary(row: Row, summary: dict[str, Any]) -> None:
     row.world_size = summary["world_size"]
     row.samples_per_sec = summary["samples_per_sec"]
     row.step_time_ms = summary["step_time_ms"]
+    row.step_time_spread = summary.get("step_time_spread")  # older summaries lack these
+    if "threads_per_process" in summary:
+        row.threads = summary["processes_per_node"] * summary["threads_per_process"]
+        row.cores = summary["cores"]
     row.final_train_loss = summary["final_train_loss"]
     row.final_val_loss = summary["final_val_loss"]
     memory = summary["peak_memory_mb"]
@@ -131,6 +167,18 @@ def add_speedups(rows: list[Row]) -> None:
             row.efficiency = row.speedup / row.devices
 
 
+def add_flags(rows: list[Row]) -> None:
+    for row in rows:
+        flags = []
+        if row.threads is not None and row.threads > row.cores:
+            flags.append("oversubscribed")
+        if row.step_time_spread is not None and row.step_time_spread > NOISY_SPREAD:
+            flags.append("noisy")
+        if row.efficiency is not None and round(100 * row.efficiency) > 100:
+            flags.append("efficiency > 100%")
+        row.flags = ", ".join(flags)
+
+
 def non_parallel(variant: str) -> str:
     return " ".join(part for part in variant.split() if not part.startswith("parallel."))
 
@@ -140,6 +188,7 @@ def collect(sweep_dir: Path) -> list[Row]:
     variants = swept_variants([read_overrides(job_dir) for job_dir in dirs])
     rows = [read_row(job_dir, variant) for job_dir, variant in zip(dirs, variants, strict=True)]
     add_speedups(rows)
+    add_flags(rows)
     return rows
 
 
@@ -155,11 +204,15 @@ COLUMN_TITLES = {
     "speedup": "speed-up",
     "efficiency": "efficiency",
     "step_time_ms": "step ms",
+    "step_time_spread": "step ms spread",
+    "threads": "threads",
+    "cores": "cores",
     "peak_memory_max_mb": "peak MB (max)",
     "peak_memory_spread_mb": "peak MB (spread)",
     "final_train_loss": "train loss",
     "final_val_loss": "val loss",
     "status": "status",
+    "flags": "flags",
 }
 
 
@@ -170,7 +223,7 @@ def format_cell(name: str, value: Any) -> str:
         return "nan"
     if name == "speedup":
         return f"{value:.2f}x"
-    if name == "efficiency":
+    if name in ("efficiency", "step_time_spread"):
         return f"{100 * value:.0f}%"
     if name in ("samples_per_sec", "peak_memory_max_mb", "peak_memory_spread_mb"):
         return f"{value:,.0f}"
@@ -184,7 +237,7 @@ def format_cell(name: str, value: Any) -> str:
 def markdown_table(rows: list[Row]) -> str:
     """The table with the reason folded into the status (`skipped: ...`)."""
     names = [n for n in COLUMN_TITLES if n != "variant" or any(row.variant for row in rows)]
-    align = ["---" if n in ("strategy", "variant", "status") else "---:" for n in names]
+    align = ["---" if n in ("strategy", "variant", "status", "flags") else "---:" for n in names]
     lines = [
         "| " + " | ".join(COLUMN_TITLES[n] for n in names) + " |",
         "|" + "|".join(align) + "|",
@@ -197,6 +250,16 @@ def markdown_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def flag_notes(rows: list[Row]) -> str:
+    """One line per flag that occurs: the jobs it marks and why their numbers are suspect."""
+    notes = []
+    for flag, reason in FLAG_REASONS.items():
+        jobs = [row.job for row in rows if flag in row.flags.split(", ")]
+        if jobs:
+            notes.append(f"- **{flag}** (jobs {', '.join(jobs)}): {reason}")
+    return "\n".join(notes)
+
+
 def write_csv(rows: list[Row], path: Path) -> None:
     with path.open("w", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=[f.name for f in fields(Row)])
@@ -204,11 +267,12 @@ def write_csv(rows: list[Row], path: Path) -> None:
         writer.writerows(asdict(row) for row in rows)
 
 
-def plot(rows: list[Row], path: Path, title: str) -> None:
-    """Throughput and scaling efficiency against device count, one line per strategy."""
+def scaling_figure(rows: list[Row], title: str) -> Any:
+    """Throughput and scaling efficiency against device count, one line per strategy; flagged
+    jobs ringed in red. The legend sits outside both plots, where it hides no point."""
     from matplotlib.figure import Figure  # no pyplot: no global backend, Agg renders the file
 
-    figure = Figure(figsize=(11, 4.2), layout="constrained")
+    figure = Figure(figsize=(12, 4.2), layout="constrained")
     throughput, efficiency = figure.subplots(1, 2)
     lines: dict[str, list[Row]] = {}
     for row in rows:
@@ -222,6 +286,21 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
         if any(row.efficiency is not None for row in points):
             efficiency.plot(devices, [row.efficiency for row in points], "o-", label=label)
     efficiency.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="ideal")
+    flagged = [row for row in rows if row.flags]
+    for axes, value in ((throughput, "samples_per_sec"), (efficiency, "efficiency")):
+        marked = [row for row in flagged if getattr(row, value) is not None]
+        if not marked:
+            continue
+        axes.scatter(
+            [row.devices for row in marked],
+            [getattr(row, value) for row in marked],
+            s=160,
+            facecolors="none",
+            edgecolors="red",
+            linewidths=1.5,
+            zorder=3,
+            label="flagged: see summary.md",
+        )
     all_devices = sorted({row.devices for row in rows})
     for axes, ylabel in ((throughput, "samples/s"), (efficiency, "speed-up / devices")):
         axes.set_xlabel("devices")
@@ -231,16 +310,28 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
         axes.grid(alpha=0.3)
     throughput.set_title("throughput")
     efficiency.set_title("scaling efficiency (vs single)")
-    if lines:
-        throughput.legend(fontsize="small")
+    handles, labels = efficiency.get_legend_handles_labels()
+    known = set(labels)
+    for handle, label in zip(*throughput.get_legend_handles_labels(), strict=True):
+        if label not in known:  # a strategy without efficiencies (no single job to compare)
+            handles.append(handle)
+            labels.append(label)
+    figure.legend(handles, labels, loc="outside right upper", fontsize="small")
     figure.suptitle(title, fontsize="small")
-    figure.savefig(path, dpi=110)
+    return figure
+
+
+def plot(rows: list[Row], path: Path, title: str) -> None:
+    scaling_figure(rows, title).savefig(path, dpi=110)
 
 
 def write_report(sweep_dir: Path) -> list[Row]:
     """Write summary.csv, summary.md and scaling.png into the sweep directory; print the table."""
     rows = collect(sweep_dir)
     table = markdown_table(rows)
+    notes = flag_notes(rows)
+    if notes:
+        table += f"\n\nFlagged numbers cannot be trusted:\n\n{notes}"
     write_csv(rows, sweep_dir / "summary.csv")
     (sweep_dir / "summary.md").write_text(f"# Sweep {sweep_dir}\n\n{table}\n")
     try:

@@ -2,13 +2,17 @@
 
 `wandb` is imported only when a W&B run is asked for, so `logger=none` starts fast. A tracker
 never stops training: if W&B cannot start or fails later, one warning is logged and the run goes
-on without it.
+on without it. An online run whose server cannot be reached becomes an offline run in the run
+directory (one warning), so that nothing is lost: `wandb sync` uploads it later.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import ssl
+import urllib.error
+import urllib.request
 from typing import Any
 
 from src.config import ConfigError
@@ -16,6 +20,10 @@ from src.config import ConfigError
 log = logging.getLogger(__name__)
 
 WANDB_MODES = ("offline", "online", "shared", "disabled")
+SERVER_MODES = ("online", "shared")
+# How long to wait for the W&B server to answer at all before logging offline instead. W&B itself
+# retries an unreachable server until `logger.init_timeout_s` (over a minute in all).
+REACH_TIMEOUT_S = 5.0
 
 
 def check_tracker(cfg: Any) -> None:
@@ -43,21 +51,50 @@ class WandbTracker:
         import wandb
 
         self._wandb = wandb
-        self.run = wandb.init(
+        self._cfg, self._run_dir, self._config, self._resume_id = cfg, run_dir, config, resume_id
+        mode = os.environ.get("WANDB_MODE", cfg.mode)
+        self.run = self._start_or_go_offline(mode) if mode in SERVER_MODES else self._start(mode)
+        if self.run.settings.mode == "offline":
+            sync_dir = self.run.settings.sync_dir
+            log.info("W&B offline run; upload it with: wandb sync %s", sync_dir)
+        self.run_id = self.run.id
+
+    def _start(self, mode: str) -> Any:
+        cfg, wandb = self._cfg, self._wandb
+        return wandb.init(
             project=cfg.project,
             entity=cfg.entity,
             group=cfg.group,
             name=cfg.run_name,
             tags=list(cfg.tags),
             job_type=cfg.job_type,
-            config=config,
-            dir=run_dir,
-            mode=os.environ.get("WANDB_MODE", cfg.mode),
-            id=resume_id,
-            resume="allow" if resume_id else None,
-            settings=wandb.Settings(init_timeout=cfg.init_timeout_s),
+            config=self._config,
+            dir=self._run_dir,
+            mode=mode,
+            id=self._resume_id,
+            resume="allow" if self._resume_id else None,
+            # Offline, W&B has nothing to say that the line above does not; online, its link.
+            settings=wandb.Settings(
+                init_timeout=cfg.init_timeout_s, silent=mode == "offline", quiet=True
+            ),
         )
-        self.run_id = self.run.id
+
+    def _start_or_go_offline(self, mode: str) -> Any:
+        """An online run; an offline one, with one warning, if the server does not answer or the
+        online run cannot start."""
+        server = self._wandb.setup().settings.base_url
+        problem = unreachable(server, REACH_TIMEOUT_S)
+        if problem is None:
+            try:
+                return self._start(mode)
+            except Exception as error:  # noqa: BLE001 - whatever it was, offline still works
+                problem = str(error).splitlines()[0]
+        log.warning(
+            "W&B server %s cannot be reached (%s): logging to an offline run instead",
+            server,
+            problem,
+        )
+        return self._start("offline")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if self.run is None:
@@ -77,6 +114,21 @@ class WandbTracker:
             self.run.finish(exit_code=exit_code)
         except Exception as error:  # noqa: BLE001
             log.warning("W&B could not finish the run: %s", error)
+
+
+def unreachable(url: str, timeout_s: float) -> str | None:
+    """Why nothing answers at `url` within `timeout_s` (refused, no such host, no route, timed
+    out), or None when a server answers, whatever its answer (an error status, or a certificate
+    this check does not trust: W&B itself judges those)."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout_s):
+            return None
+    except urllib.error.HTTPError:
+        return None
+    except urllib.error.URLError as error:
+        return None if isinstance(error.reason, ssl.SSLError) else str(error.reason)
+    except OSError as error:  # e.g. a timeout while reading the answer
+        return str(error) or type(error).__name__
 
 
 def build_tracker(

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -165,6 +168,61 @@ def test_failing_rank_stops_the_whole_job_and_is_named(
     assert error in root_cause
     assert not (tmp_path / "summary.json").exists()
     assert processes_of_job(marker) == []
+
+
+def command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:  # gone meanwhile
+        return ""
+
+
+def wait_until(condition: Callable[[], bool], within_s: float) -> bool:
+    """Poll `condition` until it holds or `within_s` has passed; whether it holds."""
+    deadline = time.monotonic() + within_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.mark.parametrize("moment", ["ranks spawned", "rendezvous", "training"])
+def test_ranks_end_within_seconds_when_the_launcher_is_killed(tmp_path, moment):
+    """SIGKILL the launching train.py as soon as its rank processes exist (still importing),
+    when a rank logs its first line (it is about to meet the others in the process group), or
+    once they train: every process of the job (the ranks and multiprocessing's resource
+    tracker) must be gone within seconds, or a requeued job would start beside them."""
+    marker = uuid.uuid4().hex
+    launcher = subprocess.Popen(
+        [sys.executable, "train.py", *TINY, *DDP, "trainer.max_steps=100000"]
+        + [f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "DDP_TEST_JOB": marker},
+    )
+
+    def job_processes() -> list[str]:
+        return [command_line(pid) for pid in processes_of_job(marker)]
+
+    def rank_spawned() -> bool:
+        return any("spawn_main" in command for command in job_processes())
+
+    try:
+        if moment == "ranks spawned":
+            assert wait_until(rank_spawned, within_s=120)
+        else:
+            wanted = "[rank" if moment == "rendezvous" else "step 1/"
+            assert any(wanted in line for line in launcher.stdout)  # reads up to that line
+        launcher.kill()
+        launcher.wait()
+        assert wait_until(lambda: not job_processes(), within_s=10), job_processes()
+    finally:
+        for pid in processes_of_job(marker):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_rank_busy_when_its_peer_fails_is_stopped_at_once(tmp_path):

@@ -3,11 +3,16 @@ failing never stops training."""
 
 from __future__ import annotations
 
-import json
+import contextlib
+import http.server
 import socket
+import threading
+import time
+from collections.abc import Iterator
 
+import pytest
 import torch
-from helpers import TINY, checkpoint, run_train, summary, train_losses
+from helpers import TINY, checkpoint, run_train, summary, train_losses, wandb_history
 
 # SGD at lr=1000 blows the loss up to NaN at step 4 (deterministically, from the seed).
 DIVERGING = (
@@ -53,25 +58,64 @@ def closed_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_unreachable_wandb_server_does_not_stop_training(tmp_path):
-    overrides = [o for o in TINY if o != "logger=none"]
-    result = run_train(
-        *overrides,
-        "logger=wandb",
-        "logger.mode=online",
-        "logger.init_timeout_s=2",
-        run_dir=tmp_path,
-        env={
-            "WANDB_MODE": "online",
-            "WANDB_BASE_URL": f"http://127.0.0.1:{closed_port()}",  # the only address contacted
-            "WANDB_API_KEY": "0" * 40,
-            "WANDB_ERROR_REPORTING": "false",  # no crash reports sent elsewhere
-            "WANDB__DISABLE_UPDATE_CHECK": "true",  # no version check against PyPI
-            "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
-        },
-    )
+class FailingServer(http.server.BaseHTTPRequestHandler):
+    """A W&B server that answers every request with an error."""
 
-    assert "W&B could not start" in result.stdout
-    assert "training continues without tracking" in result.stdout
+    def do_HEAD(self) -> None:
+        self.send_response(500)
+        self.end_headers()
+
+    do_GET = do_POST = do_HEAD
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def wandb_server(kind: str) -> Iterator[str]:
+    """The base URL of a W&B server that is not there (a closed port) or that fails."""
+    if kind == "unreachable":
+        yield f"http://127.0.0.1:{closed_port()}"
+        return
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), FailingServer) as server:
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        yield f"http://127.0.0.1:{server.server_port}"
+        server.shutdown()
+
+
+@pytest.mark.parametrize("server", ["unreachable", "failing"])
+def test_wandb_server_that_cannot_take_the_run_means_an_offline_run_within_seconds(
+    tmp_path, server
+):
+    """Unreachable, W&B would retry the server for `logger.init_timeout_s` (60 s) and then
+    train without a run; instead the run logs offline at once, with one warning, and
+    `wandb sync` can upload it later. A server that answers but fails gets init_timeout_s."""
+    overrides = [o for o in TINY if o != "logger=none"]
+    started = time.monotonic()
+    with wandb_server(server) as url:
+        result = run_train(
+            *overrides,
+            "logger=wandb",
+            "logger.mode=online",
+            *(["logger.init_timeout_s=3"] if server == "failing" else []),
+            run_dir=tmp_path,
+            env={
+                "WANDB_MODE": "online",
+                "WANDB_BASE_URL": url,  # the only address contacted
+                "WANDB_API_KEY": "0" * 40,
+                "WANDB_ERROR_REPORTING": "false",  # no crash reports sent elsewhere
+                "WANDB__DISABLE_UPDATE_CHECK": "true",  # no version check against PyPI
+                "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
+            },
+        )
+    elapsed = time.monotonic() - started
+
+    output = result.stdout + result.stderr
+    assert elapsed < 40, f"took {elapsed:.0f} s"
+    assert output.count("WARNING") == 1 and "logging to an offline run instead" in output, output
     assert summary(tmp_path)["steps"] == 6
-    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 6
+    assert len(list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))) == 1
+    if server == "unreachable":  # no online attempt: the offline run is the only run file
+        history = [row for row in wandb_history(tmp_path) if "train/loss" in row]
+        assert [row["_step"] for row in history] == list(range(1, 7))

@@ -37,6 +37,22 @@ SUMMARY_KEYS = {
 }
 
 
+def test_a_default_run_prints_its_overrides_progress_and_summary_only(tmp_path):
+    """The full config goes to train.log only (and .hydra/), and W&B offline says one line.
+    Default steps, logging and eval; a smaller model only to be quick."""
+    small = ("model.hidden=32", "data.num_samples=2048")
+    result = run_train(*small, run_dir=tmp_path, env={"WANDB_SILENT": "false"})
+
+    printed = result.stdout + result.stderr
+    assert len(printed.splitlines()) < 30, printed
+    assert f"overrides: {' '.join(small)}\n" in printed
+    assert "max_steps: 300" not in printed, "no config dump on the console"
+    assert "step 300/300" in printed and "run summary" in printed
+    log = (tmp_path / "train.log").read_text()
+    assert "overrides: model.hidden=32" in log and "step 300/300" in log and "run summary" in log
+    assert "config:" in log and "max_steps: 300" in log and "run_name: single-1" in log
+
+
 def test_single_run_writes_summary_and_loadable_checkpoint(tmp_path):
     run_train(*TINY, run_dir=tmp_path)
 
