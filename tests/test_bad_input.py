@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TINY, reference_run, run_train
+from helpers import TINY, needs_gpus, reference_run, run_train
 
 HYDRA, CHECK = 1, 2
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
 CUDA = pytest.mark.cuda
-NEEDS_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+NEEDS_GPU = needs_gpus(1)
 NEEDS_GPU_WITHOUT_BF16 = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.is_bf16_supported(),
     reason="needs a GPU without bf16",
@@ -138,7 +138,7 @@ ROWS = [
         marks=NO_GPU,
     ),
     pytest.param(
-        ["trainer.precision=bf16"],
+        ["trainer.accelerator=cuda", "trainer.precision=bf16"],
         CHECK,
         "trainer.precision=bf16 but this GPU has no bf16 support; use fp32",
         id="bf16-unsupported",
