@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import os
 import re
@@ -19,7 +20,6 @@ from helpers import (
     TINY,
     TINY_SGD,
     assert_same_training,
-    read_csv,
     reference_run,
     run_sweep,
     wandb_records,
@@ -31,6 +31,11 @@ from omegaconf import DictConfig
 from hydra_plugins.parallel_training.slurm_launcher import SlurmLauncher, slurm_resources
 from src.config import register_configs
 from src.strategies import STRATEGIES
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as file:
+        return list(csv.DictReader(file))
 
 
 def png_size(path: Path) -> tuple[int, int]:
