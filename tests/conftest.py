@@ -3,7 +3,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, on_cpu
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -12,11 +12,12 @@ from src.config import register_configs
 
 @pytest.fixture(scope="session")
 def compose_config() -> Callable[..., DictConfig]:
-    """Compose the shipped `conf/` with command-line style overrides, as `train.py` would."""
+    """Compose the shipped `conf/` with command-line style overrides, as `train.py` would (on the
+    CPU unless the overrides choose the accelerator, as `helpers.run_train`)."""
     register_configs()
 
     def _compose(*overrides: str) -> DictConfig:
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            return compose("config", overrides=list(overrides))
+            return compose("config", overrides=on_cpu(overrides))
 
     return _compose

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -40,6 +41,39 @@ TINY_TRANSFORMER = (
     "model.depth=2",
     "model.heads=2",
 )
+# Workloads whose final weights are compared with `single`'s train with SGD, at full rate from the
+# first step so that the weights move well past the tolerance. Under SGD a rounding difference in
+# a gradient (another split of the batch, another order of a sum, another CPU's kernels) stays a
+# rounding difference in the weights. AdamW divides each gradient by its own running magnitude, so
+# a last-bit difference in a near-zero gradient can flip that weight's update: up to the learning
+# rate per step (seen: 2e-5 after TINY_TRANSFORMER's 6 steps). Adam runs compare their losses.
+SGD = ("optimizer=sgd", "optimizer.warmup_steps=0")
+TINY_SGD = (*TINY, *SGD)
+TINY_TRANSFORMER_SGD = (*TINY_TRANSFORMER, *SGD)
+
+
+def gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def needs_gpus(count: int) -> pytest.MarkDecorator:
+    """Skip a `cuda` test unless `count` GPUs are visible."""
+    return pytest.mark.skipif(
+        gpu_count() < count, reason=f"needs {count} CUDA GPU(s), {gpu_count()} visible"
+    )
+
+
+def on_cpu(overrides: tuple[str, ...] | list[str]) -> list[str]:
+    """The overrides, plus `trainer.accelerator=cpu` unless they choose the accelerator: the
+    tests expect CPU processes (gloo, `cpu:rank0` memory labels, as many devices as asked for),
+    and on a GPU machine `auto` would pick CUDA. `cuda` tests say `trainer.accelerator=cuda`."""
+    chosen = any(override.startswith("trainer.accelerator=") for override in overrides)
+    return [*overrides] if chosen else [*overrides, "trainer.accelerator=cpu"]
+
+
+def train_command(*overrides: str) -> list[str]:
+    """`python train.py <overrides>`, on the CPU unless the overrides say otherwise."""
+    return [sys.executable, "train.py", *on_cpu(overrides)]
 
 
 def run_train(
@@ -50,7 +84,7 @@ def run_train(
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """`python train.py <overrides> hydra.run.dir=<run_dir>` in a subprocess."""
-    command = [sys.executable, "train.py", *overrides, f"hydra.run.dir={run_dir}"]
+    command = train_command(*overrides, f"hydra.run.dir={run_dir}")
     result = subprocess.run(
         command,
         cwd=ROOT,
@@ -65,6 +99,20 @@ def run_train(
             f"stdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"
         )
     return result
+
+
+def run_sweep(
+    *overrides: str, sweep_dir: Path, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """`python train.py -m <overrides> hydra.sweep.dir=<sweep_dir>` in a subprocess."""
+    return subprocess.run(
+        [sys.executable, "train.py", "-m", *on_cpu(overrides), f"hydra.sweep.dir={sweep_dir}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "WANDB_SILENT": "true", **(env or {})},
+    )
 
 
 @functools.cache
@@ -114,19 +162,47 @@ def evaluate_checkpoint(run_dir: Path) -> list[float]:
     return list(evaluate(single.wrap(model), single, data.val, batch, contextlib.nullcontext()))
 
 
-def assert_same_training(reference: Path, other: Path, atol: float = 1e-5) -> None:
-    """Same per-step losses and final weights (max abs difference below `atol`), and the same
-    training accuracy (give or take a prediction that float noise flipped)."""
+def assert_same_losses(reference: Path, other: Path, atol: float = 1e-5) -> None:
+    """Same per-step training losses, and the same training accuracy (give or take a prediction
+    that float noise flipped). This is what Adam runs of a few steps can promise on any CPU: a
+    weight whose update rounding flipped (see `SGD`) had a near-zero gradient, so moving it by the
+    learning rate moves the loss by about that gradient times the learning rate (seen: at most
+    6e-7, over every strategy and three CPU kernel settings, with weights up to 2e-5 apart)."""
     expected, actual = train_losses(reference), train_losses(other)
     assert len(actual) == len(expected)
     torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=0, atol=atol)
     expected, actual = train_accuracies(reference), train_accuracies(other)
     torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=0, atol=0.05)
+
+
+def assert_same_training(reference: Path, other: Path, atol: float = 1e-5) -> None:
+    """Same losses (`assert_same_losses`) and final weights (max abs difference below `atol`).
+    Both runs must have trained with SGD: under Adam, weights can drift by the learning rate."""
+    for run_dir in (reference, other):
+        optimizer = checkpoint(run_dir)["config"]["optimizer"]["name"]
+        assert optimizer == "sgd", (
+            f"{run_dir} trained with optimizer={optimizer}: compare weights of runs with "
+            "helpers.SGD, and Adam runs with assert_same_losses"
+        )
+    assert_same_losses(reference, other, atol)
     expected_weights, actual_weights = checkpoint(reference)["model"], checkpoint(other)["model"]
     assert actual_weights.keys() == expected_weights.keys()
     for key, weight in expected_weights.items():
         difference = (actual_weights[key].float() - weight.float()).abs().max().item()
         assert difference < atol, f"{key}: max abs difference {difference:.2e}"
+
+
+def assert_same_optimizer_state(reference: Path, other: Path, atol: float = 1e-5) -> None:
+    """The checkpoints' optimizer states hold the same tensors under the same (single's)
+    parameter indices."""
+    expected, actual = (checkpoint(run_dir)["optimizer"]["state"] for run_dir in (reference, other))
+    assert actual.keys() == expected.keys()
+    for index, state in expected.items():
+        assert actual[index].keys() == state.keys()
+        for name, value in state.items():
+            torch.testing.assert_close(
+                actual[index][name], value, rtol=0, atol=atol, msg=f"{index}.{name}"
+            )
 
 
 def pretend_gpus(monkeypatch: Any, count: int) -> None:

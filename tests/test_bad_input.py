@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TINY, pretend_gpus, reference_run, run_train
+from helpers import TINY, needs_gpus, pretend_gpus, reference_run, run_train
 
 from src.config import ConfigError
 from src.experiment import check_config
@@ -17,7 +17,7 @@ from src.experiment import check_config
 HYDRA, CHECK = 1, 2
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
 CUDA = pytest.mark.cuda
-NEEDS_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+NEEDS_GPU = needs_gpus(1)
 NEEDS_GPU_WITHOUT_BF16 = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.is_bf16_supported(including_emulation=False),
     reason="needs a GPU without bf16",
@@ -147,7 +147,7 @@ ROWS = [
         marks=NO_GPU,
     ),
     pytest.param(
-        ["trainer.precision=bf16"],
+        ["trainer.accelerator=cuda", "trainer.precision=bf16"],
         CHECK,
         "trainer.precision=bf16 but this GPU has no bf16 support; use fp32",
         id="bf16-unsupported",

@@ -16,7 +16,8 @@ pytestmark = [
 
 
 def test_the_default_run_trains_on_the_gpu(tmp_path):
-    run_train("trainer.max_steps=20", "logger=none", run_dir=tmp_path)
+    # `auto`, the default, said explicitly: the test runner pins the CPU otherwise.
+    run_train("trainer.accelerator=auto", "trainer.max_steps=20", "logger=none", run_dir=tmp_path)
     result = summary(tmp_path)
     assert result["memory_devices"] == ["cuda:0"] and result["peak_memory_mb"][0] > 0
     assert result["matmul_precision"] == "high"  # TF32 unless asked otherwise

@@ -19,14 +19,18 @@ import torch
 from helpers import (
     ROOT,
     TINY,
+    TINY_SGD,
     assert_same_training,
     checkpoint,
     evaluate_checkpoint,
     metrics,
+    needs_gpus,
+    on_cpu,
     pretend_gpus,
     reference_run,
     run_train,
     summary,
+    train_command,
 )
 
 import src.strategies.ddp
@@ -42,7 +46,7 @@ DDP = ("parallel=ddp", "parallel.devices=2")
 def start_train(*overrides: str, run_dir: Path, env: dict[str, str] | None = None):
     """`python train.py <overrides>` in the background; `finish` waits for it."""
     return subprocess.Popen(
-        [sys.executable, "train.py", *overrides, f"hydra.run.dir={run_dir}"],
+        train_command(*overrides, f"hydra.run.dir={run_dir}"),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -74,21 +78,26 @@ def val_figures(run_dir: Path) -> torch.Tensor:
     return torch.tensor([[row["val/loss"], row["val/accuracy"]] for row in rows])
 
 
+@pytest.mark.equivalence
 def test_two_ddp_jobs_at_once_train_exactly_like_single(tmp_path):
     """Both jobs rendezvous on ports the OS picks, so they run side by side; the second one
     accumulates gradients (no_sync on the first micro-step) and logs to W&B."""
-    with_wandb = (*(o for o in TINY if o != "logger=none"), "logger=wandb", "logger.mode=offline")
-    jobs = {"plain": TINY, "accumulate": (*with_wandb, "trainer.accumulate=2")}
+    with_wandb = (
+        *(o for o in TINY_SGD if o != "logger=none"),
+        "logger=wandb",
+        "logger.mode=offline",
+    )
+    jobs = {"plain": TINY_SGD, "accumulate": (*with_wandb, "trainer.accumulate=2")}
     processes = [
         start_train(*overrides, *DDP, run_dir=tmp_path / name) for name, overrides in jobs.items()
     ]
     for process in processes:
         finish(process)
-    assert_same_training(reference_run(*TINY), tmp_path / "plain")
-    assert_same_training(reference_run(*TINY, "trainer.accumulate=2"), tmp_path / "accumulate")
+    assert_same_training(reference_run(*TINY_SGD), tmp_path / "plain")
+    assert_same_training(reference_run(*TINY_SGD, "trainer.accumulate=2"), tmp_path / "accumulate")
 
     run_dir = tmp_path / "plain"
-    expected_val = val_losses(reference_run(*TINY))
+    expected_val = val_losses(reference_run(*TINY_SGD))
     torch.testing.assert_close(val_losses(run_dir), expected_val, rtol=0, atol=1e-5)
     result = summary(run_dir)
     assert result["strategy"] == "ddp" and result["world_size"] == 2
@@ -256,6 +265,7 @@ def test_non_finite_loss_stops_every_rank_with_one_message(tmp_path):
     assert checkpoint(tmp_path)["step"] == 2
 
 
+@pytest.mark.equivalence
 def test_ranks_started_by_torchrun_share_one_run_dir(tmp_path):
     """Each rank resolves `${now:...}` itself; all must still land in rank 0's directory."""
     command = [
@@ -265,19 +275,18 @@ def test_ranks_started_by_torchrun_share_one_run_dir(tmp_path):
         "--standalone",
         "--nproc_per_node=2",
         "train.py",
-        *TINY,
-        *DDP,
-        f"hydra.run.dir={tmp_path}/${{now:%H-%M-%S-%f}}",
+        *on_cpu((*TINY_SGD, *DDP, f"hydra.run.dir={tmp_path}/${{now:%H-%M-%S-%f}}")),
     ]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = tmp_path.iterdir()
-    assert_same_training(reference_run(*TINY), run_dir)
+    assert_same_training(reference_run(*TINY_SGD), run_dir)
     lines = log_lines(run_dir)
     assert any(line.startswith("[rank1]") for line in lines)
     assert all(re.match(r"\[rank[01]\]", line) for line in lines)
 
 
+@pytest.mark.equivalence
 def test_ranks_started_by_srun_share_one_run_dir(tmp_path):
     """Two `train.py` processes with the variables `srun -n 2` sets; rank 0 hosts the store."""
     with socket.socket() as probe:
@@ -285,7 +294,7 @@ def test_ranks_started_by_srun_share_one_run_dir(tmp_path):
         port = probe.getsockname()[1]
     tasks = [
         start_train(
-            *TINY,
+            *TINY_SGD,
             *DDP,
             run_dir=tmp_path / "${now:%H-%M-%S-%f}",
             env={
@@ -302,7 +311,7 @@ def test_ranks_started_by_srun_share_one_run_dir(tmp_path):
     for task in tasks:
         finish(task)
     (run_dir,) = tmp_path.iterdir()
-    assert_same_training(reference_run(*TINY), run_dir)
+    assert_same_training(reference_run(*TINY_SGD), run_dir)
 
 
 BATCHNORM = (*TINY, "model._target_=tests.unusual_models.BatchNormMLP", "trainer.accelerator=cpu")
@@ -375,7 +384,7 @@ def test_ddp_passes_only_arguments_the_installed_torch_knows(monkeypatch, torch_
 
 
 def test_batch_that_does_not_split_over_the_ranks_is_a_config_error(compose_config, tmp_path):
-    cfg = compose_config(*DDP, "trainer.batch_size=25", "trainer.accelerator=cpu")
+    cfg = compose_config(*DDP, "trainer.batch_size=25")
     with pytest.raises(ConfigError, match=r"trainer\.batch_size.*parallel\.devices"):
         check_config(cfg, tmp_path)
 
@@ -415,26 +424,24 @@ def test_slurm_variables_become_torchrun_variables(monkeypatch):
     assert first_node("node1,node2") == "node1"
 
 
-def cuda_devices() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 @pytest.mark.cuda
-@pytest.mark.skipif(cuda_devices() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.equivalence
+@needs_gpus(2)
 def test_ddp_on_two_gpus_uses_nccl_and_one_gpu_per_rank(tmp_path):
     gpu = ("trainer.accelerator=cuda",)
-    run_train(*TINY, *DDP, *gpu, run_dir=tmp_path)
+    run_train(*TINY_SGD, *DDP, *gpu, run_dir=tmp_path)
     assert summary(tmp_path)["memory_devices"] == ["cuda:0", "cuda:1"]
     lines = log_lines(tmp_path)
     assert any(line.startswith("[rank1]") and "cuda:1, nccl" in line for line in lines)
-    assert_same_training(reference_run(*TINY, *gpu), tmp_path)
+    assert_same_training(reference_run(*TINY_SGD, *gpu), tmp_path)
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(cuda_devices() < 1, reason="needs a CUDA GPU")
+@pytest.mark.equivalence
+@needs_gpus(1)
 def test_ddp_on_one_gpu_trains_in_process_like_single(tmp_path):
     gpu = ("trainer.accelerator=cuda",)
-    run_train(*TINY, "parallel=ddp", "parallel.devices=1", *gpu, run_dir=tmp_path)
+    run_train(*TINY_SGD, "parallel=ddp", "parallel.devices=1", *gpu, run_dir=tmp_path)
     assert summary(tmp_path)["memory_devices"] == ["cuda:0"]
     assert any("cuda:0, nccl" in line for line in log_lines(tmp_path))
-    assert_same_training(reference_run(*TINY, *gpu), tmp_path)
+    assert_same_training(reference_run(*TINY_SGD, *gpu), tmp_path)

@@ -9,7 +9,14 @@ import threading
 
 import pytest
 import torch
-from helpers import TINY, assert_same_training, reference_run, run_train, summary
+from helpers import (
+    TINY_SGD,
+    assert_same_training,
+    needs_gpus,
+    reference_run,
+    run_train,
+    summary,
+)
 from torch import nn
 
 from src.config import ParallelConfig
@@ -20,9 +27,10 @@ from src.strategies.dp_criterion import parallel_criterion
 from src.strategies.replicas import DataParallel
 
 CPU = torch.device("cpu")
-UNEVEN = (*TINY, "trainer.batch_size=25")  # 13+12 on 2 devices, 9+9+7 on 3
+UNEVEN = (*TINY_SGD, "trainer.batch_size=25")  # 13+12 on 2 devices, 9+9+7 on 3
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("devices", [2, 3])
 @pytest.mark.parametrize("name", ["dp", "dp_criterion"])
 def test_train_py_matches_single(tmp_path, name, devices):
@@ -61,6 +69,7 @@ def assert_same_step(expected, actual):
         torch.testing.assert_close(actual[1][key], grad, rtol=0, atol=1e-6, msg=key)
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("name", ["dp", "dp_criterion"])
 @pytest.mark.parametrize(("devices", "batch"), [(4, 5), (3, 25), (4, 2)])
 def test_loss_and_gradients_equal_the_full_batch_on_uneven_splits(name, devices, batch):
@@ -71,6 +80,7 @@ def test_loss_and_gradients_equal_the_full_batch_on_uneven_splits(name, devices,
     assert_same_step(expected, strategy_step(name, devices, mlp, inputs, targets))
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("name", ["dp", "dp_criterion"])
 def test_sequence_outputs_split_on_the_batch_dimension(name):
     torch.manual_seed(0)
@@ -97,6 +107,7 @@ def two_head_loss(outputs, targets):
     return loss_sum(logits, targets) + score.square().sum()
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("name", ["dp", "dp_criterion"])
 @pytest.mark.parametrize("as_dict", [False, True], ids=["tuple", "dict"])
 def test_tuple_and_dict_outputs(name, as_dict):
@@ -221,14 +232,9 @@ def test_workers_keep_the_callers_grad_mode_and_autocast_dtype(grad_enabled, dty
 # ---------------------------------------------------------------------------------- real GPUs
 
 
-def gpus(count: int) -> pytest.MarkDecorator:
-    return pytest.mark.skipif(
-        torch.cuda.device_count() < count, reason=f"needs {count} CUDA GPU(s)"
-    )
-
-
 @pytest.mark.cuda
-@gpus(1)
+@pytest.mark.equivalence
+@needs_gpus(1)
 @pytest.mark.parametrize("name", ["dp", "dp_criterion"])
 def test_cuda_path_matches_the_full_batch_and_keeps_bf16(name):
     devices = min(torch.cuda.device_count(), 4)
@@ -251,7 +257,7 @@ def test_cuda_path_matches_the_full_batch_and_keeps_bf16(name):
 
 
 @pytest.mark.cuda
-@gpus(2)
+@needs_gpus(2)
 def test_dp_criterion_lowers_the_output_devices_peak_memory():
     model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 50_000))  # a large output
     inputs, targets = torch.randn(512, 32), torch.randint(0, 50_000, (512,))

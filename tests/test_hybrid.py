@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (
-    TINY,
-    TINY_TRANSFORMER,
+    TINY_SGD,
+    TINY_TRANSFORMER_SGD,
+    assert_same_optimizer_state,
     assert_same_training,
     checkpoint,
     metrics,
+    needs_gpus,
     pretend_gpus,
     reference_run,
     run_train,
@@ -27,7 +29,7 @@ from src.strategies import build_strategy
 HYBRID = ("parallel=hybrid", "parallel.devices=4", "parallel.stages=2")
 # Accumulation too, so that DDP's no_sync runs over the pipeline: 2 micro-steps of 12 samples,
 # 6 per process, 2 micro-batches of 3 each through its stages.
-MLP_WORKLOAD = (*TINY, "trainer.accumulate=2")
+MLP_WORKLOAD = (*TINY_SGD, "trainer.accumulate=2")
 TINY_MLP = {"input_shape": (32,), "num_classes": 10, "hidden": 32, "depth": 3}
 
 
@@ -46,6 +48,7 @@ def mlp_run(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.equivalence
 def test_hybrid_trains_the_mlp_exactly_like_single(mlp_run):
     reference = reference_run(*MLP_WORKLOAD)
     assert_same_training(reference, mlp_run)
@@ -65,20 +68,18 @@ def test_hybrid_trains_the_mlp_exactly_like_single(mlp_run):
     assert sum("step 6/6" in line for line in lines) == 1, "rank 0 alone reports"
 
 
+@pytest.mark.equivalence
 def test_hybrid_checkpoint_loads_into_single(mlp_run):
     single_model = MLP(**TINY_MLP)
     single_model.load_state_dict(checkpoint(mlp_run)["model"])  # strict: single's keys exactly
-
     # The optimizer was built on the plain model, so its state has single's layout too.
-    moments = [checkpoint(d)["optimizer"]["state"] for d in (reference_run(*MLP_WORKLOAD), mlp_run)]
-    assert moments[0].keys() == moments[1].keys()
-    for key, state in moments[0].items():
-        torch.testing.assert_close(moments[1][key]["exp_avg"], state["exp_avg"], rtol=0, atol=1e-5)
+    assert_same_optimizer_state(reference_run(*MLP_WORKLOAD), mlp_run)
 
 
+@pytest.mark.equivalence
 def test_hybrid_trains_the_transformer_exactly_like_single(tmp_path):
-    run_train(*TINY_TRANSFORMER, *HYBRID, "parallel.microbatches=1", run_dir=tmp_path)
-    assert_same_training(reference_run(*TINY_TRANSFORMER), tmp_path)
+    run_train(*TINY_TRANSFORMER_SGD, *HYBRID, "parallel.microbatches=1", run_dir=tmp_path)
+    assert_same_training(reference_run(*TINY_TRANSFORMER_SGD), tmp_path)
     assert summary(tmp_path)["bubble_fraction"] == pytest.approx(1 / 2)
 
 
@@ -102,11 +103,12 @@ def test_processes_and_their_gpus_follow_from_devices_and_stages(monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 or more CUDA GPUs")
+@pytest.mark.equivalence
+@needs_gpus(4)
 def test_each_process_drives_its_own_pair_of_gpus(tmp_path):
     gpu = ("trainer.accelerator=cuda",)
-    run_train(*TINY, *HYBRID, "parallel.microbatches=2", *gpu, run_dir=tmp_path)
-    assert_same_training(reference_run(*TINY, *gpu), tmp_path)
+    run_train(*TINY_SGD, *HYBRID, "parallel.microbatches=2", *gpu, run_dir=tmp_path)
+    assert_same_training(reference_run(*TINY_SGD, *gpu), tmp_path)
 
     result = summary(tmp_path)
     assert result["memory_devices"] == [f"cuda:{i}" for i in range(4)]

@@ -9,9 +9,12 @@ import pytest
 import torch
 from helpers import (
     TINY,
-    TINY_TRANSFORMER,
+    TINY_SGD,
+    TINY_TRANSFORMER_SGD,
+    assert_same_optimizer_state,
     assert_same_training,
     checkpoint,
+    needs_gpus,
     reference_run,
     run_train,
     summary,
@@ -90,6 +93,7 @@ def test_gpipe_ticks_run_every_micro_batch_through_every_stage_in_order():
     assert idle == pytest.approx(bubble_fraction(stages, microbatches))
 
 
+@pytest.mark.equivalence
 def test_uneven_micro_batches_give_the_full_batch_loss_and_gradients():
     torch.manual_seed(0)
     model = MLP(**TINY_MLP)
@@ -149,8 +153,9 @@ def test_more_stages_than_blocks_stops_train_py_with_the_setting_named(tmp_path)
 # ---------------------------------------------------------------------- same training as single
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("microbatches", [1, 4])
-@pytest.mark.parametrize("workload", [TINY, TINY_TRANSFORMER], ids=["mlp", "transformer"])
+@pytest.mark.parametrize("workload", [TINY_SGD, TINY_TRANSFORMER_SGD], ids=["mlp", "transformer"])
 def test_model_parallel_trains_exactly_like_single(tmp_path, workload, microbatches):
     run_train(
         *workload,
@@ -168,25 +173,22 @@ def test_model_parallel_trains_exactly_like_single(tmp_path, workload, microbatc
     assert "bubble (idle) fraction" in (tmp_path / "train.log").read_text()
 
 
+@pytest.mark.equivalence
 def test_checkpoints_load_between_model_parallel_and_single(tmp_path):
     # Explicit, uneven layout on purpose: 3 stages at [1, 3], 5 micro-batches of a batch of 24.
     run_train(
-        *TINY,
+        *TINY_SGD,
         "parallel=model_parallel",
         "parallel.devices=3",
         "parallel.split_points=[1,3]",
         "parallel.microbatches=5",
         run_dir=tmp_path,
     )
-    single_dir = reference_run(*TINY)
+    single_dir = reference_run(*TINY_SGD)
     assert_same_training(single_dir, tmp_path)
     assert summary(tmp_path)["split_points"] == [1, 3]
-
     # Optimizer state has single's layout (the optimizer is built on the unwrapped model).
-    moments = [checkpoint(d)["optimizer"]["state"] for d in (single_dir, tmp_path)]
-    assert moments[0].keys() == moments[1].keys()
-    for key, state in moments[0].items():
-        torch.testing.assert_close(moments[1][key]["exp_avg"], state["exp_avg"], rtol=0, atol=1e-5)
+    assert_same_optimizer_state(single_dir, tmp_path)
 
     # model_parallel -> single: the checkpoint loads into a plain model.
     single_model = MLP(**TINY_MLP)
@@ -210,7 +212,7 @@ def test_checkpoints_load_between_model_parallel_and_single(tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more CUDA GPUs")
+@needs_gpus(2)
 def test_each_stage_lives_on_its_own_gpu():
     strategy = build_strategy(pipeline_config(devices=2, microbatches=4), "cuda")
     strategy.setup()

@@ -20,12 +20,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, TINY, assert_same_training, checkpoint, reference_run, run_train
+from helpers import (
+    ROOT,
+    TINY_SGD,
+    assert_same_training,
+    checkpoint,
+    reference_run,
+    run_train,
+    train_command,
+)
 
 from src.checkpoint import save_atomic
 
 # 60 steps, each logged (TINY), a checkpoint every 5: step 6's log line means step 5 is saved.
-RESUMABLE = (*TINY, "trainer.max_steps=60", "trainer.checkpoint_every=5")
+RESUMABLE = (*TINY_SGD, "trainer.max_steps=60", "trainer.checkpoint_every=5")
 PIPE_BYTES = 4096
 DDP = ("parallel=ddp", "parallel.devices=2")
 FSDP = ("parallel=fsdp", "parallel.devices=2")
@@ -40,7 +48,7 @@ class Run:
         read_end, write_end = os.pipe()
         fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         self.process = subprocess.Popen(
-            [sys.executable, "train.py", *overrides, f"hydra.run.dir={run_dir}"],
+            train_command(*overrides, f"hydra.run.dir={run_dir}"),
             cwd=ROOT,
             stdout=write_end,
             stderr=subprocess.STDOUT,
@@ -64,6 +72,7 @@ class Run:
         return self.process.wait(timeout=120), "".join(self.lines)
 
 
+@pytest.mark.equivalence
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "strategy",
@@ -165,6 +174,7 @@ def rank_pids(launcher_pid: int) -> list[int]:
     ]
 
 
+@pytest.mark.equivalence
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "strategy, signum, target",
@@ -255,8 +265,8 @@ def test_ctrl_c_stops_gracefully(tmp_path):
 
 
 def test_resume_auto_without_a_checkpoint_starts_afresh(tmp_path):
-    run_train(*TINY, "trainer.resume=auto", run_dir=tmp_path)
-    assert_same_training(reference_run(*TINY), tmp_path)
+    run_train(*TINY_SGD, "trainer.resume=auto", run_dir=tmp_path)
+    assert_same_training(reference_run(*TINY_SGD), tmp_path)
 
 
 WRITE_HALF_THEN_HANG = """

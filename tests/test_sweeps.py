@@ -14,7 +14,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers import ROOT, TINY, assert_same_training, reference_run, wandb_records
+import pytest
+from helpers import (
+    ROOT,
+    TINY,
+    TINY_SGD,
+    assert_same_training,
+    reference_run,
+    run_sweep,
+    wandb_records,
+)
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import DictConfig
@@ -22,20 +31,6 @@ from omegaconf import DictConfig
 from hydra_plugins.parallel_training.slurm_launcher import SlurmLauncher, slurm_resources
 from src.config import register_configs
 from src.strategies import STRATEGIES
-
-
-def run_sweep(
-    *overrides: str, sweep_dir: Path, env: dict[str, str] | None = None, timeout: float = 300
-) -> subprocess.CompletedProcess:
-    """`python train.py -m <overrides> hydra.sweep.dir=<sweep_dir>` in a subprocess."""
-    return subprocess.run(
-        [sys.executable, "train.py", "-m", *overrides, f"hydra.sweep.dir={sweep_dir}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "WANDB_SILENT": "true", **(env or {})},
-    )
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -52,6 +47,7 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
+@pytest.mark.equivalence
 def test_sweep_reports_every_job_and_groups_its_wandb_runs(tmp_path):
     sweep_dir = tmp_path / "sweep"
     tiny = [o for o in TINY if o != "logger=none"]
@@ -167,6 +163,7 @@ def cancel_jobs(sweep_dir: Path) -> None:
             os.killpg(int(job.name), signal.SIGKILL)
 
 
+@pytest.mark.equivalence
 def test_slurm_launcher_runs_a_ddp_job_as_the_ranks_slurm_started(tmp_path):
     """The whole SLURM path on this machine: tests/slurm holds stand-ins for `sbatch` (runs the
     batch script as a one-node job) and `srun` (starts its tasks with the variables srun sets).
@@ -181,8 +178,7 @@ def test_slurm_launcher_runs_a_ddp_job_as_the_ranks_slurm_started(tmp_path):
             "hydra/launcher=slurm",
             "parallel=ddp,single",
             "parallel.devices=2",
-            "trainer.accelerator=cpu",
-            *TINY,
+            *TINY_SGD,
             sweep_dir=sweep_dir,
             env={
                 "PATH": f"{ROOT / 'tests' / 'slurm'}{os.pathsep}{os.environ['PATH']}",
@@ -201,7 +197,7 @@ def test_slurm_launcher_runs_a_ddp_job_as_the_ranks_slurm_started(tmp_path):
     tasks = sorted(re.search(r"--ntasks-per-node=(\d+)", script).group(1) for script in scripts)
     assert tasks == ["1", "2"]  # each job sized from its own config
     job_dir = sweep_dir / ddp["job"]
-    assert_same_training(reference_run(*TINY), job_dir)
+    assert_same_training(reference_run(*TINY_SGD), job_dir)
     log = (job_dir / "train.log").read_text()
     assert "[rank0]" in log and "[rank1]" in log and "launching" not in log
 
