@@ -1,11 +1,10 @@
 """What every strategy with one process per replica shares: the process group and its ranks.
 
-Each process drives its `local_devices()` (for ddp `cuda:<local rank>` among the GPUs it sees,
-or the CPU; hybrid
-overrides them with its stages' devices) and joins a torch.distributed
-process group: NCCL on CUDA, gloo on CPU, unless `parallel.backend` says otherwise. The ranks come
-from the environment set by whoever started the processes (`src/launch.py`, torchrun or srun);
-a job of one process needs none.
+Each process drives its `local_devices()` (for ddp `cuda:<local rank>` among the GPUs it sees, or
+the CPU; hybrid overrides them with its stages' devices) and joins a torch.distributed process
+group: NCCL on CUDA, gloo on CPU, unless `parallel.backend` says otherwise. The ranks come from the
+environment set by whoever started the processes (`src/launch.py`, torchrun or srun); a job of one
+process needs none.
 """
 
 from __future__ import annotations
