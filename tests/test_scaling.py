@@ -144,10 +144,12 @@ def test_report_flags_numbers_it_cannot_trust_and_says_why(tmp_path, saved_figur
 def test_report_of_a_quiet_sweep_flags_nothing(tmp_path):
     write_job(tmp_path, 0, "single", 1, 1000.0)
     write_job(tmp_path, 1, "ddp", 2, 1900.0, processes_per_node=2, threads_per_process=1)
+    write_job(tmp_path, 2, "dp", 1, 1004.0)  # 100%, as the table shows it
+    write_job(tmp_path, 3, "dp", 2, float("nan"))  # too few steps to time any window
 
     rows = write_report(tmp_path)
 
-    assert [row.flags for row in rows] == ["", ""]
+    assert [row.flags for row in rows] == ["", "", "", ""]
     assert "Flagged" not in (tmp_path / "summary.md").read_text()
 
 
