@@ -174,7 +174,7 @@ def add_flags(rows: list[Row]) -> None:
             flags.append("oversubscribed")
         if row.step_time_spread is not None and row.step_time_spread > NOISY_SPREAD:
             flags.append("noisy")
-        if row.efficiency is not None and round(100 * row.efficiency) > 100:
+        if row.efficiency is not None and row.efficiency >= 1.005:  # shown as over 100%
             flags.append("efficiency > 100%")
         row.flags = ", ".join(flags)
 

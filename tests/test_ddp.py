@@ -196,16 +196,16 @@ def wait_until(condition: Callable[[], bool], within_s: float) -> bool:
     return True
 
 
-@pytest.mark.parametrize("moment", ["ranks spawned", "rendezvous", "training"])
+@pytest.mark.parametrize("moment", ["ranks spawned", "rendezvous"])
 def test_ranks_end_within_seconds_when_the_launcher_is_killed(tmp_path, moment):
-    """SIGKILL the launching train.py as soon as its rank processes exist (still importing),
-    when a rank logs its first line (it is about to meet the others in the process group), or
-    once they train: every process of the job (the ranks and multiprocessing's resource
-    tracker) must be gone within seconds, or a requeued job would start beside them."""
+    """SIGKILL the launching train.py as soon as its rank processes exist (still importing), or
+    when a rank logs its first line (it is about to meet the others in the process group):
+    every process of the job (the ranks and multiprocessing's resource tracker) must be gone
+    within seconds, or a requeued job would start beside them. (Killed while they train, the
+    ranks always went at once.)"""
     marker = uuid.uuid4().hex
     launcher = subprocess.Popen(
-        [sys.executable, "train.py", *TINY, *DDP, "trainer.max_steps=100000"]
-        + [f"hydra.run.dir={tmp_path}"],
+        [sys.executable, "train.py", *TINY, *DDP, f"hydra.run.dir={tmp_path}"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -223,8 +223,7 @@ def test_ranks_end_within_seconds_when_the_launcher_is_killed(tmp_path, moment):
         if moment == "ranks spawned":
             assert wait_until(rank_spawned, within_s=120)
         else:
-            wanted = "[rank" if moment == "rendezvous" else "step 1/"
-            assert any(wanted in line for line in launcher.stdout)  # reads up to that line
+            assert any("[rank" in line for line in launcher.stdout)  # reads up to that line
         launcher.kill()
         launcher.wait()
         assert wait_until(lambda: not job_processes(), within_s=10), job_processes()

@@ -18,6 +18,7 @@ from helpers import TINY
 
 import src.experiment
 from src.experiment import train
+from src.loop import Throughput
 from src.report import write_report
 from src.strategies import build_strategy
 
@@ -65,6 +66,15 @@ def test_one_time_costs_of_logging_are_not_timed(compose_config, tmp_path, monke
     assert result["processes_per_node"] == 1
     assert result["threads_per_process"] == torch.get_num_threads()
     assert result["cores"] == len(os.sched_getaffinity(0))
+
+
+def test_without_warm_up_every_step_is_timed():
+    speed = Throughput(warmup_steps=0, samples_per_step=10)
+    for _ in range(3):
+        speed.step_done(strategy=None)  # no warm-up to end: nothing to synchronize
+    speed.close_window()
+
+    assert speed.summary()["samples_per_sec"] > 0, "trainer.timing_warmup_steps=0 timed nothing"
 
 
 @pytest.fixture
@@ -144,10 +154,12 @@ def test_report_flags_numbers_it_cannot_trust_and_says_why(tmp_path, saved_figur
 def test_report_of_a_quiet_sweep_flags_nothing(tmp_path):
     write_job(tmp_path, 0, "single", 1, 1000.0)
     write_job(tmp_path, 1, "ddp", 2, 1900.0, processes_per_node=2, threads_per_process=1)
+    write_job(tmp_path, 2, "dp", 1, 1004.0)  # 100%, as the table shows it
+    write_job(tmp_path, 3, "dp", 2, float("nan"))  # too few steps to time any window
 
     rows = write_report(tmp_path)
 
-    assert [row.flags for row in rows] == ["", ""]
+    assert [row.flags for row in rows] == ["", "", "", ""]
     assert "Flagged" not in (tmp_path / "summary.md").read_text()
 
 
