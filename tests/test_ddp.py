@@ -243,6 +243,13 @@ def test_batch_that_does_not_split_over_the_ranks_is_a_config_error(compose_conf
         check_config(cfg, tmp_path)
 
 
+def test_a_model_with_lazy_modules_trains_like_single(tmp_path):
+    """A LazyLinear gets its size from a forward pass before DDP (which refuses lazy modules)."""
+    workload = (*TINY, "model._target_=tests.odd_models.LazyMLP", "optimizer=sgd")
+    run_train(*workload, *DDP, run_dir=tmp_path)
+    assert_same_training(reference_run(*workload), tmp_path)
+
+
 def test_slurm_variables_become_torchrun_variables(monkeypatch):
     slurm = {
         "SLURM_PROCID": "5",
