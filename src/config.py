@@ -8,11 +8,13 @@ by `train.py` and the tests, never at import time.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from hydra.errors import MissingConfigException, OverrideParseException
+from omegaconf import MISSING, DictConfig
 
 
 class ConfigError(ValueError):
@@ -172,8 +174,9 @@ class TrainerConfig:
     """Steps left out of the reported throughput."""
     resume: str | None = None
     """Continue a run: `auto` takes `checkpoints/last.pt` of the run folder (pass the old one as
-    hydra.run.dir=...; with no checkpoint there yet, the run starts afresh), or give a checkpoint
-    path. Model, optimizer, step (hence LR schedule and data order), RNG and W&B run carry on."""
+    hydra.run.dir=...; with no checkpoint there yet, the run starts afresh and says so), or give
+    a checkpoint path. Model, optimizer, step (hence LR schedule and data order), RNG and W&B run
+    carry on; a cosine schedule stretched by another max_steps needs optimizer.schedule_steps."""
     skip_nonfinite: bool = False
     """Skip optimizer steps whose loss is NaN/inf instead of stopping the run. Checks every step,
     which waits on the device once per step (on GPUs this costs overlap)."""
@@ -191,6 +194,9 @@ class OptimizerConfig:
     """constant, or cosine (linear warm-up, then cosine decay to min_lr_ratio * lr)."""
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1
+    schedule_steps: int | None = None
+    """Steps the cosine decays over (later steps keep its final rate); None: trainer.max_steps.
+    Resuming with another trainer.max_steps needs it set, to keep or to stretch the schedule."""
 
 
 @dataclass
@@ -272,3 +278,25 @@ def register_configs() -> None:
     for group, schemas in SCHEMAS.items():
         for name, schema in schemas.items():
             store.store(group=f"schema/{group}", name=name, node=schema)
+
+
+def composition_error_line(error: Exception) -> str:
+    """Hydra's report of a config it cannot compose, in one line: what failed, why, and for a
+    misspelt key the closest key there (or all of them); for an unknown option, the options."""
+    first, *rest = str(error).splitlines()
+    if isinstance(error, MissingConfigException) and error.options:
+        return f"{first}; choose one of {', '.join(error.options)}"
+    # Hydra's hints: a link to its docs, and `+key=value`, which a typed schema refuses anyway.
+    parts = [first] + [line for line in rest if line and not line.startswith(("See ", "To "))]
+    if isinstance(error, OverrideParseException) and error.override not in first:
+        parts.insert(0, f"Error parsing override '{error.override}'")
+    cause = error.__cause__
+    if cause is not None:
+        parts.append(str(cause).splitlines()[0])
+    line = ": ".join(part.rstrip(".") for part in parts)
+    node, key = getattr(cause, "parent_node", None), getattr(cause, "key", None)
+    if isinstance(node, DictConfig) and isinstance(key, str) and key not in node:
+        keys = [str(k) for k in node]
+        close = difflib.get_close_matches(key, keys, n=1)
+        line += f"; did you mean {close[0]}?" if close else f"; the keys there: {', '.join(keys)}"
+    return line

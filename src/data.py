@@ -8,9 +8,11 @@ step k (see `train_batches`).
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import logging
 import math
+import os
 import struct
 import urllib.request
 from collections.abc import Iterator
@@ -124,10 +126,24 @@ def _find_mnist_file(raw_dir: Path, stem: str, download: bool) -> Path:
             f"MNIST file {stem}[.gz] not found in {raw_dir}; point data.root at the folder that "
             "holds MNIST/raw, or set data.download=true (needs network)"
         )
-    raw_dir.mkdir(parents=True, exist_ok=True)
     target = raw_dir / f"{stem}.gz"
-    log.info("downloading %s", MNIST_URL + target.name)
-    urllib.request.urlretrieve(MNIST_URL + target.name, target)
+    url = MNIST_URL + target.name
+    partial = target.with_name(f".{target.name}.part")  # never read as MNIST if cut short
+    created = [folder for folder in (raw_dir, *raw_dir.parents) if not folder.exists()]
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    log.info("downloading %s", url)
+    try:
+        urllib.request.urlretrieve(url, partial)
+    except OSError as error:  # URLError, a timeout, a full disk, ...
+        partial.unlink(missing_ok=True)
+        for folder in created:  # deepest first; a folder holding a finished file stays
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise FileNotFoundError(
+            f"data.download=true could not fetch {url} ({getattr(error, 'reason', error)}); "
+            f"check the network, or put MNIST's files into {raw_dir}"
+        ) from error
+    os.replace(partial, target)
     return target
 
 

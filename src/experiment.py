@@ -14,7 +14,7 @@ import os
 import shlex
 import signal
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,8 @@ from src.launch import (
     started_ranks,
 )
 from src.loop import fit
-from src.optim import build_optimizer, lr_schedule
+from src.objective import loss_and_correct
+from src.optim import build_optimizer, lr_schedule, schedule_length
 from src.stopping import Interrupted, RunStopped
 from src.strategies import build_strategy
 from src.strategies.base import Strategy, resolve_device_type
@@ -52,8 +53,10 @@ def check_config(cfg: DictConfig, run_dir: Path) -> Strategy:
     """Every check that needs no process or device work; returns the (unstarted) strategy.
 
     Besides the settings themselves, the data is built and the model and optimizer are built on
-    the meta device (no memory, no compute), so whatever their builders reject fails here; a
-    checkpoint to resume from is read (structure only) and matched against that model."""
+    the meta device (no memory, no compute), so whatever their builders reject fails here, and
+    the model runs one forward pass and the loss there, so an output the loss cannot take fails
+    here too; a checkpoint to resume from is read (structure only) and matched against that
+    model and run."""
     trainer = cfg.trainer
     check_trainer(trainer)
     device_type = resolve_device_type(trainer.accelerator)
@@ -78,7 +81,14 @@ def check_config(cfg: DictConfig, run_dir: Path) -> Strategy:
         )
     with blame("model"), torch.device("meta"):
         model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
-    strategy.check_model(model)
+    inputs, targets = meta_batch(data)
+    check_model_output(model, inputs, targets, data.num_classes, cfg.model._target_)
+    if not any(parameter.requires_grad for parameter in model.parameters()):
+        raise ConfigError(
+            f"model: {cfg.model._target_} has no trainable parameters (none requires a "
+            "gradient), so there is nothing to train"
+        )
+    strategy.check_model(model, inputs)
     with blame("optimizer"):
         build_optimizer(cfg.optimizer, model.parameters())
         lr_schedule(cfg.optimizer, trainer.max_steps)
@@ -87,6 +97,45 @@ def check_config(cfg: DictConfig, run_dir: Path) -> Strategy:
     if checkpoint is not None:
         check_resumable(load_checkpoint(checkpoint, mmap=True), checkpoint, model, cfg)
     return strategy
+
+
+def meta_batch(data: Data) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets shaped like two training samples, on the meta device."""
+    inputs, targets = data.train.inputs[:2], data.train.targets[:2]
+    return torch.empty_like(inputs, device="meta"), torch.empty_like(targets, device="meta")
+
+
+def check_model_output(
+    model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, num_classes: int, name: str
+) -> None:
+    """Run `model` (on the meta device; this also sizes lazy modules) and the loss on its output:
+    raise ConfigError for an output the loss cannot take. A model that cannot run on the meta
+    device at all is left to show its errors in training."""
+    try:
+        with torch.no_grad():
+            outputs = model(inputs)
+    except Exception:  # noqa: BLE001 - e.g. no meta kernel, or a forward that reads the values
+        log.debug("model: no forward pass on the meta device", exc_info=True)
+        return
+    if not torch.is_tensor(outputs):
+        raise ConfigError(
+            f"model: {name} returns a {type(outputs).__name__}, but the loss takes one tensor of "
+            f"logits shaped (..., classes); make the model return that tensor"
+        )
+    if outputs.dim() == 0 or outputs.shape[-1] < num_classes:
+        raise ConfigError(
+            f"model: {name} returns logits shaped {list(outputs.shape)} for inputs shaped "
+            f"{list(inputs.shape)}, but the data has {num_classes} classes; its last dimension "
+            f"must be the {num_classes} classes"
+        )
+    try:
+        loss_and_correct(outputs, targets)
+    except RuntimeError as error:
+        raise ConfigError(
+            f"model: {name} returns logits shaped {list(outputs.shape)} for inputs shaped "
+            f"{list(inputs.shape)}, which do not fit targets shaped {list(targets.shape)} "
+            f"({str(error).strip().splitlines()[0]})"
+        ) from error
 
 
 def check_trainer(trainer: DictConfig) -> None:
@@ -174,6 +223,40 @@ def check_resumable(state: dict[str, Any], path: Path, model: nn.Module, cfg: Di
             f"trainer.resume: {path} is at step {state['step']} and trainer.max_steps="
             f"{cfg.trainer.max_steps}, so there is nothing left to train; raise trainer.max_steps"
         )
+    check_schedule_kept(state, path, cfg)
+
+
+def check_schedule_kept(state: dict[str, Any], path: Path, cfg: DictConfig) -> None:
+    """A cosine schedule decays over trainer.max_steps unless optimizer.schedule_steps says
+    otherwise; resuming with another max_steps would quietly stretch or shrink it, and the
+    learning rate would jump. That takes optimizer.schedule_steps, set either way."""
+    saved = state["config"]
+    saved_length = schedule_length(saved["optimizer"], saved["trainer"]["max_steps"])
+    length = schedule_length(cfg.optimizer, cfg.trainer.max_steps)
+    if cfg.optimizer.schedule_steps is not None or length == saved_length:
+        return
+    kept, stretched = lr_schedule(cfg.optimizer, saved_length), lr_schedule(cfg.optimizer, length)
+    changed = (
+        step
+        for step in range(state["step"], cfg.trainer.max_steps)
+        if not math.isclose(kept(step), stretched(step), rel_tol=1e-9)
+    )
+    step = next(changed, None)
+    if step is not None:
+        raise ConfigError(
+            f"trainer.resume: {path} was trained with a cosine schedule over {saved_length} "
+            f"steps; trainer.max_steps={cfg.trainer.max_steps} would rescale it to {length} "
+            f"steps, changing the learning rate from step {step + 1} on ({stretched(step):.3g} "
+            f"instead of {kept(step):.3g}). Set optimizer.schedule_steps={saved_length} to keep "
+            f"the schedule (later steps keep its final rate), or optimizer.schedule_steps="
+            f"{length} to stretch it"
+        )
+
+
+def saved_lr(state: dict[str, Any]) -> Callable[[int], float]:
+    """The learning-rate schedule a checkpoint was trained with."""
+    saved = state["config"]
+    return lr_schedule(OmegaConf.create(saved["optimizer"]), saved["trainer"]["max_steps"])
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -253,12 +336,12 @@ def launch_and_stop_on_signal(
 
 
 def train_worker(resolved_cfg: dict[str, Any], run_dir: str) -> dict[str, Any] | RunStopped:
-    """`train` in a process started by `launch`, from the config the launcher checked. A stop
-    that every rank made at the same step (they agree on signals and non-finite losses) is the
-    run's outcome, handed back to the launcher, not a crash."""
+    """`train` in a process started by `launch`, from the config the launcher checked (checked
+    again here, which costs no device work, for the strategy's plan: a pipeline's stage split).
+    A stop that every rank made at the same step (they agree on signals and non-finite losses)
+    is the run's outcome, handed back to the launcher, not a crash."""
     cfg = OmegaConf.create(resolved_cfg)
-    device_type = resolve_device_type(cfg.trainer.accelerator)
-    strategy = build_strategy(cfg.parallel, device_type, cfg.trainer.precision)
+    strategy = check_config(cfg, Path(run_dir))
     try:
         return train(cfg, Path(run_dir), strategy)
     except RunStopped as stop:
@@ -288,7 +371,10 @@ def build_and_fit(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[st
     data = keep_on_device(instantiate(cfg.data, seed=cfg.seed), strategy.devices[0])
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+    size_lazy_modules(model, data)
     checkpoint = resume_path(cfg.trainer.resume, run_dir)
+    if checkpoint is None and cfg.trainer.resume and strategy.is_main:
+        log.info("trainer.resume=auto: no checkpoint in %s yet, starting afresh", run_dir)
     state = load_checkpoint(checkpoint) if checkpoint else None
     if state:
         model.load_state_dict(state["model"])
@@ -300,7 +386,7 @@ def build_and_fit(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[st
         set_rng_state(state["rng"])
         start_step, wandb_run_id = state["step"], state["wandb_run_id"]
         if strategy.is_main:
-            log.info("resuming from %s at step %d", checkpoint, start_step)
+            log_resumed_schedule(cfg, state, checkpoint)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     tracker = build_tracker(cfg.logger, str(run_dir), resolved, strategy.is_main, wandb_run_id)
     summary, exit_code = None, 1
@@ -351,6 +437,35 @@ def cpu_share(strategy: Strategy) -> dict[str, int]:
         "threads_per_process": torch.get_num_threads(),
         "cores": cores,
     }
+
+
+def size_lazy_modules(model: nn.Module, data: Data) -> None:
+    """Give lazy modules (`nn.LazyLinear`, ...) their sizes with a forward pass on two training
+    samples, before any strategy copies, splits or shards the model: they cannot size
+    themselves later (DDP and FSDP refuse them). Every process does this alike, so the draws of
+    their initialisation are the same for every strategy."""
+    if not any(isinstance(p, nn.parameter.UninitializedParameter) for p in model.parameters()):
+        return
+    model.eval()
+    with torch.no_grad():
+        model(data.train.inputs[:2].cpu())  # the data may already be on the GPU
+    model.train()
+
+
+def log_resumed_schedule(cfg: DictConfig, state: dict[str, Any], checkpoint: Path) -> None:
+    """Where the run resumes, and its learning rate; a schedule that changed is a warning."""
+    step = state["step"]
+    lr = lr_schedule(cfg.optimizer, cfg.trainer.max_steps)(step)
+    log.info("resuming from %s at step %d, learning rate %.3g", checkpoint, step, lr)
+    planned = saved_lr(state)(step)
+    if not math.isclose(lr, planned, rel_tol=1e-9):
+        log.warning(
+            "the learning-rate schedule differs from the checkpoint's: step %d runs at %.3g "
+            "instead of %.3g",
+            step + 1,
+            lr,
+            planned,
+        )
 
 
 def format_summary(summary: dict[str, Any], run_dir: Path) -> str:

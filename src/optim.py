@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -40,10 +41,25 @@ def on_cuda(params: list[torch.nn.Parameter]) -> bool:
     return bool(params) and all(param.device.type == "cuda" for param in params)
 
 
+def schedule_length(cfg: Mapping[str, Any], max_steps: int) -> int:
+    """The steps the cosine decays over: `optimizer.schedule_steps`, or else the run's
+    `trainer.max_steps`. `cfg` may be a saved checkpoint's optimizer settings, which older
+    checkpoints write without `schedule_steps`."""
+    steps = cfg.get("schedule_steps")
+    return max_steps if steps is None else steps
+
+
 def lr_schedule(cfg: OptimizerConfig, max_steps: int) -> Callable[[int], float]:
-    """The learning rate at each step: linear warm-up, then constant or cosine decay."""
+    """The learning rate at each step: linear warm-up, then constant or cosine decay (over
+    `schedule_length` steps; later steps keep its final rate)."""
     if cfg.schedule not in ("constant", "cosine"):
         raise ConfigError(f"optimizer.schedule must be constant or cosine, got {cfg.schedule!r}")
+    if cfg.get("schedule_steps") is not None and cfg.schedule_steps < 1:
+        raise ConfigError(
+            f"optimizer.schedule_steps must be at least 1, or null for trainer.max_steps; got "
+            f"{cfg.schedule_steps}"
+        )
+    decay_steps = schedule_length(cfg, max_steps)
 
     # Read once: the loop calls lr_at every step, and a config lookup takes microseconds.
     lr, warmup_steps, schedule = cfg.lr, cfg.warmup_steps, cfg.schedule
@@ -54,7 +70,7 @@ def lr_schedule(cfg: OptimizerConfig, max_steps: int) -> Callable[[int], float]:
             return lr * (step + 1) / warmup_steps
         if schedule == "constant":
             return lr
-        progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+        progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
         return floor + (lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return lr_at

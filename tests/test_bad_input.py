@@ -1,8 +1,9 @@
-"""Bad input fails fast through the real `train.py`: a non-zero exit, one message that names the
+"""Bad input fails fast through the real `train.py`: exit code 2, one message that names the
 setting (and what to change), no traceback, and nothing written that a run would leave.
 
-Exit 1 rows are refused by Hydra itself (schema, unknown option); exit 2 rows by `check_config`
-(a `ConfigError`), before any process, model or tracker is started.
+HYDRA rows are refused while Hydra composes the config (schema, unknown option, override syntax):
+one `train.py: error: ...` line. CHECK rows are refused by `check_config` (a `ConfigError`), before
+any process, model or tracker is started: one `[ERROR]` log line.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from helpers import TINY, needs_gpus, pretend_gpus, reference_run, run_train
 from src.config import ConfigError
 from src.experiment import check_config
 
-HYDRA, CHECK = 1, 2
+HYDRA, CHECK = "hydra", "check"
+ODD = "tests.odd_models"
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
 CUDA = pytest.mark.cuda
 NEEDS_GPU = needs_gpus(1)
@@ -27,8 +29,19 @@ NEEDS_GPU_WITHOUT_BF16 = pytest.mark.skipif(
 # {foreign} are files made by the test: a finished run's checkpoint (6 of 6 steps, MLP hidden=32,
 # adamw), that checkpoint cut in half, and a torch file that is no checkpoint.
 ROWS = [
-    pytest.param(["parallel=nosuch"], HYDRA, "Could not find 'parallel/nosuch'", id="strategy"),
-    pytest.param(["model=nosuch"], HYDRA, "Could not find 'model/nosuch'", id="model"),
+    pytest.param(
+        ["parallel=nosuch"],
+        HYDRA,
+        "Could not find 'parallel/nosuch'; choose one of ddp, dp, dp_criterion, fsdp, hybrid, "
+        "model_parallel, single",
+        id="strategy",
+    ),
+    pytest.param(
+        ["model=nosuch"],
+        HYDRA,
+        "Could not find 'model/nosuch'; choose one of convnet, mlp, transformer",
+        id="model",
+    ),
     pytest.param(
         ["parallel.name=nosuch"], CHECK, "unknown parallel.name 'nosuch'", id="strategy-name"
     ),
@@ -112,6 +125,55 @@ ROWS = [
         id="fsdp-batch-over-ranks",
     ),
     pytest.param(
+        ["parallel=ddp", "trainer.accelerator=cpu", "parallel.backend=mpi"],
+        CHECK,
+        "parallel.backend must be gloo, nccl or null (nccl on CUDA, gloo on CPU), got 'mpi'",
+        id="ddp-backend",
+    ),
+    pytest.param(
+        ["parallel=ddp", "trainer.accelerator=cpu", f"model._target_={ODD}.FrozenMLP"],
+        CHECK,
+        f"model: {ODD}.FrozenMLP has no trainable parameters",
+        id="nothing-to-train",
+    ),
+    pytest.param(
+        [f"model._target_={ODD}.DictOutputMLP"],
+        CHECK,
+        f"model: {ODD}.DictOutputMLP returns a dict, but the loss takes one tensor of logits",
+        id="dict-output",
+    ),
+    pytest.param(
+        ["parallel=ddp", "trainer.accelerator=cpu", f"model._target_={ODD}.ListOutputMLP"],
+        CHECK,
+        f"model: {ODD}.ListOutputMLP returns a list, but the loss takes one tensor of logits",
+        id="list-output",
+    ),
+    pytest.param(
+        [
+            "parallel=model_parallel",
+            "parallel.microbatches=2",
+            "parallel.split_points=[2]",
+            f"model._target_={ODD}.FloatBoundaryMLP",
+        ],
+        CHECK,
+        "parallel.split_points=[2]: block 1 returns a tuple holding a float, which cannot be "
+        "handed to a stage starting at block 2",
+        id="stage-boundary-not-tensors",
+    ),
+    pytest.param(
+        [
+            "parallel=hybrid",
+            "trainer.accelerator=cpu",
+            "parallel.devices=8",
+            "parallel.stages=4",
+            f"model._target_={ODD}.FloatBoundaryMLP",
+        ],
+        CHECK,
+        "parallel.stages=4 stages need 3 block boundaries to cut at, but only 2 of the model's 3 "
+        "pass tensors (no stage can start at block 2 (block 1 returns a tuple holding a float))",
+        id="hybrid-no-split-passes-tensors",
+    ),
+    pytest.param(
         ["parallel=ddp", "trainer.accelerator=cpu", "parallel.nodes=2"],
         CHECK,
         "parallel.nodes > 1 needs a rendezvous every node can reach: set parallel.master_addr",
@@ -120,12 +182,28 @@ ROWS = [
     pytest.param(
         ["trainer.max_steps=abc"],
         HYDRA,
-        "Value 'abc' of type 'str' could not be converted to Integer\n    full_key: "
-        "trainer.max_steps",
+        "Error merging override trainer.max_steps=abc: Value 'abc' of type 'str' could not be "
+        "converted to Integer",
         id="not-an-int",
     ),
     pytest.param(
-        ["trainer.max_stepz=5"], HYDRA, "Key 'max_stepz' not in 'TrainerConfig'", id="typo"
+        ["trainer.max_stepz=5"],
+        HYDRA,
+        "Could not override 'trainer.max_stepz': Key 'max_stepz' not in 'TrainerConfig'; did you "
+        "mean max_steps?",
+        id="typo",
+    ),
+    pytest.param(
+        ["model.widht=5"],
+        HYDRA,
+        "Key 'widht' not in 'MLPConfig'; the keys there: _target_, hidden, depth",
+        id="typo-nothing-close",
+    ),
+    pytest.param(
+        ["trainer.max_steps"],
+        HYDRA,
+        "Error parsing override 'trainer.max_steps': missing EQUAL at '<EOF>'",
+        id="override-syntax",
     ),
     pytest.param(
         ["trainer.accumulate=5"],
@@ -225,6 +303,21 @@ ROWS = [
         "is at step 6 and trainer.max_steps=6, so there is nothing left to train",
         id="resume-finished",
     ),
+    pytest.param(
+        ["trainer.resume={finished}", "trainer.max_steps=12", "optimizer.warmup_steps=0"],
+        CHECK,
+        "was trained with a cosine schedule over 6 steps; trainer.max_steps=12 would rescale it "
+        "to 12 steps, changing the learning rate from step 7 on (0.00055 instead of 0.0001). Set "
+        "optimizer.schedule_steps=6 to keep the schedule (later steps keep its final rate), or "
+        "optimizer.schedule_steps=12 to stretch it",
+        id="resume-stretches-schedule",
+    ),
+    pytest.param(
+        ["optimizer.schedule_steps=0"],
+        CHECK,
+        "optimizer.schedule_steps must be at least 1, or null for trainer.max_steps; got 0",
+        id="schedule-steps",
+    ),
 ]
 
 
@@ -258,11 +351,13 @@ def test_bad_input_fails_fast_with_one_clear_message(
     result = run_train(*with_overrides(TINY, overrides), run_dir=run_dir, check=False)
 
     output = result.stdout + result.stderr
-    assert result.returncode == exit_code, output
+    assert result.returncode == 2, output
     assert message in output
     assert "Traceback" not in output
     if exit_code == CHECK:
         assert output.count("[ERROR]") == 1, output
+    else:
+        assert len(output.splitlines()) == 1 and output.startswith("train.py: error: "), output
     left = {path.name for path in run_dir.iterdir()} if run_dir.exists() else set()
     assert left <= {".hydra", "train.log"}, f"a refused run wrote {left}"
 
@@ -275,3 +370,18 @@ def test_bf16_on_a_gpu_that_only_emulates_it_is_refused(monkeypatch, compose_con
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", emulating)
     with pytest.raises(ConfigError, match="trainer.precision=bf16 but this GPU has no bf16"):
         check_config(cfg, tmp_path)
+
+
+def test_a_failed_download_is_one_line_and_leaves_no_folders(tmp_path):
+    # A proxy nobody listens on: the download fails at once, network or not.
+    offline = {"https_proxy": "http://127.0.0.1:9", "no_proxy": ""}
+    root = tmp_path / "data"
+    overrides = with_overrides(TINY, ["data=mnist", f"data.root={root}", "data.download=true"])
+    result = run_train(*overrides, run_dir=tmp_path / "run", check=False, env=offline)
+
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "data.download=true could not fetch https://" in output
+    assert f"check the network, or put MNIST's files into {root}/MNIST/raw" in output
+    assert "Traceback" not in output and output.count("[ERROR]") == 1, output
+    assert not root.exists(), "a failed download left folders behind"

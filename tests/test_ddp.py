@@ -313,7 +313,7 @@ def test_ranks_started_by_srun_share_one_run_dir(tmp_path):
     assert_same_training(reference_run(*TINY_SGD), run_dir)
 
 
-BATCHNORM = (*TINY, "model._target_=tests.unusual_models.BatchNormMLP", "trainer.accelerator=cpu")
+BATCHNORM = (*TINY, "model._target_=tests.odd_models.BatchNormMLP", "trainer.accelerator=cpu")
 HYBRID = ("parallel=hybrid", "parallel.devices=4", "parallel.stages=2")
 
 
@@ -403,6 +403,13 @@ def test_under_srun_gpus_per_task_each_rank_drives_the_one_gpu_it_sees(
     assert strategy.local_devices() == [torch.device("cuda", 0)]
     pretend_gpus(monkeypatch, 4)  # all the node's GPUs visible to every rank
     assert strategy.local_devices() == [torch.device("cuda", 3)]
+
+
+def test_a_model_with_lazy_modules_trains_like_single(tmp_path):
+    """A LazyLinear gets its size from a forward pass before DDP (which refuses lazy modules)."""
+    workload = (*TINY_SGD, "model._target_=tests.odd_models.LazyMLP")
+    run_train(*workload, *DDP, run_dir=tmp_path)
+    assert_same_training(reference_run(*workload), tmp_path)
 
 
 def test_slurm_variables_become_torchrun_variables(monkeypatch):

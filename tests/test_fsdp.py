@@ -129,7 +129,7 @@ def test_fsdp_on_gpus_uses_nccl_and_bf16_trains_like_single_bf16(tmp_path):
 def test_fsdp_starts_every_rank_from_rank_0s_weights(tmp_path):
     """As DDP does: a model whose initialisation is not all from the seeded RNG (here, from the
     rank) would otherwise train a different model on each rank."""
-    workload = (*TINY_SGD, "model._target_=tests.unusual_models.RankSeededMLP")
+    workload = (*TINY_SGD, "model._target_=tests.odd_models.RankSeededMLP")
     run_train(*workload, *FSDP, run_dir=tmp_path)
     assert_same_training(reference_run(*workload), tmp_path)
 
@@ -137,6 +137,6 @@ def test_fsdp_starts_every_rank_from_rank_0s_weights(tmp_path):
 @pytest.mark.equivalence
 def test_fsdp_trains_a_model_whose_blocks_share_a_parameter_like_single(tmp_path):
     """Tied embeddings: the first block and the last share a weight, so they form one unit."""
-    workload = (*TINY_TRANSFORMER_SGD, "model._target_=tests.unusual_models.TiedTransformer")
+    workload = (*TINY_TRANSFORMER_SGD, "model._target_=tests.odd_models.TiedTransformer")
     run_train(*workload, *FSDP, run_dir=tmp_path)
     assert_same_training(reference_run(*workload), tmp_path)

@@ -83,6 +83,14 @@ def test_hybrid_trains_the_transformer_exactly_like_single(tmp_path):
     assert summary(tmp_path)["bubble_fraction"] == pytest.approx(1 / 2)
 
 
+def test_hybrid_trains_blocks_that_hand_on_tuples_dicts_and_lists_like_single(tmp_path):
+    # Stages cut at block 2, where block 1 hands on a dict of tensors.
+    workload = (*TINY_SGD, "model._target_=tests.odd_models.StructuredMLP")
+    run_train(*workload, *HYBRID, "parallel.microbatches=2", run_dir=tmp_path)
+    assert_same_training(reference_run(*workload), tmp_path)
+    assert summary(tmp_path)["split_points"] == [2]
+
+
 def test_processes_and_their_gpus_follow_from_devices_and_stages(monkeypatch):
     config = HybridConfig(name="hybrid", devices=8, stages=2, nodes=2, master_port=29500)
     strategy = build_strategy(config, "cpu")

@@ -19,6 +19,7 @@ from helpers import (
     run_train,
     summary,
 )
+from odd_models import FloatBoundaryMLP, StructuredMLP
 
 from src.config import PipelineConfig
 from src.models import MLP
@@ -31,6 +32,7 @@ from src.strategies.pipeline import (
     bubble_fraction,
     gpipe_ticks,
     parameter_count,
+    plan_split_points,
 )
 
 # TINY's MLP: three 32->32 hidden blocks of 1056 parameters, then a 330-parameter head.
@@ -109,6 +111,42 @@ def test_uneven_micro_batches_give_the_full_batch_loss_and_gradients():
         torch.testing.assert_close(parameter.grad, grad)
 
 
+def test_balanced_split_cuts_only_where_allowed():
+    sizes = [7, 1, 1, 5, 2, 2, 9, 3]
+    assert balanced_split_points(sizes, 2) == [4]
+    assert balanced_split_points(sizes, 2, cuttable={3, 6}) == [6]
+    assert balanced_split_points(sizes, 3, cuttable={3, 6}) == [3, 6]
+    assert balanced_split_points(sizes, 3, cuttable={3}) is None
+
+
+def test_tuples_lists_and_dicts_cross_stages_with_the_full_batch_gradients():
+    torch.manual_seed(0)
+    model = StructuredMLP(**TINY_MLP)  # its boundaries carry a tuple, a dict and a list
+    inputs, targets = torch.randn(10, 32), torch.randint(0, 10, (10,))
+    loss_sum(model(inputs), targets).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    total = Pipeline(model, [CPU] * 4, microbatches=3)(inputs, targets, loss_sum)
+    total.backward()
+    torch.testing.assert_close(total, loss_sum(model(inputs), targets))
+    for grad, parameter in zip(expected, model.parameters(), strict=True):
+        torch.testing.assert_close(parameter.grad, grad)
+
+
+def test_the_automatic_split_avoids_a_boundary_that_is_not_tensors():
+    with torch.device("meta"):
+        model = FloatBoundaryMLP(**TINY_MLP)  # block 1 returns (tensor, float)
+        inputs = torch.empty(2, 32)
+    assert balanced_split_points([parameter_count(b) for b in model], 2) == [2]
+    assert plan_split_points(model, inputs, 2, None, "parallel.devices") == [1]
+    assert plan_split_points(model, inputs, 3, None, "parallel.devices") == [1, 3]
+    with pytest.raises(ConfigError, match="no stage can start at block 2 .block 1 returns a tuple"):
+        plan_split_points(model, inputs, 4, None, "parallel.devices")
+    with pytest.raises(ConfigError, match="block 1 returns a tuple holding a float, which cannot"):
+        plan_split_points(model, inputs, 2, [2], "parallel.devices")
+
+
 # -------------------------------------------------------------------------------- bad input
 
 
@@ -171,6 +209,14 @@ def test_model_parallel_trains_exactly_like_single(tmp_path, workload, microbatc
     assert result["microbatches"] == microbatches
     assert result["bubble_fraction"] == pytest.approx(1 / (microbatches + 1))
     assert "bubble (idle) fraction" in (tmp_path / "train.log").read_text()
+
+
+def test_blocks_that_hand_on_tuples_dicts_and_lists_train_exactly_like_single(tmp_path):
+    workload = (*TINY_SGD, "model._target_=tests.odd_models.StructuredMLP")
+    pipelined = ("parallel=model_parallel", "parallel.devices=4", "parallel.microbatches=2")
+    run_train(*workload, *pipelined, run_dir=tmp_path)
+    assert_same_training(reference_run(*workload), tmp_path)
+    assert summary(tmp_path)["split_points"] == [1, 2, 3]  # a tuple, a dict and a list cross
 
 
 @pytest.mark.equivalence

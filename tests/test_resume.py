@@ -10,6 +10,7 @@ races, whatever the machine's load.
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import re
 import shlex
@@ -22,9 +23,11 @@ import pytest
 import torch
 from helpers import (
     ROOT,
+    TINY,
     TINY_SGD,
     assert_same_training,
     checkpoint,
+    metrics,
     reference_run,
     run_train,
     train_command,
@@ -265,8 +268,33 @@ def test_ctrl_c_stops_gracefully(tmp_path):
 
 
 def test_resume_auto_without_a_checkpoint_starts_afresh(tmp_path):
-    run_train(*TINY_SGD, "trainer.resume=auto", run_dir=tmp_path)
+    result = run_train(*TINY_SGD, "trainer.resume=auto", run_dir=tmp_path)
+    assert f"trainer.resume=auto: no checkpoint in {tmp_path} yet, starting afresh" in result.stdout
     assert_same_training(reference_run(*TINY_SGD), tmp_path)
+
+
+@pytest.mark.parametrize("schedule_steps", [6, 12], ids=["keep", "stretch"])
+def test_more_steps_on_resume_keep_or_stretch_the_schedule_as_asked(tmp_path, schedule_steps):
+    """6 steps trained with a cosine from 0.05 down to 0.005, then 6 more: kept, the new steps
+    stay at 0.005; stretched over 12 steps, the rate goes back up, and the log says so."""
+    trained = (*TINY, "optimizer=sgd", "optimizer.warmup_steps=0")
+    finished = reference_run(*trained) / "checkpoints" / "last.pt"
+    result = run_train(
+        *trained,
+        "trainer.max_steps=12",
+        f"optimizer.schedule_steps={schedule_steps}",
+        f"trainer.resume={finished}",
+        run_dir=tmp_path,
+    )
+
+    def cosine(step: int) -> float:
+        return 0.005 + 0.045 * 0.5 * (1 + math.cos(math.pi * min(1, step / schedule_steps)))
+
+    rates = [row["train/lr"] for row in metrics(tmp_path) if "train/lr" in row]
+    assert rates == pytest.approx([cosine(step) for step in range(6, 12)])
+    assert f"resuming from {finished} at step 6, learning rate {cosine(6):.3g}" in result.stdout
+    changed = "the learning-rate schedule differs from the checkpoint's: step 7 runs at 0.0275 "
+    assert (changed + "instead of 0.005" in result.stdout) == (schedule_steps == 12)
 
 
 WRITE_HALF_THEN_HANG = """

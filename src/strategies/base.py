@@ -7,7 +7,11 @@ Before any work (in the launching process):
     strategy.precision                                 trainer.precision (set by build_strategy)
     strategy.check_batch(micro_batch)                  the global micro-batch splits as needed
     strategy.check_visible_gpus(ranks_started)         enough GPUs for the job, or for this rank
-    strategy.check_model(model)                        the model (built on the meta device) fits
+    strategy.check_model(model, inputs)                the model (built on the meta device) fits,
+                                                       given a batch of meta inputs; pipelines
+                                                       choose their stage boundaries here (every
+                                                       training process gets its strategy from
+                                                       these checks, see `check_config`)
     strategy.processes_per_node                        how many local processes the job needs;
                                                        more than 1 makes `train.py` launch them
 In each training process:
@@ -123,9 +127,10 @@ class Strategy:
                 f"sees {visible}; give each task {per_process} GPU(s) (srun --gpus-per-task)"
             )
 
-    def check_model(self, model: nn.Module) -> None:
+    def check_model(self, model: nn.Module, inputs: torch.Tensor) -> None:
         """Raise ConfigError when `model` (built on the meta device: shapes, no memory) cannot be
-        placed this way, e.g. more stages than blocks."""
+        placed this way, e.g. more stages than blocks; `inputs` are meta tensors shaped like a
+        batch, for a forward pass on the meta device."""
 
     def setup(self) -> None:
         self.devices = self.local_devices()

@@ -37,6 +37,11 @@ def rank_threads(threads_per_rank: int | None, local_processes: int) -> tuple[in
 class Distributed(Strategy):
     def __init__(self, cfg, device_type: str):
         super().__init__(cfg, device_type)
+        if cfg.backend not in (None, "gloo", "nccl"):
+            raise ConfigError(
+                f"parallel.backend must be gloo, nccl or null (nccl on CUDA, gloo on CPU), got "
+                f"{cfg.backend!r}"
+            )
         self.backend = cfg.backend or ("nccl" if device_type == "cuda" else "gloo")
         if self.backend == "nccl" and device_type != "cuda":
             raise ConfigError("parallel.backend=nccl needs CUDA devices; use gloo on CPU")

@@ -18,7 +18,13 @@ from torch import nn
 from src.config import ConfigError
 from src.strategies.base import LossFn
 from src.strategies.ddp import DDP
-from src.strategies.pipeline import Pipeline, check_microbatches, check_split_points, log_layout
+from src.strategies.pipeline import (
+    Pipeline,
+    check_microbatches,
+    check_split_points,
+    log_layout,
+    plan_split_points,
+)
 
 
 class Hybrid(DDP):
@@ -43,6 +49,7 @@ class Hybrid(DDP):
             )
         check_microbatches(cfg.microbatches)
         check_split_points(cfg.split_points, cfg.stages, "parallel.stages")
+        self.split_points = cfg.split_points  # until check_model has looked at the model
         self.layout: dict[str, Any] = {}
 
     def processes_from_settings(self) -> str:
@@ -60,8 +67,10 @@ class Hybrid(DDP):
             "the batch per process and micro-step (batch_size / accumulate / processes)",
         )
 
-    def check_model(self, model: nn.Module) -> None:
-        check_split_points(self.cfg.split_points, self.cfg.stages, "parallel.stages", len(model))
+    def check_model(self, model: nn.Module, inputs: torch.Tensor) -> None:
+        self.split_points = plan_split_points(
+            model, inputs, self.cfg.stages, self.cfg.split_points, "parallel.stages"
+        )
 
     def local_devices(self) -> list[torch.device]:
         if self.device_type == "cuda":
@@ -72,7 +81,7 @@ class Hybrid(DDP):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         pipeline = Pipeline(
-            model, self.devices, self.cfg.microbatches, self.cfg.split_points, "parallel.stages"
+            model, self.devices, self.cfg.microbatches, self.split_points, "parallel.stages"
         )
         self.layout = pipeline.describe()
         log_layout(self.layout)

@@ -10,7 +10,13 @@ import torch
 from torch import nn
 
 from src.strategies.base import LossFn, Strategy
-from src.strategies.pipeline import Pipeline, check_microbatches, check_split_points, log_layout
+from src.strategies.pipeline import (
+    Pipeline,
+    check_microbatches,
+    check_split_points,
+    log_layout,
+    plan_split_points,
+)
 
 
 class ModelParallel(Strategy):
@@ -18,6 +24,7 @@ class ModelParallel(Strategy):
         super().__init__(cfg, device_type)
         check_microbatches(cfg.microbatches)
         check_split_points(cfg.split_points, cfg.devices, "parallel.devices")
+        self.split_points = cfg.split_points  # until check_model has looked at the model
         self.layout: dict[str, Any] = {}
 
     def check_batch(self, micro_batch: int) -> None:
@@ -26,11 +33,13 @@ class ModelParallel(Strategy):
             self.cfg.microbatches, micro_batch, "the batch per micro-step (batch_size / accumulate)"
         )
 
-    def check_model(self, model: nn.Module) -> None:
-        check_split_points(self.cfg.split_points, self.cfg.devices, "parallel.devices", len(model))
+    def check_model(self, model: nn.Module, inputs: torch.Tensor) -> None:
+        self.split_points = plan_split_points(
+            model, inputs, self.cfg.devices, self.cfg.split_points, "parallel.devices"
+        )
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        pipeline = Pipeline(model, self.devices, self.cfg.microbatches, self.cfg.split_points)
+        pipeline = Pipeline(model, self.devices, self.cfg.microbatches, self.split_points)
         self.layout = pipeline.describe()
         log_layout(self.layout)
         return pipeline

@@ -5,17 +5,24 @@ the original blocks, so the parameters and state_dict keys stay those of `single
 takes the targets and the loss function too, so that the loss is computed on the last stage
 where the outputs are; `model_parallel` calls it directly and `hybrid` wraps it in DDP
 (`device_ids=None`), which passes the arguments through.
+
+What a block hands to the next stage may be a tensor or a tuple, list or dict of tensors (nested
+too): each micro-batch's structure moves to the next stage's device as it is. Anything else (a
+Python number, a string, ...) cannot be moved; `plan_split_points` finds such block boundaries
+with a forward pass on the meta device before any work, refuses split points there and keeps
+the automatic split away from them.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
 
 from src.strategies.base import ConfigError, LossFn, move
 
@@ -41,8 +48,11 @@ def gpipe_ticks(stages: int, microbatches: int) -> Iterator[list[tuple[int, int]
         ]
 
 
-def balanced_split_points(block_sizes: Sequence[int], stages: int) -> list[int]:
-    """Where stages 1.. start, for the contiguous partition with the smallest largest stage.
+def balanced_split_points(
+    block_sizes: Sequence[int], stages: int, cuttable: Collection[int] | None = None
+) -> list[int] | None:
+    """Where stages 1.. start, for the contiguous partition with the smallest largest stage,
+    cutting only before the blocks in `cuttable` (None: any); None when no partition exists.
 
     Dynamic programming over (stages used, blocks covered); ties go to the earliest cut.
     """
@@ -55,9 +65,13 @@ def balanced_split_points(block_sizes: Sequence[int], stages: int) -> list[int]:
     for s in range(1, stages + 1):
         for i in range(s, blocks + 1):
             for j in range(s - 1, i):
+                if s > 1 and cuttable is not None and j not in cuttable:
+                    continue
                 candidate = max(largest[s - 1][j], prefix[i] - prefix[j])
                 if candidate < largest[s][i]:
                     largest[s][i], cut[s][i] = candidate, j
+    if largest[stages][blocks] == float("inf"):
+        return None
     points, end = [], blocks
     for s in range(stages, 1, -1):
         end = cut[s][end]
@@ -96,6 +110,79 @@ def check_split_points(
         )
 
 
+def movable(value: Any) -> bool:
+    """Whether `value` can go to another device: a tensor, or tuples, lists and dicts of them."""
+    leaves, _ = tree_flatten(value)
+    return all(torch.is_tensor(leaf) for leaf in leaves)
+
+
+def move_to(value: Any, device: torch.device) -> Any:
+    return tree_map(lambda tensor: move(tensor, device), value)
+
+
+def meta_block_outputs(model: nn.Sequential, inputs: torch.Tensor) -> list[Any] | None:
+    """What each block of `model` (built on the meta device) returns for `inputs` (meta), or
+    None when the blocks cannot run on the meta device (then nothing is known in advance)."""
+    outputs, value = [], inputs
+    try:
+        with torch.no_grad():
+            for block in model:
+                value = block(value)
+                outputs.append(value)
+    except Exception:  # noqa: BLE001 - e.g. no meta kernel, or a block that reads the values
+        log.debug("the blocks cannot run on the meta device", exc_info=True)
+        return None
+    return outputs
+
+
+def describe_value(value: Any) -> str:
+    """'a tuple holding a float', 'a str', ...: what a block hands on that cannot be moved."""
+    leaves, _ = tree_flatten(value)
+    odd = next(type(leaf).__name__ for leaf in leaves if not torch.is_tensor(leaf))
+    if len(leaves) == 1 and leaves[0] is value:
+        return f"a {odd}"
+    return f"a {type(value).__name__} holding a {odd}"
+
+
+def plan_split_points(
+    model: nn.Sequential,
+    inputs: torch.Tensor,
+    stages: int,
+    split_points: Sequence[int] | None,
+    stages_setting: str,
+) -> list[int]:
+    """Where stages 1.. start for `model` (built on the meta device) fed `inputs` (meta):
+    `split_points` when given, else the split balanced by parameter count. Raises ConfigError
+    when a stage would start at a block whose input cannot be moved between devices."""
+    check_split_points(split_points, stages, stages_setting, blocks=len(model))
+    outputs = meta_block_outputs(model, inputs) or []
+    unmovable = {i + 1: value for i, value in enumerate(outputs[:-1]) if not movable(value)}
+    if split_points is not None:
+        for point in split_points:
+            if point in unmovable:
+                raise ConfigError(
+                    f"parallel.split_points={list(split_points)}: block {point - 1} returns "
+                    f"{describe_value(unmovable[point])}, which cannot be handed to a stage "
+                    f"starting at block {point} (only tensors, and tuples, lists and dicts of "
+                    "tensors, move between devices); split elsewhere, or leave "
+                    "parallel.split_points unset"
+                )
+        return list(split_points)
+    cuttable = set(range(1, len(model))) - unmovable.keys()
+    points = balanced_split_points([parameter_count(b) for b in model], stages, cuttable)
+    if points is None:
+        blocked = ", ".join(
+            f"block {point} (block {point - 1} returns {describe_value(value)})"
+            for point, value in sorted(unmovable.items())
+        )
+        raise ConfigError(
+            f"{stages_setting}={stages} stages need {stages - 1} block boundaries to cut at, but "
+            f"only {len(cuttable)} of the model's {len(model) - 1} pass tensors (no stage can "
+            f"start at {blocked}); lower {stages_setting}"
+        )
+    return points
+
+
 def check_microbatches(microbatches: int, samples: int | None = None, batch_name: str = "") -> None:
     """Raise ConfigError unless `samples` (when known) fill `microbatches` non-empty parts."""
     if microbatches < 1:
@@ -125,7 +212,7 @@ class Pipeline(nn.Module):
     ):
         super().__init__()
         check_split_points(split_points, len(devices), stages_setting, blocks=len(model))
-        if split_points is None:
+        if split_points is None:  # every block boundary taken to be cuttable
             split_points = balanced_split_points([parameter_count(b) for b in model], len(devices))
         self.model = model
         self.devices = list(devices)
@@ -144,12 +231,12 @@ class Pipeline(nn.Module):
         chunks = min(self.microbatches, len(inputs))
         micro_inputs = move(inputs, self.devices[0]).tensor_split(chunks)
         micro_targets = move(targets, self.devices[-1]).tensor_split(chunks)
-        activations = list(micro_inputs)
+        activations: list[Any] = list(micro_inputs)  # a tensor, or a structure of tensors
         total = None
         last = len(self.stages) - 1
         for tick in gpipe_ticks(len(self.stages), chunks):
             for stage, micro in tick:
-                x = move(activations[micro], self.devices[stage])
+                x = move_to(activations[micro], self.devices[stage])
                 activations[micro] = self.stages[stage](x)
                 if stage == last:
                     part = fn(activations[micro], micro_targets[micro])

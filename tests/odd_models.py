@@ -1,0 +1,153 @@
+"""Models at the edges of what the template takes, for tests only, each breaking an assumption the
+shipped models keep: picked with `model._target_=tests.odd_models.<Name>` and sized like the MLP
+(`model.hidden`, `model.depth`) or the Transformer."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from src.models import MLP, Transformer
+
+
+def unpack(value: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(hidden, skip) from a tensor, a {"hidden", "skip"} dict, or a [hidden, skip] tuple/list."""
+    if torch.is_tensor(value):
+        return value, None
+    if isinstance(value, dict):
+        return value["hidden"], value["skip"]
+    return value[0], value[1]
+
+
+class StructuredBlock(nn.Module):
+    """Linear + ReLU on the hidden activation; passes (hidden, skip) on as a tuple, a dict or a
+    list (`packing`). The first block's output is the skip that every later block carries on."""
+
+    def __init__(self, width_in: int, width_out: int, packing: str):
+        super().__init__()
+        self.layer = nn.Sequential(nn.Flatten(), nn.Linear(width_in, width_out), nn.ReLU())
+        self.packing = packing
+
+    def forward(self, value: Any) -> Any:
+        hidden, skip = unpack(value)
+        hidden = self.layer(hidden)
+        skip = hidden if skip is None else skip
+        if self.packing == "dict":
+            return {"hidden": hidden, "skip": skip}
+        return (hidden, skip) if self.packing == "tuple" else [hidden, skip]
+
+
+class StructuredHead(nn.Linear):
+    def forward(self, value: Any) -> torch.Tensor:
+        hidden, skip = unpack(value)
+        return super().forward(hidden + skip)
+
+
+class StructuredMLP(nn.Sequential):
+    """An MLP whose blocks hand on tuples, dicts and lists of tensors (in turn) instead of one
+    tensor: every stage boundary of a pipeline carries a structure."""
+
+    def __init__(self, input_shape: Sequence[int], num_classes: int, hidden: int, depth: int):
+        widths = [math.prod(input_shape)] + [hidden] * depth
+        packings = ("tuple", "dict", "list")
+        blocks = [
+            StructuredBlock(a, b, packings[i % 3])
+            for i, (a, b) in enumerate(zip(widths[:-1], widths[1:], strict=True))
+        ]
+        super().__init__(*blocks, StructuredHead(hidden, num_classes))
+
+
+class ScaledBlock(nn.Module):
+    """Linear + ReLU that returns (activation, 1.0): a Python float no device can hold."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.layer = nn.Sequential(nn.Linear(width, width), nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+        return self.layer(x), 1.0
+
+
+class Unscale(nn.Module):
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, value: tuple[torch.Tensor, float]) -> torch.Tensor:
+        hidden, scale = value
+        return self.block(hidden * scale)
+
+
+class FloatBoundaryMLP(nn.Sequential):
+    """The MLP with block 1 returning (tensor, float): no stage may start at block 2."""
+
+    def __init__(self, input_shape: Sequence[int], num_classes: int, hidden: int, depth: int):
+        blocks = list(MLP(input_shape, num_classes, hidden, depth))
+        blocks[1] = ScaledBlock(hidden)
+        blocks[2] = Unscale(blocks[2])
+        super().__init__(*blocks)
+
+
+class DictOutputMLP(MLP):
+    """The MLP with its logits in a dict, which the loss cannot take."""
+
+    def forward(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"logits": super().forward(inputs)}
+
+
+class ListOutputMLP(MLP):
+    def forward(self, inputs: torch.Tensor) -> list[torch.Tensor]:
+        return [super().forward(inputs)]
+
+
+class FrozenMLP(MLP):
+    """The MLP with every parameter frozen: nothing to train."""
+
+    def __init__(self, **sizes: Any):
+        super().__init__(**sizes)
+        self.requires_grad_(False)
+
+
+class LazyMLP(MLP):
+    """The MLP with its first layer a LazyLinear: its input width is found by the first forward."""
+
+    def __init__(self, **sizes: Any):
+        super().__init__(**sizes)
+        first = self[0][1]
+        self[0][1] = nn.LazyLinear(first.out_features)
+
+
+class BatchNormMLP(MLP):
+    """The MLP with BatchNorm after its first layer: buffers (running statistics) that each rank
+    updates from its own share of the batch."""
+
+    def __init__(self, **sizes):
+        super().__init__(**sizes)
+        self[0].insert(2, nn.BatchNorm1d(sizes["hidden"]))
+
+
+class RankSeededMLP(MLP):
+    """The MLP with a first layer drawn from a generator seeded by the process's rank: an
+    initialisation that does not come only from the seeded torch RNG, so ranks differ unless
+    the strategy starts them all from rank 0's weights (`single` is rank 0)."""
+
+    def __init__(self, **sizes):
+        super().__init__(**sizes)
+        generator = torch.Generator().manual_seed(int(os.environ.get("RANK", "0")))
+        with torch.no_grad():
+            layer = self[0][1]
+            layer.weight.copy_(torch.randn(layer.weight.shape, generator=generator) / 8)
+
+
+class TiedTransformer(Transformer):
+    """The Transformer with its output layer tied to the token embedding: a parameter shared by
+    the first block and the last."""
+
+    def __init__(self, **sizes):
+        super().__init__(**sizes)
+        self[-1][1].weight = self[0].token.weight
