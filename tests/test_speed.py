@@ -125,3 +125,16 @@ def test_activation_checkpointing_saves_activation_memory():
         return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
     assert peak_bytes(True) < 0.5 * peak_bytes(False)
+
+
+# Inductor fuses and reorders float arithmetic, so compiled runs agree with eager ones to float
+# rounding, not bit for bit.
+COMPILE_TOLERANCE = 1e-4
+
+
+# Compiling is slow on 2 cores (inductor's C++ builds): one run through DDP's hooks, which
+# covers a compiled block inside a strategy's wrapper; every other strategy wraps blocks alike.
+def test_compiled_blocks_train_like_eager_ones_under_ddp(tmp_path):
+    run_train(*SGD, *STRATEGIES["ddp"], "trainer.compile=true", run_dir=tmp_path, timeout=600)
+
+    assert_same_training(reference_run(*SGD), tmp_path, atol=COMPILE_TOLERANCE)
