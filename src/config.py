@@ -175,6 +175,10 @@ class TrainerConfig:
     about one more forward pass of compute."""
     compile: bool = False
     """torch.compile each block (inductor; the first steps compile, see timing_warmup_steps)."""
+    profile: bool = False
+    """Record a torch.profiler trace of `profile_steps` steps (after 2 steps) on the main process
+    into `profile_trace.json` in the run folder, and to W&B as a file."""
+    profile_steps: int = 3
     peak_tflops: float | None = None
     """Peak TFLOP/s of one device (GPU; on CPU, one replica, process or stage) at the run's
     precision, for `mfu` in the summary; None takes it from a table of common GPUs

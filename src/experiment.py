@@ -97,7 +97,14 @@ def check_config(cfg: DictConfig, run_dir: Path) -> Strategy:
 
 
 def check_trainer(trainer: DictConfig) -> None:
-    for key in ("max_steps", "batch_size", "accumulate", "log_every", "eval_batch_size"):
+    for key in (
+        "max_steps",
+        "batch_size",
+        "accumulate",
+        "log_every",
+        "eval_batch_size",
+        "profile_steps",
+    ):
         if trainer[key] < 1:
             raise ConfigError(f"trainer.{key} must be at least 1, got {trainer[key]}")
     for key in ("eval_every", "checkpoint_every", "grad_clip", "timing_warmup_steps"):

@@ -27,11 +27,13 @@ from src.config import TrainerConfig
 from src.data import Data, Split, train_batches, val_batches
 from src.objective import loss_and_correct
 from src.optim import lr_schedule
+from src.performance import step_profiler
 from src.precision import LossScaling, autocast
 from src.stopping import Interrupted, NonFiniteWatch, agree_to_stop, stop_signals
 from src.strategies.base import Strategy
 
 log = logging.getLogger(__name__)
+PROFILE_TRACE = "profile_trace.json"
 
 
 class Throughput:
@@ -259,6 +261,12 @@ def fit(
     with (
         open_history(run_dir / "metrics.jsonl", start_step, strategy.is_main) as history,
         stop_signals() as stop,
+        step_profiler(
+            trainer.profile and strategy.is_main,
+            trainer.profile_steps,
+            strategy.device_type,
+            run_dir / PROFILE_TRACE,
+        ) as profiler,
     ):
 
         def record(metrics: dict[str, float], step: int) -> None:
@@ -290,6 +298,7 @@ def fit(
                 targets_since_log += targets
             optimizer.zero_grad(set_to_none=True)
             speed.step_done(strategy)
+            profiler.step()
 
             last = step == trainer.max_steps
             log_now = step % trainer.log_every == 0 or last
@@ -363,6 +372,8 @@ def fit(
             if stop_now:
                 raise Interrupted.by(stop_signal, step, checkpoint_path(run_dir))
 
+    if trainer.profile and strategy.is_main:
+        tracker.save(run_dir / PROFILE_TRACE)
     memory_devices, memory_mb = strategy.peak_memory_mb()
     return {
         "steps": trainer.max_steps,

@@ -8,6 +8,8 @@ activation checkpointing is not counted, so MFU stays comparable with and withou
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -95,3 +97,27 @@ def prepare_blocks(model: nn.Sequential, activation_checkpointing: bool, compile
             checkpoint(block)
         if compile:
             block.compile()
+
+
+class NoProfiler:
+    def step(self) -> None:
+        pass
+
+
+def step_profiler(
+    enabled: bool, steps: int, device_type: str, trace_path: Path
+) -> contextlib.AbstractContextManager:
+    """A torch.profiler over `steps` training steps after one step to settle and one of profiler
+    warm-up, written as a Chrome trace to `trace_path` (open it in https://ui.perfetto.dev or
+    chrome://tracing); the loop calls `.step()` after each step. A no-op when not `enabled`."""
+    if not enabled:
+        return contextlib.nullcontext(NoProfiler())
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device_type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(
+        activities=activities,
+        schedule=torch.profiler.schedule(wait=1, warmup=1, active=steps, repeat=1),
+        on_trace_ready=lambda profiler: profiler.export_chrome_trace(str(trace_path)),
+        record_shapes=True,
+    )

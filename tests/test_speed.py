@@ -3,6 +3,8 @@ checkpointing, torch.compile, FLOP/s and MFU, the profiler."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from helpers import TINY, assert_same_training, reference_run, run_train, summary
@@ -138,3 +140,14 @@ def test_compiled_blocks_train_like_eager_ones_under_ddp(tmp_path):
     run_train(*SGD, *STRATEGIES["ddp"], "trainer.compile=true", run_dir=tmp_path, timeout=600)
 
     assert_same_training(reference_run(*SGD), tmp_path, atol=COMPILE_TOLERANCE)
+
+
+def test_profile_writes_a_chrome_trace_to_the_run_folder_and_w_and_b(tmp_path):
+    run_train(
+        *TINY, "logger=wandb", "trainer.profile=true", "trainer.profile_steps=2", run_dir=tmp_path
+    )
+
+    trace = json.loads((tmp_path / "profile_trace.json").read_text())
+    assert any(event.get("name") == "ProfilerStep#3" for event in trace["traceEvents"])
+    (saved,) = tmp_path.glob("wandb/offline-run-*/files/profile_trace.json")
+    assert saved.resolve() == (tmp_path / "profile_trace.json").resolve()
