@@ -158,7 +158,9 @@ class TrainerConfig:
     """0 evaluates only at the end."""
     eval_batch_size: int = 512
     precision: str = "fp32"
-    """fp32 or bf16 (autocast)."""
+    """fp32, bf16 (autocast) or fp16 (autocast with loss scaling)."""
+    loss_scale_init: float = 65536.0
+    """fp16's first loss scale (torch's GradScaler default); the scaler adapts it as it goes."""
     grad_clip: float = 0.0
     """Max global gradient norm; 0 turns clipping off."""
     checkpoint_every: int = 0
@@ -170,6 +172,19 @@ class TrainerConfig:
     matmul_precision: str = "auto"
     """float32 matmuls: highest (true fp32), high (TF32 on NVIDIA GPUs, ~8x faster) or medium;
     auto is high on CUDA and highest on CPU. Stated in the summary."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of keeping them: less memory,
+    about one more forward pass of compute."""
+    compile: bool = False
+    """torch.compile each block (inductor; the first steps compile, see timing_warmup_steps)."""
+    profile: bool = False
+    """Record a torch.profiler trace of `profile_steps` steps (after 2 steps) on the main process
+    into `profile_trace.json` in the run folder, and to W&B as a file."""
+    profile_steps: int = 3
+    peak_tflops: float | None = None
+    """Peak TFLOP/s of one device (GPU; on CPU, one replica, process or stage) at the run's
+    precision, for `mfu` in the summary; None takes it from a table of common GPUs
+    (`src/performance.py`), and leaves MFU out for other devices."""
     timing_warmup_steps: int = 5
     """Steps left out of the reported throughput."""
     resume: str | None = None

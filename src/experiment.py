@@ -39,6 +39,13 @@ from src.launch import (
 from src.loop import fit
 from src.objective import loss_and_correct
 from src.optim import build_optimizer, lr_schedule, schedule_length
+from src.performance import (
+    device_peak_tflops,
+    prepare_blocks,
+    step_flops,
+    throughput_figures,
+)
+from src.precision import PRECISIONS
 from src.stopping import Interrupted, RunStopped
 from src.strategies import build_strategy
 from src.strategies.base import Strategy, resolve_device_type
@@ -139,7 +146,14 @@ def check_model_output(
 
 
 def check_trainer(trainer: DictConfig) -> None:
-    for key in ("max_steps", "batch_size", "accumulate", "log_every", "eval_batch_size"):
+    for key in (
+        "max_steps",
+        "batch_size",
+        "accumulate",
+        "log_every",
+        "eval_batch_size",
+        "profile_steps",
+    ):
         if trainer[key] < 1:
             raise ConfigError(f"trainer.{key} must be at least 1, got {trainer[key]}")
     for key in ("eval_every", "checkpoint_every", "grad_clip", "timing_warmup_steps"):
@@ -151,8 +165,14 @@ def check_trainer(trainer: DictConfig) -> None:
             f"trainer.accumulate={trainer.accumulate} micro-batches; make the batch a multiple of "
             "trainer.accumulate"
         )
-    if trainer.precision not in ("fp32", "bf16"):
-        raise ConfigError(f"trainer.precision must be fp32 or bf16, got {trainer.precision!r}")
+    if trainer.precision not in PRECISIONS:
+        raise ConfigError(
+            f"trainer.precision must be one of {', '.join(PRECISIONS)}, got {trainer.precision!r}"
+        )
+    if trainer.peak_tflops is not None and trainer.peak_tflops <= 0:
+        raise ConfigError(f"trainer.peak_tflops must be above 0, got {trainer.peak_tflops}")
+    if trainer.loss_scale_init <= 0:
+        raise ConfigError(f"trainer.loss_scale_init must be above 0, got {trainer.loss_scale_init}")
     if trainer.matmul_precision not in MATMUL_PRECISIONS:
         raise ConfigError(
             f"trainer.matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}, got "
@@ -369,6 +389,7 @@ def build_and_fit(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[st
     """Build data, model, optimizer and tracker, restore a checkpoint if asked, train, report."""
     matmul_precision = set_numerics(cfg.trainer, strategy.device_type)
     data = keep_on_device(instantiate(cfg.data, seed=cfg.seed), strategy.devices[0])
+    flops_per_step = step_flops(cfg.model, data, cfg.trainer.batch_size)
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
     size_lazy_modules(model, data)
@@ -378,6 +399,7 @@ def build_and_fit(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[st
     state = load_checkpoint(checkpoint) if checkpoint else None
     if state:
         model.load_state_dict(state["model"])
+    prepare_blocks(model, cfg.trainer.activation_checkpointing, cfg.trainer.compile)
     model = strategy.wrap(model)
     optimizer = build_optimizer(cfg.optimizer, strategy.unwrap(model).parameters())
     start_step, wandb_run_id = 0, None
@@ -399,6 +421,7 @@ def build_and_fit(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[st
             "global_batch": cfg.trainer.batch_size,
             "matmul_precision": matmul_precision,
             **results,
+            **speed_figures(cfg.trainer, strategy, flops_per_step, results, matmul_precision),
             **cpu_share(strategy),
             **strategy.report(),
         }
@@ -409,6 +432,21 @@ def build_and_fit(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[st
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         log.info(format_summary(summary, run_dir))
     return summary
+
+
+def speed_figures(
+    trainer: DictConfig,
+    strategy: Strategy,
+    flops_per_step: int | None,
+    results: dict[str, Any],
+    matmul_precision: str,
+) -> dict[str, float]:
+    """TFLOP/s of all devices together, and MFU where the devices' peak is known."""
+    peak = device_peak_tflops(
+        trainer.peak_tflops, strategy.devices[0], trainer.precision, matmul_precision
+    )
+    devices = len(strategy.devices) * strategy.world_size
+    return throughput_figures(flops_per_step, results["step_time_ms"], devices, peak)
 
 
 DEVICE_DATA_FRACTION = 0.1

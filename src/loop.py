@@ -27,10 +27,13 @@ from src.config import TrainerConfig
 from src.data import Data, Split, train_batches, val_batches
 from src.objective import loss_and_correct
 from src.optim import lr_schedule
+from src.performance import step_profiler
+from src.precision import LossScaling, autocast
 from src.stopping import Interrupted, NonFiniteWatch, agree_to_stop, stop_signals
 from src.strategies.base import Strategy
 
 log = logging.getLogger(__name__)
+PROFILE_TRACE = "profile_trace.json"
 
 
 class Throughput:
@@ -171,18 +174,23 @@ def history_step(line: str) -> float:
 
 
 def forward_backward(
-    model: torch.nn.Module, strategy: Strategy, batches: Iterator, autocast: Any, accumulate: int
+    model: torch.nn.Module,
+    strategy: Strategy,
+    batches: Iterator,
+    autocast: Any,
+    accumulate: int,
+    scaling: LossScaling,
 ) -> tuple[torch.Tensor, int]:
-    """Gradients of one optimizer step, accumulated over `accumulate` micro-batches. Returns this
-    process's [summed loss, correct predictions] over the step's targets (detached, still on the
-    device) and the number of those targets."""
+    """Gradients of one optimizer step, accumulated over `accumulate` micro-batches (of the loss
+    as `scaling` scales it). Returns this process's [summed loss, correct predictions] over the
+    step's targets (detached, still on the device) and the number of those targets."""
     step_sums, targets_seen = None, 0
     for micro_step in range(accumulate):
         inputs, targets = next(batches)
         with strategy.grad_sync(model, enabled=micro_step == accumulate - 1):
             with autocast:
                 sums = strategy.apply(model, inputs, targets, loss_and_correct)
-            (sums[0] / (targets.numel() * accumulate)).backward()
+            scaling.scale(sums[0] / (targets.numel() * accumulate)).backward()
         sums = sums.detach()
         step_sums = sums if step_sums is None else step_sums + sums
         targets_seen += targets.numel()
@@ -237,8 +245,9 @@ def fit(
         strategy.world_size,
         start_batch=start_step * trainer.accumulate,
     )
-    autocast = torch.autocast(
-        strategy.device_type, dtype=torch.bfloat16, enabled=trainer.precision == "bf16"
+    precision = autocast(strategy.device_type, trainer.precision)
+    scaling = LossScaling(
+        strategy.grad_scaler(trainer.precision == "fp16", trainer.loss_scale_init)
     )
     lr_at = lr_schedule(cfg.optimizer, trainer.max_steps)
     speed = Throughput(trainer.timing_warmup_steps, trainer.batch_size)
@@ -252,6 +261,12 @@ def fit(
     with (
         open_history(run_dir / "metrics.jsonl", start_step, strategy.is_main) as history,
         stop_signals() as stop,
+        step_profiler(
+            trainer.profile and strategy.is_main,
+            trainer.profile_steps,
+            strategy.device_type,
+            run_dir / PROFILE_TRACE,
+        ) as profiler,
     ):
 
         def record(metrics: dict[str, float], step: int) -> None:
@@ -267,7 +282,7 @@ def fit(
                 group["lr"] = lr
 
             step_sums, targets = forward_backward(
-                model, strategy, batches, autocast, trainer.accumulate
+                model, strategy, batches, precision, trainer.accumulate, scaling
             )
             if trainer.skip_nonfinite and not finite_everywhere(strategy, step_sums[0]):
                 skipped_steps += 1
@@ -276,12 +291,14 @@ def fit(
             else:
                 nonfinite.observe(step, step_sums)
                 if trainer.grad_clip > 0:
+                    scaling.unscale(optimizer)
                     torch.nn.utils.clip_grad_norm_(params, trainer.grad_clip)
-                optimizer.step()
+                scaling.step(optimizer)
                 window_sums.append(step_sums)
                 targets_since_log += targets
             optimizer.zero_grad(set_to_none=True)
             speed.step_done(strategy)
+            profiler.step()
 
             last = step == trainer.max_steps
             log_now = step % trainer.log_every == 0 or last
@@ -326,7 +343,7 @@ def fit(
             if eval_now:
                 paused = speed.pause()
                 val_loss, val_accuracy = evaluate(
-                    model, strategy, data.val, trainer.eval_batch_size, autocast
+                    model, strategy, data.val, trainer.eval_batch_size, precision
                 )
                 record({"val/loss": val_loss, "val/accuracy": val_accuracy}, step)
                 if strategy.is_main:
@@ -355,6 +372,8 @@ def fit(
             if stop_now:
                 raise Interrupted.by(stop_signal, step, checkpoint_path(run_dir))
 
+    if trainer.profile and strategy.is_main:
+        tracker.save(run_dir / PROFILE_TRACE)
     memory_devices, memory_mb = strategy.peak_memory_mb()
     return {
         "steps": trainer.max_steps,
@@ -363,6 +382,7 @@ def fit(
         "final_val_loss": val_loss,
         "val_accuracy": val_accuracy,
         "skipped_steps": skipped_steps,
+        "scaler_skipped_steps": scaling.skipped_steps,
         **speed.summary(),
         "peak_memory_mb": memory_mb,
         "memory_devices": memory_devices,

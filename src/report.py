@@ -69,6 +69,10 @@ class Row:
     """The job's swept settings other than the strategy and device count, e.g. `model=mlp`."""
     world_size: int | None = None
     samples_per_sec: float | None = None
+    tflops_per_sec: float | None = None
+    """Model FLOP/s of all the job's devices together, in TFLOP/s."""
+    mfu: float | None = None
+    """Model FLOPs utilisation, where the devices' peak is known (trainer.peak_tflops)."""
     speedup: float | None = None
     efficiency: float | None = None
     step_time_ms: float | None = None
@@ -142,6 +146,8 @@ def fill_from_summary(row: Row, summary: dict[str, Any]) -> None:
     row.world_size = summary["world_size"]
     row.samples_per_sec = summary["samples_per_sec"]
     row.step_time_ms = summary["step_time_ms"]
+    row.tflops_per_sec = summary.get("tflops_per_sec")
+    row.mfu = summary.get("mfu")
     row.step_time_spread = summary.get("step_time_spread")  # older summaries lack these
     if "threads_per_process" in summary:
         row.threads = summary["processes_per_node"] * summary["threads_per_process"]
@@ -201,6 +207,8 @@ COLUMN_TITLES = {
     "variant": "variant",
     "world_size": "world size",
     "samples_per_sec": "samples/s",
+    "tflops_per_sec": "TFLOP/s",
+    "mfu": "MFU",
     "speedup": "speed-up",
     "efficiency": "efficiency",
     "step_time_ms": "step ms",
@@ -223,11 +231,13 @@ def format_cell(name: str, value: Any) -> str:
         return "nan"
     if name == "speedup":
         return f"{value:.2f}x"
+    if name == "mfu":
+        return f"{100 * value:.3g}%"
     if name in ("efficiency", "step_time_spread"):
         return f"{100 * value:.0f}%"
     if name in ("samples_per_sec", "peak_memory_max_mb", "peak_memory_spread_mb"):
         return f"{value:,.0f}"
-    if name == "step_time_ms":
+    if name in ("step_time_ms", "tflops_per_sec"):
         return f"{value:.3g}"
     if isinstance(value, float):
         return f"{value:.4f}"

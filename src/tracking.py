@@ -13,6 +13,7 @@ import os
 import ssl
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 from src.config import ConfigError
@@ -38,6 +39,9 @@ class NullTracker:
     run_id: str | None = None
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def save(self, path: Path) -> None:
         pass
 
     def finish(self, summary: dict[str, Any] | None = None, exit_code: int = 0) -> None:
@@ -104,6 +108,15 @@ class WandbTracker:
         except Exception as error:  # noqa: BLE001 - tracking must never stop training
             log.warning("W&B logging failed, continuing without it: %s", error)
             self.run = None
+
+    def save(self, path: Path) -> None:
+        """Upload `path` (a file of the run folder) with the run's files."""
+        if self.run is None or not path.exists():
+            return
+        try:
+            self.run.save(str(path), base_path=str(path.parent), policy="now")
+        except Exception as error:  # noqa: BLE001 - tracking must never stop training
+            log.warning("W&B could not save %s: %s", path.name, error)
 
     def finish(self, summary: dict[str, Any] | None = None, exit_code: int = 0) -> None:
         if self.run is None:

@@ -36,6 +36,9 @@ Checkpoints (every process calls these; the main one writes the file):
     strategy.optimizer_state_dict(model, optimizer)  the full optimizer state, single's format
     strategy.load_optimizer_state_dict(model, optimizer, state)   the inverse, on resume
     A checkpoint's model weights are loaded into the plain model before `wrap`.
+Once, before training:
+    strategy.grad_scaler(enabled, init_scale)   fp16's GradScaler (one that knows how the
+                                 gradients are split, where they are)
 Now and then:
     strategy.all_reduce_sum(t)   sum over data-parallel processes (on log, eval and checkpoint
                                  steps; every step with trainer.skip_nonfinite)
@@ -154,6 +157,11 @@ class Strategy:
 
     def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
+
+    def grad_scaler(self, enabled: bool, init_scale: float) -> torch.amp.GradScaler:
+        """Every process holds whole gradients (replicas' are equal after their all-reduce), so
+        each one finds the same inf/NaN and skips the same steps."""
+        return torch.amp.GradScaler(self.device_type, init_scale=init_scale, enabled=enabled)
 
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return self.unwrap(model).state_dict()

@@ -14,7 +14,8 @@ memory, as in DDP's no_sync).
 
 With `trainer.precision=bf16` the gathered parameters are bf16 (half the all-gather traffic and
 the memory of the unsharded block) while the shards, the gradient reduction and the optimizer
-stay fp32. The loop's autocast still runs on top: it leaves bf16 matmuls as they are and casts to
+stay fp32; fp16 alike, its gradients unscaled by a scaler that checks every rank's shard.
+The loop's autocast still runs on top: it leaves bf16 matmuls as they are and casts to
 fp32 where it always does (softmax, norms, the loss), so the two agree.
 
 Checkpoints are gathered on rank 0 into single's format (full state_dict; the optimizer state
@@ -42,7 +43,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from src.precision import AUTOCAST_DTYPES
 from src.strategies.distributed import Distributed
 
 # Full tensors, gathered onto rank 0's CPU (the other ranks get nothing back).
@@ -56,11 +59,18 @@ class FSDP(Distributed):
         copy_from_rank0(model, self.device)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         policy = MixedPrecisionPolicy()
-        if self.precision == "bf16":
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if self.precision in AUTOCAST_DTYPES:
+            policy = MixedPrecisionPolicy(
+                param_dtype=AUTOCAST_DTYPES[self.precision], reduce_dtype=torch.float32
+            )
         for unit in sharding_units(model):
             fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=policy)
         return fully_shard(model, mesh=mesh, mp_policy=policy)
+
+    def grad_scaler(self, enabled: bool, init_scale: float) -> torch.amp.GradScaler:
+        """Each rank holds a shard of every gradient: ShardedGradScaler all-reduces the inf/NaN
+        check, so that every rank skips the step when any shard overflowed."""
+        return ShardedGradScaler(self.device_type, init_scale=init_scale, enabled=enabled)
 
     def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         return gradient_sync(model, enabled)

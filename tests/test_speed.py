@@ -1,0 +1,153 @@
+"""The speed options through the real `train.py`: fp16 with loss scaling, activation
+checkpointing, torch.compile, FLOP/s and MFU, the profiler."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import TINY, assert_same_training, reference_run, run_train, summary
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from src.models import Transformer
+from src.objective import loss_and_correct
+from src.performance import prepare_blocks, table_peak_tflops, throughput_figures
+from src.report import Row, markdown_table
+
+# SGD with clipping and accumulation: the scaler must unscale before clipping, and scale every
+# micro-step's loss alike.
+FP16 = (
+    *TINY,
+    "optimizer=sgd",
+    "optimizer.warmup_steps=0",
+    "trainer.accumulate=2",
+    "trainer.grad_clip=0.05",
+    "trainer.precision=fp16",
+)
+# fp16 keeps 11 significant bits; a different split of the batch rounds some activations the
+# other way, which moves losses and weights by ~1e-5 here. 1e-3 (two fp16 ulps near 1) bounds it.
+FP16_TOLERANCE = 1e-3
+
+STRATEGIES = {
+    "dp": ("parallel=dp", "parallel.devices=2"),
+    "dp_criterion": ("parallel=dp_criterion", "parallel.devices=2"),
+    "ddp": ("parallel=ddp", "parallel.devices=2"),
+    "model_parallel": ("parallel=model_parallel", "parallel.devices=2", "parallel.microbatches=2"),
+    "hybrid": ("parallel=hybrid", "parallel.devices=4", "parallel.stages=2"),
+    "fsdp": ("parallel=fsdp", "parallel.devices=2"),
+}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_fp16_trains_like_single_fp16(tmp_path, strategy):
+    run_train(*FP16, *STRATEGIES[strategy], run_dir=tmp_path)
+
+    assert_same_training(reference_run(*FP16), tmp_path, atol=FP16_TOLERANCE)
+    assert summary(tmp_path)["scaler_skipped_steps"] == 0
+
+
+def test_steps_the_loss_scaler_skips_are_counted_and_do_not_stop_the_run(tmp_path):
+    """A first scale of 1e38 overflows every fp16 gradient: the scaler skips each step (halving
+    the scale), the losses stay finite, and the run ends normally."""
+    run_train(*FP16, "trainer.loss_scale_init=1e38", run_dir=tmp_path)
+
+    result = summary(tmp_path)
+    assert result["scaler_skipped_steps"] == result["steps"] == 6
+    assert result["skipped_steps"] == 0
+
+
+def test_summary_reports_the_model_flops_and_their_rate():
+    """The tiny MLP (32 inputs, three hidden layers of 32, 10 classes), 24 samples a step:
+    forward 2*24*(3*32*32 + 32*10) FLOPs, the weight gradients as many again, and the input
+    gradients of every layer but the first 2*24*(2*32*32 + 32*10)."""
+    result = summary(reference_run(*TINY))
+
+    assert result["flops_per_step"] == 2 * 24 * (3392 + 3392 + 2368)
+    seconds_per_step = result["step_time_ms"] / 1000
+    assert result["tflops_per_sec"] == pytest.approx(
+        result["flops_per_step"] / seconds_per_step / 1e12
+    )
+    assert "mfu" not in result  # no known peak for a CPU
+
+
+def test_mfu_is_the_share_of_every_device_s_peak():
+    figures = throughput_figures(flops_per_step=4e12, step_time_ms=500, devices=2, peak_tflops=10)
+    assert figures["tflops_per_sec"] == pytest.approx(8)
+    assert figures["mfu"] == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize(
+    ("name", "precision", "matmul", "peak"),
+    [
+        ("NVIDIA H100 PCIe", "bf16", "high", 756.0),
+        ("NVIDIA H100 80GB HBM3", "fp16", "high", 989.4),
+        ("NVIDIA A100-SXM4-80GB", "fp32", "high", 156.0),  # TF32 tensor cores
+        ("NVIDIA A100-SXM4-80GB", "fp32", "highest", 19.5),
+        ("NVIDIA L40S", "bf16", "high", 362.1),
+        ("Tesla V100-SXM2-16GB", "bf16", "high", None),  # no bf16 arithmetic
+        ("Some Future GPU", "bf16", "high", None),
+    ],
+)
+def test_peak_table_lookup(name, precision, matmul, peak):
+    assert table_peak_tflops(name, precision, matmul) == peak
+
+
+def test_sweep_table_has_flop_rate_and_mfu_columns():
+    row = Row(job="0", strategy="ddp", devices=2, variant="", tflops_per_sec=0.123, mfu=0.0456)
+    header, _, line = markdown_table([row]).splitlines()
+    assert "TFLOP/s" in header and "MFU" in header
+    assert "0.123" in line and "4.56%" in line
+
+
+SGD = (*TINY, "optimizer=sgd", "optimizer.warmup_steps=0")
+
+
+@pytest.mark.parametrize("strategy", ["single", "ddp", "fsdp", "model_parallel"])
+def test_activation_checkpointing_trains_exactly_like_the_run_without_it(tmp_path, strategy):
+    setting = STRATEGIES.get(strategy, ("parallel=single",))
+    run_train(*SGD, *setting, "trainer.activation_checkpointing=true", run_dir=tmp_path)
+
+    assert_same_training(reference_run(*SGD), tmp_path)
+
+
+def test_activation_checkpointing_saves_activation_memory():
+    """torch's own count of tensor memory (MemTracker, on CPU too) over a forward and backward
+    pass: checkpointed blocks keep only their inputs for backward."""
+    inputs = torch.randint(0, 16, (32, 64))
+
+    def peak_bytes(activation_checkpointing: bool) -> int:
+        torch.manual_seed(0)
+        model = Transformer(input_shape=(64,), num_classes=16, hidden=64, depth=4, heads=2)
+        prepare_blocks(model, activation_checkpointing, compile=False)
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker:
+            loss_and_correct(model(inputs), inputs)[0].backward()
+        return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+    assert peak_bytes(True) < 0.5 * peak_bytes(False)
+
+
+# Inductor fuses and reorders float arithmetic, so compiled runs agree with eager ones to float
+# rounding, not bit for bit.
+COMPILE_TOLERANCE = 1e-4
+
+
+# Compiling is slow on 2 cores (inductor's C++ builds): one run through DDP's hooks, which
+# covers a compiled block inside a strategy's wrapper; every other strategy wraps blocks alike.
+def test_compiled_blocks_train_like_eager_ones_under_ddp(tmp_path):
+    run_train(*SGD, *STRATEGIES["ddp"], "trainer.compile=true", run_dir=tmp_path, timeout=600)
+
+    assert_same_training(reference_run(*SGD), tmp_path, atol=COMPILE_TOLERANCE)
+
+
+def test_profile_writes_a_chrome_trace_to_the_run_folder_and_w_and_b(tmp_path):
+    run_train(
+        *TINY, "logger=wandb", "trainer.profile=true", "trainer.profile_steps=2", run_dir=tmp_path
+    )
+
+    trace = json.loads((tmp_path / "profile_trace.json").read_text())
+    assert any(event.get("name") == "ProfilerStep#3" for event in trace["traceEvents"])
+    (saved,) = tmp_path.glob("wandb/offline-run-*/files/profile_trace.json")
+    assert saved.resolve() == (tmp_path / "profile_trace.json").resolve()
