@@ -49,7 +49,7 @@ def test_a_default_run_prints_its_overrides_progress_and_summary_only(tmp_path):
 
     printed = result.stdout + result.stderr
     assert len(printed.splitlines()) < 30, printed
-    assert f"overrides: {' '.join(small)}\n" in printed
+    assert f"overrides: {' '.join(on_cpu(small))}\n" in printed
     assert "max_steps: 300" not in printed, "no config dump on the console"
     assert "step 300/300" in printed and "run summary" in printed
     log = (tmp_path / "train.log").read_text()
