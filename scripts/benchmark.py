@@ -21,6 +21,8 @@ out of both.
     fsdp            the template's `parallel=fsdp` / its `parallel=ddp`, 2 CPU processes each:
                     what sharding costs in time (an all-gather per block in forward and again
                     in backward); what it saves in memory is in each run's summary.json
+    checkpoint      how long a sharded fsdp checkpoint holds training up, saved synchronously
+                    and with trainer.async_checkpoint=true: the training time async saves
 """
 
 from __future__ import annotations
@@ -165,6 +167,11 @@ DDP_PROCESSES = 2
 def template_launched(steps: int, strategy: str) -> float:
     """samples/s of a multi-process strategy with 2 CPU processes, started by the template's
     launcher."""
+    return launched_summary(steps, strategy)["samples_per_sec"]
+
+
+def launched_summary(steps: int, strategy: str, *overrides: str) -> dict:
+    """summary.json of the workload on 2 CPU processes started by the template's launcher."""
     cfg = compose_config(
         *WORKLOAD,
         f"parallel={strategy}",
@@ -174,13 +181,13 @@ def template_launched(steps: int, strategy: str) -> float:
         f"trainer.timing_warmup_steps={WARMUP_STEPS}",
         "trainer.log_every=50",
         "trainer.eval_every=0",
+        *overrides,
     )
     resolved = OmegaConf.to_container(cfg, resolve=True)
     with tempfile.TemporaryDirectory() as run_dir:
         processes = check_config(cfg, Path(run_dir)).processes_per_node
         no_logging = {"version": 1, "disable_existing_loggers": False}
-        summary = launch(train_worker, (resolved, run_dir), processes, 1, cfg.parallel, no_logging)
-    return summary["samples_per_sec"]
+        return launch(train_worker, (resolved, run_dir), processes, 1, cfg.parallel, no_logging)
 
 
 def template_ddp(steps: int) -> float:
@@ -242,6 +249,32 @@ def plain_ddp(steps: int) -> float:
         return float(Path(result_path).read_text())
 
 
+CHECKPOINT_EVERY = 25
+
+
+def checkpoint_blocking(rounds: int, steps: int) -> None:
+    """How long a sharded fsdp checkpoint (2 CPU processes) holds training up, written in the
+    foreground or in the background (`trainer.async_checkpoint`): the median over rounds of each
+    run's median per checkpoint (`checkpoint_blocked_s`)."""
+    blocked: dict[bool, list[float]] = {False: [], True: []}
+    for round_index in range(rounds):
+        for use_async in (False, True) if round_index % 2 == 0 else (True, False):
+            summary = launched_summary(
+                steps,
+                "fsdp",
+                "trainer.checkpoint_format=sharded",
+                f"trainer.checkpoint_every={CHECKPOINT_EVERY}",
+                f"trainer.async_checkpoint={str(use_async).lower()}",
+            )
+            blocked[use_async].append(1000 * summary["checkpoint_blocked_s"])
+    sync_ms, async_ms = (statistics.median(blocked[use_async]) for use_async in (False, True))
+    print(
+        f"{'checkpoint':<16}  sharded fsdp, every {CHECKPOINT_EVERY} steps: training held up "
+        f"{sync_ms:.1f} ms per checkpoint, {async_ms:.1f} ms with trainer.async_checkpoint "
+        f"({sync_ms - async_ms:+.1f} ms saved per checkpoint)"
+    )
+
+
 Run = Callable[[int], float]
 COMPARISONS: dict[str, tuple[tuple[str, Run], tuple[str, Run]]] = {
     "single": (("template", template_single), ("plain", plain_single)),
@@ -270,7 +303,7 @@ def compare(name: str, rounds: int, steps: int) -> tuple[float, float, list[floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", choices=sorted(COMPARISONS), action="append")
+    parser.add_argument("--only", choices=[*sorted(COMPARISONS), "checkpoint"], action="append")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument(
@@ -293,7 +326,10 @@ def main() -> None:
     )
     sides = "".join(f"  {side:<16}{'samples/s':>11}{'ms/step':>9}" for side in ("first", "second"))
     print(f"{'comparison':<16}{sides}{'ratio':>8}  (rounds' ratios: min-max)")
-    for name in args.only or COMPARISONS:
+    for name in args.only or [*COMPARISONS, "checkpoint"]:
+        if name == "checkpoint":
+            checkpoint_blocking(args.rounds, args.steps)
+            continue
         *speeds, ratios = compare(name, args.rounds, args.steps)
         batch = OVERHEAD_BATCH_SIZE if name == "overhead" else BATCH_SIZE
         step_ms = [1000 * batch / speed for speed in speeds]

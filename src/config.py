@@ -164,7 +164,16 @@ class TrainerConfig:
     grad_clip: float = 0.0
     """Max global gradient norm; 0 turns clipping off."""
     checkpoint_every: int = 0
-    """0 writes `checkpoints/last.pt` only at the end."""
+    """0 checkpoints only at the end (and when stopped)."""
+    checkpoint_format: str = "auto"
+    """full (one file, gathered on the main process), sharded (torch.distributed.checkpoint:
+    every rank writes its own shards; single, ddp and fsdp) or auto: sharded for fsdp, else
+    full. Either resumes under any strategy and number of processes."""
+    keep_checkpoints: int = 2
+    """The newest K `checkpoints/step-*` folders are kept (0: all); resume falls back to the one
+    before the newest if that cannot be read."""
+    async_checkpoint: bool = False
+    """Sharded checkpoints are written in the background while training goes on (DCP async)."""
     accelerator: str = "auto"
     """auto, cpu or cuda."""
     deterministic: bool = False
@@ -188,10 +197,11 @@ class TrainerConfig:
     timing_warmup_steps: int = 5
     """Steps left out of the reported throughput."""
     resume: str | None = None
-    """Continue a run: `auto` takes `checkpoints/last.pt` of the run folder (pass the old one as
-    hydra.run.dir=...; with no checkpoint there yet, the run starts afresh and says so), or give
-    a checkpoint path. Model, optimizer, step (hence LR schedule and data order), RNG and W&B run
-    carry on; a cosine schedule stretched by another max_steps needs optimizer.schedule_steps."""
+    """Continue a run: `auto` takes the newest checkpoint of the run folder (pass the old one as
+    hydra.run.dir=...; with no checkpoint there yet, the run starts afresh and says so; a finished
+    run ends at once), or give a checkpoint folder (`checkpoints/step-*`). Model, optimizer, step
+    (hence LR schedule and data order), RNG and W&B run carry on; a cosine schedule stretched by
+    another max_steps needs optimizer.schedule_steps."""
     skip_nonfinite: bool = False
     """Skip optimizer steps whose loss is NaN/inf instead of stopping the run. Checks every step,
     which waits on the device once per step (on GPUs this costs overlap)."""

@@ -25,7 +25,15 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from src.checkpoint import checkpoint_path, load_checkpoint, resume_path, set_rng_state
+from src.checkpoint import (
+    FORMATS,
+    is_sharded,
+    load_checkpoint,
+    resolved_format,
+    resume_path,
+    saved_checkpoints,
+    set_rng_state,
+)
 from src.config import ConfigError
 from src.data import Data
 from src.launch import (
@@ -36,7 +44,7 @@ from src.launch import (
     run_as_rank,
     started_ranks,
 )
-from src.loop import fit
+from src.loop import fit, history_step
 from src.objective import loss_and_correct
 from src.optim import build_optimizer, lr_schedule, schedule_length
 from src.performance import (
@@ -100,7 +108,8 @@ def check_config(cfg: DictConfig, run_dir: Path) -> Strategy:
         build_optimizer(cfg.optimizer, model.parameters())
         lr_schedule(cfg.optimizer, trainer.max_steps)
 
-    checkpoint = resume_path(trainer.resume, run_dir)
+    check_checkpoint_format(trainer, strategy)
+    checkpoint = resume_path(trainer.resume, run_dir, announce=True)
     if checkpoint is not None:
         check_resumable(load_checkpoint(checkpoint, mmap=True), checkpoint, model, cfg)
     return strategy
@@ -173,10 +182,33 @@ def check_trainer(trainer: DictConfig) -> None:
         raise ConfigError(f"trainer.peak_tflops must be above 0, got {trainer.peak_tflops}")
     if trainer.loss_scale_init <= 0:
         raise ConfigError(f"trainer.loss_scale_init must be above 0, got {trainer.loss_scale_init}")
+    if trainer.keep_checkpoints < 0:
+        raise ConfigError(
+            f"trainer.keep_checkpoints must be 0 (keep all) or more, got {trainer.keep_checkpoints}"
+        )
+    if trainer.checkpoint_format not in FORMATS:
+        raise ConfigError(
+            f"trainer.checkpoint_format must be one of {', '.join(FORMATS)}, got "
+            f"{trainer.checkpoint_format!r}"
+        )
     if trainer.matmul_precision not in MATMUL_PRECISIONS:
         raise ConfigError(
             f"trainer.matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}, got "
             f"{trainer.matmul_precision!r}"
+        )
+
+
+def check_checkpoint_format(trainer: DictConfig, strategy: Strategy) -> None:
+    checkpoint_format = resolved_format(trainer.checkpoint_format, strategy)
+    if checkpoint_format == "sharded" and not strategy.sharded_checkpoints:
+        raise ConfigError(
+            f"trainer.checkpoint_format=sharded is for parallel=single, ddp or fsdp, not "
+            f"{strategy.name}; use full (or auto)"
+        )
+    if trainer.async_checkpoint and checkpoint_format != "sharded":
+        raise ConfigError(
+            "trainer.async_checkpoint=true writes sharded checkpoints only; set "
+            "trainer.checkpoint_format=sharded"
         )
 
 
@@ -238,7 +270,7 @@ def check_resumable(state: dict[str, Any], path: Path, model: nn.Module, cfg: Di
             f"trainer.resume: {path} was trained with optimizer={saved['optimizer']['name']}; "
             "resume with the same optimizer, or start a new run"
         )
-    if state["step"] >= cfg.trainer.max_steps:
+    if state["step"] >= cfg.trainer.max_steps and not finished(state, cfg):
         raise ConfigError(
             f"trainer.resume: {path} is at step {state['step']} and trainer.max_steps="
             f"{cfg.trainer.max_steps}, so there is nothing left to train; raise trainer.max_steps"
@@ -279,12 +311,59 @@ def saved_lr(state: dict[str, Any]) -> Callable[[int], float]:
     return lr_schedule(OmegaConf.create(saved["optimizer"]), saved["trainer"]["max_steps"])
 
 
+def finished(state: dict[str, Any], cfg: DictConfig) -> bool:
+    """With trainer.resume=auto, the checkpoint of a run that trained all its steps (killed, say,
+    after writing it): a requeued job then ends at once, successfully."""
+    return cfg.trainer.resume == "auto" and state["step"] == cfg.trainer.max_steps
+
+
+def finish_finished_run(
+    cfg: DictConfig, run_dir: Path, strategy: Strategy, checkpoint: Path
+) -> dict[str, Any]:
+    """The summary of a run that had trained all its steps; written if the run died before."""
+    path = run_dir / "summary.json"
+    log.info(
+        "%s is at step %d of trainer.max_steps=%d: this run is complete, nothing to do",
+        checkpoint,
+        cfg.trainer.max_steps,
+        cfg.trainer.max_steps,
+    )
+    ranks = started_ranks()
+    if path.exists() or (ranks is not None and ranks.rank != 0):
+        return json.loads(path.read_text()) if path.exists() else {}
+    history = run_dir / "metrics.jsonl"
+    lines = history.read_text().splitlines() if history.exists() else []
+    rows = [json.loads(line) for line in lines if history_step(line) < math.inf]  # whole lines
+
+    def last(key: str) -> float:
+        return next((row[key] for row in reversed(rows) if key in row), math.nan)
+
+    summary = {
+        "strategy": strategy.name,
+        "devices": cfg.parallel.devices,
+        "world_size": strategy.world_size,
+        "global_batch": cfg.trainer.batch_size,
+        "steps": cfg.trainer.max_steps,
+        "final_train_loss": last("train/loss"),
+        "final_train_accuracy": last("train/accuracy"),
+        "final_val_loss": last("val/loss"),
+        "val_accuracy": last("val/accuracy"),
+        "completed_before_resume": True,  # the timings were lost with the process that trained
+    }
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    log.info(format_summary(summary, run_dir))
+    return summary
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train in this process, in processes started here, or as one of the ranks that torchrun or
     srun started (see `src/launch.py`); returns the summary of this node's lowest rank."""
     hydra = HydraConfig.get()
     run_dir = Path(hydra.runtime.output_dir)
     strategy = check_config(cfg, run_dir)
+    checkpoint = resume_path(cfg.trainer.resume, run_dir)
+    if checkpoint and finished(load_checkpoint(checkpoint, mmap=True), cfg):
+        return finish_finished_run(cfg, run_dir, strategy, checkpoint)
     job_logging = OmegaConf.to_container(hydra.job_logging, resolve=True)
     nodes = cfg.parallel.get("nodes", 1)
     ranks = started_ranks()
@@ -345,12 +424,8 @@ def launch_and_stop_on_signal(
     try:
         return launch(train_worker, args, per_node, nodes, parallel, job_logging)
     except KilledBySignal as stopped:
-        path = checkpoint_path(Path(args[1]))
-        try:
-            step = load_checkpoint(path, mmap=True)["step"]
-            kept = f"the last checkpoint, {path}, is from step {step}"
-        except ConfigError:  # none yet (a checkpoint is never half-written)
-            kept = "no checkpoint was written"
+        saved = saved_checkpoints(Path(args[1]))  # a checkpoint is never half-written
+        kept = f"the last checkpoint is {saved[-1]}" if saved else "no checkpoint was written"
         name = signal.Signals(stopped.signum).name
         raise Interrupted(f"stopped by {name} at once; {kept}", 128 + stopped.signum) from None
 
@@ -396,15 +471,21 @@ def build_and_fit(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[st
     checkpoint = resume_path(cfg.trainer.resume, run_dir)
     if checkpoint is None and cfg.trainer.resume and strategy.is_main:
         log.info("trainer.resume=auto: no checkpoint in %s yet, starting afresh", run_dir)
-    state = load_checkpoint(checkpoint) if checkpoint else None
-    if state:
+    # A sharded checkpoint goes straight into the wrapped model, each rank reading its shards;
+    # a full one (or a sharded one for a strategy that cannot) is read whole, before `wrap`.
+    in_shards = checkpoint is not None and is_sharded(checkpoint) and strategy.sharded_checkpoints
+    state = load_checkpoint(checkpoint, mmap=in_shards) if checkpoint else None
+    if state and not in_shards:
         model.load_state_dict(state["model"])
     prepare_blocks(model, cfg.trainer.activation_checkpointing, cfg.trainer.compile)
     model = strategy.wrap(model)
     optimizer = build_optimizer(cfg.optimizer, strategy.unwrap(model).parameters())
     start_step, wandb_run_id = 0, None
     if state:
-        strategy.load_optimizer_state_dict(model, optimizer, state["optimizer"])
+        if in_shards:
+            strategy.load_sharded(model, optimizer, str(checkpoint))
+        else:
+            strategy.load_optimizer_state_dict(model, optimizer, state["optimizer"])
         set_rng_state(state["rng"])
         start_step, wandb_run_id = state["step"], state["wandb_run_id"]
         if strategy.is_main:

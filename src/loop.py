@@ -22,7 +22,7 @@ from typing import Any, TextIO
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from src.checkpoint import checkpoint_path, rng_state, save_atomic
+from src.checkpoint import CheckpointWriter, resolved_format, rng_state
 from src.config import TrainerConfig
 from src.data import Data, Split, train_batches, val_batches
 from src.objective import loss_and_correct
@@ -113,28 +113,6 @@ def evaluate(
     loss, correct = strategy.all_reduce_sum(sums).tolist()
     count = split.targets.numel()
     return loss / count, correct / count
-
-
-def write_checkpoint(
-    path: Path,
-    strategy: Strategy,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    step: int,
-    cfg: DictConfig,
-    tracker_run_id: str | None,
-) -> None:
-    state = {  # every process takes part: a sharded strategy gathers the state
-        "model": strategy.model_state_dict(model),
-        "optimizer": strategy.optimizer_state_dict(model, optimizer),
-        "step": step,
-        "rng": rng_state(),
-        "config": OmegaConf.to_container(cfg, resolve=True),
-        "wandb_run_id": tracker_run_id,
-    }
-    if strategy.is_main:
-        save_atomic(state, path)
-    strategy.barrier()
 
 
 def progress_line(
@@ -252,6 +230,14 @@ def fit(
     lr_at = lr_schedule(cfg.optimizer, trainer.max_steps)
     speed = Throughput(trainer.timing_warmup_steps, trainer.batch_size)
     nonfinite = NonFiniteWatch()
+    checkpoints = CheckpointWriter(
+        run_dir,
+        strategy,
+        resolved_format(trainer.checkpoint_format, strategy),
+        trainer.keep_checkpoints,
+        trainer.async_checkpoint,
+    )
+    checkpoint_blocked_s: list[float] = []  # how long each checkpoint held training up
     last_checkpoint = start_step or None
     window_sums: list[torch.Tensor] = []  # each step's sums since the last log
     targets_since_log, skipped_steps = 0, 0
@@ -267,6 +253,7 @@ def fit(
             strategy.device_type,
             run_dir / PROFILE_TRACE,
         ) as profiler,
+        contextlib.closing(checkpoints),  # a save still in flight is published, even on error
     ):
 
         def record(metrics: dict[str, float], step: int) -> None:
@@ -357,20 +344,21 @@ def fit(
 
             if checkpoint_now:
                 paused = speed.pause()
-                write_checkpoint(
-                    checkpoint_path(run_dir),
-                    strategy,
-                    model,
-                    optimizer,
-                    step,
-                    cfg,
-                    tracker.run_id,
-                )
+                extra = {  # besides model and optimizer, which the strategy provides
+                    "step": step,
+                    "rng": rng_state(),
+                    "config": OmegaConf.to_container(cfg, resolve=True),
+                    "wandb_run_id": tracker.run_id,
+                }
+                saved_to = checkpoints.save(model, optimizer, extra)
+                checkpoint_blocked_s.append(time.perf_counter() - paused)
+                if last or stop_now:
+                    checkpoints.wait()
                 last_checkpoint = step
                 speed.resume(paused)
 
             if stop_now:
-                raise Interrupted.by(stop_signal, step, checkpoint_path(run_dir))
+                raise Interrupted.by(stop_signal, step, saved_to)
 
     if trainer.profile and strategy.is_main:
         tracker.save(run_dir / PROFILE_TRACE)
@@ -387,4 +375,6 @@ def fit(
         "peak_memory_mb": memory_mb,
         "memory_devices": memory_devices,
         "wall_time_s": time.perf_counter() - started,
+        # What a checkpoint costs the training (trainer.async_checkpoint: staging only).
+        "checkpoint_blocked_s": statistics.median(checkpoint_blocked_s),
     }

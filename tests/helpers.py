@@ -141,7 +141,11 @@ def summary(run_dir: Path) -> dict[str, Any]:
 
 
 def checkpoint(run_dir: Path) -> dict[str, Any]:
-    return torch.load(run_dir / "checkpoints" / "last.pt", map_location="cpu", weights_only=False)
+    """The run's newest checkpoint, whole and in the full format (single's keys), whichever
+    format it was written in."""
+    from src.checkpoint import load_checkpoint, saved_checkpoints
+
+    return load_checkpoint(saved_checkpoints(run_dir)[-1])
 
 
 def evaluate_checkpoint(run_dir: Path) -> list[float]:

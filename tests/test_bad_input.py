@@ -267,6 +267,18 @@ ROWS = [
         id="wandb-mode",
     ),
     pytest.param(
+        ["parallel=dp", "trainer.checkpoint_format=sharded"],
+        CHECK,
+        "trainer.checkpoint_format=sharded is for parallel=single, ddp or fsdp, not dp",
+        id="sharded-dp",
+    ),
+    pytest.param(
+        ["trainer.async_checkpoint=true"],
+        CHECK,
+        "trainer.async_checkpoint=true writes sharded checkpoints only",
+        id="async-full",
+    ),
+    pytest.param(
         ["trainer.resume=/nonexistent/last.pt"],
         CHECK,
         "trainer.resume: no checkpoint at /nonexistent/last.pt",
@@ -334,9 +346,10 @@ def with_overrides(base: tuple[str, ...], overrides: list[str]) -> list[str]:
 
 @pytest.fixture
 def files(tmp_path):
-    finished = reference_run(*TINY) / "checkpoints" / "last.pt"
+    finished = reference_run(*TINY) / "checkpoints" / "step-000006"
     truncated = tmp_path / "truncated.pt"
-    truncated.write_bytes(finished.read_bytes()[: finished.stat().st_size // 2])
+    whole = (finished / "checkpoint.pt").read_bytes()
+    truncated.write_bytes(whole[: len(whole) // 2])
     foreign = tmp_path / "foreign.pt"
     torch.save({"weights": torch.ones(3)}, foreign)
     return {"finished": finished, "truncated": truncated, "foreign": foreign}

@@ -33,7 +33,9 @@ from helpers import (
     train_command,
 )
 
-from src.checkpoint import save_atomic
+from src.checkpoint import CheckpointWriter, resume_path, saved_checkpoints
+from src.config import ParallelConfig
+from src.strategies.base import Strategy
 
 # 60 steps, each logged (TINY), a checkpoint every 5: step 6's log line means step 5 is saved.
 RESUMABLE = (*TINY_SGD, "trainer.max_steps=60", "trainer.checkpoint_every=5")
@@ -115,7 +117,8 @@ def kill_and_resume(tmp_path: Path, *overrides: str, reference: Path) -> None:
 
     result = run_train(*overrides, "trainer.resume=auto", run_dir=tmp_path)
 
-    assert f"resuming from {tmp_path}/checkpoints/last.pt at step {saved_step}" in result.stdout
+    resumed_from = tmp_path / "checkpoints" / f"step-{saved_step:06d}"
+    assert f"resuming from {resumed_from} at step {saved_step}" in result.stdout
     assert_same_training(reference, tmp_path)  # every step's loss, and the final weights
     assert checkpoint(tmp_path)["step"] == 60
 
@@ -147,7 +150,7 @@ def stopped_step(output: str, signal_name: str, run_dir: Path) -> int:
         rf"stopped by {signal_name} after step (\d+); checkpoint saved to (\S+); ", output
     )
     assert stopped, output
-    assert stopped[2] == str(run_dir / "checkpoints" / "last.pt")
+    assert stopped[2] == str(run_dir / "checkpoints" / f"step-{int(stopped[1]):06d}")
     return int(stopped[1])
 
 
@@ -300,7 +303,8 @@ def test_more_steps_on_resume_keep_or_stretch_the_schedule_as_asked(tmp_path, sc
 WRITE_HALF_THEN_HANG = """
 import io, sys, torch
 from pathlib import Path
-from src.checkpoint import save_atomic
+from src.checkpoint import CheckpointWriter
+from src.strategies.base import Strategy
 
 real_save = torch.save
 
@@ -313,28 +317,47 @@ def write_half_then_hang(state, file):
     sys.stdin.read()  # until the test kills this process
 
 torch.save = write_half_then_hang
-save_atomic({"step": 2, "weights": torch.zeros(1000)}, Path(sys.argv[1]))
+save(CheckpointWriter(Path(sys.argv[1]), Strategy(ParallelConfig(), "cpu"), "full", 2, False), 2)
+"""
+
+SAVE = """
+from src.config import ParallelConfig
+
+def save(writer, step):
+    model = torch.nn.Linear(10, 10)
+    torch.nn.init.constant_(model.weight, step)
+    optimizer = torch.optim.SGD(model.parameters())
+    writer.save(model, optimizer, {"step": step, "rng": {}, "config": {}, "wandb_run_id": None})
 """
 
 
 def test_checkpoint_write_killed_midway_leaves_the_previous_one(tmp_path):
-    path = tmp_path / "checkpoints" / "last.pt"
-    save_atomic({"step": 1, "weights": torch.ones(1000)}, path)
-    writer = subprocess.Popen(
-        [sys.executable, "-c", WRITE_HALF_THEN_HANG, str(path)],
+    """The new checkpoint is written in a staging folder, renamed once complete: killed before,
+    it is absent, the previous one intact; the next save clears the leftovers."""
+    namespace: dict = {"torch": torch}
+    exec(SAVE, namespace)
+    writer = CheckpointWriter(tmp_path, Strategy(ParallelConfig(), "cpu"), "full", 2, False)
+    namespace["save"](writer, 1)
+    killed = subprocess.Popen(
+        [sys.executable, "-c", SAVE + WRITE_HALF_THEN_HANG, str(tmp_path)],
         cwd=ROOT,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
-    assert writer.stdout.readline() == "half written\n"
-    partial = [p for p in path.parent.iterdir() if p != path]
-    assert len(partial) == 1 and partial[0].stat().st_size > 0  # the new file, half written
-    writer.kill()
-    writer.wait()
+    assert killed.stdout.readline() == "half written\n"
+    (staging,) = (tmp_path / "checkpoints").glob(".staging-*")  # the new one, half written
+    assert (staging / "checkpoint.pt").stat().st_size > 0
+    killed.kill()
+    killed.wait()
 
-    state = torch.load(path, weights_only=True)
-    assert state["step"] == 1 and torch.equal(state["weights"], torch.ones(1000))
-    save_atomic({"step": 3, "weights": torch.zeros(1000)}, path)  # the next write still works
-    assert torch.load(path, weights_only=True)["step"] == 3
-    assert [p.name for p in path.parent.iterdir()] == ["last.pt"]
+    assert [p.name for p in saved_checkpoints(tmp_path)] == ["step-000001"]
+    assert resume_path("auto", tmp_path) == tmp_path / "checkpoints" / "step-000001"
+    assert checkpoint(tmp_path)["step"] == 1
+    namespace["save"](writer, 3)  # the next write still works
+    assert checkpoint(tmp_path)["step"] == 3
+    assert torch.equal(checkpoint(tmp_path)["model"]["weight"], torch.full((10, 10), 3.0))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step-000001",
+        "step-000003",
+    ]

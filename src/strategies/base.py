@@ -35,7 +35,12 @@ Checkpoints (every process calls these; the main one writes the file):
     strategy.model_state_dict(model)                 the full state_dict, single's keys
     strategy.optimizer_state_dict(model, optimizer)  the full optimizer state, single's format
     strategy.load_optimizer_state_dict(model, optimizer, state)   the inverse, on resume
-    A checkpoint's model weights are loaded into the plain model before `wrap`.
+    A full checkpoint's model weights are loaded into the plain model before `wrap`.
+    strategy.sharded_checkpoints                     whether it writes and reads `sharded` ones:
+    strategy.sharded_state_dict(model, optimizer)    this process's part (DCP's state_dict APIs)
+    strategy.load_sharded(model, optimizer, path)    read it back, into the wrapped model, any
+                                                     number of processes having written it
+    strategy.default_checkpoint_format               what trainer.checkpoint_format=auto means
 Once, before training:
     strategy.grad_scaler(enabled, init_scale)   fp16's GradScaler (one that knows how the
                                  gradients are split, where they are)
@@ -59,9 +64,18 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 from src.config import ConfigError, ParallelConfig
+
+# DCP's APIs for a plain, DDP or FSDP2 model: parameter names as keys, each rank its own shards.
+SHARDED = StateDictOptions()
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -91,6 +105,9 @@ class Strategy:
     world_size: int = 1
     is_main: bool = True
     precision: str = "fp32"
+    # One file that single loads; sharded (DCP) needs a plain, DDP or FSDP2 module.
+    sharded_checkpoints: bool = False
+    default_checkpoint_format: str = "full"
 
     def __init__(self, cfg: ParallelConfig, device_type: str):
         self.cfg = cfg
@@ -175,6 +192,27 @@ class Strategy:
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
         optimizer.load_state_dict(state)
+
+    def sharded_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, Any]:
+        """`model` and `optimizer` keyed by parameter name, each process holding its own shards
+        (a replica's tensors are whole; DCP writes them once)."""
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=SHARDED)
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+        """Load a sharded checkpoint into the wrapped `model` and its `optimizer`: DCP reads each
+        process's shards of the tensors it is given, however many processes wrote them."""
+        state = self.sharded_state_dict(model, optimizer)  # the shapes and shards to fill
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=SHARDED,
+        )
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor

@@ -19,6 +19,7 @@ from src.strategies.distributed import Distributed
 
 
 class DDP(Distributed):
+    sharded_checkpoints = True
     replica: DistributedDataParallel | None = None
 
     def wrap(self, model: nn.Module) -> nn.Module:

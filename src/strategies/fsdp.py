@@ -18,11 +18,13 @@ stay fp32; fp16 alike, its gradients unscaled by a scaler that checks every rank
 The loop's autocast still runs on top: it leaves bf16 matmuls as they are and casts to
 fp32 where it always does (softmax, norms, the loss), so the two agree.
 
-Checkpoints are gathered on rank 0 into single's format (full state_dict; the optimizer state
-keyed by parameter index), so `single` loads an fsdp checkpoint and fsdp resumes from any
-strategy's: the weights are loaded before sharding, the optimizer state is split on loading.
-The whole model and a checkpoint's whole state still pass through each process's host memory
-(built, or read, before sharding; gathered on rank 0's CPU); only device memory is sharded.
+Checkpoints are sharded by default (`trainer.checkpoint_format=auto`): every rank writes its own
+shards through torch.distributed.checkpoint and reads back its own, resharded to however many
+ranks resume, so no rank holds the whole model (it is still built whole in each process's host
+memory before `wrap` shards it). `full` gathers them on rank 0 into single's
+format instead (full state_dict; the optimizer state keyed by parameter index); resuming from one,
+the weights are loaded before sharding and the optimizer state is split on loading, so the whole
+model then passes through each process's host memory.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from src.checkpoint import renamed
 from src.precision import AUTOCAST_DTYPES
 from src.strategies.distributed import Distributed
 
@@ -55,6 +58,9 @@ SPLIT_FROM_FULL = StateDictOptions(full_state_dict=True)
 
 
 class FSDP(Distributed):
+    sharded_checkpoints = True
+    default_checkpoint_format = "sharded"  # no rank can hold the whole model
+
     def wrap(self, model: nn.Module) -> nn.Module:
         copy_from_rank0(model, self.device)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
@@ -134,14 +140,3 @@ def parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[
     them (`single`'s checkpoints key the optimizer state by that number)."""
     name_of = {param: name for name, param in model.named_parameters()}
     return [name_of[param] for group in optimizer.param_groups for param in group["params"]]
-
-
-def renamed(state: dict[str, Any], new_key: dict) -> dict[str, Any]:
-    """An optimizer state dict with its parameter keys (names or indices) mapped by `new_key`."""
-    return {
-        "state": {new_key[key]: value for key, value in state["state"].items()},
-        "param_groups": [
-            {**group, "params": [new_key[key] for key in group["params"]]}
-            for group in state["param_groups"]
-        ],
-    }

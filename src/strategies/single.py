@@ -9,6 +9,8 @@ from src.strategies.base import ConfigError, LossFn, Strategy, move
 
 
 class Single(Strategy):
+    sharded_checkpoints = True
+
     def __init__(self, cfg, device_type: str):
         super().__init__(cfg, device_type)
         if cfg.devices != 1:
