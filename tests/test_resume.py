@@ -23,7 +23,6 @@ import pytest
 import torch
 from helpers import (
     ROOT,
-    TINY,
     TINY_SGD,
     assert_same_training,
     checkpoint,
@@ -280,8 +279,8 @@ def test_resume_auto_without_a_checkpoint_starts_afresh(tmp_path):
 def test_more_steps_on_resume_keep_or_stretch_the_schedule_as_asked(tmp_path, schedule_steps):
     """6 steps trained with a cosine from 0.05 down to 0.005, then 6 more: kept, the new steps
     stay at 0.005; stretched over 12 steps, the rate goes back up, and the log says so."""
-    trained = (*TINY, "optimizer=sgd", "optimizer.warmup_steps=0")
-    finished = reference_run(*trained) / "checkpoints" / "last.pt"
+    trained = TINY_SGD
+    finished = saved_checkpoints(reference_run(*trained))[-1]
     result = run_train(
         *trained,
         "trainer.max_steps=12",
