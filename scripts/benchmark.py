@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from src.config import register_configs  # noqa: E402
+from src.data import build_data  # noqa: E402
 from src.experiment import check_config, train, train_worker  # noqa: E402
 from src.launch import launch  # noqa: E402
 
@@ -123,7 +124,7 @@ def plain_single(steps: int, *overrides: str) -> float:
     device = torch.device(DEVICE)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
-    data = instantiate(cfg.data, seed=cfg.seed)
+    data = build_data(cfg.data, cfg.seed)
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
     model.to(device)
@@ -197,7 +198,7 @@ def plain_ddp_worker(rank: int, workload: dict, steps: int, port: int, result_pa
     store = dist.TCPStore("127.0.0.1", port, DDP_PROCESSES, is_master=rank == 0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=DDP_PROCESSES)
     cfg = OmegaConf.create(workload)
-    data = instantiate(cfg.data, seed=cfg.seed)
+    data = build_data(cfg.data, cfg.seed)
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
     model = DistributedDataParallel(model)

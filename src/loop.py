@@ -21,10 +21,11 @@ from typing import Any, TextIO
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import Dataset
 
 from src.checkpoint import checkpoint_path, rng_state, save_atomic
 from src.config import TrainerConfig
-from src.data import Data, Split, train_batches, val_batches
+from src.data import Data, Split, ValBatches, loading_for, train_batches
 from src.objective import loss_and_correct
 from src.optim import lr_schedule
 from src.performance import step_profiler
@@ -97,21 +98,29 @@ class Throughput:
 
 
 def evaluate(
-    model: torch.nn.Module, strategy: Strategy, split: Split, batch_size: int, autocast: Any
+    model: torch.nn.Module,
+    strategy: Strategy,
+    val: Split | Dataset | ValBatches,
+    batch_size: int,
+    autocast: Any,
 ) -> tuple[float, float]:
-    """Mean loss and accuracy over the whole validation set (all ranks together)."""
+    """Mean loss and accuracy over the whole validation set (all ranks together); `val` is the
+    set, or this rank's `ValBatches` of it (which `batch_size` made)."""
+    if not isinstance(val, ValBatches):
+        val = ValBatches(val, batch_size, strategy.rank, strategy.world_size)
     model.eval()
-    sums = None
+    sums, count = None, 0
     with torch.no_grad(), autocast:
-        shard = val_batches(split, batch_size, strategy.rank, strategy.world_size)
-        for inputs, targets, counted in shard:
+        for inputs, targets, counted in val:
             part = strategy.apply(model, inputs, targets, loss_and_correct)
             if counted:  # summed on the device: one wait, at the end
                 sums = part.float() if sums is None else sums + part.float()
+                count += targets.numel()
     model.train()
     sums = torch.zeros(2) if sums is None else sums
-    loss, correct = strategy.all_reduce_sum(sums).tolist()
-    count = split.targets.numel()
+    loss, correct, count = strategy.all_reduce_sum(
+        torch.cat([sums, torch.tensor([float(count)], device=sums.device)])
+    ).tolist()
     return loss / count, correct / count
 
 
@@ -138,13 +147,18 @@ def write_checkpoint(
 
 
 def progress_line(
-    step: int, max_steps: int, loss: float, samples_per_sec: float, eta_s: float
+    step: int,
+    max_steps: int,
+    loss: float,
+    samples_per_sec: float,
+    data_wait_ms: float,
+    eta_s: float,
 ) -> str:
     filled = round(20 * step / max_steps)
     bar = "#" * filled + "." * (20 - filled)
     return (
         f"[{bar}] step {step}/{max_steps} | loss {loss:.4f} | "
-        f"{samples_per_sec:,.0f} samples/s | eta {eta_s:.0f}s"
+        f"{samples_per_sec:,.0f} samples/s | data wait {data_wait_ms:.1f} ms | eta {eta_s:.0f}s"
     )
 
 
@@ -197,6 +211,41 @@ def forward_backward(
     return step_sums, targets_seen
 
 
+class TimedBatches:
+    """An iterator of batches that adds up the time its `next` waited: input the loop waited
+    for (a DataLoader's workers falling behind, or reading in the training process). In-memory
+    batches cost an index, nothing to wait on."""
+
+    def __init__(self, batches: Iterator):
+        self.batches = batches
+        self.wait_s = 0.0  # since the last `take_wait`
+        self.total_wait_s = 0.0
+
+    def __iter__(self) -> TimedBatches:
+        return self
+
+    def __next__(self) -> Any:
+        started = time.perf_counter()
+        batch = next(self.batches)
+        self.wait_s += time.perf_counter() - started
+        return batch
+
+    def take_wait(self) -> float:
+        """Seconds waited since the last call."""
+        waited, self.wait_s = self.wait_s, 0.0
+        self.total_wait_s += waited
+        return waited
+
+    def take_wait_total(self) -> float:
+        """Seconds waited in all."""
+        self.take_wait()
+        return self.total_wait_s
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
 def finite_everywhere(strategy: Strategy, step_loss: torch.Tensor) -> bool:
     """Whether every process's loss is finite; all processes get the same answer. It waits on
     the device every step, which is why skipping non-finite steps is opt-in."""
@@ -237,14 +286,21 @@ def fit(
     trainer = TrainerConfig(**OmegaConf.to_container(cfg.trainer, resolve=True))
     params = list(strategy.unwrap(model).parameters())
     micro_batch = trainer.batch_size // trainer.accumulate
-    batches = train_batches(
-        data.train,
-        micro_batch,
-        cfg.seed,
-        strategy.rank,
-        strategy.world_size,
-        start_batch=start_step * trainer.accumulate,
+    loading = loading_for(
+        cfg.data, cfg.seed, strategy.device_type, strategy.processes_per_node, usable_cores()
     )
+    batches = TimedBatches(
+        train_batches(
+            data.train,
+            micro_batch,
+            cfg.seed,
+            strategy.rank,
+            strategy.world_size,
+            start_batch=start_step * trainer.accumulate,
+            loading=loading,
+        )
+    )
+    val = ValBatches(data.val, trainer.eval_batch_size, strategy.rank, strategy.world_size, loading)
     precision = autocast(strategy.device_type, trainer.precision)
     scaling = LossScaling(
         strategy.grad_scaler(trainer.precision == "fp16", trainer.loss_scale_init)
@@ -317,6 +373,7 @@ def fit(
 
             if log_now:
                 train_loss, train_accuracy = window_means(strategy, window_sums, targets_since_log)
+                data_wait_ms = 1000 * batches.take_wait() / speed.window_steps
                 step_ms = speed.close_window()
                 paused = speed.pause()
                 samples_per_sec = trainer.batch_size * 1000 / step_ms
@@ -330,20 +387,23 @@ def fit(
                         "train/lr": lr,
                         "train/step_time_ms": step_ms,
                         "train/samples_per_sec": samples_per_sec,
+                        "train/data_wait_ms": data_wait_ms,
                     },
                     step,
                 )
                 if strategy.is_main:
                     eta = (trainer.max_steps - step) * step_ms / 1000
                     log.info(
-                        progress_line(step, trainer.max_steps, train_loss, samples_per_sec, eta)
+                        progress_line(
+                            step, trainer.max_steps, train_loss, samples_per_sec, data_wait_ms, eta
+                        )
                     )
                 speed.resume(paused)
 
             if eval_now:
                 paused = speed.pause()
                 val_loss, val_accuracy = evaluate(
-                    model, strategy, data.val, trainer.eval_batch_size, precision
+                    model, strategy, val, trainer.eval_batch_size, precision
                 )
                 record({"val/loss": val_loss, "val/accuracy": val_accuracy}, step)
                 if strategy.is_main:
@@ -384,6 +444,7 @@ def fit(
         "skipped_steps": skipped_steps,
         "scaler_skipped_steps": scaling.skipped_steps,
         **speed.summary(),
+        "data_wait_ms": 1000 * batches.take_wait_total() / max(1, speed.steps_done),
         "peak_memory_mb": memory_mb,
         "memory_devices": memory_devices,
         "wall_time_s": time.perf_counter() - started,
