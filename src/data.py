@@ -411,18 +411,12 @@ class ValBatches:
             yield inputs, targets, counted
 
 
-def val_batches(
-    dataset: Split | Dataset, batch_size: int, rank: int, world_size: int
-) -> Iterator[tuple[torch.Tensor, torch.Tensor, bool]]:
-    """One pass of `ValBatches` (read directly, no workers)."""
-    return iter(ValBatches(dataset, batch_size, rank, world_size))
-
-
 def augment_image(seed: int, sample: Batch, epoch: int, index: int) -> Batch:
     """A random crop (of the image padded by an eighth of its size on each side) and a
     horizontal flip, drawn from (seed, epoch, index) alone: the same sample gets the same
     augmentation whichever process, worker or strategy reads it."""
     image, target = sample
+    # A tuple of ints hashes alike in every process (PYTHONHASHSEED salts only str and bytes).
     generator = torch.Generator().manual_seed(hash((seed, epoch, index)) & (2**63 - 1))
     height, width = image.shape[-2:]
     pad = max(1, min(height, width) // 8)

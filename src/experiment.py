@@ -393,7 +393,9 @@ def train(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[str, Any]:
 def build_and_fit(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[str, Any]:
     """Build data, model, optimizer and tracker, restore a checkpoint if asked, train, report."""
     matmul_precision = set_numerics(cfg.trainer, strategy.device_type)
-    data = keep_on_device(build_data(cfg.data, cfg.seed), strategy.devices[0])
+    data = build_data(cfg.data, cfg.seed)
+    if not cfg.data.augment:  # augmented samples are made on the host, by the loader
+        data = keep_on_device(data, strategy.devices[0])
     flops_per_step = step_flops(cfg.model, data, cfg.trainer.batch_size)
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)

@@ -31,7 +31,6 @@ from src.data import (
     synthetic_classification,
     tokens,
     train_batches,
-    val_batches,
 )
 
 
@@ -117,7 +116,7 @@ def test_every_rank_runs_as_many_eval_batches_and_each_sample_counts_once(
     samples, world_size, eval_batch
 ):
     split = Split(torch.arange(samples), torch.zeros(samples, dtype=torch.long))
-    batches = [list(val_batches(split, eval_batch, r, world_size)) for r in range(world_size)]
+    batches = [list(ValBatches(split, eval_batch, r, world_size)) for r in range(world_size)]
 
     assert len({len(rank_batches) for rank_batches in batches}) == 1
     assert all(len(inputs) > 0 for rank_batches in batches for inputs, _, _ in rank_batches)
