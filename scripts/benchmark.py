@@ -21,6 +21,8 @@ out of both.
     fsdp            the template's `parallel=fsdp` / its `parallel=ddp`, 2 CPU processes each:
                     what sharding costs in time (an all-gather per block in forward and again
                     in backward); what it saves in memory is in each run's summary.json
+    loader          `parallel=single` on augmented 3x16x16 images, made by 2 DataLoader workers
+                    / in the training process (data.num_workers=2 / 0)
 """
 
 from __future__ import annotations
@@ -110,6 +112,11 @@ def model_parallel_pipelined(steps: int) -> float:
 
 def model_parallel_naive(steps: int) -> float:
     return template_speed(steps, "parallel=model_parallel", "parallel.microbatches=1")
+
+
+def loader_speed(steps: int, num_workers: int) -> float:
+    augmented = ("data.image_shape=[3,16,16]", "data.augment=true")
+    return template_speed(steps, "parallel=single", *augmented, f"data.num_workers={num_workers}")
 
 
 def template_overhead(steps: int) -> float:
@@ -253,6 +260,10 @@ COMPARISONS: dict[str, tuple[tuple[str, Run], tuple[str, Run]]] = {
     ),
     "ddp": (("template", template_ddp), ("plain DDP", plain_ddp)),
     "fsdp": (("fsdp", template_fsdp), ("ddp", template_ddp)),
+    "loader": (
+        ("2 workers", lambda steps: loader_speed(steps, 2)),
+        ("0 workers", lambda steps: loader_speed(steps, 0)),
+    ),
 }
 
 
