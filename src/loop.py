@@ -45,7 +45,9 @@ class Throughput:
     left out, and with them the one-time costs their first calls pay (in the first job of an
     in-process sweep, W&B's first log, say). Step time is the median over the windows, so that a
     window disturbed by something else on the machine does not count; `step_time_spread`
-    ((slowest - fastest) / median) says how much the windows disagree."""
+    ((slowest - fastest) / median) says how much the windows disagree. `data_wait_ms` is the
+    mean time per step after warm-up that the loop waited for input (a loader's workers start
+    in the first step)."""
 
     def __init__(self, warmup_steps: int, samples_per_step: int):
         self.warmup_steps = warmup_steps
@@ -56,18 +58,29 @@ class Throughput:
         self.timed_start = now if warmup_steps == 0 else None  # its part after warm-up
         self.timed_steps = 0
         self.window_ms: list[float] = []  # ms per step of each window's timed part
+        self.window_wait_s = 0.0  # input waited for in the logging window
+        self.timed_wait_s, self.all_timed_steps = 0.0, 0  # ... and in all steps after warm-up
 
-    def step_done(self, strategy: Strategy) -> None:
+    def step_done(self, strategy: Strategy, data_wait_s: float = 0.0) -> None:
+        """A step is done, of which `data_wait_s` went on waiting for its input."""
         self.steps_done += 1
         self.window_steps += 1
+        self.window_wait_s += data_wait_s
         if self.timed_start is not None:
             self.timed_steps += 1
+            self.all_timed_steps += 1
+            self.timed_wait_s += data_wait_s
         elif self.steps_done == self.warmup_steps:
             strategy.synchronize()
             self.timed_start = time.perf_counter()
 
+    def window_data_wait_ms(self) -> float:
+        """Input waited for per step in the logging window (before `close_window`)."""
+        return 1000 * self.window_wait_s / self.window_steps
+
     def close_window(self) -> float:
         """End a logging window (the caller has synchronized); returns its ms per step."""
+        self.window_wait_s = 0.0
         now = time.perf_counter()
         ms = 1000 * (now - self.window_start) / self.window_steps
         if self.timed_steps:
@@ -88,12 +101,18 @@ class Throughput:
     def summary(self) -> dict[str, float]:
         if not self.window_ms:
             nan = float("nan")
-            return {"samples_per_sec": nan, "step_time_ms": nan, "step_time_spread": nan}
+            return {
+                "samples_per_sec": nan,
+                "step_time_ms": nan,
+                "step_time_spread": nan,
+                "data_wait_ms": nan,
+            }
         step_ms = statistics.median(self.window_ms)
         return {
             "samples_per_sec": self.samples_per_step * 1000 / step_ms,
             "step_time_ms": step_ms,
             "step_time_spread": (max(self.window_ms) - min(self.window_ms)) / step_ms,
+            "data_wait_ms": 1000 * self.timed_wait_s / self.all_timed_steps,
         }
 
 
@@ -219,7 +238,6 @@ class TimedBatches:
     def __init__(self, batches: Iterator):
         self.batches = batches
         self.wait_s = 0.0  # since the last `take_wait`
-        self.total_wait_s = 0.0
 
     def __iter__(self) -> TimedBatches:
         return self
@@ -233,13 +251,7 @@ class TimedBatches:
     def take_wait(self) -> float:
         """Seconds waited since the last call."""
         waited, self.wait_s = self.wait_s, 0.0
-        self.total_wait_s += waited
         return waited
-
-    def take_wait_total(self) -> float:
-        """Seconds waited in all."""
-        self.take_wait()
-        return self.total_wait_s
 
 
 def usable_cores() -> int:
@@ -353,7 +365,7 @@ def fit(
                 window_sums.append(step_sums)
                 targets_since_log += targets
             optimizer.zero_grad(set_to_none=True)
-            speed.step_done(strategy)
+            speed.step_done(strategy, batches.take_wait())
             profiler.step()
 
             last = step == trainer.max_steps
@@ -373,7 +385,7 @@ def fit(
 
             if log_now:
                 train_loss, train_accuracy = window_means(strategy, window_sums, targets_since_log)
-                data_wait_ms = 1000 * batches.take_wait() / speed.window_steps
+                data_wait_ms = speed.window_data_wait_ms()
                 step_ms = speed.close_window()
                 paused = speed.pause()
                 samples_per_sec = trainer.batch_size * 1000 / step_ms
@@ -444,7 +456,6 @@ def fit(
         "skipped_steps": skipped_steps,
         "scaler_skipped_steps": scaling.skipped_steps,
         **speed.summary(),
-        "data_wait_ms": 1000 * batches.take_wait_total() / max(1, speed.steps_done),
         "peak_memory_mb": memory_mb,
         "memory_devices": memory_devices,
         "wall_time_s": time.perf_counter() - started,
