@@ -23,6 +23,8 @@ out of both.
                     in backward); what it saves in memory is in each run's summary.json
     checkpoint      how long a sharded fsdp checkpoint holds training up, saved synchronously
                     and with trainer.async_checkpoint=true: the training time async saves
+    loader          `parallel=single` on augmented 3x16x16 images, made by 2 DataLoader workers
+                    / in the training process (data.num_workers=2 / 0)
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from src.config import register_configs  # noqa: E402
+from src.data import build_data  # noqa: E402
 from src.experiment import check_config, train, train_worker  # noqa: E402
 from src.launch import launch  # noqa: E402
 
@@ -113,6 +116,11 @@ def model_parallel_naive(steps: int) -> float:
     return template_speed(steps, "parallel=model_parallel", "parallel.microbatches=1")
 
 
+def loader_speed(steps: int, num_workers: int) -> float:
+    augmented = ("data.image_shape=[3,16,16]", "data.augment=true")
+    return template_speed(steps, "parallel=single", *augmented, f"data.num_workers={num_workers}")
+
+
 def template_overhead(steps: int) -> float:
     return template_speed(steps, "parallel=single", *OVERHEAD_WORKLOAD)
 
@@ -125,7 +133,7 @@ def plain_single(steps: int, *overrides: str) -> float:
     device = torch.device(DEVICE)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
-    data = instantiate(cfg.data, seed=cfg.seed)
+    data = build_data(cfg.data, cfg.seed)
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
     model.to(device)
@@ -204,7 +212,7 @@ def plain_ddp_worker(rank: int, workload: dict, steps: int, port: int, result_pa
     store = dist.TCPStore("127.0.0.1", port, DDP_PROCESSES, is_master=rank == 0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=DDP_PROCESSES)
     cfg = OmegaConf.create(workload)
-    data = instantiate(cfg.data, seed=cfg.seed)
+    data = build_data(cfg.data, cfg.seed)
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
     model = DistributedDataParallel(model)
@@ -285,6 +293,10 @@ COMPARISONS: dict[str, tuple[tuple[str, Run], tuple[str, Run]]] = {
     ),
     "ddp": (("template", template_ddp), ("plain DDP", plain_ddp)),
     "fsdp": (("fsdp", template_fsdp), ("ddp", template_ddp)),
+    "loader": (
+        ("2 workers", lambda steps: loader_speed(steps, 2)),
+        ("0 workers", lambda steps: loader_speed(steps, 0)),
+    ),
 }
 
 

@@ -8,13 +8,14 @@ by `train.py` and the tests, never at import time.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from hydra.errors import MissingConfigException, OverrideParseException
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 
 class ConfigError(ValueError):
@@ -55,11 +56,28 @@ class TransformerConfig:
 
 
 # ------------------------------------------------------------------------------------------ data
-# A dataset builder returns `src.data.Data` (in-memory train/val tensors plus their shapes).
+# A dataset builder returns `src.data.Data` (train/val sets plus their shapes). The loader
+# settings are the loop's, not the builder's: `data_builder_config` leaves them out.
 
 
 @dataclass
-class DataConfig:
+class LoaderConfig:
+    num_workers: int | None = None
+    """DataLoader worker processes per training process, for sets not held in memory as tensors
+    (token files) and for augmented ones; None: up to 4 on CUDA, 0 on CPU."""
+    pin_memory: bool = True
+    """On CUDA, read into pinned memory, so that host-to-device copies do not block the host."""
+    persistent_workers: bool = True
+    """Keep the workers between evaluations."""
+    prefetch_factor: int = 2
+    """Batches each worker reads ahead."""
+    augment: bool = False
+    """Image sets: a random crop and horizontal flip of each training sample, drawn from
+    (seed, epoch, sample index), so every strategy and worker count sees the same batches."""
+
+
+@dataclass
+class DataConfig(LoaderConfig):
     _target_: str = MISSING
     val_fraction: float = 0.1
     """Share of the samples held out for validation, chosen from the seed."""
@@ -90,6 +108,22 @@ class MNISTConfig(DataConfig):
     """Folder holding `MNIST/raw/*-ubyte[.gz]` (torchvision's layout)."""
     download: bool = False
     """Fetch the files when missing; needs network. Never done unless asked."""
+
+
+@dataclass
+class TokensConfig(DataConfig):
+    _target_: str = "src.data.tokens"
+    path: str = MISSING
+    """A flat uint16 token file, as nanoGPT's prepare scripts write `train.bin`."""
+    seq_len: int = 256
+    vocab_size: int | None = None
+    """None: the file's largest token + 1."""
+
+
+def data_builder_config(data: DictConfig) -> DictConfig:
+    """The data settings without the loader's (`LoaderConfig`): what the builder takes."""
+    loader_keys = {field.name for field in dataclasses.fields(LoaderConfig)}
+    return OmegaConf.create({key: data[key] for key in data if key not in loader_keys})
 
 
 # -------------------------------------------------------------------------------------- parallel
@@ -282,6 +316,7 @@ SCHEMAS = {
         "synthetic": SyntheticConfig,
         "synthetic_tokens": SyntheticTokensConfig,
         "mnist": MNISTConfig,
+        "tokens": TokensConfig,
     },
     "parallel": {
         "base": ParallelConfig,

@@ -1,26 +1,34 @@
-"""Datasets (in-memory tensors) and the batch order every strategy shares.
+"""Datasets and the batch order every strategy shares.
 
-A builder returns `Data`: train and validation tensors plus the shapes a model needs. Data code
-knows nothing about parallelism: `train_batches` takes a rank and a world size, and its sharding
-is chosen so that the union of the ranks' batches at step k is exactly the batch `single` sees at
-step k (see `train_batches`).
+A builder returns `Data`: train and validation sets plus the shapes a model needs. A set is either
+a `Split` (in-memory tensors, indexed directly: no loader, no copies) or any map-style torch
+`Dataset` of (input, target) pairs, read through a `DataLoader`. Data code knows nothing about
+parallelism: `train_order` takes a rank and a world size, and its sharding is chosen so that the
+union of the ranks' batches at step k is exactly the batch `single` sees at step k.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gzip
 import logging
 import math
 import os
 import struct
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
-from torch.utils.data.distributed import DistributedSampler
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader, Dataset
+
+from src.config import data_builder_config
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +53,31 @@ class Split:
 
 @dataclass
 class Data:
-    train: Split
-    val: Split
+    train: Split | Dataset
+    val: Split | Dataset
     input_shape: tuple[int, ...]
     num_classes: int
     """Classes, or the vocabulary size for token data."""
 
     def to(self, device: torch.device) -> Data:
         return Data(self.train.to(device), self.val.to(device), self.input_shape, self.num_classes)
+
+    @property
+    def in_memory(self) -> bool:
+        return isinstance(self.train, Split) and isinstance(self.val, Split)
+
+
+def first_samples(dataset: Split | Dataset, count: int) -> Batch:
+    """The first `count` samples of a set, batched (on the host)."""
+    if isinstance(dataset, Split):
+        return dataset.inputs[:count].cpu(), dataset.targets[:count].cpu()
+    inputs, targets = zip(*(dataset[index] for index in range(count)), strict=True)
+    return torch.stack(inputs), torch.stack(targets)
+
+
+def build_data(settings: DictConfig, seed: int) -> Data:
+    """The `Data` that the data settings' builder (`_target_`) returns."""
+    return instantiate(data_builder_config(settings), seed=seed)
 
 
 def _split(
@@ -101,6 +126,58 @@ def synthetic_tokens(
         next_token = torch.multinomial(transitions[tokens[:, t]], 1, generator=generator)
         tokens[:, t + 1] = next_token[:, 0]
     return _split(tokens[:, :-1], tokens[:, 1:], vocab_size, val_fraction, seed)
+
+
+class TokenWindows(Dataset):
+    """Windows of `seq_len + 1` tokens of a flat uint16 token file (nanoGPT's `train.bin`): window
+    i starts at token `first + i * seq_len`, so together they predict every next token once. The
+    file is a numpy memmap, opened in each process that reads it (a DataLoader worker too)."""
+
+    def __init__(self, path: Path, first: int, num_tokens: int, seq_len: int):
+        self.path, self.first, self.seq_len = path, first, seq_len
+        self.num_windows = (num_tokens - 1) // seq_len
+        self._tokens: np.memmap | None = None
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def __getitem__(self, index: int) -> Batch:
+        if self._tokens is None:
+            self._tokens = np.memmap(self.path, dtype=np.uint16, mode="r")
+        start = self.first + index * self.seq_len
+        window = torch.from_numpy(self._tokens[start : start + self.seq_len + 1].astype(np.int64))
+        return window[:-1], window[1:]
+
+    def __getstate__(self) -> dict:  # a memmap does not travel to workers; each opens its own
+        return {**self.__dict__, "_tokens": None}
+
+
+def tokens(seed: int, path: str, seq_len: int, vocab_size: int | None, val_fraction: float) -> Data:
+    """A flat uint16 token file: the first part trains, the last `val_fraction` validates. The
+    vocabulary is `vocab_size`, by default the file's largest token + 1."""
+    del seed  # the order comes from the seed in `train_order`; the windows are fixed
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(f"data.path={path}: no such token file")
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"data.val_fraction must be between 0 and 1, got {val_fraction}")
+    token_ids = np.memmap(file, dtype=np.uint16, mode="r")
+    largest = int(token_ids.max()) if len(token_ids) else -1
+    vocab_size = largest + 1 if vocab_size is None else vocab_size
+    if largest >= vocab_size:
+        raise ValueError(
+            f"data.vocab_size={vocab_size} but {path} holds token {largest}; raise it to at least "
+            f"{largest + 1} or leave it unset"
+        )
+    num_val = int(len(token_ids) * val_fraction)
+    train = TokenWindows(file, 0, len(token_ids) - num_val, seq_len)
+    val = TokenWindows(file, len(token_ids) - num_val, num_val, seq_len)
+    if len(val) == 0:
+        raise ValueError(
+            f"data.path={path} has {len(token_ids)} tokens: too few for one validation window "
+            f"of data.seq_len={seq_len} + 1; raise data.val_fraction or lower data.seq_len"
+        )
+    return Data(train, val, input_shape=(seq_len,), num_classes=vocab_size)
 
 
 MNIST_URL = "https://ossci-datasets.s3.amazonaws.com/mnist/"
@@ -160,58 +237,191 @@ def batches_per_epoch(num_samples: int, batch_size: int) -> int:
     return num_samples // batch_size
 
 
-def train_batches(
-    split: Split, batch_size: int, seed: int, rank: int, world_size: int, start_batch: int = 0
-) -> Iterator[Batch]:
-    """Endless shuffled batches of `batch_size // world_size` samples for `rank`.
+def train_order(
+    num_samples: int,
+    batch_size: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    start_batch: int = 0,
+    device: torch.device | None = None,
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Endless (epoch, indices) of `batch_size // world_size` samples for `rank`.
 
-    Each epoch is one permutation drawn from (seed, epoch) by `DistributedSampler`, which gives
-    rank r the indices r, r+W, r+2W, ...; so the ranks' k-th batches together are exactly the
-    permutation's k-th block of `batch_size`, the batch a single process sees. Incomplete batches
-    at the end of an epoch are dropped. `start_batch` skips ahead (resuming a run).
+    Each epoch is one permutation drawn from (seed, epoch), as `DistributedSampler` draws it,
+    and rank r takes its positions r, r+W, r+2W, ...; so the ranks' k-th batches together are
+    exactly the permutation's k-th block of `batch_size`, the batch a single process sees.
+    Incomplete batches at the end of an epoch are dropped. Batch k is a function of (seed, k):
+    `start_batch` starts there (resuming a run) without drawing the batches before it.
     """
     local = batch_size // world_size
-    per_epoch = batches_per_epoch(len(split), batch_size)
+    per_epoch = batches_per_epoch(num_samples, batch_size)
     if per_epoch == 0:
         raise ValueError(
-            f"the training set has {len(split)} samples, fewer than one global batch of "
+            f"the training set has {num_samples} samples, fewer than one global batch of "
             f"{batch_size}: lower trainer.batch_size or use more data"
         )
     epoch, skip = divmod(start_batch, per_epoch)
-    sampler = DistributedSampler(
-        range(len(split)),
-        num_replicas=world_size,
-        rank=rank,
-        shuffle=True,
-        seed=seed,
-        drop_last=True,
-    )
     while True:
-        sampler.set_epoch(epoch)
-        indices = torch.tensor(list(sampler), device=split.targets.device)
+        generator = torch.Generator().manual_seed(seed + epoch)
+        indices = torch.randperm(num_samples, generator=generator)[rank::world_size]
+        indices = indices.to(device) if device is not None else indices
         for b in range(skip, per_epoch):
-            batch = indices[b * local : (b + 1) * local]
-            yield split.inputs[batch], split.targets[batch]
+            yield epoch, indices[b * local : (b + 1) * local]
         epoch, skip = epoch + 1, 0
 
 
-def val_batches(
-    split: Split, batch_size: int, rank: int, world_size: int
-) -> Iterator[tuple[torch.Tensor, torch.Tensor, bool]]:
-    """The validation set in a fixed order as (inputs, targets, counted); rank r takes every
-    W-th sample, none twice.
+def val_order(num_samples: int, batch_size: int, rank: int, world_size: int) -> list[torch.Tensor]:
+    """Rank r's validation batches: every W-th sample in a fixed order, none twice, and as many
+    batches as the rank with the most samples has (an empty batch where this rank has none)."""
+    local = max(1, batch_size // world_size)
+    indices = torch.arange(num_samples)[rank::world_size]
+    most_per_rank = math.ceil(num_samples / world_size)
+    return [indices[start : start + local] for start in range(0, most_per_rank, local)]
+
+
+@dataclass(frozen=True)
+class Loading:
+    """How a `Dataset` (not an in-memory `Split`) is read; see `LoaderConfig`."""
+
+    num_workers: int = 0
+    pin_memory: bool = False
+    persistent_workers: bool = True
+    prefetch_factor: int = 2
+    augment: Callable[[Batch, int, int], Batch] | None = None
+    """Applied to (sample, epoch, index) of training samples; None: none."""
+
+    def loader(self, dataset: Dataset, batch_sampler: Iterable) -> DataLoader:
+        workers = self.num_workers > 0
+        return DataLoader(
+            dataset,
+            batch_sampler=batch_sampler,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=workers and self.persistent_workers,
+            prefetch_factor=self.prefetch_factor if workers else None,
+        )
+
+
+class EpochSamples(Dataset):
+    """A training set read by (epoch, index) keys, so that augmentation can draw from both."""
+
+    def __init__(self, dataset: Dataset, augment: Callable[[Batch, int, int], Batch] | None):
+        self.dataset, self.augment = dataset, augment
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]) -> Batch:
+        epoch, index = key
+        sample = self.dataset[index]
+        return sample if self.augment is None else self.augment(sample, epoch, index)
+
+
+class SplitSamples(Dataset):
+    """An in-memory split as a Dataset (for augmentation, which the direct path does not do)."""
+
+    def __init__(self, split: Split):
+        self.split = split.to(torch.device("cpu"))
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, index: int) -> Batch:
+        return self.split.inputs[index], self.split.targets[index]
+
+
+def loading_for(
+    settings: Any, seed: int, device_type: str, processes_per_node: int, cores: int
+) -> Loading:
+    """`Loading` from the data settings (`LoaderConfig`). By default a CUDA run reads with up to
+    4 workers per process (leaving a core to each training process) into pinned memory, whose
+    host-to-device copies do not block; a CPU run reads in the training process, whose cores the
+    workers would take."""
+    cuda = device_type == "cuda"
+    workers = settings.num_workers
+    if workers is None:
+        workers = min(4, max(0, cores // processes_per_node - 1)) if cuda else 0
+    return Loading(
+        num_workers=workers,
+        pin_memory=cuda and settings.pin_memory,
+        persistent_workers=settings.persistent_workers,
+        prefetch_factor=settings.prefetch_factor,
+        augment=functools.partial(augment_image, seed) if settings.augment else None,
+    )
+
+
+def train_batches(
+    dataset: Split | Dataset,
+    batch_size: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    start_batch: int = 0,
+    loading: Loading = Loading(),
+) -> Iterator[Batch]:
+    """Endless training batches for `rank` in `train_order`. An in-memory split is indexed where
+    it lives (on a GPU: no copy per step); any other set, or an augmented one, goes through a
+    DataLoader whose batch sampler is that order."""
+    if isinstance(dataset, Split) and loading.augment is None:
+        device = dataset.targets.device
+        order = train_order(len(dataset), batch_size, seed, rank, world_size, start_batch, device)
+        return ((dataset.inputs[batch], dataset.targets[batch]) for _, batch in order)
+    if isinstance(dataset, Split):
+        dataset = SplitSamples(dataset)
+    order = train_order(len(dataset), batch_size, seed, rank, world_size, start_batch)
+    keys = ([(epoch, index) for index in batch.tolist()] for epoch, batch in order)
+    return iter(loading.loader(EpochSamples(dataset, loading.augment), keys))
+
+
+class ValBatches:
+    """The validation set as (inputs, targets, counted) batches for `rank`, read again each time
+    it is iterated (a DataLoader's persistent workers stay up between evaluations).
 
     Every rank yields as many batches as the rank with the most samples: where the ranks' forward
     passes meet in collectives (fsdp gathers each block's parameters), they must run the same
     number. A rank short of samples pads with the set's first sample, yielded with
     `counted=False`: run through the model, left out of the figures.
     """
-    local = max(1, batch_size // world_size)
-    indices = torch.arange(len(split), device=split.targets.device)[rank::world_size]
-    most_per_rank = math.ceil(len(split) / world_size)
-    for start in range(0, most_per_rank, local):
-        batch = indices[start : start + local]
-        if len(batch):
-            yield split.inputs[batch], split.targets[batch], True
+
+    def __init__(
+        self,
+        dataset: Split | Dataset,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        loading: Loading = Loading(),
+    ):
+        order = val_order(len(dataset), batch_size, rank, world_size)
+        self.counted = [len(batch) > 0 for batch in order]
+        padded = [batch if len(batch) else torch.zeros(1, dtype=torch.long) for batch in order]
+        self.dataset = dataset
+        if isinstance(dataset, Split):  # indexed where the split lives: no copies per batch
+            self.indices = [batch.to(dataset.targets.device) for batch in padded]
         else:
-            yield split.inputs[:1], split.targets[:1], False
+            self.loader = loading.loader(dataset, [batch.tolist() for batch in padded])
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, bool]]:
+        if isinstance(self.dataset, Split):
+            split = self.dataset
+            batches = ((split.inputs[batch], split.targets[batch]) for batch in self.indices)
+        else:
+            batches = iter(self.loader)
+        for (inputs, targets), counted in zip(batches, self.counted, strict=True):
+            yield inputs, targets, counted
+
+
+def augment_image(seed: int, sample: Batch, epoch: int, index: int) -> Batch:
+    """A random crop (of the image padded by an eighth of its size on each side) and a
+    horizontal flip, drawn from (seed, epoch, index) alone: the same sample gets the same
+    augmentation whichever process, worker or strategy reads it."""
+    image, target = sample
+    # A tuple of ints hashes alike in every process (PYTHONHASHSEED salts only str and bytes).
+    generator = torch.Generator().manual_seed(hash((seed, epoch, index)) & (2**63 - 1))
+    height, width = image.shape[-2:]
+    pad = max(1, min(height, width) // 8)
+    padded = torch.nn.functional.pad(image, (pad, pad, pad, pad))
+    top, left = torch.randint(0, 2 * pad + 1, (2,), generator=generator).tolist()
+    flip = torch.randint(0, 2, (), generator=generator).item()
+    crop = padded[..., top : top + height, left : left + width]
+    return (crop.flip(-1) if flip else crop), target

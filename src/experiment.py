@@ -35,7 +35,7 @@ from src.checkpoint import (
     set_rng_state,
 )
 from src.config import ConfigError
-from src.data import Data
+from src.data import Data, build_data, first_samples
 from src.launch import (
     KilledBySignal,
     configure_logging,
@@ -44,7 +44,7 @@ from src.launch import (
     run_as_rank,
     started_ranks,
 )
-from src.loop import fit, history_step
+from src.loop import fit, history_step, usable_cores
 from src.objective import loss_and_correct
 from src.optim import build_optimizer, lr_schedule, schedule_length
 from src.performance import (
@@ -88,7 +88,7 @@ def check_config(cfg: DictConfig, run_dir: Path) -> Strategy:
     check_tracker(cfg.logger)
 
     with blame("data"):
-        data = instantiate(cfg.data, seed=cfg.seed)
+        data = build_data(cfg.data, cfg.seed)
     if len(data.train) < trainer.batch_size:
         raise ConfigError(
             f"trainer.batch_size={trainer.batch_size} is more than the {len(data.train)} "
@@ -96,6 +96,11 @@ def check_config(cfg: DictConfig, run_dir: Path) -> Strategy:
         )
     with blame("model"), torch.device("meta"):
         model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+    if cfg.data.augment and len(data.input_shape) != 3:
+        raise ConfigError(
+            f"data.augment=true crops and flips images (channels, height, width), but this "
+            f"set's inputs are shaped {data.input_shape}; set data.augment=false"
+        )
     inputs, targets = meta_batch(data)
     check_model_output(model, inputs, targets, data.num_classes, cfg.model._target_)
     if not any(parameter.requires_grad for parameter in model.parameters()):
@@ -117,7 +122,7 @@ def check_config(cfg: DictConfig, run_dir: Path) -> Strategy:
 
 def meta_batch(data: Data) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets shaped like two training samples, on the meta device."""
-    inputs, targets = data.train.inputs[:2], data.train.targets[:2]
+    inputs, targets = first_samples(data.train, 2)
     return torch.empty_like(inputs, device="meta"), torch.empty_like(targets, device="meta")
 
 
@@ -463,7 +468,9 @@ def train(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[str, Any]:
 def build_and_fit(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[str, Any]:
     """Build data, model, optimizer and tracker, restore a checkpoint if asked, train, report."""
     matmul_precision = set_numerics(cfg.trainer, strategy.device_type)
-    data = keep_on_device(instantiate(cfg.data, seed=cfg.seed), strategy.devices[0])
+    data = build_data(cfg.data, cfg.seed)
+    if not cfg.data.augment:  # augmented samples are made on the host, by the loader
+        data = keep_on_device(data, strategy.devices[0])
     flops_per_step = step_flops(cfg.model, data, cfg.trainer.batch_size)
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
@@ -537,8 +544,8 @@ def keep_on_device(data: Data, device: torch.device) -> Data:
     """On a GPU, an in-memory dataset that needs at most a tenth of its memory lives there: each
     batch is then an index on the device, with no host-to-device copy per step (a pageable copy
     of 3 MB or more blocks the host until the GPU's queue drains). Larger sets stay on the host
-    and are copied batch by batch."""
-    if device.type != "cuda":
+    and are copied batch by batch. Sets read through a DataLoader stay where they are."""
+    if device.type != "cuda" or not data.in_memory:
         return data
     budget = DEVICE_DATA_FRACTION * torch.cuda.get_device_properties(device).total_memory
     if data.train.nbytes + data.val.nbytes > budget:
@@ -550,11 +557,10 @@ def keep_on_device(data: Data, device: torch.device) -> Data:
 def cpu_share(strategy: Strategy) -> dict[str, int]:
     """This node's processes, each one's intra-op threads, and the cores they may use: with more
     threads than cores the processes compete for them, and the scaling report says so."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {
         "processes_per_node": strategy.processes_per_node,
         "threads_per_process": torch.get_num_threads(),
-        "cores": cores,
+        "cores": usable_cores(),
     }
 
 
@@ -567,7 +573,7 @@ def size_lazy_modules(model: nn.Module, data: Data) -> None:
         return
     model.eval()
     with torch.no_grad():
-        model(data.train.inputs[:2].cpu())  # the data may already be on the GPU
+        model(first_samples(data.train, 2)[0])
     model.train()
 
 

@@ -21,10 +21,11 @@ from typing import Any, TextIO
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import Dataset
 
 from src.checkpoint import CheckpointWriter, resolved_format, rng_state
 from src.config import TrainerConfig
-from src.data import Data, Split, train_batches, val_batches
+from src.data import Data, Split, ValBatches, loading_for, train_batches
 from src.objective import loss_and_correct
 from src.optim import lr_schedule
 from src.performance import step_profiler
@@ -44,7 +45,9 @@ class Throughput:
     left out, and with them the one-time costs their first calls pay (in the first job of an
     in-process sweep, W&B's first log, say). Step time is the median over the windows, so that a
     window disturbed by something else on the machine does not count; `step_time_spread`
-    ((slowest - fastest) / median) says how much the windows disagree."""
+    ((slowest - fastest) / median) says how much the windows disagree. `data_wait_ms` is the
+    mean time per step after warm-up that the loop waited for input (a loader's workers start
+    in the first step)."""
 
     def __init__(self, warmup_steps: int, samples_per_step: int):
         self.warmup_steps = warmup_steps
@@ -55,18 +58,29 @@ class Throughput:
         self.timed_start = now if warmup_steps == 0 else None  # its part after warm-up
         self.timed_steps = 0
         self.window_ms: list[float] = []  # ms per step of each window's timed part
+        self.window_wait_s = 0.0  # input waited for in the logging window
+        self.timed_wait_s, self.all_timed_steps = 0.0, 0  # ... and in all steps after warm-up
 
-    def step_done(self, strategy: Strategy) -> None:
+    def step_done(self, strategy: Strategy, data_wait_s: float = 0.0) -> None:
+        """A step is done, of which `data_wait_s` went on waiting for its input."""
         self.steps_done += 1
         self.window_steps += 1
+        self.window_wait_s += data_wait_s
         if self.timed_start is not None:
             self.timed_steps += 1
+            self.all_timed_steps += 1
+            self.timed_wait_s += data_wait_s
         elif self.steps_done == self.warmup_steps:
             strategy.synchronize()
             self.timed_start = time.perf_counter()
 
+    def window_data_wait_ms(self) -> float:
+        """Input waited for per step in the logging window (before `close_window`)."""
+        return 1000 * self.window_wait_s / self.window_steps
+
     def close_window(self) -> float:
         """End a logging window (the caller has synchronized); returns its ms per step."""
+        self.window_wait_s = 0.0
         now = time.perf_counter()
         ms = 1000 * (now - self.window_start) / self.window_steps
         if self.timed_steps:
@@ -87,42 +101,61 @@ class Throughput:
     def summary(self) -> dict[str, float]:
         if not self.window_ms:
             nan = float("nan")
-            return {"samples_per_sec": nan, "step_time_ms": nan, "step_time_spread": nan}
+            return {
+                "samples_per_sec": nan,
+                "step_time_ms": nan,
+                "step_time_spread": nan,
+                "data_wait_ms": nan,
+            }
         step_ms = statistics.median(self.window_ms)
         return {
             "samples_per_sec": self.samples_per_step * 1000 / step_ms,
             "step_time_ms": step_ms,
             "step_time_spread": (max(self.window_ms) - min(self.window_ms)) / step_ms,
+            "data_wait_ms": 1000 * self.timed_wait_s / self.all_timed_steps,
         }
 
 
 def evaluate(
-    model: torch.nn.Module, strategy: Strategy, split: Split, batch_size: int, autocast: Any
+    model: torch.nn.Module,
+    strategy: Strategy,
+    val: Split | Dataset | ValBatches,
+    batch_size: int,
+    autocast: Any,
 ) -> tuple[float, float]:
-    """Mean loss and accuracy over the whole validation set (all ranks together)."""
+    """Mean loss and accuracy over the whole validation set (all ranks together); `val` is the
+    set, or this rank's `ValBatches` of it (which `batch_size` made)."""
+    if not isinstance(val, ValBatches):
+        val = ValBatches(val, batch_size, strategy.rank, strategy.world_size)
     model.eval()
-    sums = None
+    sums, count = None, 0
     with torch.no_grad(), autocast:
-        shard = val_batches(split, batch_size, strategy.rank, strategy.world_size)
-        for inputs, targets, counted in shard:
+        for inputs, targets, counted in val:
             part = strategy.apply(model, inputs, targets, loss_and_correct)
             if counted:  # summed on the device: one wait, at the end
                 sums = part.float() if sums is None else sums + part.float()
+                count += targets.numel()
     model.train()
     sums = torch.zeros(2) if sums is None else sums
-    loss, correct = strategy.all_reduce_sum(sums).tolist()
-    count = split.targets.numel()
+    loss, correct, count = strategy.all_reduce_sum(
+        torch.cat([sums, torch.tensor([float(count)], device=sums.device)])
+    ).tolist()
     return loss / count, correct / count
 
 
 def progress_line(
-    step: int, max_steps: int, loss: float, samples_per_sec: float, eta_s: float
+    step: int,
+    max_steps: int,
+    loss: float,
+    samples_per_sec: float,
+    data_wait_ms: float,
+    eta_s: float,
 ) -> str:
     filled = round(20 * step / max_steps)
     bar = "#" * filled + "." * (20 - filled)
     return (
         f"[{bar}] step {step}/{max_steps} | loss {loss:.4f} | "
-        f"{samples_per_sec:,.0f} samples/s | eta {eta_s:.0f}s"
+        f"{samples_per_sec:,.0f} samples/s | data wait {data_wait_ms:.1f} ms | eta {eta_s:.0f}s"
     )
 
 
@@ -175,6 +208,34 @@ def forward_backward(
     return step_sums, targets_seen
 
 
+class TimedBatches:
+    """An iterator of batches that adds up the time its `next` waited: input the loop waited
+    for (a DataLoader's workers falling behind, or reading in the training process). In-memory
+    batches cost an index, nothing to wait on."""
+
+    def __init__(self, batches: Iterator):
+        self.batches = batches
+        self.wait_s = 0.0  # since the last `take_wait`
+
+    def __iter__(self) -> TimedBatches:
+        return self
+
+    def __next__(self) -> Any:
+        started = time.perf_counter()
+        batch = next(self.batches)
+        self.wait_s += time.perf_counter() - started
+        return batch
+
+    def take_wait(self) -> float:
+        """Seconds waited since the last call."""
+        waited, self.wait_s = self.wait_s, 0.0
+        return waited
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
 def finite_everywhere(strategy: Strategy, step_loss: torch.Tensor) -> bool:
     """Whether every process's loss is finite; all processes get the same answer. It waits on
     the device every step, which is why skipping non-finite steps is opt-in."""
@@ -215,14 +276,21 @@ def fit(
     trainer = TrainerConfig(**OmegaConf.to_container(cfg.trainer, resolve=True))
     params = list(strategy.unwrap(model).parameters())
     micro_batch = trainer.batch_size // trainer.accumulate
-    batches = train_batches(
-        data.train,
-        micro_batch,
-        cfg.seed,
-        strategy.rank,
-        strategy.world_size,
-        start_batch=start_step * trainer.accumulate,
+    loading = loading_for(
+        cfg.data, cfg.seed, strategy.device_type, strategy.processes_per_node, usable_cores()
     )
+    batches = TimedBatches(
+        train_batches(
+            data.train,
+            micro_batch,
+            cfg.seed,
+            strategy.rank,
+            strategy.world_size,
+            start_batch=start_step * trainer.accumulate,
+            loading=loading,
+        )
+    )
+    val = ValBatches(data.val, trainer.eval_batch_size, strategy.rank, strategy.world_size, loading)
     precision = autocast(strategy.device_type, trainer.precision)
     scaling = LossScaling(
         strategy.grad_scaler(trainer.precision == "fp16", trainer.loss_scale_init)
@@ -284,7 +352,7 @@ def fit(
                 window_sums.append(step_sums)
                 targets_since_log += targets
             optimizer.zero_grad(set_to_none=True)
-            speed.step_done(strategy)
+            speed.step_done(strategy, batches.take_wait())
             profiler.step()
 
             last = step == trainer.max_steps
@@ -304,6 +372,7 @@ def fit(
 
             if log_now:
                 train_loss, train_accuracy = window_means(strategy, window_sums, targets_since_log)
+                data_wait_ms = speed.window_data_wait_ms()
                 step_ms = speed.close_window()
                 paused = speed.pause()
                 samples_per_sec = trainer.batch_size * 1000 / step_ms
@@ -317,20 +386,23 @@ def fit(
                         "train/lr": lr,
                         "train/step_time_ms": step_ms,
                         "train/samples_per_sec": samples_per_sec,
+                        "train/data_wait_ms": data_wait_ms,
                     },
                     step,
                 )
                 if strategy.is_main:
                     eta = (trainer.max_steps - step) * step_ms / 1000
                     log.info(
-                        progress_line(step, trainer.max_steps, train_loss, samples_per_sec, eta)
+                        progress_line(
+                            step, trainer.max_steps, train_loss, samples_per_sec, data_wait_ms, eta
+                        )
                     )
                 speed.resume(paused)
 
             if eval_now:
                 paused = speed.pause()
                 val_loss, val_accuracy = evaluate(
-                    model, strategy, data.val, trainer.eval_batch_size, precision
+                    model, strategy, val, trainer.eval_batch_size, precision
                 )
                 record({"val/loss": val_loss, "val/accuracy": val_accuracy}, step)
                 if strategy.is_main:

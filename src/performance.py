@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
-from src.data import Data
+from src.data import Data, first_samples
 from src.objective import loss_and_correct
 
 # Dense peak TFLOP/s per GPU from NVIDIA's data sheets (SXM parts unless named), by arithmetic:
@@ -42,11 +42,12 @@ log = logging.getLogger(__name__)
 def step_flops(model_cfg: Any, data: Data, batch_size: int) -> int | None:
     """FLOPs of one optimizer step (forward, loss and backward over `batch_size` samples), or
     None for a model that cannot run on the meta device."""
+    sample_inputs, sample_targets = first_samples(data.train, 1)
     with torch.device("meta"):
         model = instantiate(model_cfg, input_shape=data.input_shape, num_classes=data.num_classes)
-        inputs = torch.zeros(batch_size, *data.input_shape, dtype=data.train.inputs.dtype)
-        targets_shape = data.train.targets.shape[1:]
-        targets = torch.zeros(batch_size, *targets_shape, dtype=data.train.targets.dtype)
+        inputs = torch.zeros(batch_size, *data.input_shape, dtype=sample_inputs.dtype)
+        targets_shape = sample_targets.shape[1:]
+        targets = torch.zeros(batch_size, *targets_shape, dtype=sample_targets.dtype)
     try:
         with FlopCounterMode(display=False) as counter:
             loss_and_correct(model(inputs), targets)[0].backward()

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hydra.utils import instantiate
@@ -152,12 +153,13 @@ def evaluate_checkpoint(run_dir: Path) -> list[float]:
     """[val loss, val accuracy] of the run's checkpointed model, evaluated whole in this process
     on the data its config names."""
     from src.config import ParallelConfig
+    from src.data import build_data
     from src.loop import evaluate
     from src.strategies import build_strategy
 
     state = checkpoint(run_dir)
     cfg = OmegaConf.create(state["config"])
-    data = instantiate(cfg.data, seed=cfg.seed)
+    data = build_data(cfg.data, cfg.seed)
     model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
     model.load_state_dict(state["model"])
     single = build_strategy(ParallelConfig(), "cpu")
@@ -255,3 +257,25 @@ def wandb_history(run_dir: Path) -> list[dict[str, Any]]:
         {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in row.item}
         for row in rows
     ]
+
+
+def write_tokens(path: Path, count: int = 3000, vocab: int = 16) -> np.ndarray:
+    """A flat uint16 token file, as nanoGPT's prepare scripts write `train.bin`."""
+    token_ids = np.random.default_rng(0).integers(0, vocab, count).astype(np.uint16)
+    token_ids.tofile(path)
+    return token_ids
+
+
+def tokens_run(token_file: Path) -> tuple[str, ...]:
+    """TINY_SGD's transformer trained on a token file."""
+    kept = [override for override in TINY_SGD if not override.startswith(("data.", "model."))]
+    return (
+        *kept,
+        "model=transformer",
+        "model.hidden=32",
+        "model.depth=2",
+        "model.heads=2",
+        "data=tokens",
+        f"data.path={token_file}",
+        "data.seq_len=8",
+    )

@@ -261,6 +261,13 @@ ROWS = [
         id="dataset-folder",
     ),
     pytest.param(
+        ["data.augment=true"],
+        CHECK,
+        "data.augment=true crops and flips images (channels, height, width), but this set's "
+        "inputs are shaped (32,); set data.augment=false",
+        id="augment-not-images",
+    ),
+    pytest.param(
         ["logger=wandb", "logger.mode=onlin"],
         CHECK,
         "logger.mode must be one of offline, online, shared, disabled, got 'onlin'",

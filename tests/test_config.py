@@ -9,6 +9,8 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf.errors import ConfigAttributeError, ValidationError
 
+from src.data import build_data
+
 GROUPS = ("model", "data", "parallel", "trainer", "optimizer", "logger")
 
 
@@ -84,7 +86,7 @@ def test_models_build_from_config_and_run_forward(compose_config, model, data, i
     if model == "convnet":
         overrides.append("data.image_shape=[1,16,16]")
     cfg = compose_config(*overrides, "data.num_samples=64")
-    dataset = instantiate(cfg.data, seed=0)
+    dataset = build_data(cfg.data, 0)
     assert dataset.input_shape == input_shape
     net = instantiate(cfg.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes)
     assert isinstance(net, torch.nn.Sequential) and len(net) >= 3

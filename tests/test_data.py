@@ -9,15 +9,28 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, run_train, summary
+from helpers import (
+    TINY,
+    TINY_SGD,
+    assert_same_training,
+    metrics,
+    run_train,
+    summary,
+    tokens_run,
+    write_tokens,
+)
 
 from src.data import (
+    Loading,
     Split,
+    SplitSamples,
+    ValBatches,
+    augment_image,
     mnist,
     read_idx,
     synthetic_classification,
+    tokens,
     train_batches,
-    val_batches,
 )
 
 
@@ -103,9 +116,89 @@ def test_every_rank_runs_as_many_eval_batches_and_each_sample_counts_once(
     samples, world_size, eval_batch
 ):
     split = Split(torch.arange(samples), torch.zeros(samples, dtype=torch.long))
-    batches = [list(val_batches(split, eval_batch, r, world_size)) for r in range(world_size)]
+    batches = [list(ValBatches(split, eval_batch, r, world_size)) for r in range(world_size)]
 
     assert len({len(rank_batches) for rank_batches in batches}) == 1
     assert all(len(inputs) > 0 for rank_batches in batches for inputs, _, _ in rank_batches)
     counted = [inputs for rank_batches in batches for inputs, _, counted in rank_batches if counted]
     assert sorted(torch.cat(counted).tolist()) == list(range(samples))
+
+
+def test_token_file_windows_predict_every_next_token_once(tmp_path):
+    written = write_tokens(tmp_path / "train.bin", count=1000, vocab=13)
+    data = tokens(
+        seed=0, path=str(tmp_path / "train.bin"), seq_len=8, vocab_size=None, val_fraction=0.1
+    )
+    assert data.num_classes == int(written.max()) + 1 and data.input_shape == (8,)
+    assert len(data.train) == (900 - 1) // 8 and len(data.val) == (100 - 1) // 8
+    inputs, targets = data.train[3]
+    assert inputs.tolist() == written[24:32].tolist()
+    assert targets.tolist() == written[25:33].tolist()
+    assert data.val[0][0].tolist() == written[900:908].tolist()
+    with pytest.raises(ValueError, match="data.vocab_size=5 but"):
+        tokens(seed=0, path=str(tmp_path / "train.bin"), seq_len=8, vocab_size=5, val_fraction=0.1)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_dataset_through_the_loader_gives_the_in_memory_batches(num_workers):
+    """A Dataset read by a DataLoader (with workers, from a resumed position too) gets the same
+    batches as the in-memory fast path, and so the same sharding invariant."""
+    data = synthetic_classification(0, 4, 3, 130, 0.1)
+    loading = Loading(num_workers=num_workers)
+    for rank in range(2):
+        direct = train_batches(data.train, 12, 7, rank, 2)
+        through_loader = train_batches(SplitSamples(data.train), 12, 7, rank, 2, 5, loading)
+        for expected, got in zip(itertools.islice(direct, 5, 25), through_loader, strict=False):
+            assert torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1])
+
+
+def test_validation_through_the_loader_counts_each_sample_once_with_equal_forwards():
+    split = Split(torch.arange(61), torch.zeros(61, dtype=torch.long))
+    ranks = [
+        list(ValBatches(SplitSamples(split), 20, r, 3, Loading(num_workers=2))) for r in range(3)
+    ]
+    assert len({len(batches) for batches in ranks}) == 1
+    counted = [inputs for batches in ranks for inputs, _, counted in batches if counted]
+    assert sorted(torch.cat(counted).tolist()) == list(range(61))
+
+
+def test_augmentation_is_a_function_of_seed_epoch_and_index():
+    image = torch.arange(2 * 8 * 8, dtype=torch.float).reshape(2, 8, 8)
+    sample = (image, torch.tensor(1))
+    first = augment_image(0, sample, 1, 5)[0]
+    assert torch.equal(first, augment_image(0, sample, 1, 5)[0]) and first.shape == image.shape
+    others = [augment_image(0, sample, epoch, 5)[0] for epoch in range(2, 12)]
+    assert any(not torch.equal(first, other) for other in others)
+
+
+@pytest.mark.equivalence
+def test_token_file_trains_alike_for_any_worker_count_and_strategy(tmp_path):
+    """`single` reading in-process and `ddp` x2 reading with 2 workers each train the same
+    weights (the loader's batches match the in-memory path's: see the test above)."""
+    token_file = tmp_path / "train.bin"
+    write_tokens(token_file)
+    run = tokens_run(token_file)
+    run_train(*run, "data.num_workers=0", run_dir=tmp_path / "single")
+    ddp = ("parallel=ddp", "parallel.devices=2")
+    run_train(*run, *ddp, "data.num_workers=2", run_dir=tmp_path / "ddp")
+    assert_same_training(tmp_path / "single", tmp_path / "ddp")
+    rows = [row for row in metrics(tmp_path / "ddp") if "train/loss" in row]
+    assert len(rows) == 6 and all(row["train/data_wait_ms"] >= 0 for row in rows)
+    assert summary(tmp_path / "ddp")["data_wait_ms"] >= 0
+
+
+@pytest.mark.equivalence
+def test_augmented_images_train_alike_for_any_worker_count_and_strategy(tmp_path):
+    """Augmentation drawn from (seed, epoch, index): `single` with no workers and `ddp` x2 with 2
+    workers each see the same augmented batches, so they train the same weights."""
+    images = (
+        *TINY_SGD,
+        "model=convnet",
+        "model.width=4",
+        "data.image_shape=[1,8,8]",
+        "data.augment=true",
+    )
+    run_train(*images, "data.num_workers=0", run_dir=tmp_path / "single")
+    ddp = ("parallel=ddp", "parallel.devices=2")
+    run_train(*images, *ddp, "data.num_workers=2", run_dir=tmp_path / "ddp")
+    assert_same_training(tmp_path / "single", tmp_path / "ddp")

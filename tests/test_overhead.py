@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from src.data import build_data
 from src.experiment import check_config, train
 
 # Tiny, so that the test is quick; the count does not depend on the sizes.
@@ -54,7 +55,7 @@ def template_ops(compose_config, steps: int, run_dir: Path) -> collections.Count
 
 def plain_ops(compose_config, steps: int) -> collections.Counter:
     cfg = compose_config(*WORKLOAD)
-    data = instantiate(cfg.data, seed=cfg.seed)
+    data = build_data(cfg.data, cfg.seed)
     model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
     optimizer = torch.optim.AdamW(model.parameters())
     batch_size = cfg.trainer.batch_size

@@ -29,7 +29,9 @@ from helpers import (
     metrics,
     reference_run,
     run_train,
+    tokens_run,
     train_command,
+    write_tokens,
 )
 
 from src.checkpoint import CheckpointWriter, resume_path, saved_checkpoints
@@ -101,6 +103,19 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path, strategy):
 def test_killed_gpu_run_resumes_to_the_same_weights(tmp_path):
     gpu = (*RESUMABLE, "trainer.accelerator=cuda", "trainer.matmul_precision=highest")
     kill_and_resume(tmp_path, *gpu, reference=reference_run(*gpu))
+
+
+@pytest.mark.equivalence
+@pytest.mark.timeout(300)
+def test_killed_run_reading_with_workers_resumes_at_the_samplers_position(tmp_path):
+    """A token file read by 2 DataLoader workers: killed and resumed, the run starts its sampler
+    at the checkpoint's step (batches are a function of (seed, step); none replayed) and ends
+    where an uninterrupted run reading in-process ends."""
+    token_file = tmp_path / "train.bin"
+    write_tokens(token_file)
+    resumable = (*tokens_run(token_file), "trainer.max_steps=60", "trainer.checkpoint_every=5")
+    reference = reference_run(*resumable, "data.num_workers=0")
+    kill_and_resume(tmp_path / "run", *resumable, "data.num_workers=2", reference=reference)
 
 
 def kill_and_resume(tmp_path: Path, *overrides: str, reference: Path) -> None:
