@@ -92,6 +92,33 @@ class MNISTConfig(DataConfig):
     """Fetch the files when missing; needs network. Never done unless asked."""
 
 
+# ------------------------------------------------------------------------------------------ task
+# A task turns (outputs, targets) into sums: the loss sum, metric sums, and the count to divide by
+# (`src/objective.py`). Your own: any class with `sums`, `count` and `figures`, named by _target_.
+
+
+@dataclass
+class TaskConfig:
+    _target_: str = "src.objective.Classification"
+
+
+@dataclass
+class LanguageModelConfig(TaskConfig):
+    _target_: str = "src.objective.LanguageModel"
+
+
+@dataclass
+class SegmentationConfig(TaskConfig):
+    _target_: str = "src.objective.Segmentation"
+    ignore_index: int = -100
+    """Target pixels with this label count in no loss, accuracy or IoU."""
+
+
+@dataclass
+class RegressionConfig(TaskConfig):
+    _target_: str = "src.objective.Regression"
+
+
 # -------------------------------------------------------------------------------------- parallel
 
 
@@ -259,6 +286,7 @@ class WandbConfig(LoggerConfig):
 class Config:
     model: Any = MISSING
     data: Any = MISSING
+    task: Any = MISSING
     parallel: Any = MISSING
     trainer: TrainerConfig = MISSING
     optimizer: Any = MISSING
@@ -272,6 +300,12 @@ SCHEMAS = {
         "synthetic": SyntheticConfig,
         "synthetic_tokens": SyntheticTokensConfig,
         "mnist": MNISTConfig,
+    },
+    "task": {
+        "classification": TaskConfig,
+        "language_model": LanguageModelConfig,
+        "segmentation": SegmentationConfig,
+        "regression": RegressionConfig,
     },
     "parallel": {
         "base": ParallelConfig,

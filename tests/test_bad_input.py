@@ -139,13 +139,13 @@ ROWS = [
     pytest.param(
         [f"model._target_={ODD}.DictOutputMLP"],
         CHECK,
-        f"model: {ODD}.DictOutputMLP returns a dict, but the loss takes one tensor of logits",
+        f"model: {ODD}.DictOutputMLP returns a dict, but the task takes one tensor of outputs",
         id="dict-output",
     ),
     pytest.param(
         ["parallel=ddp", "trainer.accelerator=cpu", f"model._target_={ODD}.ListOutputMLP"],
         CHECK,
-        f"model: {ODD}.ListOutputMLP returns a list, but the loss takes one tensor of logits",
+        f"model: {ODD}.ListOutputMLP returns a list, but the task takes one tensor of outputs",
         id="list-output",
     ),
     pytest.param(
