@@ -145,6 +145,9 @@ class DistributedConfig(ParallelConfig):
     write: the other ranks wait for rank 0's meanwhile."""
     threads_per_rank: int | None = None
     """Intra-op threads per rank; None divides the cores by the local ranks (or OMP_NUM_THREADS)."""
+    sync_batchnorm: bool = False
+    """Make every BatchNorm a SyncBatchNorm: statistics over the global batch, as `single` has,
+    instead of each rank's share (one all-reduce per BatchNorm layer per forward pass)."""
 
 
 @dataclass
@@ -160,6 +163,18 @@ class DDPConfig(DistributedConfig):
     broadcast_buffers: bool = True
     """Copy rank 0's buffers (e.g. BatchNorm running statistics) to every rank before each
     training forward pass, as torch's DDP does by default; false lets each rank keep its own."""
+    # DistributedDataParallel's own options, as torch's error messages name them.
+    find_unused_parameters: bool = False
+    """Set when some parameters get no gradient in a step (a branch not taken, a frozen head):
+    DDP then marks them ready itself instead of waiting for them forever. Costs a graph walk
+    per step."""
+    static_graph: bool = False
+    """The set of parameters used, and the order of their gradients, is the same every step:
+    lets DDP skip the per-step search for unused parameters after the first step."""
+    gradient_as_bucket_view: bool = False
+    """Gradients are views into DDP's all-reduce buckets: one copy less per step, less memory."""
+    bucket_cap_mb: float | None = None
+    """Size of DDP's gradient buckets (MB); None keeps torch's default (25)."""
 
 
 @dataclass

@@ -56,6 +56,7 @@ SPLIT_FROM_FULL = StateDictOptions(full_state_dict=True)
 
 class FSDP(Distributed):
     def wrap(self, model: nn.Module) -> nn.Module:
+        model = self.with_batchnorm_synced(model)
         copy_from_rank0(model, self.device)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         policy = MixedPrecisionPolicy()

@@ -81,7 +81,11 @@ class Hybrid(DDP):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         pipeline = Pipeline(
-            model, self.devices, self.cfg.microbatches, self.split_points, "parallel.stages"
+            self.with_batchnorm_synced(model),
+            self.devices,
+            self.cfg.microbatches,
+            self.split_points,
+            "parallel.stages",
         )
         self.layout = pipeline.describe()
         log_layout(self.layout)
