@@ -61,7 +61,9 @@ class Distributed(Strategy):
 
     def with_batchnorm_synced(self, model: nn.Module) -> nn.Module:
         """`model` with SyncBatchNorm for BatchNorm when `parallel.sync_batchnorm` asks."""
-        return convert_sync_batchnorm(model) if self.cfg.sync_batchnorm else model
+        if not self.cfg.sync_batchnorm:
+            return model
+        return convert_sync_batchnorm(model, self.device_type)
 
     @property
     def is_main(self) -> bool:

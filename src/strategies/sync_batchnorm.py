@@ -2,9 +2,10 @@
 
 Plain BatchNorm on a data-parallel rank normalises by its own share of the batch and updates its
 running statistics from that share. torch's `nn.SyncBatchNorm` sums the statistics over the ranks
-instead, but only on GPUs; on CPU (gloo) the same sums are taken here with an all-reduce that
-autograd differentiates (its gradient is the all-reduce of the gradients), so every rank
-normalises, and updates its running statistics, exactly as `single` does on the whole batch.
+instead, but only on GPUs (DDP refuses it on CPU modules); on CPU (gloo) `GlooSyncBatchNorm`
+takes the same sums with an all-reduce that autograd differentiates (its gradient is the
+all-reduce of the gradients), so every rank normalises, and updates its running statistics,
+exactly as `single` does on the whole batch.
 """
 
 from __future__ import annotations
@@ -13,13 +14,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 
-class SyncBatchNorm(nn.SyncBatchNorm):
-    """torch's SyncBatchNorm, with the global statistics summed by gloo for CPU inputs."""
+class GlooSyncBatchNorm(_BatchNorm):
+    """BatchNorm over any (batch, channels, ...) input, its training statistics summed over the
+    default process group (any backend, CPU tensors included)."""
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected (batch, channels, ...) input, got {input.dim()}D")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if input.device.type != "cpu" or not (self.training and dist.is_initialized()):
+        if not (self.training and dist.is_initialized()):
             return super().forward(input)
         channels = input.shape[1]
         dims = [0, *range(2, input.dim())]
@@ -45,11 +52,12 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         return normalised
 
 
-def convert_sync_batchnorm(model: nn.Module) -> nn.Module:
-    """`model` with every BatchNorm layer made a `SyncBatchNorm` (same parameters and buffers,
-    so the same state_dict)."""
-    converted = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    for module in converted.modules():
-        if type(module) is nn.SyncBatchNorm:
-            module.__class__ = SyncBatchNorm  # adds behaviour only, no state
-    return converted
+def convert_sync_batchnorm(model: nn.Module, device_type: str) -> nn.Module:
+    """`model` with every BatchNorm layer synchronised: torch's SyncBatchNorm on CUDA,
+    `GlooSyncBatchNorm` on CPU. Same parameters and buffers, so the same state_dict."""
+    if device_type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    for module in model.modules():
+        if isinstance(module, _BatchNorm):
+            module.__class__ = GlooSyncBatchNorm  # same state (a _BatchNorm's), another forward
+    return model
