@@ -47,6 +47,13 @@ class ConvNetConfig:
 
 
 @dataclass
+class FCNConfig:
+    _target_: str = "src.models.FCN"
+    hidden: int = 32
+    depth: int = 3
+
+
+@dataclass
 class TransformerConfig:
     _target_: str = "src.models.Transformer"
     hidden: int = 64
@@ -80,6 +87,26 @@ class SyntheticTokensConfig(DataConfig):
     _target_: str = "src.data.synthetic_tokens"
     vocab_size: int = 64
     seq_len: int = 32
+    num_samples: int = 4096
+
+
+@dataclass
+class SyntheticSegmentationConfig(DataConfig):
+    _target_: str = "src.data.synthetic_segmentation"
+    num_classes: int = 4
+    image_shape: list[int] = field(default_factory=lambda: [3, 16, 16])
+    num_samples: int = 1024
+    ignore_fraction: float = 0.1
+    """Share of the pixels labelled `ignore_index` (counted in no figure)."""
+    ignore_index: int = -100
+    """Keep it task.ignore_index (conf/data/synthetic_segmentation.yaml does)."""
+
+
+@dataclass
+class SyntheticRegressionConfig(DataConfig):
+    _target_: str = "src.data.synthetic_regression"
+    input_dim: int = 32
+    output_dim: int = 4
     num_samples: int = 4096
 
 
@@ -310,10 +337,17 @@ class Config:
 
 
 SCHEMAS = {
-    "model": {"mlp": MLPConfig, "convnet": ConvNetConfig, "transformer": TransformerConfig},
+    "model": {
+        "mlp": MLPConfig,
+        "convnet": ConvNetConfig,
+        "transformer": TransformerConfig,
+        "fcn": FCNConfig,
+    },
     "data": {
         "synthetic": SyntheticConfig,
         "synthetic_tokens": SyntheticTokensConfig,
+        "synthetic_segmentation": SyntheticSegmentationConfig,
+        "synthetic_regression": SyntheticRegressionConfig,
         "mnist": MNISTConfig,
     },
     "task": {

@@ -65,6 +65,25 @@ class ConvNet(nn.Sequential):
         super().__init__(*blocks, head)
 
 
+class FCN(nn.Sequential):
+    """A small fully convolutional segmentation net: `depth` blocks of 3x3 conv, GroupNorm and
+    ReLU at full resolution, then a 1x1 conv to per-pixel class logits. Input (batch, channels,
+    height, width); output (batch, classes, height, width)."""
+
+    def __init__(self, input_shape: Sequence[int], num_classes: int, hidden: int, depth: int):
+        if len(input_shape) != 3:
+            raise ValueError(
+                f"model=fcn needs image-shaped input (channels, height, width), got "
+                f"{list(input_shape)}; use data=synthetic_segmentation"
+            )
+        widths = [input_shape[0]] + [hidden] * depth
+        blocks = [
+            nn.Sequential(nn.Conv2d(a, b, 3, padding=1), nn.GroupNorm(1, b), nn.ReLU())
+            for a, b in zip(widths[:-1], widths[1:], strict=True)
+        ]
+        super().__init__(*blocks, nn.Conv2d(hidden, num_classes, 1))
+
+
 class TokenEmbedding(nn.Module):
     def __init__(self, vocab_size: int, seq_len: int, hidden: int):
         super().__init__()

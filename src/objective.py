@@ -76,10 +76,14 @@ class Segmentation:
             outputs.float(), targets, ignore_index=self.ignore_index, reduction="sum"
         )
         kept = targets != self.ignore_index
-        truth, predicted = targets[kept], outputs.argmax(1)[kept]
-        confusion = torch.bincount(truth * classes + predicted, minlength=classes * classes)
-        correct = (truth == predicted).sum()
-        return torch.cat([loss[None], correct[None].float(), confusion.float()])
+        predicted = outputs.argmax(1)
+        # Ignored pixels go to one extra cell, dropped: shapes never depend on the values (no
+        # boolean indexing), so the sums also run on the meta device.
+        cell = torch.where(kept, targets * classes + predicted, classes * classes).flatten()
+        confusion = torch.zeros(classes * classes + 1, device=cell.device)
+        confusion.index_add_(0, cell, torch.ones_like(cell, dtype=confusion.dtype))
+        correct = ((predicted == targets) & kept).sum(dtype=torch.float32)
+        return torch.cat([loss[None], correct[None], confusion[:-1]])
 
     def count(self, targets: torch.Tensor) -> torch.Tensor:
         return (targets != self.ignore_index).sum()
