@@ -30,6 +30,8 @@ class Classification:
         """Why outputs of this shape cannot be scored against these targets (None: they can)."""
         if outputs.dim() == 0 or outputs.shape[-1] < num_classes:
             return f"its last dimension must be the data's {num_classes} classes"
+        if outputs.shape[:-1] != targets.shape:
+            return f"it must be {list(targets.shape)} (the targets' shape) + [classes]"
         return None
 
     def sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

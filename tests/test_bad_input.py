@@ -39,7 +39,7 @@ ROWS = [
     pytest.param(
         ["model=nosuch"],
         HYDRA,
-        "Could not find 'model/nosuch'; choose one of convnet, mlp, transformer",
+        "Could not find 'model/nosuch'; choose one of convnet, fcn, mlp, transformer",
         id="model",
     ),
     pytest.param(

@@ -105,4 +105,5 @@ def test_a_model_whose_output_the_task_cannot_take_is_one_line(tmp_path):
         *TINY, "model=fcn", "data=synthetic_segmentation", run_dir=tmp_path, check=False
     )
     assert result.returncode == 2
-    assert "for Classification its last dimension must be the data's 4 classes" in result.stdout
+    expected = "for Classification it must be [2, 16, 16] (the targets' shape) + [classes]"
+    assert expected in result.stdout
