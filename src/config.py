@@ -47,6 +47,16 @@ class ConvNetConfig:
 
 
 @dataclass
+class GPTConfig:
+    _target_: str = "src.models.GPT"
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 64
+    tie_weights: bool = True
+    """The vocabulary head shares the token embedding's weight (GPT-2 does)."""
+
+
+@dataclass
 class FCNConfig:
     _target_: str = "src.models.FCN"
     hidden: int = 32
@@ -342,6 +352,7 @@ SCHEMAS = {
         "convnet": ConvNetConfig,
         "transformer": TransformerConfig,
         "fcn": FCNConfig,
+        "gpt": GPTConfig,
     },
     "data": {
         "synthetic": SyntheticConfig,

@@ -141,3 +141,28 @@ class Transformer(nn.Sequential):
             *[TransformerBlock(hidden, heads) for _ in range(depth)],
             nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, num_classes)),
         )
+
+
+class GPT(nn.Sequential):
+    """A GPT-2-style decoder: token + position embedding, `n_layer` pre-norm blocks of `n_head`
+    heads, final norm and a bias-free vocabulary head, with the head's weight tied to the token
+    embedding when `tie_weights` (as GPT-2). Input: token ids (batch, seq_len); output: logits
+    (batch, seq_len, vocab_size)."""
+
+    def __init__(
+        self,
+        input_shape: Sequence[int],
+        num_classes: int,
+        n_layer: int,
+        n_head: int,
+        n_embd: int,
+        tie_weights: bool = True,
+    ):
+        (seq_len,) = input_shape
+        embedding = TokenEmbedding(num_classes, seq_len, n_embd)
+        head = nn.Sequential(nn.LayerNorm(n_embd), nn.Linear(n_embd, num_classes, bias=False))
+        if tie_weights:
+            head[1].weight = embedding.token.weight
+        super().__init__(
+            embedding, *[TransformerBlock(n_embd, n_head) for _ in range(n_layer)], head
+        )

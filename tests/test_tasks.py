@@ -10,6 +10,7 @@ from helpers import (
     TINY,
     TINY_SGD,
     TINY_TRANSFORMER,
+    TINY_TRANSFORMER_SGD,
     assert_same_training,
     metrics,
     reference_run,
@@ -17,7 +18,10 @@ from helpers import (
     summary,
 )
 
+from src.config import ConfigError
+from src.models import GPT
 from src.objective import Regression, Segmentation
+from src.strategies.pipeline import check_tied_parameters
 
 SEGMENTATION = (
     *TINY_SGD,
@@ -107,3 +111,38 @@ def test_a_model_whose_output_the_task_cannot_take_is_one_line(tmp_path):
     assert result.returncode == 2
     expected = "for Classification it must be [2, 16, 16] (the targets' shape) + [classes]"
     assert expected in result.stdout
+
+
+GPT_RUN = (
+    *(setting for setting in TINY_TRANSFORMER_SGD if not setting.startswith("model")),
+    "model=gpt",
+    "task=language_model",
+    "model.n_embd=16",
+    "model.n_head=2",
+    "model.n_layer=2",
+)
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        ("parallel=dp", "parallel.devices=2"),
+        ("parallel=ddp", "parallel.devices=2"),
+        ("parallel=fsdp", "parallel.devices=2"),
+        ("parallel=model_parallel", "parallel.devices=2"),
+        ("parallel=hybrid", "parallel.devices=4", "parallel.stages=2"),
+    ],
+    ids=["dp", "ddp", "fsdp", "model_parallel", "hybrid"],
+)
+def test_gpt_with_tied_weights_trains_as_single(tmp_path, strategy):
+    """model_parallel puts the embedding and the head it shares a weight with on two stages."""
+    run_train(*GPT_RUN, *strategy, run_dir=tmp_path)
+    assert_same_training(reference_run(*GPT_RUN), tmp_path)
+
+
+def test_pipelines_on_gpus_refuse_a_weight_tied_across_stages():
+    model = GPT(input_shape=(4,), num_classes=8, n_layer=2, n_head=2, n_embd=8)
+    check_tied_parameters(model, [2], "cpu")
+    with pytest.raises(ConfigError, match="shares a parameter between stage 0 and stage 1"):
+        check_tied_parameters(model, [2], "cuda")
+    check_tied_parameters(GPT((4,), 8, 2, 2, 8, tie_weights=False), [2], "cuda")
