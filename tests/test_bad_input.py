@@ -39,7 +39,8 @@ ROWS = [
     pytest.param(
         ["model=nosuch"],
         HYDRA,
-        "Could not find 'model/nosuch'; choose one of convnet, fcn, gpt, gpt2_124m, mlp, transformer",
+        "Could not find 'model/nosuch'; choose one of convnet, fcn, gpt, gpt2_124m, mlp, "
+        "transformer",
         id="model",
     ),
     pytest.param(
