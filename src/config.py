@@ -48,6 +48,23 @@ class ConvNetConfig:
 
 
 @dataclass
+class GPTConfig:
+    _target_: str = "src.models.GPT"
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 64
+    tie_weights: bool = True
+    """The vocabulary head shares the token embedding's weight (GPT-2 does)."""
+
+
+@dataclass
+class FCNConfig:
+    _target_: str = "src.models.FCN"
+    hidden: int = 32
+    depth: int = 3
+
+
+@dataclass
 class TransformerConfig:
     _target_: str = "src.models.Transformer"
     hidden: int = 64
@@ -102,6 +119,26 @@ class SyntheticTokensConfig(DataConfig):
 
 
 @dataclass
+class SyntheticSegmentationConfig(DataConfig):
+    _target_: str = "src.data.synthetic_segmentation"
+    num_classes: int = 4
+    image_shape: list[int] = field(default_factory=lambda: [3, 16, 16])
+    num_samples: int = 1024
+    ignore_fraction: float = 0.1
+    """Share of the pixels labelled `ignore_index` (counted in no figure)."""
+    ignore_index: int = -100
+    """Keep it task.ignore_index (conf/data/synthetic_segmentation.yaml does)."""
+
+
+@dataclass
+class SyntheticRegressionConfig(DataConfig):
+    _target_: str = "src.data.synthetic_regression"
+    input_dim: int = 32
+    output_dim: int = 4
+    num_samples: int = 4096
+
+
+@dataclass
 class MNISTConfig(DataConfig):
     _target_: str = "src.data.mnist"
     root: str = "data"
@@ -124,6 +161,33 @@ def data_builder_config(data: DictConfig) -> DictConfig:
     """The data settings without the loader's (`LoaderConfig`): what the builder takes."""
     loader_keys = {field.name for field in dataclasses.fields(LoaderConfig)}
     return OmegaConf.create({key: data[key] for key in data if key not in loader_keys})
+
+
+# ------------------------------------------------------------------------------------------ task
+# A task turns (outputs, targets) into sums: the loss sum, metric sums, and the count to divide by
+# (`src/objective.py`). Your own: any class with `sums`, `count` and `figures`, named by _target_.
+
+
+@dataclass
+class TaskConfig:
+    _target_: str = "src.objective.Classification"
+
+
+@dataclass
+class LanguageModelConfig(TaskConfig):
+    _target_: str = "src.objective.LanguageModel"
+
+
+@dataclass
+class SegmentationConfig(TaskConfig):
+    _target_: str = "src.objective.Segmentation"
+    ignore_index: int = -100
+    """Target pixels with this label count in no loss, accuracy or IoU."""
+
+
+@dataclass
+class RegressionConfig(TaskConfig):
+    _target_: str = "src.objective.Regression"
 
 
 # -------------------------------------------------------------------------------------- parallel
@@ -152,6 +216,9 @@ class DistributedConfig(ParallelConfig):
     write: the other ranks wait for rank 0's meanwhile."""
     threads_per_rank: int | None = None
     """Intra-op threads per rank; None divides the cores by the local ranks (or OMP_NUM_THREADS)."""
+    sync_batchnorm: bool = False
+    """Make every BatchNorm a SyncBatchNorm: statistics over the global batch, as `single` has,
+    instead of each rank's share (one all-reduce per BatchNorm layer per forward pass)."""
 
 
 @dataclass
@@ -167,6 +234,18 @@ class DDPConfig(DistributedConfig):
     broadcast_buffers: bool = True
     """Copy rank 0's buffers (e.g. BatchNorm running statistics) to every rank before each
     training forward pass, as torch's DDP does by default; false lets each rank keep its own."""
+    # DistributedDataParallel's own options, as torch's error messages name them.
+    find_unused_parameters: bool = False
+    """Set when some parameters get no gradient in a step (a branch not taken, a frozen head):
+    DDP then marks them ready itself instead of waiting for them forever. Costs a graph walk
+    per step."""
+    static_graph: bool = False
+    """The set of parameters used, and the order of their gradients, is the same every step:
+    lets DDP skip the per-step search for unused parameters after the first step."""
+    gradient_as_bucket_view: bool = False
+    """Gradients are views into DDP's all-reduce buckets: one copy less per step, less memory."""
+    bucket_cap_mb: float | None = None
+    """Size of DDP's gradient buckets (MB); None keeps torch's default (25)."""
 
 
 @dataclass
@@ -303,6 +382,7 @@ class WandbConfig(LoggerConfig):
 class Config:
     model: Any = MISSING
     data: Any = MISSING
+    task: Any = MISSING
     parallel: Any = MISSING
     trainer: TrainerConfig = MISSING
     optimizer: Any = MISSING
@@ -311,12 +391,26 @@ class Config:
 
 
 SCHEMAS = {
-    "model": {"mlp": MLPConfig, "convnet": ConvNetConfig, "transformer": TransformerConfig},
+    "model": {
+        "mlp": MLPConfig,
+        "convnet": ConvNetConfig,
+        "transformer": TransformerConfig,
+        "fcn": FCNConfig,
+        "gpt": GPTConfig,
+    },
     "data": {
         "synthetic": SyntheticConfig,
         "synthetic_tokens": SyntheticTokensConfig,
+        "synthetic_segmentation": SyntheticSegmentationConfig,
+        "synthetic_regression": SyntheticRegressionConfig,
         "mnist": MNISTConfig,
         "tokens": TokensConfig,
+    },
+    "task": {
+        "classification": TaskConfig,
+        "language_model": LanguageModelConfig,
+        "segmentation": SegmentationConfig,
+        "regression": RegressionConfig,
     },
     "parallel": {
         "base": ParallelConfig,

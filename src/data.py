@@ -180,6 +180,44 @@ def tokens(seed: int, path: str, seq_len: int, vocab_size: int | None, val_fract
     return Data(train, val, input_shape=(seq_len,), num_classes=vocab_size)
 
 
+def synthetic_segmentation(
+    seed: int,
+    num_classes: int,
+    image_shape: list[int],
+    num_samples: int,
+    val_fraction: float,
+    ignore_fraction: float,
+    ignore_index: int,
+) -> Data:
+    """Gaussian images whose pixels are labelled by a random linear teacher over each pixel's 3x3
+    neighbourhood (a convolution learns it); `ignore_fraction` of the pixels, chosen at random,
+    are labelled `ignore_index` instead. Targets: (samples, height, width) class ids."""
+    if not 0 <= ignore_fraction < 1:
+        raise ValueError(f"data.ignore_fraction must be in [0, 1), got {ignore_fraction}")
+    generator = torch.Generator().manual_seed(seed)
+    channels = image_shape[0]
+    inputs = torch.randn(num_samples, *image_shape, generator=generator)
+    teacher = torch.randn(num_classes, channels, 3, 3, generator=generator)
+    targets = torch.nn.functional.conv2d(inputs, teacher, padding=1).argmax(1)
+    ignored = torch.rand(targets.shape, generator=generator) < ignore_fraction
+    targets[ignored] = ignore_index
+    return _split(inputs, targets, num_classes, val_fraction, seed)
+
+
+def synthetic_regression(
+    seed: int, input_dim: int, output_dim: int, num_samples: int, val_fraction: float
+) -> Data:
+    """Gaussian inputs, targets from a random two-layer teacher plus a little noise:
+    (samples, output_dim) floats. `num_classes` is the output width a model must have."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(num_samples, input_dim, generator=generator)
+    hidden = torch.randn(input_dim, 4 * output_dim, generator=generator) / input_dim**0.5
+    teacher = torch.randn(4 * output_dim, output_dim, generator=generator) / (4 * output_dim) ** 0.5
+    noise = 0.1 * torch.randn(num_samples, output_dim, generator=generator)
+    targets = torch.tanh(inputs @ hidden) @ teacher + noise
+    return _split(inputs, targets, output_dim, val_fraction, seed)
+
+
 MNIST_URL = "https://ossci-datasets.s3.amazonaws.com/mnist/"
 MNIST_FILES = {"images": "train-images-idx3-ubyte", "labels": "train-labels-idx1-ubyte"}
 

@@ -45,7 +45,6 @@ from src.launch import (
     started_ranks,
 )
 from src.loop import fit, history_step, usable_cores
-from src.objective import loss_and_correct
 from src.optim import build_optimizer, lr_schedule, schedule_length
 from src.performance import (
     device_peak_tflops,
@@ -101,8 +100,10 @@ def check_config(cfg: DictConfig, run_dir: Path) -> Strategy:
             f"data.augment=true crops and flips images (channels, height, width), but this "
             f"set's inputs are shaped {data.input_shape}; set data.augment=false"
         )
+    with blame("task"):
+        task = instantiate(cfg.task)
     inputs, targets = meta_batch(data)
-    check_model_output(model, inputs, targets, data.num_classes, cfg.model._target_)
+    check_model_output(model, task, inputs, targets, data.num_classes, cfg.model._target_)
     if not any(parameter.requires_grad for parameter in model.parameters()):
         raise ConfigError(
             f"model: {cfg.model._target_} has no trainable parameters (none requires a "
@@ -127,11 +128,16 @@ def meta_batch(data: Data) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def check_model_output(
-    model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, num_classes: int, name: str
+    model: nn.Module,
+    task: Any,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    num_classes: int,
+    name: str,
 ) -> None:
-    """Run `model` (on the meta device; this also sizes lazy modules) and the loss on its output:
-    raise ConfigError for an output the loss cannot take. A model that cannot run on the meta
-    device at all is left to show its errors in training."""
+    """Run `model` (on the meta device; this also sizes lazy modules) and the task's sums on its
+    output: raise ConfigError for an output the task cannot take. A model that cannot run on the
+    meta device at all is left to show its errors in training."""
     try:
         with torch.no_grad():
             outputs = model(inputs)
@@ -140,21 +146,22 @@ def check_model_output(
         return
     if not torch.is_tensor(outputs):
         raise ConfigError(
-            f"model: {name} returns a {type(outputs).__name__}, but the loss takes one tensor of "
-            f"logits shaped (..., classes); make the model return that tensor"
+            f"model: {name} returns a {type(outputs).__name__}, but the task takes one tensor of "
+            f"outputs; make the model return that tensor"
         )
-    if outputs.dim() == 0 or outputs.shape[-1] < num_classes:
-        raise ConfigError(
-            f"model: {name} returns logits shaped {list(outputs.shape)} for inputs shaped "
-            f"{list(inputs.shape)}, but the data has {num_classes} classes; its last dimension "
-            f"must be the {num_classes} classes"
-        )
+    shapes = (
+        f"model: {name} returns outputs shaped {list(outputs.shape)} for inputs shaped "
+        f"{list(inputs.shape)} and targets shaped {list(targets.shape)}"
+    )
+    check = getattr(task, "check", None)  # optional for a task of your own
+    problem = check(outputs, targets, num_classes) if check else None
+    if problem:
+        raise ConfigError(f"{shapes}, but for {type(task).__name__} {problem}")
     try:
-        loss_and_correct(outputs, targets)
+        task.sums(outputs, targets)
     except RuntimeError as error:
         raise ConfigError(
-            f"model: {name} returns logits shaped {list(outputs.shape)} for inputs shaped "
-            f"{list(inputs.shape)}, which do not fit targets shaped {list(targets.shape)} "
+            f"{shapes}, which {type(task).__name__} cannot score "
             f"({str(error).strip().splitlines()[0]})"
         ) from error
 
@@ -471,7 +478,7 @@ def build_and_fit(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[st
     data = build_data(cfg.data, cfg.seed)
     if not cfg.data.augment:  # augmented samples are made on the host, by the loader
         data = keep_on_device(data, strategy.devices[0])
-    flops_per_step = step_flops(cfg.model, data, cfg.trainer.batch_size)
+    flops_per_step = step_flops(cfg.model, instantiate(cfg.task), data, cfg.trainer.batch_size)
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
     size_lazy_modules(model, data)

@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset
 
 from src.checkpoint import CheckpointWriter, resolved_format, rng_state
 from src.config import TrainerConfig
 from src.data import Data, Split, ValBatches, loading_for, train_batches
-from src.objective import loss_and_correct
 from src.optim import lr_schedule
 from src.performance import step_profiler
 from src.precision import LossScaling, autocast
@@ -119,28 +119,44 @@ class Throughput:
 def evaluate(
     model: torch.nn.Module,
     strategy: Strategy,
+    task: Any,
     val: Split | Dataset | ValBatches,
     batch_size: int,
     autocast: Any,
-) -> tuple[float, float]:
-    """Mean loss and accuracy over the whole validation set (all ranks together); `val` is the
-    set, or this rank's `ValBatches` of it (which `batch_size` made)."""
+) -> dict[str, float]:
+    """The task's figures (mean loss, ...) over the whole validation set (all ranks together);
+    `val` is the set, or this rank's `ValBatches` of it (which `batch_size` made)."""
     if not isinstance(val, ValBatches):
         val = ValBatches(val, batch_size, strategy.rank, strategy.world_size)
     model.eval()
     sums, count = None, 0
     with torch.no_grad(), autocast:
         for inputs, targets, counted in val:
-            part = strategy.apply(model, inputs, targets, loss_and_correct)
-            if counted:  # summed on the device: one wait, at the end
-                sums = part.float() if sums is None else sums + part.float()
-                count += targets.numel()
+            part = strategy.apply(model, inputs, targets, task.sums).float()
+            if counted:
+                count = count + task.count(targets)
+            else:  # padding: zeros of the right length, for a rank with no samples of its own
+                part = part * 0
+            sums = part if sums is None else sums + part  # summed on the device: one wait
     model.train()
-    sums = torch.zeros(2) if sums is None else sums
-    loss, correct, count = strategy.all_reduce_sum(
-        torch.cat([sums, torch.tensor([float(count)], device=sums.device)])
-    ).tolist()
-    return loss / count, correct / count
+    return reduced_figures(strategy, task, sums, count)
+
+
+def reduced_figures(
+    strategy: Strategy, task: Any, sums: torch.Tensor, count: int | torch.Tensor
+) -> dict[str, float]:
+    """`task.figures` of `sums` over `count` targets, both summed over all processes."""
+    counts = torch.as_tensor(count, dtype=sums.dtype, device=sums.device).reshape(1)
+    *totals, total = strategy.all_reduce_sum(torch.cat([sums, counts])).tolist()
+    return task.figures(totals, total)
+
+
+def summary_val_figures(figures: dict[str, float]) -> dict[str, float]:
+    """The last evaluation's figures as summary keys: `final_val_loss`, then `val_<name>` (the
+    headline figures: `val_accuracy`, `val_perplexity`, ...)."""
+    return {
+        ("final_val_loss" if name == "loss" else f"val_{name}"): v for name, v in figures.items()
+    }
 
 
 def progress_line(
@@ -187,24 +203,26 @@ def history_step(line: str) -> float:
 def forward_backward(
     model: torch.nn.Module,
     strategy: Strategy,
+    task: Any,
     batches: Iterator,
     autocast: Any,
     accumulate: int,
     scaling: LossScaling,
-) -> tuple[torch.Tensor, int]:
-    """Gradients of one optimizer step, accumulated over `accumulate` micro-batches (of the loss
-    as `scaling` scales it). Returns this process's [summed loss, correct predictions] over the
-    step's targets (detached, still on the device) and the number of those targets."""
-    step_sums, targets_seen = None, 0
-    for micro_step in range(accumulate):
-        inputs, targets = next(batches)
+) -> tuple[torch.Tensor, int | torch.Tensor]:
+    """Gradients of one optimizer step, accumulated over `accumulate` micro-batches (of the mean
+    loss as `scaling` scales it). Returns this process's task sums over the step's targets
+    (detached, still on the device) and the number of those targets (`task.count`)."""
+    micro_batches = [next(batches) for _ in range(accumulate)]
+    targets_seen = sum(task.count(targets) for _, targets in micro_batches)
+    mean_divisor = step_divisor(strategy, targets_seen)
+    step_sums = None
+    for micro_step, (inputs, targets) in enumerate(micro_batches):
         with strategy.grad_sync(model, enabled=micro_step == accumulate - 1):
             with autocast:
-                sums = strategy.apply(model, inputs, targets, loss_and_correct)
-            scaling.scale(sums[0] / (targets.numel() * accumulate)).backward()
+                sums = strategy.apply(model, inputs, targets, task.sums)
+            scaling.scale(sums[0] / mean_divisor).backward()
         sums = sums.detach()
         step_sums = sums if step_sums is None else step_sums + sums
-        targets_seen += targets.numel()
     return step_sums, targets_seen
 
 
@@ -236,6 +254,19 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
+def step_divisor(strategy: Strategy, targets_seen: int | torch.Tensor) -> int | torch.Tensor:
+    """What this process divides its loss sum by so that the gradients (which data-parallel
+    strategies average over their processes) are those of the step's global mean loss.
+
+    A count known from the shapes (an int) is the same on every process: its own will do. A count
+    that depends on the targets (a tensor: pixels not ignored, say) differs between processes, so
+    its sum over all of them is taken, one collective a step, before any backward pass."""
+    if isinstance(targets_seen, int):
+        return targets_seen
+    total = strategy.all_reduce_sum(targets_seen.detach().float().clone())
+    return total.clamp(min=1) / strategy.world_size
+
+
 def finite_everywhere(strategy: Strategy, step_loss: torch.Tensor) -> bool:
     """Whether every process's loss is finite; all processes get the same answer. It waits on
     the device every step, which is why skipping non-finite steps is opt-in."""
@@ -243,17 +274,14 @@ def finite_everywhere(strategy: Strategy, step_loss: torch.Tensor) -> bool:
 
 
 def window_means(
-    strategy: Strategy, step_sums: list[torch.Tensor], targets: int
-) -> tuple[float, float]:
-    """Training loss and accuracy over the targets of the steps since the last log (their
-    `forward_backward` sums), over all processes (NaN when every step of the window was skipped,
-    see trainer.skip_nonfinite). Summed here, not per step: one device op per step saved."""
-    if targets == 0:
-        return float("nan"), float("nan")
-    running_sums = torch.stack(step_sums).sum(0)
-    counts = torch.tensor([float(targets)], device=running_sums.device)
-    loss, correct, total = strategy.all_reduce_sum(torch.cat([running_sums, counts])).tolist()
-    return loss / total, correct / total
+    strategy: Strategy, task: Any, step_sums: list[torch.Tensor], targets: int | torch.Tensor
+) -> dict[str, float]:
+    """The task's training figures over the targets of the steps since the last log (their
+    `forward_backward` sums), over all processes; {} when every step of the window was skipped
+    (see trainer.skip_nonfinite). Summed here, not per step: one device op per step saved."""
+    if not step_sums:
+        return {}
+    return reduced_figures(strategy, task, torch.stack(step_sums).sum(0), targets)
 
 
 def fit(
@@ -309,7 +337,9 @@ def fit(
     last_checkpoint = start_step or None
     window_sums: list[torch.Tensor] = []  # each step's sums since the last log
     targets_since_log, skipped_steps = 0, 0
-    train_loss = train_accuracy = val_loss = val_accuracy = float("nan")
+    task = instantiate(cfg.task)
+    train_figures: dict[str, float] = {"loss": math.nan}
+    val_figures: dict[str, float] = {"loss": math.nan}
     started = time.perf_counter()
 
     with (
@@ -337,7 +367,7 @@ def fit(
                 group["lr"] = lr
 
             step_sums, targets = forward_backward(
-                model, strategy, batches, precision, trainer.accumulate, scaling
+                model, strategy, task, batches, precision, trainer.accumulate, scaling
             )
             if trainer.skip_nonfinite and not finite_everywhere(strategy, step_sums[0]):
                 skipped_steps += 1
@@ -371,7 +401,9 @@ def fit(
             checkpoint_now = checkpoint_due or stop_now
 
             if log_now:
-                train_loss, train_accuracy = window_means(strategy, window_sums, targets_since_log)
+                train_figures = window_means(strategy, task, window_sums, targets_since_log) or {
+                    name: math.nan for name in train_figures
+                }
                 data_wait_ms = speed.window_data_wait_ms()
                 step_ms = speed.close_window()
                 paused = speed.pause()
@@ -381,8 +413,7 @@ def fit(
                 record(
                     {
                         **{f"memory/{device}_peak_mb": mb for device, mb in memory.items()},
-                        "train/loss": train_loss,
-                        "train/accuracy": train_accuracy,
+                        **{f"train/{name}": value for name, value in train_figures.items()},
                         "train/lr": lr,
                         "train/step_time_ms": step_ms,
                         "train/samples_per_sec": samples_per_sec,
@@ -394,23 +425,29 @@ def fit(
                     eta = (trainer.max_steps - step) * step_ms / 1000
                     log.info(
                         progress_line(
-                            step, trainer.max_steps, train_loss, samples_per_sec, data_wait_ms, eta
+                            step,
+                            trainer.max_steps,
+                            train_figures["loss"],
+                            samples_per_sec,
+                            data_wait_ms,
+                            eta,
                         )
                     )
                 speed.resume(paused)
 
             if eval_now:
                 paused = speed.pause()
-                val_loss, val_accuracy = evaluate(
-                    model, strategy, val, trainer.eval_batch_size, precision
+                val_figures = evaluate(
+                    model, strategy, task, val, trainer.eval_batch_size, precision
                 )
-                record({"val/loss": val_loss, "val/accuracy": val_accuracy}, step)
+                record({f"val/{name}": value for name, value in val_figures.items()}, step)
                 if strategy.is_main:
                     log.info(
-                        "step %d | val loss %.4f | val accuracy %.2f%%",
+                        "step %d | %s",
                         step,
-                        val_loss,
-                        100 * val_accuracy,
+                        " | ".join(
+                            f"val {name} {value:.4g}" for name, value in val_figures.items()
+                        ),
                     )
                 speed.resume(paused)
 
@@ -437,10 +474,8 @@ def fit(
     memory_devices, memory_mb = strategy.peak_memory_mb()
     return {
         "steps": trainer.max_steps,
-        "final_train_loss": train_loss,
-        "final_train_accuracy": train_accuracy,
-        "final_val_loss": val_loss,
-        "val_accuracy": val_accuracy,
+        **{f"final_train_{name}": value for name, value in train_figures.items()},
+        **summary_val_figures(val_figures),
         "skipped_steps": skipped_steps,
         "scaler_skipped_steps": scaling.skipped_steps,
         **speed.summary(),

@@ -65,6 +65,25 @@ class ConvNet(nn.Sequential):
         super().__init__(*blocks, head)
 
 
+class FCN(nn.Sequential):
+    """A small fully convolutional segmentation net: `depth` blocks of 3x3 conv, GroupNorm and
+    ReLU at full resolution, then a 1x1 conv to per-pixel class logits. Input (batch, channels,
+    height, width); output (batch, classes, height, width)."""
+
+    def __init__(self, input_shape: Sequence[int], num_classes: int, hidden: int, depth: int):
+        if len(input_shape) != 3:
+            raise ValueError(
+                f"model=fcn needs image-shaped input (channels, height, width), got "
+                f"{list(input_shape)}; use data=synthetic_segmentation"
+            )
+        widths = [input_shape[0]] + [hidden] * depth
+        blocks = [
+            nn.Sequential(nn.Conv2d(a, b, 3, padding=1), nn.GroupNorm(1, b), nn.ReLU())
+            for a, b in zip(widths[:-1], widths[1:], strict=True)
+        ]
+        super().__init__(*blocks, nn.Conv2d(hidden, num_classes, 1))
+
+
 class TokenEmbedding(nn.Module):
     def __init__(self, vocab_size: int, seq_len: int, hidden: int):
         super().__init__()
@@ -121,4 +140,29 @@ class Transformer(nn.Sequential):
             TokenEmbedding(num_classes, seq_len, hidden),
             *[TransformerBlock(hidden, heads) for _ in range(depth)],
             nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, num_classes)),
+        )
+
+
+class GPT(nn.Sequential):
+    """A GPT-2-style decoder: token + position embedding, `n_layer` pre-norm blocks of `n_head`
+    heads, final norm and a bias-free vocabulary head, with the head's weight tied to the token
+    embedding when `tie_weights` (as GPT-2). Input: token ids (batch, seq_len); output: logits
+    (batch, seq_len, vocab_size)."""
+
+    def __init__(
+        self,
+        input_shape: Sequence[int],
+        num_classes: int,
+        n_layer: int,
+        n_head: int,
+        n_embd: int,
+        tie_weights: bool = True,
+    ):
+        (seq_len,) = input_shape
+        embedding = TokenEmbedding(num_classes, seq_len, n_embd)
+        head = nn.Sequential(nn.LayerNorm(n_embd), nn.Linear(n_embd, num_classes, bias=False))
+        if tie_weights:
+            head[1].weight = embedding.token.weight
+        super().__init__(
+            embedding, *[TransformerBlock(n_embd, n_head) for _ in range(n_layer)], head
         )

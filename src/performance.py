@@ -20,7 +20,6 @@ from torch.distributed._composable import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from src.data import Data, first_samples
-from src.objective import loss_and_correct
 
 # Dense peak TFLOP/s per GPU from NVIDIA's data sheets (SXM parts unless named), by arithmetic:
 # tf32 is what fp32 matmuls run at with trainer.matmul_precision high/medium (auto on CUDA).
@@ -39,9 +38,9 @@ PEAK_TFLOPS = {
 log = logging.getLogger(__name__)
 
 
-def step_flops(model_cfg: Any, data: Data, batch_size: int) -> int | None:
-    """FLOPs of one optimizer step (forward, loss and backward over `batch_size` samples), or
-    None for a model that cannot run on the meta device."""
+def step_flops(model_cfg: Any, task: Any, data: Data, batch_size: int) -> int | None:
+    """FLOPs of one optimizer step (forward, the task's loss and backward over `batch_size`
+    samples), or None for a model that cannot run on the meta device."""
     sample_inputs, sample_targets = first_samples(data.train, 1)
     with torch.device("meta"):
         model = instantiate(model_cfg, input_shape=data.input_shape, num_classes=data.num_classes)
@@ -50,7 +49,7 @@ def step_flops(model_cfg: Any, data: Data, batch_size: int) -> int | None:
         targets = torch.zeros(batch_size, *targets_shape, dtype=sample_targets.dtype)
     try:
         with FlopCounterMode(display=False) as counter:
-            loss_and_correct(model(inputs), targets)[0].backward()
+            task.sums(model(inputs), targets)[0].backward()
     except Exception:  # noqa: BLE001 - a model that cannot run on the meta device still trains
         log.info("the model does not run on the meta device, so its FLOPs are not counted")
         return None

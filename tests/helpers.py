@@ -134,7 +134,7 @@ def train_losses(run_dir: Path) -> list[float]:
 
 
 def train_accuracies(run_dir: Path) -> list[float]:
-    return [row["train/accuracy"] for row in metrics(run_dir) if "train/loss" in row]
+    return [row["train/accuracy"] for row in metrics(run_dir) if "train/accuracy" in row]
 
 
 def summary(run_dir: Path) -> dict[str, Any]:
@@ -150,8 +150,8 @@ def checkpoint(run_dir: Path) -> dict[str, Any]:
 
 
 def evaluate_checkpoint(run_dir: Path) -> list[float]:
-    """[val loss, val accuracy] of the run's checkpointed model, evaluated whole in this process
-    on the data its config names."""
+    """The task's validation figures ([val loss, val accuracy] for classification) of the run's
+    checkpointed model, evaluated whole in this process on the data its config names."""
     from src.config import ParallelConfig
     from src.data import build_data
     from src.loop import evaluate
@@ -165,7 +165,9 @@ def evaluate_checkpoint(run_dir: Path) -> list[float]:
     single = build_strategy(ParallelConfig(), "cpu")
     single.setup()
     batch = cfg.trainer.eval_batch_size
-    return list(evaluate(single.wrap(model), single, data.val, batch, contextlib.nullcontext()))
+    task = instantiate(cfg.task)
+    figures = evaluate(single.wrap(model), single, task, data.val, batch, contextlib.nullcontext())
+    return list(figures.values())
 
 
 def assert_same_losses(reference: Path, other: Path, atol: float = 1e-5) -> None:

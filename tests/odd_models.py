@@ -151,3 +151,21 @@ class TiedTransformer(Transformer):
     def __init__(self, **sizes):
         super().__init__(**sizes)
         self[-1][1].weight = self[0].token.weight
+
+
+class UnusedParameterMLP(MLP):
+    """The MLP with a layer its forward pass never uses: a parameter that gets no gradient, which
+    DDP waits for unless `parallel.find_unused_parameters=true`."""
+
+    def __init__(self, **sizes):
+        super().__init__(**sizes)
+        self[0].append(UnusedBranch(sizes["hidden"]))
+
+
+class UnusedBranch(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.unused = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x

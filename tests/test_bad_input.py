@@ -39,7 +39,8 @@ ROWS = [
     pytest.param(
         ["model=nosuch"],
         HYDRA,
-        "Could not find 'model/nosuch'; choose one of convnet, mlp, transformer",
+        "Could not find 'model/nosuch'; choose one of convnet, fcn, gpt, gpt2_124m, mlp, "
+        "transformer",
         id="model",
     ),
     pytest.param(
@@ -139,13 +140,13 @@ ROWS = [
     pytest.param(
         [f"model._target_={ODD}.DictOutputMLP"],
         CHECK,
-        f"model: {ODD}.DictOutputMLP returns a dict, but the loss takes one tensor of logits",
+        f"model: {ODD}.DictOutputMLP returns a dict, but the task takes one tensor of outputs",
         id="dict-output",
     ),
     pytest.param(
         ["parallel=ddp", "trainer.accelerator=cpu", f"model._target_={ODD}.ListOutputMLP"],
         CHECK,
-        f"model: {ODD}.ListOutputMLP returns a list, but the loss takes one tensor of logits",
+        f"model: {ODD}.ListOutputMLP returns a list, but the task takes one tensor of outputs",
         id="list-output",
     ),
     pytest.param(

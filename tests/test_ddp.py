@@ -366,7 +366,17 @@ class TorchDDPBefore2_13(torch.nn.Module):
 class TorchDDP2_13(torch.nn.Module):
     """The same in torch 2.13: `broadcast_buffers` deprecated for `forward_sync_buffers`."""
 
-    def __init__(self, module, device_ids=None, broadcast_buffers=None, forward_sync_buffers=None):
+    def __init__(
+        self,
+        module,
+        device_ids=None,
+        broadcast_buffers=None,
+        forward_sync_buffers=None,
+        bucket_cap_mb=None,
+        find_unused_parameters=False,
+        gradient_as_bucket_view=False,
+        static_graph=False,
+    ):
         super().__init__()
         if broadcast_buffers is not None:
             raise AssertionError("broadcast_buffers is deprecated in torch 2.13")

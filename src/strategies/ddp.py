@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from typing import Any
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from src.config import DDPConfig
 from src.strategies.distributed import Distributed
 
 
@@ -24,12 +26,16 @@ class DDP(Distributed):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         cuda = self.device.type == "cuda"
-        return self.replicate(model.to(self.device), [self.device.index] if cuda else None)
+        model = self.with_batchnorm_synced(model).to(self.device)
+        return self.replicate(model, [self.device.index] if cuda else None)
 
     def replicate(self, module: nn.Module, device_ids: list[int] | None) -> nn.Module:
         """`module` under DDP, kept so that `teardown` can take the process group from it."""
         self.replica = DistributedDataParallel(
-            module, device_ids=device_ids, **buffer_sync(self.cfg.broadcast_buffers)
+            module,
+            device_ids=device_ids,
+            **buffer_sync(self.cfg.broadcast_buffers),
+            **reducer_options(self.cfg),
         )
         return self.replica
 
@@ -50,6 +56,19 @@ class DDP(Distributed):
         if self.replica is not None:
             self.replica.reducer = self.replica.logger = self.replica.process_group = None
         super().teardown()
+
+
+def reducer_options(cfg: DDPConfig) -> dict[str, Any]:
+    """`parallel.find_unused_parameters`, `static_graph`, `gradient_as_bucket_view` and
+    `bucket_cap_mb`, as DistributedDataParallel takes them (a bucket size only when set)."""
+    options: dict[str, Any] = {
+        "find_unused_parameters": cfg.find_unused_parameters,
+        "static_graph": cfg.static_graph,
+        "gradient_as_bucket_view": cfg.gradient_as_bucket_view,
+    }
+    if cfg.bucket_cap_mb is not None:
+        options["bucket_cap_mb"] = cfg.bucket_cap_mb
+    return options
 
 
 def buffer_sync(broadcast: bool) -> dict[str, bool]:

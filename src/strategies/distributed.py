@@ -20,6 +20,7 @@ from torch import nn
 
 from src.config import ConfigError
 from src.strategies.base import LossFn, Strategy, move
+from src.strategies.sync_batchnorm import convert_sync_batchnorm
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,12 @@ class Distributed(Strategy):
         self.world_size = cfg.devices * cfg.nodes
         self.rank = 0
         self.local_rank = 0
+
+    def with_batchnorm_synced(self, model: nn.Module) -> nn.Module:
+        """`model` with SyncBatchNorm for BatchNorm when `parallel.sync_batchnorm` asks."""
+        if not self.cfg.sync_batchnorm:
+            return model
+        return convert_sync_batchnorm(model, self.device_type)
 
     @property
     def is_main(self) -> bool:

@@ -62,6 +62,7 @@ class FSDP(Distributed):
     default_checkpoint_format = "sharded"  # no rank can hold the whole model
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        model = self.with_batchnorm_synced(model)
         copy_from_rank0(model, self.device)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         policy = MixedPrecisionPolicy()

@@ -22,6 +22,7 @@ from src.strategies.pipeline import (
     Pipeline,
     check_microbatches,
     check_split_points,
+    check_tied_parameters,
     log_layout,
     plan_split_points,
 )
@@ -71,6 +72,7 @@ class Hybrid(DDP):
         self.split_points = plan_split_points(
             model, inputs, self.cfg.stages, self.cfg.split_points, "parallel.stages"
         )
+        check_tied_parameters(model, self.split_points, self.device_type)
 
     def local_devices(self) -> list[torch.device]:
         if self.device_type == "cuda":
@@ -81,7 +83,11 @@ class Hybrid(DDP):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         pipeline = Pipeline(
-            model, self.devices, self.cfg.microbatches, self.split_points, "parallel.stages"
+            self.with_batchnorm_synced(model),
+            self.devices,
+            self.cfg.microbatches,
+            self.split_points,
+            "parallel.stages",
         )
         self.layout = pipeline.describe()
         log_layout(self.layout)

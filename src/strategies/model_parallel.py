@@ -14,6 +14,7 @@ from src.strategies.pipeline import (
     Pipeline,
     check_microbatches,
     check_split_points,
+    check_tied_parameters,
     log_layout,
     plan_split_points,
 )
@@ -37,6 +38,7 @@ class ModelParallel(Strategy):
         self.split_points = plan_split_points(
             model, inputs, self.cfg.devices, self.cfg.split_points, "parallel.devices"
         )
+        check_tied_parameters(model, self.split_points, self.device_type)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         pipeline = Pipeline(model, self.devices, self.cfg.microbatches, self.split_points)

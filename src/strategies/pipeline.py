@@ -183,6 +183,28 @@ def plan_split_points(
     return points
 
 
+def check_tied_parameters(
+    model: nn.Sequential, split_points: Sequence[int], device_type: str
+) -> None:
+    """Refuse a parameter shared by blocks on two stages on GPUs: moving each stage to its device
+    would untie it. On CPU every stage is the same device, the pair stays one Parameter and its
+    gradients sum, as `single`'s do."""
+    if device_type == "cpu":
+        return
+    bounds = [0, *split_points, len(model)]
+    seen: dict[int, int] = {}
+    for stage, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        for block in range(start, end):
+            for parameter in model[block].parameters():
+                first = seen.setdefault(id(parameter), stage)
+                if first != stage:
+                    raise ConfigError(
+                        f"the model shares a parameter between stage {first} and stage {stage} "
+                        f"(block {block}), which would be untied on separate GPUs; set "
+                        "model.tie_weights=false, or use ddp or fsdp"
+                    )
+
+
 def check_microbatches(microbatches: int, samples: int | None = None, batch_name: str = "") -> None:
     """Raise ConfigError unless `samples` (when known) fill `microbatches` non-empty parts."""
     if microbatches < 1:

@@ -1,0 +1,61 @@
+"""BatchNorm under each strategy: what its batch statistics and running statistics are.
+
+`single` normalises by the whole batch. ddp, fsdp and hybrid with `parallel.sync_batchnorm=true`
+do the same (SyncBatchNorm); without it each rank normalises by its own share. dp updates the
+running statistics from replica 0's chunk only (as torch.nn.DataParallel does), and a pipeline
+from each micro-batch in turn."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import TINY_SGD, assert_same_training, reference_run, run_train
+from odd_models import BatchNormMLP
+
+from src.config import ParallelConfig, PipelineConfig
+from src.objective import loss_sum
+from src.strategies import build_strategy
+from src.strategies.pipeline import Pipeline
+
+BATCHNORM = (*TINY_SGD, "model._target_=tests.odd_models.BatchNormMLP")
+SIZES = {"input_shape": (8,), "num_classes": 3, "hidden": 6, "depth": 2}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_sync_batchnorm_trains_as_single_running_statistics_included(tmp_path, strategy):
+    synced = (f"parallel={strategy}", "parallel.devices=2", "parallel.sync_batchnorm=true")
+    run_train(*BATCHNORM, *synced, run_dir=tmp_path)
+    assert_same_training(reference_run(*BATCHNORM), tmp_path)  # buffers are in the weights
+
+
+def running_mean_after(model: torch.nn.Module, batches: list[torch.Tensor]) -> torch.Tensor:
+    """The first BatchNorm's running mean after training forward passes over `batches`."""
+    model = copy.deepcopy(model).train()
+    with torch.no_grad():
+        for batch in batches:
+            model(batch)
+    return model[0][2].running_mean
+
+
+def test_dp_keeps_replica_0s_running_statistics():
+    torch.manual_seed(0)
+    model, inputs = BatchNormMLP(**SIZES), torch.randn(12, 8)
+    strategy = build_strategy(ParallelConfig(name="dp", devices=2), "cpu")
+    strategy.setup()
+    wrapped = strategy.wrap(copy.deepcopy(model))
+    strategy.apply(wrapped, inputs, torch.zeros(12, dtype=torch.long), loss_sum)
+    actual = strategy.unwrap(wrapped)[0][2].running_mean
+    torch.testing.assert_close(actual, running_mean_after(model, [inputs[:6]]))
+    assert not torch.allclose(actual, running_mean_after(model, [inputs]))
+
+
+def test_a_pipeline_updates_running_statistics_once_per_micro_batch():
+    torch.manual_seed(0)
+    model, inputs = BatchNormMLP(**SIZES), torch.randn(12, 8)
+    pipelined = Pipeline(copy.deepcopy(model), [torch.device("cpu")] * 2, microbatches=3)
+    pipelined(inputs, torch.zeros(12, dtype=torch.long), loss_sum)
+    actual = pipelined.model[0][2].running_mean
+    torch.testing.assert_close(actual, running_mean_after(model, list(inputs.split(4))))
+    assert PipelineConfig().microbatches == 1  # the default: whole-batch statistics, as single
