@@ -44,7 +44,7 @@ from src.launch import (
     run_as_rank,
     started_ranks,
 )
-from src.loop import fit, history_step, usable_cores
+from src.loop import fit, history_step
 from src.optim import build_optimizer, lr_schedule, schedule_length
 from src.performance import (
     device_peak_tflops,
@@ -55,7 +55,7 @@ from src.performance import (
 from src.precision import PRECISIONS
 from src.stopping import Interrupted, RunStopped
 from src.strategies import build_strategy
-from src.strategies.base import Strategy, resolve_device_type
+from src.strategies.base import Strategy, resolve_device_type, usable_cores
 from src.tracking import build_tracker, check_tracker
 
 log = logging.getLogger(__name__)

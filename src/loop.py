@@ -31,7 +31,7 @@ from src.optim import lr_schedule
 from src.performance import step_profiler
 from src.precision import LossScaling, autocast
 from src.stopping import Interrupted, NonFiniteWatch, agree_to_stop, stop_signals
-from src.strategies.base import Strategy
+from src.strategies.base import Strategy, usable_cores
 
 log = logging.getLogger(__name__)
 PROFILE_TRACE = "profile_trace.json"
@@ -248,10 +248,6 @@ class TimedBatches:
         """Seconds waited since the last call."""
         waited, self.wait_s = self.wait_s, 0.0
         return waited
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def step_divisor(strategy: Strategy, targets_seen: int | torch.Tensor) -> int | torch.Tensor:

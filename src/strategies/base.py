@@ -58,6 +58,7 @@ Now and then:
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import sys
 from collections.abc import Callable
@@ -89,6 +90,11 @@ def resolve_device_type(accelerator: str) -> str:
     if accelerator == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return accelerator
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS reports one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def process_peak_memory_mb() -> float:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from src.config import ConfigError
-from src.strategies.base import LossFn, Strategy, move
+from src.strategies.base import LossFn, Strategy, move, usable_cores
 from src.strategies.sync_batchnorm import convert_sync_batchnorm
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ def rank_threads(threads_per_rank: int | None, local_processes: int) -> tuple[in
         return threads_per_rank, "parallel.threads_per_rank"
     if os.environ.get("OMP_NUM_THREADS"):
         return int(os.environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cores()
     return max(1, cores // local_processes), f"{cores} cores / {local_processes} local processes"
 
 
