@@ -2,9 +2,11 @@
 
 A builder returns `Data`: train and validation sets plus the shapes a model needs. A set is either
 a `Split` (in-memory tensors, indexed directly: no loader, no copies) or any map-style torch
-`Dataset` of (input, target) pairs, read through a `DataLoader`. Data code knows nothing about
-parallelism: `train_order` takes a rank and a world size, and its sharding is chosen so that the
-union of the ranks' batches at step k is exactly the batch `single` sees at step k.
+`Dataset` of (input, target) pairs, read through a `DataLoader`. Inputs and targets may each be a
+tensor or a tuple/dict of tensors (`src/batches.py`); both paths keep that structure. Data code
+knows nothing about parallelism: `train_order` takes a rank and a world size, and its sharding is
+chosen so that the union of the ranks' batches at step k is exactly the batch `single` sees at
+step k.
 """
 
 from __future__ import annotations
@@ -26,29 +28,43 @@ import numpy as np
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
+from src import batches
+from src.batches import Tree
 from src.config import data_builder_config
 
 log = logging.getLogger(__name__)
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[Tree, Tree]
+"""(inputs, targets): each a tensor, or a tuple/dict of tensors."""
 
 
 @dataclass
 class Split:
-    inputs: torch.Tensor
-    targets: torch.Tensor
+    """A set held in memory: inputs and targets (tensors, or tuples/dicts of them) with the
+    samples on dim 0."""
+
+    inputs: Tree
+    targets: Tree
 
     def __len__(self) -> int:
-        return len(self.targets)
+        return batches.batch_size(self.targets)
 
     @property
     def nbytes(self) -> int:
-        return self.inputs.nbytes + self.targets.nbytes
+        return batches.nbytes((self.inputs, self.targets))
+
+    @property
+    def device(self) -> torch.device:
+        return batches.tensors(self.targets)[0].device
+
+    def __getitem__(self, index: Any) -> Batch:
+        """The samples at `index` (an int, a slice or a tensor of indices)."""
+        return batches.take(self.inputs, index), batches.take(self.targets, index)
 
     def to(self, device: torch.device) -> Split:
-        return Split(self.inputs.to(device), self.targets.to(device))
+        return Split(*batches.move((self.inputs, self.targets), device))
 
 
 @dataclass
@@ -68,11 +84,15 @@ class Data:
 
 
 def first_samples(dataset: Split | Dataset, count: int) -> Batch:
-    """The first `count` samples of a set, batched (on the host)."""
+    """The first `count` samples of a set, batched (on the host) as a DataLoader batches them."""
     if isinstance(dataset, Split):
-        return dataset.inputs[:count].cpu(), dataset.targets[:count].cpu()
-    inputs, targets = zip(*(dataset[index] for index in range(count)), strict=True)
-    return torch.stack(inputs), torch.stack(targets)
+        return batches.move(dataset[:count], torch.device("cpu"))
+    return default_collate([dataset[index] for index in range(count)])
+
+
+def meta_samples(dataset: Split | Dataset, count: int) -> Batch:
+    """Inputs and targets shaped like `count` samples of the set, on the meta device."""
+    return batches.meta_resized(first_samples(dataset, 1), count)
 
 
 def build_data(settings: DictConfig, seed: int) -> Data:
@@ -366,7 +386,7 @@ class SplitSamples(Dataset):
         return len(self.split)
 
     def __getitem__(self, index: int) -> Batch:
-        return self.split.inputs[index], self.split.targets[index]
+        return self.split[index]
 
 
 def loading_for(
@@ -402,9 +422,10 @@ def train_batches(
     it lives (on a GPU: no copy per step); any other set, or an augmented one, goes through a
     DataLoader whose batch sampler is that order."""
     if isinstance(dataset, Split) and loading.augment is None:
-        device = dataset.targets.device
-        order = train_order(len(dataset), batch_size, seed, rank, world_size, start_batch, device)
-        return ((dataset.inputs[batch], dataset.targets[batch]) for _, batch in order)
+        order = train_order(
+            len(dataset), batch_size, seed, rank, world_size, start_batch, dataset.device
+        )
+        return (dataset[batch] for _, batch in order)
     if isinstance(dataset, Split):
         dataset = SplitSamples(dataset)
     order = train_order(len(dataset), batch_size, seed, rank, world_size, start_batch)
@@ -435,17 +456,16 @@ class ValBatches:
         padded = [batch if len(batch) else torch.zeros(1, dtype=torch.long) for batch in order]
         self.dataset = dataset
         if isinstance(dataset, Split):  # indexed where the split lives: no copies per batch
-            self.indices = [batch.to(dataset.targets.device) for batch in padded]
+            self.indices = [batch.to(dataset.device) for batch in padded]
         else:
             self.loader = loading.loader(dataset, [batch.tolist() for batch in padded])
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, bool]]:
+    def __iter__(self) -> Iterator[tuple[Tree, Tree, bool]]:
         if isinstance(self.dataset, Split):
-            split = self.dataset
-            batches = ((split.inputs[batch], split.targets[batch]) for batch in self.indices)
+            read = (self.dataset[batch] for batch in self.indices)
         else:
-            batches = iter(self.loader)
-        for (inputs, targets), counted in zip(batches, self.counted, strict=True):
+            read = iter(self.loader)
+        for (inputs, targets), counted in zip(read, self.counted, strict=True):
             yield inputs, targets, counted
 
 

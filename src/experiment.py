@@ -25,6 +25,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from src.batches import Tree, describe
 from src.checkpoint import (
     FORMATS,
     is_sharded,
@@ -35,7 +36,7 @@ from src.checkpoint import (
     set_rng_state,
 )
 from src.config import ConfigError
-from src.data import Data, build_data, first_samples
+from src.data import Data, build_data, first_samples, meta_samples
 from src.launch import (
     KilledBySignal,
     configure_logging,
@@ -121,37 +122,31 @@ def check_config(cfg: DictConfig, run_dir: Path) -> Strategy:
     return strategy
 
 
-def meta_batch(data: Data) -> tuple[torch.Tensor, torch.Tensor]:
+def meta_batch(data: Data) -> tuple[Tree, Tree]:
     """Inputs and targets shaped like two training samples, on the meta device."""
-    inputs, targets = first_samples(data.train, 2)
-    return torch.empty_like(inputs, device="meta"), torch.empty_like(targets, device="meta")
+    return meta_samples(data.train, 2)
 
 
 def check_model_output(
     model: nn.Module,
     task: Any,
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
+    inputs: Tree,
+    targets: Tree,
     num_classes: int,
     name: str,
 ) -> None:
     """Run `model` (on the meta device; this also sizes lazy modules) and the task's sums on its
-    output: raise ConfigError for an output the task cannot take. A model that cannot run on the
-    meta device at all is left to show its errors in training."""
+    outputs (a tensor, tuple, list or dict): raise ConfigError for outputs the task cannot take.
+    A model that cannot run on the meta device at all is left to show its errors in training."""
     try:
         with torch.no_grad():
             outputs = model(inputs)
     except Exception:  # noqa: BLE001 - e.g. no meta kernel, or a forward that reads the values
         log.debug("model: no forward pass on the meta device", exc_info=True)
         return
-    if not torch.is_tensor(outputs):
-        raise ConfigError(
-            f"model: {name} returns a {type(outputs).__name__}, but the task takes one tensor of "
-            f"outputs; make the model return that tensor"
-        )
     shapes = (
-        f"model: {name} returns outputs shaped {list(outputs.shape)} for inputs shaped "
-        f"{list(inputs.shape)} and targets shaped {list(targets.shape)}"
+        f"model: {name} returns outputs shaped {describe(outputs)} for inputs shaped "
+        f"{describe(inputs)} and targets shaped {describe(targets)}"
     )
     check = getattr(task, "check", None)  # optional for a task of your own
     problem = check(outputs, targets, num_classes) if check else None
@@ -159,10 +154,10 @@ def check_model_output(
         raise ConfigError(f"{shapes}, but for {type(task).__name__} {problem}")
     try:
         task.sums(outputs, targets)
-    except RuntimeError as error:
+    except (RuntimeError, TypeError, KeyError, IndexError, AttributeError) as error:
         raise ConfigError(
             f"{shapes}, which {type(task).__name__} cannot score "
-            f"({str(error).strip().splitlines()[0]})"
+            f"({type(error).__name__}: {''.join(str(error).strip().splitlines()[:1])})"
         ) from error
 
 

@@ -6,15 +6,30 @@ means: a strategy that runs a batch on several devices or micro-batches adds the
 dividing by the global count gives the exact global mean even when the parts differ in size.
 `figures` turns the totals over many batches into the named means the loop logs.
 
-A task of your own is any class with these three methods, named by `task._target_`.
+A task of your own is any class with these three methods, named by `task._target_`; it may take
+outputs and targets that are tuples or dicts of tensors (`src/batches.py`). The built-in tasks
+take one tensor of each.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+
+def not_one_tensor(outputs: Any, targets: Any) -> str | None:
+    """Why a built-in task cannot take these (None: each is one tensor)."""
+    for name, value in (("outputs", outputs), ("targets", targets)):
+        if not torch.is_tensor(value):
+            return (
+                f"the {name} must be one tensor, not a {type(value).__name__}; return one from "
+                f"the {'model' if name == 'outputs' else 'data'}, or name a task of your own that "
+                f"takes a {type(value).__name__} (task._target_)"
+            )
+    return None
 
 
 def loss_sum(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -28,6 +43,8 @@ class Classification:
 
     def check(self, outputs: torch.Tensor, targets: torch.Tensor, num_classes: int) -> str | None:
         """Why outputs of this shape cannot be scored against these targets (None: they can)."""
+        if problem := not_one_tensor(outputs, targets):
+            return problem
         if outputs.dim() == 0 or outputs.shape[-1] < num_classes:
             return f"its last dimension must be the data's {num_classes} classes"
         if outputs.shape[:-1] != targets.shape:
@@ -66,6 +83,8 @@ class Segmentation:
         self.ignore_index = ignore_index
 
     def check(self, outputs: torch.Tensor, targets: torch.Tensor, num_classes: int) -> str | None:
+        if problem := not_one_tensor(outputs, targets):
+            return problem
         if outputs.dim() != targets.dim() + 1 or outputs.shape[1] != num_classes:
             return f"it must be (batch, {num_classes} classes, ...) logits, one per target pixel"
         return None
@@ -106,6 +125,8 @@ class Regression:
     are shaped like the targets."""
 
     def check(self, outputs: torch.Tensor, targets: torch.Tensor, num_classes: int) -> str | None:
+        if problem := not_one_tensor(outputs, targets):
+            return problem
         if outputs.shape != targets.shape:
             return f"it must be shaped like the targets, {list(targets.shape)}"
         return None

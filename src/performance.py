@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
-from src.data import Data, first_samples
+from src.data import Data, meta_samples
 
 # Dense peak TFLOP/s per GPU from NVIDIA's data sheets (SXM parts unless named), by arithmetic:
 # tf32 is what fp32 matmuls run at with trainer.matmul_precision high/medium (auto on CUDA).
@@ -41,12 +41,9 @@ log = logging.getLogger(__name__)
 def step_flops(model_cfg: Any, task: Any, data: Data, batch_size: int) -> int | None:
     """FLOPs of one optimizer step (forward, the task's loss and backward over `batch_size`
     samples), or None for a model that cannot run on the meta device."""
-    sample_inputs, sample_targets = first_samples(data.train, 1)
+    inputs, targets = meta_samples(data.train, batch_size)
     with torch.device("meta"):
         model = instantiate(model_cfg, input_shape=data.input_shape, num_classes=data.num_classes)
-        inputs = torch.zeros(batch_size, *data.input_shape, dtype=sample_inputs.dtype)
-        targets_shape = sample_targets.shape[1:]
-        targets = torch.zeros(batch_size, *targets_shape, dtype=sample_targets.dtype)
     try:
         with FlopCounterMode(display=False) as counter:
             task.sums(model(inputs), targets)[0].backward()

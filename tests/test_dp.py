@@ -3,6 +3,7 @@ apply, gather or per-device loss), on CPU threads here and on real GPUs in the c
 
 from __future__ import annotations
 
+import collections
 import copy
 import logging
 import threading
@@ -24,7 +25,7 @@ from src.models import MLP, Transformer
 from src.objective import loss_sum
 from src.strategies import build_strategy
 from src.strategies.dp_criterion import parallel_criterion
-from src.strategies.replicas import DataParallel
+from src.strategies.replicas import DataParallel, gather
 
 CPU = torch.device("cpu")
 UNEVEN = (*TINY_SGD, "trainer.batch_size=25")  # 13+12 on 2 devices, 9+9+7 on 3
@@ -132,34 +133,85 @@ def test_check_batch_allows_uneven_splits_and_warns_about_idle_devices(caplog):
 
 
 class Recorder(nn.Module):
-    """Scales by a weight and notes, per call, its thread, its chunk's size and its keyword
-    argument's shape with `record`, a function attribute that the replicas (copies) share."""
+    """Scales by a weight and notes, per call, its thread and its inputs' sizes with `record`, a
+    function attribute that the replicas (copies) share."""
 
     def __init__(self, record):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(()))
         self.record = record
 
-    def forward(self, x, scale):
-        self.record((threading.current_thread().name, len(x), scale.shape))
-        return x * self.weight * scale.sum()
+    def forward(self, x, scale, offset=0.0):
+        self.record((threading.current_thread().name, len(x), len(scale), offset))
+        return x * self.weight * scale + offset
 
 
 @pytest.mark.parametrize(("batch", "chunks"), [(5, [2, 2, 1]), (9, [3, 3, 3]), (2, [1, 1])])
-def test_replicas_run_in_their_own_threads_on_chunks_and_kwargs_stay_whole(batch, chunks):
+@pytest.mark.parametrize("call", ["positional", "keyword", "keyword-only"])
+def test_replicas_run_in_their_own_threads_on_chunks_of_every_input(batch, chunks, call):
+    """As torch's `scatter_kwargs`: keyword inputs are split like positional ones (keyword-only
+    ones too: there was once nothing to split them by), anything but a tensor goes whole."""
     calls = []
     recorder = Recorder(calls.append)
     model = DataParallel(recorder, [CPU] * 4, gather_outputs=True)
-    x, scale = torch.arange(batch, dtype=torch.float32), torch.ones(batch)
-    output = model(x, scale=scale)
+    x, scale = torch.arange(batch, dtype=torch.float32), torch.full((batch,), 2.0)
+    if call == "positional":
+        output = model(x, scale, 1.0)
+    elif call == "keyword":
+        output = model(x, scale=scale, offset=1.0)
+    else:
+        output = model(x=x, scale=scale, offset=1.0)
 
-    torch.testing.assert_close(output, x * batch)  # gathered in order
-    assert sorted(size for _, size, _ in calls) == sorted(chunks)
-    assert all(shape == (batch,) for _, _, shape in calls)  # a keyword argument is not split
-    threads = {thread for thread, _, _ in calls}
+    torch.testing.assert_close(output, x * 2 + 1)  # gathered in order
+    assert sorted(size for _, size, _, _ in calls) == sorted(chunks)
+    assert all(x_size == scale_size and offset == 1.0 for _, x_size, scale_size, offset in calls)
+    threads = {thread for thread, *_ in calls}
     assert len(threads) == len(chunks) and threading.current_thread().name not in threads
     output.sum().backward()
-    assert recorder.weight.grad == (x * batch).sum()  # every replica's gradient summed
+    assert recorder.weight.grad == (x * 2).sum()  # every replica's gradient summed
+
+
+Point = collections.namedtuple("Point", ["x", "y"])
+
+
+def test_gather_keeps_structure_none_and_stacks_scalars_as_torch_does():
+    parts = [
+        {"loss": torch.tensor(1.0), "pair": (torch.ones(2, 3), Point(torch.zeros(2), None))},
+        {"loss": torch.tensor(2.0), "pair": (torch.ones(1, 3), Point(torch.ones(1), None))},
+    ]
+    gathered = gather(parts, CPU)
+    assert list(gathered) == ["loss", "pair"]
+    torch.testing.assert_close(gathered["loss"], torch.tensor([1.0, 2.0]))  # 0-dim: stacked
+    assert isinstance(gathered["pair"], tuple) and gathered["pair"][0].shape == (3, 3)
+    point = gathered["pair"][1]
+    assert isinstance(point, Point) and point.y is None
+    torch.testing.assert_close(point.x, torch.tensor([0.0, 0.0, 1.0]))
+    assert gather([[torch.ones(1)], [torch.ones(2)]], CPU)[0].shape == (3,)  # a list stays one
+
+
+def test_gather_refuses_dicts_whose_keys_differ_between_replicas():
+    parts = [{"logits": torch.ones(2)}, {"scores": torch.ones(2)}]
+    with pytest.raises(ValueError, match="replica 1 returned a dict with keys .'scores'. but"):
+        gather(parts, CPU)
+
+
+class ScalarAndNone(nn.Module):
+    """Returns a per-replica 0-dim loss, no auxiliary output, and per-sample logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(3, 2)
+
+    def forward(self, features):
+        logits = self.layer(features)
+        return {"loss": logits.square().sum(), "aux": None, "logits": logits}
+
+
+def test_a_model_returning_scalars_and_none_runs_under_dp():
+    inputs = torch.randn(5, 3)
+    outputs = DataParallel(ScalarAndNone(), [CPU] * 3, gather_outputs=True)(features=inputs)
+    assert outputs["aux"] is None and outputs["loss"].shape == (3,)
+    torch.testing.assert_close(outputs["loss"].sum(), outputs["logits"].square().sum())
 
 
 def test_batchnorm_running_statistics_come_from_the_first_replica():

@@ -73,12 +73,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from src.batches import Tree
 from src.config import ConfigError, ParallelConfig
 
 # DCP's APIs for a plain, DDP or FSDP2 model: parameter names as keys, each rank its own shards.
 SHARDED = StateDictOptions()
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[Tree, Tree], torch.Tensor]
+"""A task's `sums`: (outputs, targets) -> a 1-D tensor of sums."""
 
 
 def resolve_device_type(accelerator: str) -> str:
@@ -153,7 +155,7 @@ class Strategy:
                 f"sees {visible}; give each task {per_process} GPU(s) (srun --gpus-per-task)"
             )
 
-    def check_model(self, model: nn.Module, inputs: torch.Tensor) -> None:
+    def check_model(self, model: nn.Module, inputs: Tree) -> None:
         """Raise ConfigError when `model` (built on the meta device: shapes, no memory) cannot be
         placed this way, e.g. more stages than blocks; `inputs` are meta tensors shaped like a
         batch, for a forward pass on the meta device."""
@@ -173,9 +175,7 @@ class Strategy:
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model
 
-    def apply(
-        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, fn: LossFn
-    ) -> torch.Tensor:
+    def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
         raise NotImplementedError
 
     def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
@@ -249,7 +249,3 @@ class Strategy:
 
     def teardown(self) -> None:
         pass
-
-
-def move(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return batch.to(device, non_blocking=True)

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from src.batches import Tree, move
 from src.config import ConfigError
-from src.strategies.base import LossFn, Strategy, move, usable_cores
+from src.strategies.base import LossFn, Strategy, usable_cores
 from src.strategies.sync_batchnorm import convert_sync_batchnorm
 
 log = logging.getLogger(__name__)
@@ -111,9 +112,7 @@ class Distributed(Strategy):
             return [torch.device("cuda", self.local_rank % torch.cuda.device_count())]
         return [torch.device("cpu")]
 
-    def apply(
-        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, fn: LossFn
-    ) -> torch.Tensor:
+    def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
         return fn(model(move(inputs, self.device)), move(targets, self.device))
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from src.strategies.base import LossFn, Strategy, move
+from src.batches import Tree, move
+from src.strategies.base import LossFn, Strategy
 from src.strategies.replicas import DataParallel
 
 log = logging.getLogger(__name__)
@@ -46,9 +47,7 @@ class DP(Strategy):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module
 
-    def apply(
-        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, fn: LossFn
-    ) -> torch.Tensor:
+    def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
         return fn(model(inputs), move(targets, self.devices[0]))
 
     def report(self) -> dict[str, Any]:

@@ -18,21 +18,24 @@ from typing import Any
 import torch
 from torch import nn
 
+from src.batches import Tree, batch_size
 from src.strategies.base import LossFn
 from src.strategies.dp import DP
 from src.strategies.replicas import parallel_apply, scatter
 
 
 def parallel_criterion(
-    fn: LossFn, outputs: Sequence[Any], targets: torch.Tensor, devices: Sequence[torch.device]
+    fn: LossFn, outputs: Sequence[Any], targets: Tree, devices: Sequence[torch.device]
 ) -> torch.Tensor:
     """Sum of `fn(outputs[i], targets' part i)` over the parts, each computed on `devices[i]` in
     its own thread, added on `devices[0]`. `outputs` are a replicated model's per-device outputs
-    (tensors, tuples or dicts), `targets` the whole batch's, split as the inputs were."""
+    (tensors, tuples or dicts), `targets` the whole batch's (a tensor, tuple or dict), split as
+    the inputs were."""
     parts = scatter(targets, devices)
     if len(parts) != len(outputs):
         raise ValueError(
-            f"{len(targets)} targets split into {len(parts)} parts for {len(outputs)} outputs"
+            f"{batch_size(targets)} targets split into {len(parts)} parts for {len(outputs)} "
+            "outputs"
         )
     losses = parallel_apply([fn] * len(parts), list(zip(outputs, parts, strict=True)), devices)
     return torch.stack([loss.to(devices[0]) for loss in losses]).sum(0)
@@ -41,8 +44,6 @@ def parallel_criterion(
 class DPCriterion(DP):
     gather_outputs = False
 
-    def apply(
-        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, fn: LossFn
-    ) -> torch.Tensor:
+    def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
         outputs = model(inputs)
         return parallel_criterion(fn, outputs, targets, self.devices[: len(outputs)])

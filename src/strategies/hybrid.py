@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from src.batches import Tree
 from src.config import ConfigError
 from src.strategies.base import LossFn
 from src.strategies.ddp import DDP
@@ -68,7 +69,7 @@ class Hybrid(DDP):
             "the batch per process and micro-step (batch_size / accumulate / processes)",
         )
 
-    def check_model(self, model: nn.Module, inputs: torch.Tensor) -> None:
+    def check_model(self, model: nn.Module, inputs: Tree) -> None:
         self.split_points = plan_split_points(
             model, inputs, self.cfg.stages, self.cfg.split_points, "parallel.stages"
         )
@@ -98,9 +99,7 @@ class Hybrid(DDP):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module.model
 
-    def apply(
-        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, fn: LossFn
-    ) -> torch.Tensor:
+    def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
         return model(inputs, targets, fn)
 
     def report(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from src.batches import Tree
 from src.strategies.base import LossFn, Strategy
 from src.strategies.pipeline import (
     Pipeline,
@@ -34,7 +35,7 @@ class ModelParallel(Strategy):
             self.cfg.microbatches, micro_batch, "the batch per micro-step (batch_size / accumulate)"
         )
 
-    def check_model(self, model: nn.Module, inputs: torch.Tensor) -> None:
+    def check_model(self, model: nn.Module, inputs: Tree) -> None:
         self.split_points = plan_split_points(
             model, inputs, self.cfg.devices, self.cfg.split_points, "parallel.devices"
         )
@@ -49,9 +50,7 @@ class ModelParallel(Strategy):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.model
 
-    def apply(
-        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, fn: LossFn
-    ) -> torch.Tensor:
+    def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
         return model(inputs, targets, fn)
 
     def report(self) -> dict[str, Any]:

@@ -6,8 +6,9 @@ takes the targets and the loss function too, so that the loss is computed on the
 where the outputs are; `model_parallel` calls it directly and `hybrid` wraps it in DDP
 (`device_ids=None`), which passes the arguments through.
 
-What a block hands to the next stage may be a tensor or a tuple, list or dict of tensors (nested
-too): each micro-batch's structure moves to the next stage's device as it is. Anything else (a
+The inputs and targets, and what a block hands to the next stage, may be a tensor or a tuple,
+list or dict of tensors (nested too, `src/batches.py`): each is split into micro-batches leaf by
+leaf, and each micro-batch's structure moves to the next stage's device as it is. Anything else (a
 Python number, a string, ...) cannot be moved; `plan_split_points` finds such block boundaries
 with a forward pass on the meta device before any work, refuses split points there and keeps
 the automatic split away from them.
@@ -22,9 +23,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
-from src.strategies.base import ConfigError, LossFn, move
+from src.batches import Tree, batch_size, move, split
+from src.strategies.base import ConfigError, LossFn
 
 log = logging.getLogger(__name__)
 
@@ -116,11 +118,7 @@ def movable(value: Any) -> bool:
     return all(torch.is_tensor(leaf) for leaf in leaves)
 
 
-def move_to(value: Any, device: torch.device) -> Any:
-    return tree_map(lambda tensor: move(tensor, device), value)
-
-
-def meta_block_outputs(model: nn.Sequential, inputs: torch.Tensor) -> list[Any] | None:
+def meta_block_outputs(model: nn.Sequential, inputs: Tree) -> list[Any] | None:
     """What each block of `model` (built on the meta device) returns for `inputs` (meta), or
     None when the blocks cannot run on the meta device (then nothing is known in advance)."""
     outputs, value = [], inputs
@@ -146,7 +144,7 @@ def describe_value(value: Any) -> str:
 
 def plan_split_points(
     model: nn.Sequential,
-    inputs: torch.Tensor,
+    inputs: Tree,
     stages: int,
     split_points: Sequence[int] | None,
     stages_setting: str,
@@ -247,18 +245,17 @@ class Pipeline(nn.Module):
             for (a, b), device in zip(itertools.pairwise(bounds), devices, strict=True)
         ]
 
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor, fn: LossFn) -> torch.Tensor:
+    def forward(self, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
         # Uneven micro-batches are exact: `fn` returns sums. An eval batch smaller than M gets
         # fewer micro-batches rather than empty ones.
-        chunks = min(self.microbatches, len(inputs))
-        micro_inputs = move(inputs, self.devices[0]).tensor_split(chunks)
-        micro_targets = move(targets, self.devices[-1]).tensor_split(chunks)
-        activations: list[Any] = list(micro_inputs)  # a tensor, or a structure of tensors
+        chunks = min(self.microbatches, batch_size(inputs))
+        activations = split(move(inputs, self.devices[0]), chunks)
+        micro_targets = split(move(targets, self.devices[-1]), chunks)
         total = None
         last = len(self.stages) - 1
         for tick in gpipe_ticks(len(self.stages), chunks):
             for stage, micro in tick:
-                x = move_to(activations[micro], self.devices[stage])
+                x = move(activations[micro], self.devices[stage])
                 activations[micro] = self.stages[stage](x)
                 if stage == last:
                     part = fn(activations[micro], micro_targets[micro])

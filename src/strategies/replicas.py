@@ -1,12 +1,18 @@
 """Scatter, replicate, parallel apply, gather: the data flow of `torch.nn.DataParallel`, shared by
 `parallel=dp` and `parallel=dp_criterion`.
 
-On CUDA, scatter / replicate / gather are torch.nn.parallel's own functions. On CPU,
+On CUDA, scatter and replicate are torch.nn.parallel's own functions. On CPU,
 `torch.nn.DataParallel` silently becomes a plain call of the module, so a test there would check
 nothing; the CPU path below runs the same flow with `parallel.devices` replicas instead: the batch
 is chunked as torch chunks it, replica 0 is the module itself and the others are copies that hold
 the very same Parameters (so their gradients sum into the originals) and fresh copies of the
 buffers, each replica runs in its own thread, and the outputs are concatenated.
+
+Inputs, positional and keyword alike, and outputs may be tensors or tuples, lists and dicts of
+them (nested too). As in torch, every tensor is split on dim 0 and anything else is given to
+every replica whole; the outputs are gathered by torch's rules on both device types: tensors are
+concatenated (0-dim ones stacked into a vector), `None` stays `None`, tuples, lists and dicts
+keep their structure, and replicas returning dicts with different keys are an error.
 
 `parallel_apply` is ours on both device types: torch's re-enters autocast in its worker threads
 with the device's default dtype (float16 on CUDA), which turns a bf16 run into an fp16 one, and it
@@ -27,11 +33,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch._utils import ExceptionWrapper
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.nn.parallel._functions import Gather
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
 def scatter(batch: Any, devices: Sequence[torch.device]) -> list[Any]:
-    """One part of `batch` (a tensor, or a tuple/list/dict of them) per device, split on dim 0.
+    """One part of `batch` (a tensor, or a tuple/list/dict of them) per device, split on dim 0;
+    whatever is not a tensor goes to every part whole.
 
     Chunks are `Tensor.chunk`'s: 5 samples on 4 devices give 2, 2, 1, and fewer samples than
     devices give fewer parts, so the caller uses only the first `len(parts)` devices.
@@ -40,7 +48,7 @@ def scatter(batch: Any, devices: Sequence[torch.device]) -> list[Any]:
         return list(torch.nn.parallel.scatter(batch, devices))
     leaves, spec = tree_flatten(batch)
     chunks = [x.chunk(len(devices)) if torch.is_tensor(x) else [x] * len(devices) for x in leaves]
-    parts = min(len(leaf_chunks) for leaf_chunks in chunks)
+    parts = min((len(leaf_chunks) for leaf_chunks in chunks), default=len(devices))
     return [tree_unflatten([leaf_chunks[i] for leaf_chunks in chunks], spec) for i in range(parts)]
 
 
@@ -53,21 +61,25 @@ def replicate(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Mod
 
 
 def gather(outputs: Sequence[Any], device: torch.device) -> Any:
-    """The per-device outputs concatenated on dim 0 on `device`, keeping their structure."""
-    if device.type == "cuda":
-        return torch.nn.parallel.gather(outputs, device)
-    _, spec = tree_flatten(outputs[0])
-    columns = zip(*(tree_flatten(output)[0] for output in outputs), strict=True)
-    return tree_unflatten([torch.cat(column) for column in columns], spec)
-
-
-def broadcast(kwargs: dict[str, Any], devices: Sequence[torch.device]) -> list[dict[str, Any]]:
-    """The same keyword arguments for every device, never split: they are not per-sample."""
-    return [_moved(kwargs, device) for device in devices]
-
-
-def _moved(tree: Any, device: torch.device) -> Any:
-    return tree_map(lambda x: x.to(device) if torch.is_tensor(x) else x, tree)
+    """The per-device outputs as one on `device`, by `torch.nn.parallel.gather`'s rules (see
+    above); on CUDA its `Gather` joins the tensors, whose backward scatters the gradients."""
+    first = outputs[0]
+    if torch.is_tensor(first):
+        if device.type == "cuda":
+            return Gather.apply(device, 0, *outputs)  # 0-dim ones: unsqueezed, with a warning
+        return torch.stack(outputs) if first.dim() == 0 else torch.cat(outputs)
+    if first is None:
+        return None
+    if isinstance(first, dict):
+        for i, output in enumerate(outputs):
+            if output.keys() != first.keys():
+                raise ValueError(
+                    f"replica {i} returned a dict with keys {sorted(output)} but replica 0 "
+                    f"{sorted(first)}: every replica must return the same keys"
+                )
+        return type(first)((key, gather([o[key] for o in outputs], device)) for key in first)
+    columns = [gather(column, device) for column in zip(*outputs, strict=True)]
+    return type(first)._make(columns) if hasattr(first, "_fields") else type(first)(columns)
 
 
 @contextlib.contextmanager
@@ -125,8 +137,8 @@ def parallel_apply(
 
 
 class DataParallel(nn.Module):
-    """`torch.nn.DataParallel`'s forward pass on CUDA or CPU: positional inputs are scattered on
-    dim 0, keyword arguments are given whole to every replica. With `gather_outputs=False` it
+    """`torch.nn.DataParallel`'s forward pass on CUDA or CPU: the tensors of the positional and
+    keyword inputs are scattered on dim 0 (`scatter_kwargs`). With `gather_outputs=False` it
     returns the per-device outputs instead (PyTorch-Encoding's DataParallelModel)."""
 
     def __init__(self, module: nn.Module, devices: Sequence[torch.device], gather_outputs: bool):
@@ -136,8 +148,9 @@ class DataParallel(nn.Module):
         self.gather_outputs = gather_outputs
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        parts = scatter(inputs, self.devices)
+        parts = scatter((inputs, kwargs), self.devices)
         devices = self.devices[: len(parts)]
         replicas = replicate(self.module, devices)
-        outputs = parallel_apply(replicas, parts, devices, broadcast(kwargs, devices))
+        args, kwargs_parts = zip(*parts, strict=True)
+        outputs = parallel_apply(replicas, args, devices, kwargs_parts)
         return gather(outputs, self.devices[0]) if self.gather_outputs else outputs

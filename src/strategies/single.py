@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from src.strategies.base import ConfigError, LossFn, Strategy, move
+from src.batches import Tree, move
+from src.strategies.base import ConfigError, LossFn, Strategy
 
 
 class Single(Strategy):
@@ -22,8 +23,6 @@ class Single(Strategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         return model.to(self.devices[0])
 
-    def apply(
-        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, fn: LossFn
-    ) -> torch.Tensor:
+    def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
         device = self.devices[0]
         return fn(model(move(inputs, device)), move(targets, device))
