@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils.data import default_collate
 
 Tree = Any
 """A tensor, or a tuple, list or dict of them (nested too)."""
@@ -29,6 +30,15 @@ def batch_size(batch: Tree) -> int:
     if first is None or first.dim() == 0:
         raise ValueError(f"a batch needs a tensor with a batch dimension, got {describe(batch)}")
     return len(first)
+
+
+def collate(samples: list[Tree]) -> Tree:
+    """Samples (each a structure of tensors, numbers or arrays) stacked into one batch of the
+    same structure, leaf by leaf with torch's `default_collate` (which on its own turns tuples
+    into lists, so that a batch from a DataLoader would differ from one of an in-memory set)."""
+    _, spec = tree_flatten(samples[0])
+    columns = zip(*(tree_flatten(sample)[0] for sample in samples), strict=True)
+    return tree_unflatten([default_collate(list(column)) for column in columns], spec)
 
 
 def move(batch: Tree, device: torch.device) -> Tree:

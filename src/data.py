@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import DataLoader, Dataset
 
 from src import batches
 from src.batches import Tree
@@ -87,7 +87,7 @@ def first_samples(dataset: Split | Dataset, count: int) -> Batch:
     """The first `count` samples of a set, batched (on the host) as a DataLoader batches them."""
     if isinstance(dataset, Split):
         return batches.move(dataset[:count], torch.device("cpu"))
-    return default_collate([dataset[index] for index in range(count)])
+    return batches.collate([dataset[index] for index in range(count)])
 
 
 def meta_samples(dataset: Split | Dataset, count: int) -> Batch:
@@ -354,6 +354,7 @@ class Loading:
         return DataLoader(
             dataset,
             batch_sampler=batch_sampler,
+            collate_fn=batches.collate,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             persistent_workers=workers and self.persistent_workers,

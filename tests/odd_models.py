@@ -100,6 +100,35 @@ class DictOutputMLP(MLP):
         return {"logits": super().forward(inputs)}
 
 
+class JoinedInputs(nn.Module):
+    """A dict of (batch, ...) inputs, flattened and concatenated in key order: (batch, features)."""
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([inputs[key].flatten(1) for key in sorted(inputs)], dim=1)
+
+
+class LogitsAndValue(nn.Module):
+    """Two heads: {"logits": (batch, classes), "value": (batch,)}."""
+
+    def __init__(self, width: int, num_classes: int):
+        super().__init__()
+        self.logits = nn.Linear(width, num_classes)
+        self.value = nn.Linear(width, 1)
+
+    def forward(self, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"logits": self.logits(hidden), "value": self.value(hidden)[:, 0]}
+
+
+class DictInDictOutMLP(MLP):
+    """The MLP fed a dict of inputs (`tests.odd_data.halves_and_values`' {"left", "right"}) and
+    returning a dict, {"logits", "value"}, which `tests.odd_tasks.LabelAndValue` scores."""
+
+    def __init__(self, **sizes: Any):
+        super().__init__(**sizes)
+        self[0][0] = JoinedInputs()  # in place of the Flatten
+        self[-1] = LogitsAndValue(sizes["hidden"], sizes["num_classes"])
+
+
 class ListOutputMLP(MLP):
     def forward(self, inputs: torch.Tensor) -> list[torch.Tensor]:
         return [super().forward(inputs)]

@@ -1,8 +1,9 @@
-"""A task of a user's own, outside `src/`: named by `task._target_=tests.odd_tasks.BrierScore`."""
+"""Tasks of a user's own, outside `src/`: named by `task._target_=tests.odd_tasks.<Name>`."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 class BrierScore:
@@ -19,3 +20,23 @@ class BrierScore:
 
     def figures(self, sums: list[float], count: float) -> dict[str, float]:
         return {"loss": sums[0] / count, "accuracy": sums[1] / count}
+
+
+class LabelAndValue:
+    """Dict outputs against dict targets: cross-entropy of outputs["logits"] against
+    targets["label"] plus the squared error of outputs["value"] against targets["value"] (the
+    loss), accuracy, and the squared error alone."""
+
+    def sums(self, outputs: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]):
+        logits, labels = outputs["logits"].float(), targets["label"]
+        squared = (outputs["value"].float() - targets["value"]).square().sum()
+        correct = (logits.argmax(-1) == labels).sum(dtype=torch.float32)
+        cross_entropy = F.cross_entropy(logits, labels, reduction="sum")
+        return torch.stack([cross_entropy + squared, correct, squared])
+
+    def count(self, targets: dict[str, torch.Tensor]) -> int:
+        return targets["label"].numel()
+
+    def figures(self, sums: list[float], count: float) -> dict[str, float]:
+        loss, correct, squared = sums
+        return {"loss": loss / count, "accuracy": correct / count, "value_mse": squared / count}
