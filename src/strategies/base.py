@@ -27,6 +27,8 @@ Per micro-step:
     with strategy.grad_sync(model, enabled):         False on accumulation steps that do not
         out = strategy.apply(model, x, y, fn)        step the optimizer (DDP's no_sync)
         (out[0] / count).backward()                  fn gives [loss sum, correct predictions]
+    `x` and `y` are tensors or tuples/lists/dicts of tensors (`src/batches.py`); the model takes
+    `x` as one argument, `fn` the outputs and `y` as they are.
     `apply` runs the forward pass however the strategy likes (scattered, pipelined, ...), calls
     `fn(outputs, targets)` where the outputs are, and returns the sum of `fn`'s results over the
     parts as one tensor. `fn` always returns sums (see `src/objective.py`), so dividing by the
