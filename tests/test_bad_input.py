@@ -29,9 +29,9 @@ NEEDS_GPU_WITHOUT_BF16 = pytest.mark.skipif(
     reason="needs a GPU without bf16",
 )
 
-# (overrides on top of TINY, where it is refused, what the message must say). {finished}, {truncated} and
-# {foreign} are files made by the test: a finished run's checkpoint (6 of 6 steps, MLP hidden=32,
-# adamw), that checkpoint cut in half, and a torch file that is no checkpoint.
+# (overrides on top of TINY, where it is refused, what the message must say). {finished},
+# {truncated} and {foreign} are files made by the test: a finished run's checkpoint (6 of 6 steps,
+# MLP hidden=32, adamw), that checkpoint cut in half, and a torch file that is no checkpoint.
 ROWS = [
     pytest.param(
         ["parallel=nosuch"],
