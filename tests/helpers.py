@@ -172,6 +172,39 @@ def reference_run(*overrides: str) -> Path:
     return run_dir
 
 
+@functools.cache
+def sweep_runs(*overrides: str) -> dict[str, Path]:
+    """One `train.py -m` sweep (comma-separated values in `overrides`), run once per test session:
+    every job's run folder, keyed by the job's swept overrides (`"parallel=ddp"`, or
+    `"parallel=dp parallel.devices=3"` when two keys are swept). One process runs every job, and
+    starts the ranks of those that have any: far less start-up than a `train.py` each."""
+    sweep_dir = Path(tempfile.mkdtemp(prefix="sweep-"))
+    result = run_sweep(*overrides, sweep_dir=sweep_dir)
+    assert result.returncode == 0, result.stderr[-4000:]
+    swept = [
+        key for key, _, value in (o.partition("=") for o in overrides) if "," in value.strip("[]")
+    ]
+    runs = {}
+    for job in sweep_dir.iterdir():
+        if (job / ".hydra").is_dir():
+            job_overrides = OmegaConf.load(job / ".hydra" / "overrides.yaml")
+            key = " ".join(o for o in job_overrides if o.split("=")[0] in swept)
+            runs[key] = job
+    return runs
+
+
+# Every strategy but `single`, as its `conf/parallel/` option ships (2 devices; hybrid 2 pipelines
+# of 2 stages).
+STRATEGIES = ("dp", "dp_criterion", "ddp", "model_parallel", "hybrid", "fsdp")
+
+
+def strategy_runs(*overrides: str, strategies: tuple[str, ...] = STRATEGIES) -> dict[str, Path]:
+    """`overrides` trained under `single` and each of `strategies`, in one sweep (`sweep_runs`):
+    the run folders by strategy."""
+    runs = sweep_runs(*overrides, f"parallel={','.join(['single', *strategies])}")
+    return {key.removeprefix("parallel="): run_dir for key, run_dir in runs.items()}
+
+
 def metrics(run_dir: Path) -> list[dict[str, Any]]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
