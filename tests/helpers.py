@@ -182,7 +182,9 @@ def sweep_runs(*overrides: str) -> dict[str, Path]:
     result = run_sweep(*overrides, sweep_dir=sweep_dir)
     assert result.returncode == 0, result.stderr[-4000:]
     swept = [
-        key for key, _, value in (o.partition("=") for o in overrides) if "," in value.strip("[]")
+        key
+        for key, _, value in (override.partition("=") for override in overrides)
+        if "," in value and not value.startswith(("[", "{"))  # a list or dict is one value
     ]
     runs = {}
     for job in sweep_dir.iterdir():
