@@ -72,15 +72,32 @@ def test_killed_gpu_run_resumes_to_the_same_weights(tmp_path):
 
 @pytest.mark.equivalence
 @pytest.mark.timeout(300)
-def test_killed_run_reading_with_workers_resumes_at_the_samplers_position(tmp_path):
-    """A token file read by 2 DataLoader workers: killed and resumed, the run starts its sampler
-    at the checkpoint's step (batches are a function of (seed, step); none replayed) and ends
-    where an uninterrupted run reading in-process ends."""
+def test_run_reading_with_workers_resumes_at_the_samplers_position(tmp_path):
+    """A token file read by 2 DataLoader workers: killed (SIGKILL), resumed, then stopped with
+    Ctrl-C (which signals the workers too) and resumed again, the run starts its sampler at each
+    checkpoint's step (batches are a function of (seed, step); none replayed) and ends where an
+    uninterrupted run reading in-process ends."""
     token_file = tmp_path / "train.bin"
     write_tokens(token_file)
     resumable = (*tokens_run(token_file), "trainer.max_steps=60", "trainer.checkpoint_every=5")
     reference = reference_run(*resumable, "data.num_workers=0")
-    kill_and_resume(tmp_path / "run", *resumable, "data.num_workers=2", reference=reference)
+    run_dir = tmp_path / "run"
+    with_workers = (*resumable, "data.num_workers=2", "trainer.resume=auto")
+    run = TrainRun(*with_workers, run_dir=run_dir, one_page=True)
+    run.wait_for("step 6/60")
+    run.process.kill()
+    assert run.finish().returncode == -signal.SIGKILL
+
+    run = TrainRun(*with_workers, run_dir=run_dir, one_page=True)
+    run.wait_for("step 12/60")
+    os.killpg(run.process.pid, signal.SIGINT)
+    finished = run.finish()
+    assert finished.returncode == 128 + signal.SIGINT, finished.stdout[-3000:]
+    assert "Traceback" not in finished.stdout
+    assert 12 <= stopped_step(finished.stdout, "SIGINT", run_dir) < 60
+
+    run_train(*with_workers, run_dir=run_dir)
+    assert_same_training(reference, run_dir)
 
 
 def kill_and_resume(tmp_path: Path, *overrides: str, reference: Path) -> None:
