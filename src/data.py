@@ -17,6 +17,7 @@ import gzip
 import logging
 import math
 import os
+import signal
 import struct
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator
@@ -359,7 +360,17 @@ class Loading:
             pin_memory=self.pin_memory,
             persistent_workers=workers and self.persistent_workers,
             prefetch_factor=self.prefetch_factor if workers else None,
+            worker_init_fn=leave_stop_signals_to_the_trainer if workers else None,
         )
+
+
+def leave_stop_signals_to_the_trainer(worker_id: int) -> None:
+    """Ctrl-C signals the whole process group, and a scheduler's SIGTERM often every process of
+    the job: a worker that died of it would crash the training process ("DataLoader worker exited
+    unexpectedly") before it could stop after the step and save. The training process stops its
+    workers itself when it ends (and a worker whose parent is gone exits on its own)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class EpochSamples(Dataset):

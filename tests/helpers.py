@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import json
 import os
@@ -77,6 +78,74 @@ def train_command(*overrides: str) -> list[str]:
     return [sys.executable, "train.py", *on_cpu(overrides)]
 
 
+class TrainRun:
+    """`python train.py <overrides> hydra.run.dir=<run_dir>` (or `-m ... hydra.sweep.dir=<dir>`)
+    started in the background, in its own session: the process group that a terminal's Ctrl-C
+    would signal as a whole. The one way the tests start `train.py`.
+
+    With `one_page=True`, stdout and stderr share a pipe of one page that `wait_for` reads line by
+    line: once the test stops reading, the run can get at most a page of log lines (a few dozen
+    steps) ahead and cannot finish first, so signal tests need no sleeps and have no races."""
+
+    def __init__(
+        self,
+        *overrides: str,
+        run_dir: Path | None = None,
+        sweep_dir: Path | None = None,
+        env: dict[str, str] | None = None,
+        one_page: bool = False,
+    ):
+        command = (
+            [*train_command(*overrides), f"hydra.run.dir={run_dir}"]
+            if sweep_dir is None
+            else [*train_command("-m", *overrides), f"hydra.sweep.dir={sweep_dir}"]
+        )
+        self.command = command
+        stdout = stderr = subprocess.PIPE
+        if one_page:
+            read_end, stdout = os.pipe()
+            fcntl.fcntl(stdout, fcntl.F_SETPIPE_SZ, 4096)
+            stderr = subprocess.STDOUT
+        self.process = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            stdout=stdout,
+            stderr=stderr,
+            env={**os.environ, "WANDB_SILENT": "true", **(env or {})},
+            start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self.page = None
+        if one_page:
+            os.close(stdout)
+            self.page = os.fdopen(read_end, "rb", buffering=0)  # unbuffered: reads one line only
+
+    def wait_for(self, text: str, times: int = 1) -> None:
+        """Read the output until `text` has appeared in `times` lines (`one_page` runs)."""
+        while sum(text in line for line in self.lines) < times:
+            line = self.page.readline().decode()
+            assert line, f"train.py ended before printing {text!r}:\n{''.join(self.lines)}"
+            self.lines.append(line)
+
+    def finish(self, timeout: float = 300, check: bool = False) -> subprocess.CompletedProcess:
+        """Wait for the exit code, reading the rest of the output (which unblocks the run).
+        `one_page` runs return all their output as stdout."""
+        if self.page is None:
+            stdout, stderr = (text.decode() for text in self.process.communicate(timeout=timeout))
+        else:
+            self.lines.append(self.page.read().decode())
+            self.page.close()
+            self.process.wait(timeout=timeout)
+            stdout, stderr = "".join(self.lines), ""
+        result = subprocess.CompletedProcess(self.command, self.process.returncode, stdout, stderr)
+        if check and result.returncode != 0:
+            raise AssertionError(
+                f"{' '.join(self.command)} exited {result.returncode}\n"
+                f"stdout:\n{stdout[-4000:]}\nstderr:\n{stderr[-4000:]}"
+            )
+        return result
+
+
 def run_train(
     *overrides: str,
     run_dir: Path,
@@ -84,36 +153,15 @@ def run_train(
     timeout: float = 300,
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """`python train.py <overrides> hydra.run.dir=<run_dir>` in a subprocess."""
-    command = train_command(*overrides, f"hydra.run.dir={run_dir}")
-    result = subprocess.run(
-        command,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "WANDB_SILENT": "true", **(env or {})},
-    )
-    if check and result.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(command)} exited {result.returncode}\n"
-            f"stdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"
-        )
-    return result
+    """`python train.py <overrides> hydra.run.dir=<run_dir>`, to the end."""
+    return TrainRun(*overrides, run_dir=run_dir, env=env).finish(timeout, check)
 
 
 def run_sweep(
     *overrides: str, sweep_dir: Path, env: dict[str, str] | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess:
-    """`python train.py -m <overrides> hydra.sweep.dir=<sweep_dir>` in a subprocess."""
-    return subprocess.run(
-        [sys.executable, "train.py", "-m", *on_cpu(overrides), f"hydra.sweep.dir={sweep_dir}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "WANDB_SILENT": "true", **(env or {})},
-    )
+    """`python train.py -m <overrides> hydra.sweep.dir=<sweep_dir>`, to the end."""
+    return TrainRun(*overrides, sweep_dir=sweep_dir, env=env).finish(timeout)
 
 
 @functools.cache
@@ -122,6 +170,41 @@ def reference_run(*overrides: str) -> Path:
     run_dir = Path(tempfile.mkdtemp(prefix="reference-"))
     run_train(*overrides, "parallel=single", run_dir=run_dir)
     return run_dir
+
+
+@functools.cache
+def sweep_runs(*overrides: str) -> dict[str, Path]:
+    """One `train.py -m` sweep (comma-separated values in `overrides`), run once per test session:
+    every job's run folder, keyed by the job's swept overrides (`"parallel=ddp"`, or
+    `"parallel=dp parallel.devices=3"` when two keys are swept). One process runs every job, and
+    starts the ranks of those that have any: far less start-up than a `train.py` each."""
+    sweep_dir = Path(tempfile.mkdtemp(prefix="sweep-"))
+    result = run_sweep(*overrides, sweep_dir=sweep_dir)
+    assert result.returncode == 0, result.stderr[-4000:]
+    swept = [
+        key
+        for key, _, value in (override.partition("=") for override in overrides)
+        if "," in value and not value.startswith(("[", "{"))  # a list or dict is one value
+    ]
+    runs = {}
+    for job in sweep_dir.iterdir():
+        if (job / ".hydra").is_dir():
+            job_overrides = OmegaConf.load(job / ".hydra" / "overrides.yaml")
+            key = " ".join(o for o in job_overrides if o.split("=")[0] in swept)
+            runs[key] = job
+    return runs
+
+
+# Every strategy but `single`, as its `conf/parallel/` option ships (2 devices; hybrid 2 pipelines
+# of 2 stages).
+STRATEGIES = ("dp", "dp_criterion", "ddp", "model_parallel", "hybrid", "fsdp")
+
+
+def strategy_runs(*overrides: str, strategies: tuple[str, ...] = STRATEGIES) -> dict[str, Path]:
+    """`overrides` trained under `single` and each of `strategies`, in one sweep (`sweep_runs`):
+    the run folders by strategy."""
+    runs = sweep_runs(*overrides, f"parallel={','.join(['single', *strategies])}")
+    return {key.removeprefix("parallel="): run_dir for key, run_dir in runs.items()}
 
 
 def metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -1,9 +1,12 @@
-"""Bad input fails fast through the real `train.py`: exit code 2, one message that names the
-setting (and what to change), no traceback, and nothing written that a run would leave.
+"""Bad input fails fast: exit code 2, one message that names the setting (and what to change), no
+traceback, and nothing written that a run would leave.
 
-HYDRA rows are refused while Hydra composes the config (schema, unknown option, override syntax):
-one `train.py: error: ...` line. CHECK rows are refused by `check_config` (a `ConfigError`), before
-any process, model or tracker is started: one `[ERROR]` log line.
+HYDRA rows are refused while Hydra composes the config (schema, unknown option, override syntax);
+`train.py` prints them as one `train.py: error: ...` line. CHECK rows are refused by
+`check_config` (a `ConfigError`), before any process, model or tracker is started; `train.py` logs
+them as one `[ERROR]` line. Every row is checked in this process through Hydra's compose API (what
+`train.py` composes); one row of each kind also goes through the real `train.py`, which pins how
+the message reaches the user.
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import TINY, needs_gpus, pretend_gpus, reference_run, run_train
+from hydra.errors import ConfigCompositionException, OverrideParseException
 
-from src.config import ConfigError
+from src.config import ConfigError, composition_error_line
 from src.experiment import check_config
 
 HYDRA, CHECK = "hydra", "check"
@@ -25,9 +29,9 @@ NEEDS_GPU_WITHOUT_BF16 = pytest.mark.skipif(
     reason="needs a GPU without bf16",
 )
 
-# (overrides on top of TINY, exit code, what the message must say). {finished}, {truncated} and
-# {foreign} are files made by the test: a finished run's checkpoint (6 of 6 steps, MLP hidden=32,
-# adamw), that checkpoint cut in half, and a torch file that is no checkpoint.
+# (overrides on top of TINY, where it is refused, what the message must say). {finished},
+# {truncated} and {foreign} are files made by the test: a finished run's checkpoint (6 of 6 steps,
+# MLP hidden=32, adamw), that checkpoint cut in half, and a torch file that is no checkpoint.
 ROWS = [
     pytest.param(
         ["parallel=nosuch"],
@@ -169,12 +173,6 @@ ROWS = [
         "parallel.stages=4 stages need 3 block boundaries to cut at, but only 2 of the model's 3 "
         "pass tensors (no stage can start at block 2 (block 1 returns a tuple holding a float))",
         id="hybrid-no-split-passes-tensors",
-    ),
-    pytest.param(
-        ["parallel=ddp", "trainer.accelerator=cpu", "parallel.nodes=2"],
-        CHECK,
-        "parallel.nodes > 1 needs a rendezvous every node can reach: set parallel.master_addr",
-        id="ddp-nodes-without-rendezvous",
     ),
     pytest.param(
         ["trainer.max_steps=abc"],
@@ -359,19 +357,45 @@ def files(tmp_path):
     return {"finished": finished, "truncated": truncated, "foreign": foreign}
 
 
-@pytest.mark.parametrize("overrides, exit_code, message", ROWS)
-def test_bad_input_fails_fast_with_one_clear_message(
-    tmp_path, files, overrides, exit_code, message
+@pytest.mark.parametrize("overrides, stage, message", ROWS)
+def test_bad_input_is_refused_before_any_work(
+    tmp_path, files, compose_config, overrides, stage, message
 ):
+    overrides = with_overrides(TINY, [override.format(**files) for override in overrides])
+    if stage == HYDRA:
+        with pytest.raises((ConfigCompositionException, OverrideParseException)) as refused:
+            compose_config(*overrides)
+        assert message in composition_error_line(refused.value)
+        return
     run_dir = tmp_path / "run"
-    overrides = [override.format(**files) for override in overrides]
+    with pytest.raises(ConfigError) as refused:
+        check_config(compose_config(*overrides), run_dir)
+    assert message in str(refused.value)
+    assert "\n" not in str(refused.value)
+    assert not run_dir.exists(), "a refused run wrote files"
+
+
+@pytest.mark.parametrize(
+    "overrides, stage, message",
+    [
+        (["parallel=nosuch"], HYDRA, "Could not find 'parallel/nosuch'; choose one of ddp,"),
+        (
+            ["parallel=ddp", "trainer.accelerator=cpu", "parallel.nodes=2"],
+            CHECK,
+            "parallel.nodes > 1 needs a rendezvous every node can reach: set parallel.master_addr",
+        ),
+    ],
+    ids=["hydra", "ddp-nodes-without-rendezvous"],
+)
+def test_train_py_reports_bad_input_in_one_line(tmp_path, overrides, stage, message):
+    run_dir = tmp_path / "run"
     result = run_train(*with_overrides(TINY, overrides), run_dir=run_dir, check=False)
 
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
     assert message in output
     assert "Traceback" not in output
-    if exit_code == CHECK:
+    if stage == CHECK:
         assert output.count("[ERROR]") == 1, output
     else:
         assert len(output.splitlines()) == 1 and output.startswith("train.py: error: "), output

@@ -20,6 +20,7 @@ from helpers import (
     ROOT,
     TINY,
     TINY_SGD,
+    TrainRun,
     assert_same_training,
     checkpoint,
     evaluate_checkpoint,
@@ -30,7 +31,6 @@ from helpers import (
     reference_run,
     run_train,
     summary,
-    train_command,
 )
 
 import src.strategies.ddp
@@ -41,26 +41,6 @@ from src.models import MLP
 from src.strategies import build_strategy
 
 DDP = ("parallel=ddp", "parallel.devices=2")
-
-
-def start_train(*overrides: str, run_dir: Path, env: dict[str, str] | None = None):
-    """`python train.py <overrides>` in the background; `finish` waits for it."""
-    return subprocess.Popen(
-        train_command(*overrides, f"hydra.run.dir={run_dir}"),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "WANDB_SILENT": "true", **(env or {})},
-    )
-
-
-def finish(process: subprocess.Popen, timeout: float = 300) -> str:
-    stdout, stderr = process.communicate(timeout=timeout)
-    assert process.returncode == 0, (
-        f"exited {process.returncode}\n{stdout[-3000:]}\n{stderr[-3000:]}"
-    )
-    return stdout + stderr
 
 
 def log_lines(run_dir: Path) -> list[str]:
@@ -89,10 +69,10 @@ def test_two_ddp_jobs_at_once_train_exactly_like_single(tmp_path):
     )
     jobs = {"plain": TINY_SGD, "accumulate": (*with_wandb, "trainer.accumulate=2")}
     processes = [
-        start_train(*overrides, *DDP, run_dir=tmp_path / name) for name, overrides in jobs.items()
+        TrainRun(*overrides, *DDP, run_dir=tmp_path / name) for name, overrides in jobs.items()
     ]
     for process in processes:
-        finish(process)
+        process.finish(check=True)
     assert_same_training(reference_run(*TINY_SGD), tmp_path / "plain")
     assert_same_training(reference_run(*TINY_SGD, "trainer.accumulate=2"), tmp_path / "accumulate")
 
@@ -204,14 +184,7 @@ def test_ranks_end_within_seconds_when_the_launcher_is_killed(tmp_path, moment):
     within seconds, or a requeued job would start beside them. (Killed while they train, the
     ranks always went at once.)"""
     marker = uuid.uuid4().hex
-    launcher = subprocess.Popen(
-        [sys.executable, "train.py", *TINY, *DDP, f"hydra.run.dir={tmp_path}"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "DDP_TEST_JOB": marker},
-    )
+    launcher = TrainRun(*TINY, *DDP, run_dir=tmp_path, env={"DDP_TEST_JOB": marker}, one_page=True)
 
     def job_processes() -> list[str]:
         return [command_line(pid) for pid in processes_of_job(marker)]
@@ -223,9 +196,9 @@ def test_ranks_end_within_seconds_when_the_launcher_is_killed(tmp_path, moment):
         if moment == "ranks spawned":
             assert wait_until(rank_spawned, within_s=120)
         else:
-            assert any("[rank" in line for line in launcher.stdout)  # reads up to that line
-        launcher.kill()
-        launcher.wait()
+            launcher.wait_for("[rank")
+        launcher.process.kill()
+        launcher.finish()
         assert wait_until(lambda: not job_processes(), within_s=10), job_processes()
     finally:
         for pid in processes_of_job(marker):
@@ -292,7 +265,7 @@ def test_ranks_started_by_srun_share_one_run_dir(tmp_path):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     tasks = [
-        start_train(
+        TrainRun(
             *TINY_SGD,
             *DDP,
             run_dir=tmp_path / "${now:%H-%M-%S-%f}",
@@ -308,7 +281,7 @@ def test_ranks_started_by_srun_share_one_run_dir(tmp_path):
         for rank in (0, 1)
     ]
     for task in tasks:
-        finish(task)
+        task.finish(check=True)
     (run_dir,) = tmp_path.iterdir()
     assert_same_training(reference_run(*TINY_SGD), run_dir)
 

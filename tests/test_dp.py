@@ -15,8 +15,8 @@ from helpers import (
     assert_same_training,
     needs_gpus,
     reference_run,
-    run_train,
     summary,
+    sweep_runs,
 )
 from torch import nn
 
@@ -34,10 +34,11 @@ UNEVEN = (*TINY_SGD, "trainer.batch_size=25")  # 13+12 on 2 devices, 9+9+7 on 3
 @pytest.mark.equivalence
 @pytest.mark.parametrize("devices", [2, 3])
 @pytest.mark.parametrize("name", ["dp", "dp_criterion"])
-def test_train_py_matches_single(tmp_path, name, devices):
-    run_train(*UNEVEN, f"parallel={name}", f"parallel.devices={devices}", run_dir=tmp_path)
-    assert_same_training(reference_run(*UNEVEN), tmp_path)
-    result = summary(tmp_path)
+def test_train_py_matches_single(name, devices):
+    runs = sweep_runs(*UNEVEN, "parallel=dp,dp_criterion", "parallel.devices=2,3")
+    run_dir = runs[f"parallel={name} parallel.devices={devices}"]
+    assert_same_training(reference_run(*UNEVEN), run_dir)
+    result = summary(run_dir)
     assert result["strategy"] == name and result["devices"] == devices
     assert result["world_size"] == 1 and len(result["peak_memory_mb"]) == 1
 

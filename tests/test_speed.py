@@ -7,7 +7,15 @@ import json
 
 import pytest
 import torch
-from helpers import TINY, assert_same_training, reference_run, run_train, summary
+from helpers import (
+    STRATEGIES,
+    TINY,
+    assert_same_training,
+    reference_run,
+    run_train,
+    strategy_runs,
+    summary,
+)
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from src.models import Transformer
@@ -29,22 +37,13 @@ FP16 = (
 # other way, which moves losses and weights by ~1e-5 here. 1e-3 (two fp16 ulps near 1) bounds it.
 FP16_TOLERANCE = 1e-3
 
-STRATEGIES = {
-    "dp": ("parallel=dp", "parallel.devices=2"),
-    "dp_criterion": ("parallel=dp_criterion", "parallel.devices=2"),
-    "ddp": ("parallel=ddp", "parallel.devices=2"),
-    "model_parallel": ("parallel=model_parallel", "parallel.devices=2", "parallel.microbatches=2"),
-    "hybrid": ("parallel=hybrid", "parallel.devices=4", "parallel.stages=2"),
-    "fsdp": ("parallel=fsdp", "parallel.devices=2"),
-}
-
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_fp16_trains_like_single_fp16(tmp_path, strategy):
-    run_train(*FP16, *STRATEGIES[strategy], run_dir=tmp_path)
+def test_fp16_trains_like_single_fp16(strategy):
+    runs = strategy_runs(*FP16)
 
-    assert_same_training(reference_run(*FP16), tmp_path, atol=FP16_TOLERANCE)
-    assert summary(tmp_path)["scaler_skipped_steps"] == 0
+    assert_same_training(runs["single"], runs[strategy], atol=FP16_TOLERANCE)
+    assert summary(runs[strategy])["scaler_skipped_steps"] == 0
 
 
 def test_steps_the_loss_scaler_skips_are_counted_and_do_not_stop_the_run(tmp_path):
@@ -103,12 +102,14 @@ def test_sweep_table_has_flop_rate_and_mfu_columns():
 SGD = (*TINY, "optimizer=sgd", "optimizer.warmup_steps=0")
 
 
-@pytest.mark.parametrize("strategy", ["single", "ddp", "fsdp", "model_parallel"])
-def test_activation_checkpointing_trains_exactly_like_the_run_without_it(tmp_path, strategy):
-    setting = STRATEGIES.get(strategy, ("parallel=single",))
-    run_train(*SGD, *setting, "trainer.activation_checkpointing=true", run_dir=tmp_path)
+CHECKPOINTED = ("ddp", "fsdp", "model_parallel")
 
-    assert_same_training(reference_run(*SGD), tmp_path)
+
+@pytest.mark.parametrize("strategy", ["single", *CHECKPOINTED])
+def test_activation_checkpointing_trains_exactly_like_the_run_without_it(strategy):
+    runs = strategy_runs(*SGD, "trainer.activation_checkpointing=true", strategies=CHECKPOINTED)
+
+    assert_same_training(reference_run(*SGD), runs[strategy])
 
 
 def test_activation_checkpointing_saves_activation_memory():
@@ -137,7 +138,7 @@ COMPILE_TOLERANCE = 1e-4
 # Compiling is slow on 2 cores (inductor's C++ builds): one run through DDP's hooks, which
 # covers a compiled block inside a strategy's wrapper; every other strategy wraps blocks alike.
 def test_compiled_blocks_train_like_eager_ones_under_ddp(tmp_path):
-    run_train(*SGD, *STRATEGIES["ddp"], "trainer.compile=true", run_dir=tmp_path, timeout=600)
+    run_train(*SGD, "parallel=ddp", "trainer.compile=true", run_dir=tmp_path, timeout=600)
 
     assert_same_training(reference_run(*SGD), tmp_path, atol=COMPILE_TOLERANCE)
 

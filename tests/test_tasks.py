@@ -15,6 +15,7 @@ from helpers import (
     metrics,
     reference_run,
     run_train,
+    strategy_runs,
     summary,
 )
 
@@ -68,17 +69,13 @@ def test_regression_is_mean_squared_and_absolute_error():
     }
 
 
-@pytest.mark.parametrize(
-    "strategy",
-    [("parallel=ddp", "parallel.devices=2"), ("parallel=dp_criterion", "parallel.devices=2")],
-    ids=["ddp", "dp_criterion"],
-)
-def test_segmentation_with_ignored_pixels_trains_as_single(tmp_path, strategy):
+@pytest.mark.parametrize("strategy", ["ddp", "dp_criterion"])
+def test_segmentation_with_ignored_pixels_trains_as_single(strategy):
     """The ranks' shares hold different numbers of counted pixels: each step's loss is still the
     mean over the whole batch's counted pixels."""
-    run_train(*SEGMENTATION, *strategy, run_dir=tmp_path)
-    assert_same_training(reference_run(*SEGMENTATION), tmp_path)
-    figures = summary(tmp_path)
+    runs = strategy_runs(*SEGMENTATION, strategies=("ddp", "dp_criterion"))
+    assert_same_training(runs["single"], runs[strategy])
+    figures = summary(runs[strategy])
     assert {"final_val_loss", "val_pixel_accuracy", "val_mean_iou"} <= figures.keys()
 
 
@@ -123,21 +120,14 @@ GPT_RUN = (
 )
 
 
-@pytest.mark.parametrize(
-    "strategy",
-    [
-        ("parallel=dp", "parallel.devices=2"),
-        ("parallel=ddp", "parallel.devices=2"),
-        ("parallel=fsdp", "parallel.devices=2"),
-        ("parallel=model_parallel", "parallel.devices=2"),
-        ("parallel=hybrid", "parallel.devices=4", "parallel.stages=2"),
-    ],
-    ids=["dp", "ddp", "fsdp", "model_parallel", "hybrid"],
-)
-def test_gpt_with_tied_weights_trains_as_single(tmp_path, strategy):
+TIED = ("dp", "ddp", "fsdp", "model_parallel", "hybrid")
+
+
+@pytest.mark.parametrize("strategy", TIED)
+def test_gpt_with_tied_weights_trains_as_single(strategy):
     """model_parallel puts the embedding and the head it shares a weight with on two stages."""
-    run_train(*GPT_RUN, *strategy, run_dir=tmp_path)
-    assert_same_training(reference_run(*GPT_RUN), tmp_path)
+    runs = strategy_runs(*GPT_RUN, strategies=TIED)
+    assert_same_training(runs["single"], runs[strategy])
 
 
 def test_pipelines_on_gpus_refuse_a_weight_tied_across_stages():
