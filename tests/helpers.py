@@ -179,7 +179,7 @@ def sweep_runs(*overrides: str) -> dict[str, Path]:
     `"parallel=dp parallel.devices=3"` when two keys are swept). One process runs every job, and
     starts the ranks of those that have any: far less start-up than a `train.py` each."""
     sweep_dir = Path(tempfile.mkdtemp(prefix="sweep-"))
-    result = run_sweep(*overrides, sweep_dir=sweep_dir)
+    result = run_sweep(*overrides, sweep_dir=sweep_dir, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     swept = [
         key

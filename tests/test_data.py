@@ -14,7 +14,9 @@ from helpers import (
     TINY_SGD,
     assert_same_training,
     metrics,
+    reference_run,
     run_train,
+    strategy_runs,
     summary,
     tokens_run,
     write_tokens,
@@ -173,18 +175,17 @@ def test_augmentation_is_a_function_of_seed_epoch_and_index():
 
 @pytest.mark.equivalence
 def test_token_file_trains_alike_for_any_worker_count_and_strategy(tmp_path):
-    """`single` reading in-process and `ddp` x2 reading with 2 workers each train the same
-    weights (the loader's batches match the in-memory path's: see the test above)."""
+    """`single` reading in-process and every strategy reading with 2 workers per process train
+    the same weights (the loader's batches match the in-memory path's: see the test above)."""
     token_file = tmp_path / "train.bin"
     write_tokens(token_file)
     run = tokens_run(token_file)
-    run_train(*run, "data.num_workers=0", run_dir=tmp_path / "single")
-    ddp = ("parallel=ddp", "parallel.devices=2")
-    run_train(*run, *ddp, "data.num_workers=2", run_dir=tmp_path / "ddp")
-    assert_same_training(tmp_path / "single", tmp_path / "ddp")
-    rows = [row for row in metrics(tmp_path / "ddp") if "train/loss" in row]
+    in_process = reference_run(*run, "data.num_workers=0")
+    for run_dir in strategy_runs(*run, "data.num_workers=2").values():
+        assert_same_training(in_process, run_dir)
+    rows = [row for row in metrics(run_dir) if "train/loss" in row]
     assert len(rows) == 6 and all(row["train/data_wait_ms"] >= 0 for row in rows)
-    assert summary(tmp_path / "ddp")["data_wait_ms"] >= 0
+    assert summary(run_dir)["data_wait_ms"] >= 0
 
 
 @pytest.mark.equivalence
