@@ -15,7 +15,6 @@ import contextlib
 import torch
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-PRECISIONS = ("fp32", *AUTOCAST_DTYPES)
 
 
 def autocast(device_type: str, precision: str) -> contextlib.AbstractContextManager:
