@@ -33,8 +33,17 @@ class Choice(str, Enum):
     the config, naming the values it takes. Members compare equal to their names, and print as
     them."""
 
+    @staticmethod
+    def _generate_next_value_(name: str, start: int, count: int, last_values: list) -> str:
+        return name
+
     def __str__(self) -> str:
         return self.value
+
+
+def choices(name: str, values: str) -> type[Choice]:
+    """A `Choice` of the space-separated `values`."""
+    return Choice(name, values, module=__name__)
 
 
 # ----------------------------------------------------------------------------------------- model
@@ -43,43 +52,56 @@ class Choice(str, Enum):
 
 
 @dataclass
-class MLPConfig:
+class BlocksConfig:
+    """A model of `depth` blocks of width `hidden`, then a head."""
+
+    _target_: str = MISSING
+    hidden: int = 64
+    """Width (channels, for images) of every block; ConvNet's: of its head's hidden layer."""
+    depth: int = 3
+    """Blocks before the head: Linear+ReLU (MLP), 3x3 conv, GroupNorm and ReLU (FCN, ConvNet,
+    whose first two also pool 2x2), or transformer blocks."""
+
+
+@dataclass
+class MLPConfig(BlocksConfig):
     _target_: str = "src.models.MLP"
     hidden: int = 256
     depth: int = 4
 
 
 @dataclass
-class ConvNetConfig:
+class ConvNetConfig(BlocksConfig):
     _target_: str = "src.models.ConvNet"
     width: int = 16
-    depth: int = 3
+    """Channels of every conv block."""
     hidden: int = 128
+
+
+@dataclass
+class FCNConfig(BlocksConfig):
+    _target_: str = "src.models.FCN"
+    hidden: int = 32
+
+
+@dataclass
+class TransformerConfig(BlocksConfig):
+    _target_: str = "src.models.Transformer"
+    depth: int = 2
+    heads: int = 4
+    """Attention heads per block; `hidden` must divide by it."""
 
 
 @dataclass
 class GPTConfig:
     _target_: str = "src.models.GPT"
     n_layer: int = 2
+    """Transformer blocks."""
     n_head: int = 2
+    """Attention heads per block; n_embd must divide by it."""
     n_embd: int = 64
     tie_weights: bool = True
     """The vocabulary head shares the token embedding's weight (GPT-2 does)."""
-
-
-@dataclass
-class FCNConfig:
-    _target_: str = "src.models.FCN"
-    hidden: int = 32
-    depth: int = 3
-
-
-@dataclass
-class TransformerConfig:
-    _target_: str = "src.models.Transformer"
-    hidden: int = 64
-    depth: int = 2
-    heads: int = 4
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -283,16 +305,8 @@ class HybridConfig(StagesConfig, DDPConfig):
 # --------------------------------------------------------------------------------------- trainer
 
 
-class Precision(Choice):
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"
-
-
-class Accelerator(Choice):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
+Precision = choices("Precision", "fp32 bf16 fp16")
+Accelerator = choices("Accelerator", "auto cpu cuda")
 
 
 @dataclass
@@ -360,9 +374,7 @@ class TrainerConfig:
 # ------------------------------------------------------------------------------------- optimizer
 
 
-class Schedule(Choice):
-    constant = "constant"
-    cosine = "cosine"
+Schedule = choices("Schedule", "constant cosine")
 
 
 @dataclass
@@ -409,11 +421,7 @@ class AdamWConfig(OptimizerConfig):
 # ---------------------------------------------------------------------------------------- logger
 
 
-class WandbMode(Choice):
-    offline = "offline"
-    online = "online"
-    shared = "shared"
-    disabled = "disabled"
+WandbMode = choices("WandbMode", "offline online shared disabled")
 
 
 @dataclass
