@@ -2,6 +2,8 @@
 
 Each YAML file under `conf/` starts from one of these schemas, so Hydra rejects a misspelt key or a
 value of the wrong type (`trainer.max_steps=abc`) with its own message before any work starts.
+Every default has its one source here, with what the setting does in the docstring below it; an
+option's YAML file sets only what differs from its schema and what names the choice.
 `register_configs()` puts them in Hydra's ConfigStore under `schema/<group>/<name>`; it is called
 by `train.py` and the tests, never at import time.
 """

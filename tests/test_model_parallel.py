@@ -184,6 +184,8 @@ def test_split_points_and_stages_are_checked_against_the_model():
     too_far = build_strategy(pipeline_config(split_points=[4]), "cpu")
     with pytest.raises(ConfigError, match=r"split_points=\[4\] reaches past the model's last"):
         too_far.check_model(model, inputs)
+    with pytest.raises(ValueError, match=r"4 blocks cannot be cut into 2 stages at \[4\]"):
+        Pipeline(MLP(**TINY_MLP), [CPU, CPU], microbatches=1, split_points=[4])
 
 
 def test_more_stages_than_blocks_stops_train_py_with_the_setting_named(tmp_path):

@@ -161,11 +161,11 @@ class Pipeline(nn.Module):
         super().__init__()
         if split_points is None:  # every block boundary taken to be cuttable
             split_points = balanced_split_points([parameter_count(b) for b in model], len(devices))
+        # The strategy has checked its settings (`pipelined.py`); this guards the module's use.
         bounds = [0, *(split_points or []), len(model)]
-        if split_points is None or any(b <= a for a, b in itertools.pairwise(bounds)):
+        if len(bounds) != len(devices) + 1 or any(b <= a for a, b in itertools.pairwise(bounds)):
             raise ValueError(
-                f"split points {split_points} do not cut {len(model)} blocks into "
-                f"{len(devices)} stages"
+                f"{len(model)} blocks cannot be cut into {len(devices)} stages at {split_points}"
             )
         self.model = model
         self.devices = list(devices)
