@@ -54,44 +54,24 @@ def choices(name: str, values: str) -> type[Choice]:
 
 
 @dataclass
-class BlocksConfig:
-    """A model of `depth` blocks of width `hidden`, then a head."""
-
-    _target_: str = MISSING
-    hidden: int = 64
-    """Width (channels, for images) of every block; ConvNet's: of its head's hidden layer."""
-    depth: int = 3
-    """Blocks before the head: Linear+ReLU (MLP), 3x3 conv, GroupNorm and ReLU (FCN, ConvNet,
-    whose first two also pool 2x2), or transformer blocks."""
-
-
-@dataclass
-class MLPConfig(BlocksConfig):
+class MLPConfig:
     _target_: str = "src.models.MLP"
     hidden: int = 256
+    """Width of every hidden block."""
     depth: int = 4
+    """Hidden Linear+ReLU blocks, before the classifier head."""
 
 
 @dataclass
-class ConvNetConfig(BlocksConfig):
+class ConvNetConfig:
     _target_: str = "src.models.ConvNet"
     width: int = 16
     """Channels of every conv block."""
+    depth: int = 3
+    """Conv blocks (3x3 conv, GroupNorm, ReLU); the first two also pool 2x2, halving the
+    height and width."""
     hidden: int = 128
-
-
-@dataclass
-class FCNConfig(BlocksConfig):
-    _target_: str = "src.models.FCN"
-    hidden: int = 32
-
-
-@dataclass
-class TransformerConfig(BlocksConfig):
-    _target_: str = "src.models.Transformer"
-    depth: int = 2
-    heads: int = 4
-    """Attention heads per block; `hidden` must divide by it."""
+    """Width of the head's hidden layer."""
 
 
 @dataclass
@@ -104,6 +84,26 @@ class GPTConfig:
     n_embd: int = 64
     tie_weights: bool = True
     """The vocabulary head shares the token embedding's weight (GPT-2 does)."""
+
+
+@dataclass
+class FCNConfig:
+    _target_: str = "src.models.FCN"
+    hidden: int = 32
+    """Channels of every conv block."""
+    depth: int = 3
+    """3x3 conv blocks (with GroupNorm and ReLU) at full resolution, before the 1x1 conv to
+    per-pixel class logits."""
+
+
+@dataclass
+class TransformerConfig:
+    _target_: str = "src.models.Transformer"
+    hidden: int = 64
+    """Embedding width; it must divide by `heads`."""
+    depth: int = 2
+    """Transformer blocks."""
+    heads: int = 4
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -148,7 +148,9 @@ class SyntheticConfig(DataConfig):
 class SyntheticTokensConfig(DataConfig):
     _target_: str = "src.data.synthetic_tokens"
     vocab_size: int = 64
+    """Tokens are 0 .. vocab_size - 1."""
     seq_len: int = 32
+    """Input tokens per sample; the targets are the tokens that follow each one."""
     num_samples: int = 4096
 
 
@@ -169,6 +171,7 @@ class SyntheticRegressionConfig(DataConfig):
     _target_: str = "src.data.synthetic_regression"
     input_dim: int = 32
     output_dim: int = 4
+    """Floats per target; the model's output width must match it."""
     num_samples: int = 4096
 
 
