@@ -2,6 +2,8 @@
 
 Each YAML file under `conf/` starts from one of these schemas, so Hydra rejects a misspelt key or a
 value of the wrong type (`trainer.max_steps=abc`) with its own message before any work starts.
+Every default has its one source here, with what the setting does in the docstring below it; an
+option's YAML file sets only what differs from its schema and what names the choice.
 `register_configs()` puts them in Hydra's ConfigStore under `schema/<group>/<name>`; it is called
 by `train.py` and the tests, never at import time.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -27,6 +30,24 @@ class ConfigError(ValueError):
     exit_code = 2
 
 
+class Choice(str, Enum):
+    """A setting with a fixed set of values: the schema refuses any other while Hydra composes
+    the config, naming the values it takes. Members compare equal to their names, and print as
+    them."""
+
+    @staticmethod
+    def _generate_next_value_(name: str, start: int, count: int, last_values: list) -> str:
+        return name
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def choices(name: str, values: str) -> type[Choice]:
+    """A `Choice` of the space-separated `values`."""
+    return Choice(name, values, module=__name__)
+
+
 # ----------------------------------------------------------------------------------------- model
 # A model is any `nn.Sequential` built by `_target_(input_shape=..., num_classes=..., **sizes)`;
 # the block order is what model-parallel strategies split into stages.
@@ -36,22 +57,30 @@ class ConfigError(ValueError):
 class MLPConfig:
     _target_: str = "src.models.MLP"
     hidden: int = 256
+    """Width of every hidden block."""
     depth: int = 4
+    """Hidden Linear+ReLU blocks, before the classifier head."""
 
 
 @dataclass
 class ConvNetConfig:
     _target_: str = "src.models.ConvNet"
     width: int = 16
+    """Channels of every conv block."""
     depth: int = 3
+    """Conv blocks (3x3 conv, GroupNorm, ReLU); the first two also pool 2x2, halving the
+    height and width."""
     hidden: int = 128
+    """Width of the head's hidden layer."""
 
 
 @dataclass
 class GPTConfig:
     _target_: str = "src.models.GPT"
     n_layer: int = 2
+    """Transformer blocks."""
     n_head: int = 2
+    """Attention heads per block; n_embd must divide by it."""
     n_embd: int = 64
     tie_weights: bool = True
     """The vocabulary head shares the token embedding's weight (GPT-2 does)."""
@@ -61,14 +90,19 @@ class GPTConfig:
 class FCNConfig:
     _target_: str = "src.models.FCN"
     hidden: int = 32
+    """Channels of every conv block."""
     depth: int = 3
+    """3x3 conv blocks (with GroupNorm and ReLU) at full resolution, before the 1x1 conv to
+    per-pixel class logits."""
 
 
 @dataclass
 class TransformerConfig:
     _target_: str = "src.models.Transformer"
     hidden: int = 64
+    """Embedding width; it must divide by `heads`."""
     depth: int = 2
+    """Transformer blocks."""
     heads: int = 4
 
 
@@ -114,7 +148,9 @@ class SyntheticConfig(DataConfig):
 class SyntheticTokensConfig(DataConfig):
     _target_: str = "src.data.synthetic_tokens"
     vocab_size: int = 64
+    """Tokens are 0 .. vocab_size - 1."""
     seq_len: int = 32
+    """Input tokens per sample; the targets are the tokens that follow each one."""
     num_samples: int = 4096
 
 
@@ -135,6 +171,7 @@ class SyntheticRegressionConfig(DataConfig):
     _target_: str = "src.data.synthetic_regression"
     input_dim: int = 32
     output_dim: int = 4
+    """Floats per target; the model's output width must match it."""
     num_samples: int = 4096
 
 
@@ -195,16 +232,23 @@ class RegressionConfig(TaskConfig):
 
 @dataclass
 class ParallelConfig:
+    """How the work is spread over devices: `_target_` is the strategy class (src/strategies/),
+    built with these settings and the device type; `name` labels the runs."""
+
+    _target_: str = "src.strategies.single.Single"
     name: str = "single"
     devices: int = 1
-    """Devices used by the whole job: GPUs on CUDA; replicas, processes or stages on CPU."""
+    """Devices per node: GPUs on CUDA; replicas, processes or stages on CPU."""
+    nodes: int = 1
+    """>1: run train.py on every node with the same master_addr/master_port (strategies with
+    one process per replica)."""
 
 
 @dataclass
 class DistributedConfig(ParallelConfig):
-    """Settings shared by every strategy that runs one process per replica."""
+    """Settings shared by every strategy that runs one process per replica; trainer.batch_size
+    is split over all the processes."""
 
-    nodes: int = 1
     backend: str | None = None
     """None picks nccl on CUDA and gloo on CPU."""
     master_addr: str = "127.0.0.1"
@@ -222,11 +266,19 @@ class DistributedConfig(ParallelConfig):
 
 
 @dataclass
-class PipelineConfig(ParallelConfig):
+class StagesConfig:
+    """How a pipeline runs its stages (model_parallel's, and each of hybrid's processes')."""
+
     microbatches: int = 1
-    """1 runs the naive schedule; M>1 runs a GPipe schedule over M micro-batches."""
+    """1 runs the naive schedule (one stage busy at a time); M>1 runs a GPipe schedule over M
+    micro-batches (idle share (S-1)/(M+S-1) for S stages)."""
     split_points: list[int] | None = None
-    """Block indices where a new stage starts; None balances stages by parameter count."""
+    """Block indices where stages 1.. start, e.g. [2]; None balances stages by parameter count."""
+
+
+@dataclass
+class PipelineConfig(StagesConfig, ParallelConfig):
+    pass
 
 
 @dataclass
@@ -249,13 +301,17 @@ class DDPConfig(DistributedConfig):
 
 
 @dataclass
-class HybridConfig(DDPConfig):
+class HybridConfig(StagesConfig, DDPConfig):
     stages: int = 2
-    microbatches: int = 1
-    split_points: list[int] | None = None
+    """Pipeline stages per process: parallel.devices (a multiple of it) / stages processes per
+    node; `microbatches` is per process."""
 
 
 # --------------------------------------------------------------------------------------- trainer
+
+
+Precision = choices("Precision", "fp32 bf16 fp16")
+Accelerator = choices("Accelerator", "auto cpu cuda")
 
 
 @dataclass
@@ -270,7 +326,7 @@ class TrainerConfig:
     eval_every: int = 100
     """0 evaluates only at the end."""
     eval_batch_size: int = 512
-    precision: str = "fp32"
+    precision: Precision = Precision.fp32
     """fp32, bf16 (autocast) or fp16 (autocast with loss scaling)."""
     loss_scale_init: float = 65536.0
     """fp16's first loss scale (torch's GradScaler default); the scaler adapts it as it goes."""
@@ -287,8 +343,8 @@ class TrainerConfig:
     before the newest if that cannot be read."""
     async_checkpoint: bool = False
     """Sharded checkpoints are written in the background while training goes on (DCP async)."""
-    accelerator: str = "auto"
-    """auto, cpu or cuda."""
+    accelerator: Accelerator = Accelerator.auto
+    """cpu, cuda, or auto: cuda when a GPU is visible, else cpu."""
     deterministic: bool = False
     """torch.use_deterministic_algorithms(True) (slower on CUDA; turns cudnn.benchmark off)."""
     matmul_precision: str = "auto"
@@ -323,36 +379,54 @@ class TrainerConfig:
 # ------------------------------------------------------------------------------------- optimizer
 
 
+Schedule = choices("Schedule", "constant cosine")
+
+
 @dataclass
 class OptimizerConfig:
-    name: str = MISSING
+    """`_target_` builds the optimizer (`_partial_`: given the model's parameters later) from
+    every setting but `SCHEDULE_KEYS`, which are the learning-rate schedule's and the name."""
+
+    _target_: str = MISSING
+    _partial_: bool = True
     lr: float = 1e-3
     weight_decay: float = 0.0
-    schedule: str = "cosine"
+    name: str = MISSING
+    """Labels the optimizer: a checkpoint resumes only under the one it was trained with."""
+    schedule: Schedule = Schedule.cosine
     """constant, or cosine (linear warm-up, then cosine decay to min_lr_ratio * lr)."""
-    warmup_steps: int = 0
+    warmup_steps: int = 20
     min_lr_ratio: float = 0.1
     schedule_steps: int | None = None
     """Steps the cosine decays over (later steps keep its final rate); None: trainer.max_steps.
     Resuming with another trainer.max_steps needs it set, to keep or to stretch the schedule."""
 
 
+SCHEDULE_KEYS = ("name", "schedule", "warmup_steps", "min_lr_ratio", "schedule_steps")
+
+
 @dataclass
 class SGDConfig(OptimizerConfig):
-    name: str = "sgd"
-    lr: float = 0.1
+    _target_: str = "torch.optim.SGD"
+    lr: float = 0.05
     momentum: float = 0.9
     nesterov: bool = False
+    name: str = "sgd"
 
 
 @dataclass
 class AdamWConfig(OptimizerConfig):
-    name: str = "adamw"
+    _target_: str = "src.optim.adamw"
+    weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
+    name: str = "adamw"
 
 
 # ---------------------------------------------------------------------------------------- logger
+
+
+WandbMode = choices("WandbMode", "offline online shared disabled")
 
 
 @dataclass
@@ -369,8 +443,9 @@ class WandbConfig(LoggerConfig):
     run_name: str | None = None
     tags: list[str] = field(default_factory=list)
     job_type: str | None = None
-    mode: str = "offline"
-    """offline, online or disabled; the WANDB_MODE environment variable wins when set."""
+    mode: WandbMode = WandbMode.offline
+    """offline (needs no account or network; `wandb sync <run dir>/wandb/offline-run-*` uploads
+    it later), online, shared or disabled; the WANDB_MODE environment variable wins when set."""
     init_timeout_s: float = 60.0
     """How long an online run may take to start before the run logs offline instead."""
 
@@ -432,6 +507,12 @@ def register_configs() -> None:
     for group, schemas in SCHEMAS.items():
         for name, schema in schemas.items():
             store.store(group=f"schema/{group}", name=name, node=schema)
+
+
+def plain_config(cfg: DictConfig) -> dict[str, Any]:
+    """`cfg` resolved into plain values, each `Choice` as its name: what checkpoints (read with
+    `weights_only`), W&B and the started ranks take."""
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
 
 
 def composition_error_line(error: Exception) -> str:

@@ -35,7 +35,7 @@ from src.checkpoint import (
     saved_checkpoints,
     set_rng_state,
 )
-from src.config import ConfigError
+from src.config import ConfigError, plain_config
 from src.data import Data, build_data, first_samples, meta_samples
 from src.launch import (
     KilledBySignal,
@@ -53,7 +53,6 @@ from src.performance import (
     step_flops,
     throughput_figures,
 )
-from src.precision import PRECISIONS
 from src.stopping import Interrupted, RunStopped
 from src.strategies import build_strategy
 from src.strategies.base import Strategy, resolve_device_type, usable_cores
@@ -180,10 +179,6 @@ def check_trainer(trainer: DictConfig) -> None:
             f"trainer.batch_size={trainer.batch_size} does not divide into "
             f"trainer.accumulate={trainer.accumulate} micro-batches; make the batch a multiple of "
             "trainer.accumulate"
-        )
-    if trainer.precision not in PRECISIONS:
-        raise ConfigError(
-            f"trainer.precision must be one of {', '.join(PRECISIONS)}, got {trainer.precision!r}"
         )
     if trainer.peak_tflops is not None and trainer.peak_tflops <= 0:
         raise ConfigError(f"trainer.peak_tflops must be above 0, got {trainer.peak_tflops}")
@@ -372,7 +367,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if checkpoint and finished(load_checkpoint(checkpoint, mmap=True), cfg):
         return finish_finished_run(cfg, run_dir, strategy, checkpoint)
     job_logging = OmegaConf.to_container(hydra.job_logging, resolve=True)
-    nodes = cfg.parallel.get("nodes", 1)
+    nodes = cfg.parallel.nodes
     ranks = started_ranks()
     launching = ranks is None and strategy.processes_per_node * nodes > 1
     if ranks is not None:
@@ -395,7 +390,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         log.info("overrides: %s", " ".join(hydra.overrides.task) or "none")
         train_log_only.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
     if launching:
-        resolved = OmegaConf.to_container(cfg, resolve=True)
+        resolved = plain_config(cfg)
         args = (resolved, str(run_dir))
         per_node = strategy.processes_per_node
         outcome = launch_and_stop_on_signal(args, per_node, nodes, cfg.parallel, job_logging)
@@ -499,7 +494,7 @@ def build_and_fit(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[st
         start_step, wandb_run_id = state["step"], state["wandb_run_id"]
         if strategy.is_main:
             log_resumed_schedule(cfg, state, checkpoint)
-    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved = plain_config(cfg)
     tracker = build_tracker(cfg.logger, str(run_dir), resolved, strategy.is_main, wandb_run_id)
     summary, exit_code = None, 1
     try:

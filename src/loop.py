@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset
 
 from src.checkpoint import CheckpointWriter, resolved_format, rng_state
-from src.config import TrainerConfig
+from src.config import TrainerConfig, plain_config
 from src.data import Data, Split, ValBatches, loading_for, train_batches
 from src.optim import lr_schedule
 from src.performance import step_profiler
@@ -452,7 +452,7 @@ def fit(
                 extra = {  # besides model and optimizer, which the strategy provides
                     "step": step,
                     "rng": rng_state(),
-                    "config": OmegaConf.to_container(cfg, resolve=True),
+                    "config": plain_config(cfg),
                     "wandb_run_id": tracker.run_id,
                 }
                 saved_to = checkpoints.save(model, optimizer, extra)

@@ -3,36 +3,30 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+from hydra.utils import instantiate
 
-from src.config import ConfigError, OptimizerConfig
+from src.config import SCHEDULE_KEYS, ConfigError, OptimizerConfig
 
 
 def build_optimizer(
     cfg: OptimizerConfig, params: Iterable[torch.nn.Parameter]
 ) -> torch.optim.Optimizer:
+    """The optimizer that `optimizer._target_` names, over `params`, with its settings (all but
+    the schedule's)."""
+    settings = {key: value for key, value in cfg.items() if key not in SCHEDULE_KEYS}
+    return instantiate(settings, _convert_="all")(list(params))
+
+
+def adamw(
+    params: Iterable[torch.nn.Parameter], betas: Sequence[float], **settings: Any
+) -> torch.optim.AdamW:
+    """torch's AdamW, fused on GPUs (`on_cuda`)."""
     params = list(params)
-    if cfg.name == "sgd":
-        return torch.optim.SGD(
-            params,
-            lr=cfg.lr,
-            momentum=cfg.momentum,
-            nesterov=cfg.nesterov,
-            weight_decay=cfg.weight_decay,
-        )
-    if cfg.name == "adamw":
-        return torch.optim.AdamW(
-            params,
-            lr=cfg.lr,
-            betas=tuple(cfg.betas),
-            eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
-            fused=on_cuda(params) or None,
-        )
-    raise ConfigError(f"unknown optimizer.name {cfg.name!r}; choose sgd or adamw")
+    return torch.optim.AdamW(params, betas=tuple(betas), fused=on_cuda(params) or None, **settings)
 
 
 def on_cuda(params: list[torch.nn.Parameter]) -> bool:
@@ -52,8 +46,6 @@ def schedule_length(cfg: Mapping[str, Any], max_steps: int) -> int:
 def lr_schedule(cfg: OptimizerConfig, max_steps: int) -> Callable[[int], float]:
     """The learning rate at each step: linear warm-up, then constant or cosine decay (over
     `schedule_length` steps; later steps keep its final rate)."""
-    if cfg.schedule not in ("constant", "cosine"):
-        raise ConfigError(f"optimizer.schedule must be constant or cosine, got {cfg.schedule!r}")
     if cfg.get("schedule_steps") is not None and cfg.schedule_steps < 1:
         raise ConfigError(
             f"optimizer.schedule_steps must be at least 1, or null for trainer.max_steps; got "

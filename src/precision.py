@@ -14,11 +14,12 @@ import contextlib
 
 import torch
 
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-PRECISIONS = ("fp32", *AUTOCAST_DTYPES)
+from src.config import Precision
+
+AUTOCAST_DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
 
 
-def autocast(device_type: str, precision: str) -> contextlib.AbstractContextManager:
+def autocast(device_type: str, precision: Precision) -> contextlib.AbstractContextManager:
     """Autocast to `precision`'s dtype; off for fp32."""
     dtype = AUTOCAST_DTYPES.get(precision, torch.bfloat16)
     return torch.autocast(device_type, dtype=dtype, enabled=precision in AUTOCAST_DTYPES)

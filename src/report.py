@@ -122,11 +122,10 @@ def swept_variants(all_overrides: list[dict[str, str]]) -> list[str]:
 
 def read_row(job_dir: Path, variant: str) -> Row:
     config = OmegaConf.load(job_dir / ".hydra" / "config.yaml")
-    nodes = OmegaConf.select(config, "parallel.nodes", default=1)
     row = Row(
         job=job_dir.name,
-        strategy=str(OmegaConf.select(config, "parallel.name")),
-        devices=int(OmegaConf.select(config, "parallel.devices")) * nodes,
+        strategy=config.parallel.name,
+        devices=config.parallel.devices * config.parallel.nodes,
         variant=variant,
     )
     status_file, summary_file = job_dir / "status.json", job_dir / "summary.json"

@@ -22,6 +22,14 @@ from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
+def options(group: str) -> list[str]:
+    """The options of a config group: `conf/<group>/*.yaml`."""
+    return sorted(path.stem for path in (ROOT / "conf" / group).glob("*.yaml"))
+
+
+STRATEGIES = options("parallel")
+
 # A few seconds per run on 2 CPU cores: small model, few steps, every step logged.
 TINY = (
     "trainer.max_steps=6",
@@ -197,10 +205,10 @@ def sweep_runs(*overrides: str) -> dict[str, Path]:
 
 # Every strategy but `single`, as its `conf/parallel/` option ships (2 devices; hybrid 2 pipelines
 # of 2 stages).
-STRATEGIES = ("dp", "dp_criterion", "ddp", "model_parallel", "hybrid", "fsdp")
+BESIDES_SINGLE = tuple(name for name in STRATEGIES if name != "single")
 
 
-def strategy_runs(*overrides: str, strategies: tuple[str, ...] = STRATEGIES) -> dict[str, Path]:
+def strategy_runs(*overrides: str, strategies: tuple[str, ...] = BESIDES_SINGLE) -> dict[str, Path]:
     """`overrides` trained under `single` and each of `strategies`, in one sweep (`sweep_runs`):
     the run folders by strategy."""
     runs = sweep_runs(*overrides, f"parallel={','.join(['single', *strategies])}")
@@ -364,3 +372,16 @@ def tokens_run(token_file: Path) -> tuple[str, ...]:
         f"data.path={token_file}",
         "data.seq_len=8",
     )
+
+
+def parallel_config(option: str, **settings: Any) -> Any:
+    """`cfg.parallel` as `train.py parallel=<option> parallel.<key>=<value> ...` composes it from
+    the shipped `conf/` (in this process), for building a strategy directly."""
+    from hydra import compose, initialize_config_dir
+
+    from src.config import register_configs
+
+    register_configs()
+    changed = [f"parallel.{key}={json.dumps(value)}" for key, value in settings.items()]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=[f"parallel={option}", *changed]).parallel

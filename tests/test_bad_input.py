@@ -48,7 +48,11 @@ ROWS = [
         id="model",
     ),
     pytest.param(
-        ["parallel.name=nosuch"], CHECK, "unknown parallel.name 'nosuch'", id="strategy-name"
+        ["parallel._target_=src.strategies.nosuch.Nosuch"],
+        CHECK,
+        "parallel._target_=src.strategies.nosuch.Nosuch names no class: No module named "
+        "'src.strategies.nosuch'",
+        id="strategy-class",
     ),
     pytest.param(["parallel.devices=0"], CHECK, "parallel.devices must be at least 1", id="dev0"),
     pytest.param(
@@ -235,8 +239,9 @@ ROWS = [
     ),
     pytest.param(
         ["optimizer.schedule=linear"],
-        CHECK,
-        "optimizer.schedule must be constant or cosine, got 'linear'",
+        HYDRA,
+        "Error merging override optimizer.schedule=linear: Invalid value 'linear', expected one "
+        "of [constant, cosine]",
         id="schedule",
     ),
     pytest.param(["optimizer.lr=-1"], CHECK, "optimizer: Invalid learning rate", id="lr"),
@@ -264,8 +269,8 @@ ROWS = [
     ),
     pytest.param(
         ["logger=wandb", "logger.mode=onlin"],
-        CHECK,
-        "logger.mode must be one of offline, online, shared, disabled, got 'onlin'",
+        HYDRA,
+        "Invalid value 'onlin', expected one of [offline, online, shared, disabled]",
         id="wandb-mode",
     ),
     pytest.param(

@@ -5,11 +5,10 @@ task of a user's own (`tests/odd_*.py`), trains like `single` everywhere."""
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_SGD, assert_same_training, run_sweep, summary
+from helpers import BESIDES_SINGLE, TINY_SGD, assert_same_training, strategy_runs, summary
 from odd_data import halves_and_values
 from odd_models import DictInDictOutMLP
 from odd_tasks import LabelAndValue
@@ -18,7 +17,6 @@ from torch.utils._pytree import tree_flatten
 from src.config import ConfigError
 from src.data import SplitSamples, ValBatches, train_batches
 from src.experiment import check_config
-from src.strategies import STRATEGIES
 from src.strategies.pipeline import Pipeline
 
 DICTS = (
@@ -27,7 +25,6 @@ DICTS = (
     "model._target_=tests.odd_models.DictInDictOutMLP",
     "task._target_=tests.odd_tasks.LabelAndValue",
 )
-SWEPT = list(STRATEGIES)  # job i of the sweep trains SWEPT[i]
 
 
 def same(expected, actual) -> bool:
@@ -36,21 +33,13 @@ def same(expected, actual) -> bool:
     return spec == expected_spec and all(map(torch.equal, expected_leaves, leaves))
 
 
-@pytest.fixture(scope="module")
-def every_strategy(tmp_path_factory) -> Path:
-    """One sweep (one process) over every strategy as `conf/parallel/` ships it."""
-    sweep_dir = tmp_path_factory.mktemp("dicts")
-    result = run_sweep(*DICTS, f"parallel={','.join(SWEPT)}", sweep_dir=sweep_dir)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return sweep_dir
-
-
 @pytest.mark.equivalence
-@pytest.mark.parametrize("strategy", [name for name in SWEPT if name != "single"])
-def test_dict_inputs_outputs_and_targets_train_like_single(every_strategy, strategy):
-    run_dir = every_strategy / str(SWEPT.index(strategy))
+@pytest.mark.parametrize("strategy", BESIDES_SINGLE)
+def test_dict_inputs_outputs_and_targets_train_like_single(strategy):
+    runs = strategy_runs(*DICTS)
+    run_dir = runs[strategy]
     assert summary(run_dir)["strategy"] == strategy
-    assert_same_training(every_strategy / str(SWEPT.index("single")), run_dir)
+    assert_same_training(runs["single"], run_dir)
     assert 0 <= summary(run_dir)["val_value_mse"] < summary(run_dir)["final_val_loss"]
 
 

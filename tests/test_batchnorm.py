@@ -11,10 +11,10 @@ import copy
 
 import pytest
 import torch
-from helpers import TINY_SGD, assert_same_training, reference_run, run_train
+from helpers import TINY_SGD, assert_same_training, parallel_config, reference_run, run_train
 from odd_models import BatchNormMLP
 
-from src.config import ParallelConfig, PipelineConfig
+from src.config import PipelineConfig
 from src.objective import loss_sum
 from src.strategies import build_strategy
 from src.strategies.pipeline import Pipeline
@@ -42,7 +42,7 @@ def running_mean_after(model: torch.nn.Module, batches: list[torch.Tensor]) -> t
 def test_dp_keeps_replica_0s_running_statistics():
     torch.manual_seed(0)
     model, inputs = BatchNormMLP(**SIZES), torch.randn(12, 8)
-    strategy = build_strategy(ParallelConfig(name="dp", devices=2), "cpu")
+    strategy = build_strategy(parallel_config("dp", devices=2), "cpu")
     strategy.setup()
     wrapped = strategy.wrap(copy.deepcopy(model))
     strategy.apply(wrapped, inputs, torch.zeros(12, dtype=torch.long), loss_sum)

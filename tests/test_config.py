@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, options, parallel_config
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ValidationError
 
+from src.config import SCHEMAS, ConfigError
 from src.data import build_data
+from src.optim import build_optimizer
+from src.strategies import build_strategy
 
 GROUPS = ("model", "data", "parallel", "trainer", "optimizer", "logger")
-
-
-def options(group: str) -> list[str]:
-    return sorted(path.stem for path in (ROOT / "conf" / group).glob("*.yaml"))
 
 
 def test_default_config_has_every_group(compose_config):
@@ -58,6 +58,9 @@ def test_command_line_contract(compose_config):
         ("data.input_dim=1.5", ValidationError),
         ("trainer.max_stepz=3", ConfigAttributeError),
         ("model.widht=3", ConfigAttributeError),
+        ("trainer.precision=fp64", ValidationError),
+        ("trainer.accelerator=tpu", ValidationError),
+        ("optimizer.schedule=linear", ValidationError),
     ],
 )
 def test_schema_rejects_bad_values_and_unknown_keys(compose_config, override, error):
@@ -85,3 +88,40 @@ def test_models_build_from_config_and_run_forward(compose_config, model, data, i
     assert isinstance(net, torch.nn.Sequential) and len(net) >= 3
     outputs = net(dataset.train.inputs[:4])
     assert outputs.shape[-1] == dataset.num_classes
+
+
+def test_no_option_repeats_its_schemas_defaults():
+    """Each default has one source, its schema in src/config.py: an option's YAML sets only the
+    keys it changes (or that name the choice)."""
+    for path in sorted((ROOT / "conf").glob("*/*.yaml")):
+        options = OmegaConf.to_container(OmegaConf.load(path))
+        schemas = [d for d in options.get("defaults", []) if str(d).startswith("/schema/")]
+        if not schemas:
+            continue  # a preset across groups (experiment/) or a Hydra plugin's settings
+        _, _, group, name = schemas[0].removesuffix("@_here_").split("/")
+        defaults = OmegaConf.to_container(OmegaConf.structured(SCHEMAS[group][name]))
+        repeated = [key for key in options if key != "defaults" and options[key] == defaults[key]]
+        assert not repeated, f"{path.relative_to(ROOT)} repeats the schema's {repeated}"
+
+
+@pytest.mark.parametrize("option", options("parallel"))
+def test_every_strategy_option_builds_the_class_it_names(compose_config, option):
+    parallel = compose_config(f"parallel={option}").parallel
+    strategy = build_strategy(parallel, "cpu")
+    assert f"{type(strategy).__module__}.{type(strategy).__name__}" == parallel._target_
+    assert strategy.name == option
+
+
+@pytest.mark.parametrize("option", ["single", "dp", "dp_criterion", "model_parallel"])
+def test_one_process_strategies_refuse_more_nodes(option):
+    with pytest.raises(ConfigError, match=f"parallel={option} runs in one process, on one node"):
+        build_strategy(parallel_config(option, nodes=2), "cpu")
+
+
+@pytest.mark.parametrize("option, kind", [("sgd", torch.optim.SGD), ("adamw", torch.optim.AdamW)])
+def test_every_optimizer_option_builds_with_its_settings(compose_config, option, kind):
+    settings = compose_config(f"optimizer={option}").optimizer
+    optimizer = build_optimizer(settings, torch.nn.Linear(2, 2).parameters())
+    assert type(optimizer) is kind
+    group = optimizer.param_groups[0]
+    assert (group["lr"], group["weight_decay"]) == (settings.lr, settings.weight_decay)

@@ -27,6 +27,7 @@ from helpers import (
     metrics,
     needs_gpus,
     on_cpu,
+    parallel_config,
     pretend_gpus,
     reference_run,
     run_train,
@@ -34,7 +35,7 @@ from helpers import (
 )
 
 import src.strategies.ddp
-from src.config import ConfigError, DDPConfig
+from src.config import ConfigError
 from src.experiment import check_config
 from src.launch import adopt_slurm_environment, first_node
 from src.models import MLP
@@ -360,7 +361,7 @@ class TorchDDP2_13(torch.nn.Module):
 @pytest.mark.parametrize("broadcast", [True, False])
 def test_ddp_passes_only_arguments_the_installed_torch_knows(monkeypatch, torch_ddp, broadcast):
     monkeypatch.setattr(src.strategies.ddp, "DistributedDataParallel", torch_ddp)
-    strategy = build_strategy(DDPConfig(name="ddp", broadcast_buffers=broadcast), "cpu")
+    strategy = build_strategy(parallel_config("ddp", broadcast_buffers=broadcast), "cpu")
     replica = strategy.replicate(MLP(input_shape=(4,), num_classes=2, hidden=4, depth=1), None)
     assert replica.syncs_buffers is broadcast
 

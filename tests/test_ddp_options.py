@@ -4,10 +4,9 @@ each one reaches DDP (under ddp and hybrid), and training stays `single`'s."""
 from __future__ import annotations
 
 import pytest
-from helpers import TINY_SGD, assert_same_training, reference_run, run_train
+from helpers import TINY_SGD, assert_same_training, parallel_config, reference_run, run_train
 
 import src.strategies.ddp
-from src.config import DDPConfig, HybridConfig
 from src.models import MLP
 from src.strategies import build_strategy
 
@@ -26,21 +25,17 @@ class RecordingDDP:
         self.module, self.options = module, options
 
 
-@pytest.mark.parametrize(
-    "config",
-    [DDPConfig(name="ddp", **OPTIONS), HybridConfig(name="hybrid", devices=4, **OPTIONS)],
-    ids=["ddp", "hybrid"],
-)
-def test_each_option_reaches_distributed_data_parallel(monkeypatch, config):
+@pytest.mark.parametrize("option", ["ddp", "hybrid"])
+def test_each_option_reaches_distributed_data_parallel(monkeypatch, option):
     monkeypatch.setattr(src.strategies.ddp, "DistributedDataParallel", RecordingDDP)
-    strategy = build_strategy(config, "cpu")
+    strategy = build_strategy(parallel_config(option, **OPTIONS), "cpu")
     replica = strategy.replicate(MLP(input_shape=(4,), num_classes=2, hidden=4, depth=1), None)
     assert OPTIONS.items() <= replica.options.items()
 
 
 def test_torchs_bucket_size_is_kept_unless_set(monkeypatch):
     monkeypatch.setattr(src.strategies.ddp, "DistributedDataParallel", RecordingDDP)
-    replica = build_strategy(DDPConfig(name="ddp"), "cpu").replicate(MLP((4,), 2, 4, 1), None)
+    replica = build_strategy(parallel_config("ddp"), "cpu").replicate(MLP((4,), 2, 4, 1), None)
     assert "bucket_cap_mb" not in replica.options
 
 

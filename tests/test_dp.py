@@ -14,13 +14,13 @@ from helpers import (
     TINY_SGD,
     assert_same_training,
     needs_gpus,
+    parallel_config,
     reference_run,
     summary,
     sweep_runs,
 )
 from torch import nn
 
-from src.config import ParallelConfig
 from src.models import MLP, Transformer
 from src.objective import loss_sum
 from src.strategies import build_strategy
@@ -48,7 +48,7 @@ def test_train_py_matches_single(name, devices):
 
 def strategy_step(name, devices, model, inputs, targets, fn=loss_sum, device_type="cpu"):
     """One forward/backward through the strategy: (loss sum, gradients by parameter name)."""
-    strategy = build_strategy(ParallelConfig(name=name, devices=devices), device_type)
+    strategy = build_strategy(parallel_config(name, devices=devices), device_type)
     strategy.setup()
     wrapped = strategy.wrap(copy.deepcopy(model))
     total = strategy.apply(wrapped, inputs, targets, fn)
@@ -122,7 +122,7 @@ def test_tuple_and_dict_outputs(name, as_dict):
 
 
 def test_check_batch_allows_uneven_splits_and_warns_about_idle_devices(caplog):
-    strategy = build_strategy(ParallelConfig(name="dp", devices=4), "cpu")
+    strategy = build_strategy(parallel_config("dp", devices=4), "cpu")
     with caplog.at_level(logging.WARNING):
         strategy.check_batch(5)
         assert not caplog.records

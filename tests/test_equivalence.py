@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from helpers import (
+    STRATEGIES,
     TINY,
     TINY_TRANSFORMER_SGD,
     assert_same_losses,
@@ -25,8 +26,6 @@ from helpers import (
     run_train,
     summary,
 )
-
-from src.strategies import STRATEGIES
 
 SWEPT = list(STRATEGIES)  # job i of the sweep trains SWEPT[i]
 

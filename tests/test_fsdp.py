@@ -78,7 +78,8 @@ from src.models import MLP
 from src.objective import loss_sum
 from src.strategies import build_strategy
 
-strategy = build_strategy(DistributedConfig(name="fsdp", devices=1), "cpu", sys.argv[1])
+config = DistributedConfig(_target_="src.strategies.fsdp.FSDP", name="fsdp", devices=1)
+strategy = build_strategy(config, "cpu", sys.argv[1])
 strategy.setup()
 model = strategy.wrap(MLP(input_shape=(32,), num_classes=10, hidden=32, depth=3))
 gathered = []

@@ -16,13 +16,14 @@ from helpers import (
     checkpoint,
     metrics,
     needs_gpus,
+    parallel_config,
     pretend_gpus,
     reference_run,
     run_train,
     summary,
 )
 
-from src.config import ConfigError, HybridConfig
+from src.config import ConfigError
 from src.models import MLP
 from src.strategies import build_strategy
 
@@ -92,7 +93,7 @@ def test_hybrid_trains_blocks_that_hand_on_tuples_dicts_and_lists_like_single(tm
 
 
 def test_processes_and_their_gpus_follow_from_devices_and_stages(monkeypatch):
-    config = HybridConfig(name="hybrid", devices=8, stages=2, nodes=2, master_port=29500)
+    config = parallel_config("hybrid", devices=8, stages=2, nodes=2, master_port=29500)
     strategy = build_strategy(config, "cpu")
     assert (strategy.processes_per_node, strategy.world_size) == (4, 8)
     # Which GPUs process p drives needs no GPU to work out: p * stages .. p * stages + stages - 1.

@@ -14,14 +14,15 @@ from helpers import (
     assert_same_training,
     checkpoint,
     needs_gpus,
+    parallel_config,
     reference_run,
     run_train,
     summary,
     sweep_runs,
 )
 from odd_models import FloatBoundaryMLP, StructuredMLP
+from omegaconf import DictConfig
 
-from src.config import PipelineConfig
 from src.models import MLP
 from src.objective import loss_sum
 from src.strategies import build_strategy
@@ -32,7 +33,6 @@ from src.strategies.pipeline import (
     bubble_fraction,
     gpipe_ticks,
     parameter_count,
-    plan_split_points,
 )
 
 # TINY's MLP: three 32->32 hidden blocks of 1056 parameters, then a 330-parameter head.
@@ -40,8 +40,8 @@ TINY_MLP = {"input_shape": (32,), "num_classes": 10, "hidden": 32, "depth": 3}
 CPU = torch.device("cpu")
 
 
-def pipeline_config(**settings) -> PipelineConfig:
-    return PipelineConfig(**{"name": "model_parallel", "devices": 2, **settings})
+def pipeline_config(**settings) -> DictConfig:
+    return parallel_config("model_parallel", **settings)
 
 
 # ------------------------------------------------------------------------------ stage layout
@@ -139,12 +139,16 @@ def test_the_automatic_split_avoids_a_boundary_that_is_not_tensors():
         model = FloatBoundaryMLP(**TINY_MLP)  # block 1 returns (tensor, float)
         inputs = torch.empty(2, 32)
     assert balanced_split_points([parameter_count(b) for b in model], 2) == [2]
-    assert plan_split_points(model, inputs, 2, None, "parallel.devices") == [1]
-    assert plan_split_points(model, inputs, 3, None, "parallel.devices") == [1, 3]
+
+    def planned(**settings) -> list[int]:
+        return build_strategy(pipeline_config(**settings), "cpu").plan_split_points(model, inputs)
+
+    assert planned(devices=2) == [1]
+    assert planned(devices=3) == [1, 3]
     with pytest.raises(ConfigError, match="no stage can start at block 2 .block 1 returns a tuple"):
-        plan_split_points(model, inputs, 4, None, "parallel.devices")
+        planned(devices=4)
     with pytest.raises(ConfigError, match="block 1 returns a tuple holding a float, which cannot"):
-        plan_split_points(model, inputs, 2, [2], "parallel.devices")
+        planned(devices=2, split_points=[2])
 
 
 # -------------------------------------------------------------------------------- bad input
@@ -173,9 +177,14 @@ def test_too_few_samples_for_the_micro_batches_is_refused():
 
 
 def test_split_points_and_stages_are_checked_against_the_model():
+    with torch.device("meta"):
+        model, inputs = MLP(**TINY_MLP), torch.empty(2, 32)
     with pytest.raises(ConfigError, match="parallel.devices=5 stages but the model has only 4"):
-        Pipeline(MLP(**TINY_MLP), [CPU] * 5, microbatches=1)
+        build_strategy(pipeline_config(devices=5), "cpu").check_model(model, inputs)
+    too_far = build_strategy(pipeline_config(split_points=[4]), "cpu")
     with pytest.raises(ConfigError, match=r"split_points=\[4\] reaches past the model's last"):
+        too_far.check_model(model, inputs)
+    with pytest.raises(ValueError, match=r"4 blocks cannot be cut into 2 stages at \[4\]"):
         Pipeline(MLP(**TINY_MLP), [CPU, CPU], microbatches=1, split_points=[4])
 
 

@@ -99,7 +99,7 @@ def write_job(
     """A finished job of a sweep, as `train.py -m` leaves it (what the report reads)."""
     job_dir = sweep_dir / str(job)
     (job_dir / ".hydra").mkdir(parents=True)
-    config = {"parallel": {"name": strategy, "devices": devices}}
+    config = {"parallel": {"name": strategy, "devices": devices, "nodes": 1}}
     (job_dir / ".hydra" / "config.yaml").write_text(json.dumps(config))
     overrides = [f"parallel={strategy}", f"parallel.devices={devices}"]
     (job_dir / ".hydra" / "overrides.yaml").write_text(json.dumps(overrides))

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from helpers import (
-    STRATEGIES,
+    BESIDES_SINGLE,
     TINY,
     assert_same_training,
     reference_run,
@@ -38,7 +38,7 @@ FP16 = (
 FP16_TOLERANCE = 1e-3
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", BESIDES_SINGLE)
 def test_fp16_trains_like_single_fp16(strategy):
     runs = strategy_runs(*FP16)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import (
     ROOT,
+    STRATEGIES,
     TINY,
     TINY_SGD,
     assert_same_training,
@@ -30,7 +31,6 @@ from omegaconf import DictConfig
 
 from hydra_plugins.parallel_training.slurm_launcher import SlurmLauncher, slurm_resources
 from src.config import register_configs
-from src.strategies import STRATEGIES
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:

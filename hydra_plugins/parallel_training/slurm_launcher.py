@@ -7,7 +7,7 @@ hydra-submitit-launcher reads nodes, tasks and GPUs once per multirun, from the 
 config, where swept values such as `parallel.devices=1,2,4,8` do not appear. This launcher submits
 each job on its own, sized from that job's config:
 
-    nodes          parallel.nodes (1 for strategies without it)
+    nodes          parallel.nodes
     gpus_per_node  parallel.devices (none asked for with trainer.accelerator=cpu)
     tasks_per_node the strategy's processes per node: one per GPU for ddp, 1 for single, dp and
                    model_parallel, which drive all their GPUs from one process
@@ -43,7 +43,7 @@ def slurm_resources(cfg: DictConfig) -> dict[str, int | None]:
         return {"nodes": 1, "tasks_per_node": 1, "gpus_per_node": None}  # runs only to say why not
     uses_gpus = cfg.trainer.accelerator != "cpu"
     return {
-        "nodes": cfg.parallel.get("nodes", 1),
+        "nodes": cfg.parallel.nodes,
         "tasks_per_node": strategy.processes_per_node,
         "gpus_per_node": cfg.parallel.devices if uses_gpus else None,
     }

@@ -7,26 +7,24 @@ import importlib
 from src.config import ParallelConfig
 from src.strategies.base import ConfigError, Strategy
 
-STRATEGIES = {
-    "single": "src.strategies.single:Single",
-    "dp": "src.strategies.dp:DP",
-    "dp_criterion": "src.strategies.dp_criterion:DPCriterion",
-    "model_parallel": "src.strategies.model_parallel:ModelParallel",
-    "ddp": "src.strategies.ddp:DDP",
-    "hybrid": "src.strategies.hybrid:Hybrid",
-    "fsdp": "src.strategies.fsdp:FSDP",
-}
-
 
 def build_strategy(cfg: ParallelConfig, device_type: str, precision: str = "fp32") -> Strategy:
-    """The strategy named by `cfg.name`, its settings checked; nothing is started yet.
-    `precision` is `trainer.precision`, for strategies that keep parameters in it (fsdp)."""
-    if cfg.name not in STRATEGIES:
-        raise ConfigError(
-            f"unknown parallel.name {cfg.name!r}; choose one of {', '.join(STRATEGIES)}"
-        )
-    module_name, class_name = STRATEGIES[cfg.name].split(":")
-    strategy_class = getattr(importlib.import_module(module_name), class_name)
-    strategy = strategy_class(cfg, device_type)
+    """The strategy class that `parallel._target_` names, given `cfg` (its settings are checked;
+    nothing is started yet). `precision` is `trainer.precision`, for strategies that keep
+    parameters in it (fsdp)."""
+    strategy = strategy_class(cfg._target_)(cfg, device_type)
     strategy.precision = precision
     return strategy
+
+
+def strategy_class(target: str) -> type[Strategy]:
+    """The class at `target` (`module.Class`). Not Hydra's `instantiate`, which would spread the
+    settings into keyword arguments: a strategy keeps them whole, as `self.cfg`."""
+    module_name, _, class_name = target.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ConfigError(f"parallel._target_={target} names no class: {error}") from None
+    if not (isinstance(found, type) and issubclass(found, Strategy)):
+        raise ConfigError(f"parallel._target_={target} is not a Strategy (see src/strategies/)")
+    return found

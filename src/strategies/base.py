@@ -76,7 +76,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from src.batches import Tree
-from src.config import ConfigError, ParallelConfig
+from src.config import Accelerator, ConfigError, ParallelConfig
 
 # DCP's APIs for a plain, DDP or FSDP2 model: parameter names as keys, each rank its own shards.
 SHARDED = StateDictOptions()
@@ -85,15 +85,13 @@ LossFn = Callable[[Tree, Tree], torch.Tensor]
 """A task's `sums`: (outputs, targets) -> a 1-D tensor of sums."""
 
 
-def resolve_device_type(accelerator: str) -> str:
+def resolve_device_type(accelerator: Accelerator) -> str:
     """'auto' becomes cuda when a GPU is visible, else cpu."""
-    if accelerator not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"trainer.accelerator must be auto, cpu or cuda, got {accelerator!r}")
-    if accelerator == "cuda" and not torch.cuda.is_available():
+    if accelerator == Accelerator.cuda and not torch.cuda.is_available():
         raise ConfigError("trainer.accelerator=cuda but no GPU is visible; use auto or cpu")
-    if accelerator == "auto":
+    if accelerator == Accelerator.auto:
         return "cuda" if torch.cuda.is_available() else "cpu"
-    return accelerator
+    return Accelerator(accelerator).value
 
 
 def usable_cores() -> int:
@@ -118,12 +116,20 @@ class Strategy:
     # One file that single loads; sharded (DCP) needs a plain, DDP or FSDP2 module.
     sharded_checkpoints: bool = False
     default_checkpoint_format: str = "full"
+    spans_nodes: bool = False  # its processes may run on several nodes (parallel.nodes)
 
     def __init__(self, cfg: ParallelConfig, device_type: str):
         self.cfg = cfg
         self.device_type = device_type
         if cfg.devices < 1:
             raise ConfigError(f"parallel.devices must be at least 1, got {cfg.devices}")
+        if cfg.nodes < 1:
+            raise ConfigError(f"parallel.nodes must be at least 1, got {cfg.nodes}")
+        if cfg.nodes > 1 and not self.spans_nodes:
+            raise ConfigError(
+                f"parallel={cfg.name} runs in one process, on one node; set parallel.nodes=1, or "
+                "use ddp, fsdp or hybrid"
+            )
         self.devices: list[torch.device] = []
 
     @property

@@ -37,6 +37,8 @@ def rank_threads(threads_per_rank: int | None, local_processes: int) -> tuple[in
 
 
 class Distributed(Strategy):
+    spans_nodes = True
+
     def __init__(self, cfg, device_type: str):
         super().__init__(cfg, device_type)
         if cfg.backend not in (None, "gloo", "nccl"):
@@ -47,8 +49,6 @@ class Distributed(Strategy):
         self.backend = cfg.backend or ("nccl" if device_type == "cuda" else "gloo")
         if self.backend == "nccl" and device_type != "cuda":
             raise ConfigError("parallel.backend=nccl needs CUDA devices; use gloo on CPU")
-        if cfg.nodes < 1:
-            raise ConfigError(f"parallel.nodes must be at least 1, got {cfg.nodes}")
         if cfg.timeout_s <= 0:
             raise ConfigError(f"parallel.timeout_s must be positive, got {cfg.timeout_s}")
         if cfg.threads_per_rank is not None and cfg.threads_per_rank < 1:

@@ -10,28 +10,18 @@ writing and failures are `ddp`'s.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
-from src.batches import Tree
 from src.config import ConfigError
-from src.strategies.base import LossFn
 from src.strategies.ddp import DDP
-from src.strategies.pipeline import (
-    Pipeline,
-    check_microbatches,
-    check_split_points,
-    check_tied_parameters,
-    log_layout,
-    plan_split_points,
-)
+from src.strategies.pipelined import Pipelined
 
 
-class Hybrid(DDP):
+class Hybrid(Pipelined, DDP):
+    stages_setting = "parallel.stages"
+
     def __init__(self, cfg, device_type: str):
-        super().__init__(cfg, device_type)
         if cfg.stages < 1:
             raise ConfigError(f"parallel.stages must be at least 1, got {cfg.stages}")
         if cfg.devices % cfg.stages:
@@ -40,6 +30,7 @@ class Hybrid(DDP):
                 f"parallel.stages={cfg.stages} devices each; make parallel.devices a multiple of "
                 "parallel.stages"
             )
+        super().__init__(cfg, device_type)
         self.processes_per_node = cfg.devices // cfg.stages
         self.world_size = self.processes_per_node * cfg.nodes
         if self.world_size == 1:
@@ -49,10 +40,6 @@ class Hybrid(DDP):
                 f"parallel=model_parallel parallel.devices={cfg.stages}, or raise parallel.devices "
                 "to a multiple of parallel.stages"
             )
-        check_microbatches(cfg.microbatches)
-        check_split_points(cfg.split_points, cfg.stages, "parallel.stages")
-        self.split_points = cfg.split_points  # until check_model has looked at the model
-        self.layout: dict[str, Any] = {}
 
     def processes_from_settings(self) -> str:
         cfg = self.cfg
@@ -60,20 +47,6 @@ class Hybrid(DDP):
             f"parallel.devices={cfg.devices} / parallel.stages={cfg.stages} x "
             f"parallel.nodes={cfg.nodes}"
         )
-
-    def check_batch(self, micro_batch: int) -> None:
-        super().check_batch(micro_batch)
-        check_microbatches(
-            self.cfg.microbatches,
-            micro_batch // self.world_size,
-            "the batch per process and micro-step (batch_size / accumulate / processes)",
-        )
-
-    def check_model(self, model: nn.Module, inputs: Tree) -> None:
-        self.split_points = plan_split_points(
-            model, inputs, self.cfg.stages, self.cfg.split_points, "parallel.stages"
-        )
-        check_tied_parameters(model, self.split_points, self.device_type)
 
     def local_devices(self) -> list[torch.device]:
         if self.device_type == "cuda":
@@ -83,24 +56,9 @@ class Hybrid(DDP):
         return [torch.device("cpu")] * self.cfg.stages
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        pipeline = Pipeline(
-            self.with_batchnorm_synced(model),
-            self.devices,
-            self.cfg.microbatches,
-            self.split_points,
-            "parallel.stages",
-        )
-        self.layout = pipeline.describe()
-        log_layout(self.layout)
         # A module on several devices takes no device_ids; DDP then leaves the inputs where they
         # are and passes (inputs, targets, fn) on to the pipeline.
-        return self.replicate(pipeline, device_ids=None)
+        return self.replicate(self.pipeline(self.with_batchnorm_synced(model)), device_ids=None)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module.model
-
-    def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
-        return model(inputs, targets, fn)
-
-    def report(self) -> dict[str, Any]:
-        return self.layout

@@ -4,54 +4,14 @@ time); M > 1 pipelines M micro-batches through the stages in GPipe order (`pipel
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
 from torch import nn
 
-from src.batches import Tree
-from src.strategies.base import LossFn, Strategy
-from src.strategies.pipeline import (
-    Pipeline,
-    check_microbatches,
-    check_split_points,
-    check_tied_parameters,
-    log_layout,
-    plan_split_points,
-)
+from src.strategies.pipelined import Pipelined
 
 
-class ModelParallel(Strategy):
-    def __init__(self, cfg, device_type: str):
-        super().__init__(cfg, device_type)
-        check_microbatches(cfg.microbatches)
-        check_split_points(cfg.split_points, cfg.devices, "parallel.devices")
-        self.split_points = cfg.split_points  # until check_model has looked at the model
-        self.layout: dict[str, Any] = {}
-
-    def check_batch(self, micro_batch: int) -> None:
-        super().check_batch(micro_batch)
-        check_microbatches(
-            self.cfg.microbatches, micro_batch, "the batch per micro-step (batch_size / accumulate)"
-        )
-
-    def check_model(self, model: nn.Module, inputs: Tree) -> None:
-        self.split_points = plan_split_points(
-            model, inputs, self.cfg.devices, self.cfg.split_points, "parallel.devices"
-        )
-        check_tied_parameters(model, self.split_points, self.device_type)
-
+class ModelParallel(Pipelined):
     def wrap(self, model: nn.Module) -> nn.Module:
-        pipeline = Pipeline(model, self.devices, self.cfg.microbatches, self.split_points)
-        self.layout = pipeline.describe()
-        log_layout(self.layout)
-        return pipeline
+        return self.pipeline(model)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.model
-
-    def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
-        return model(inputs, targets, fn)
-
-    def report(self) -> dict[str, Any]:
-        return self.layout

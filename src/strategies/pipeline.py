@@ -9,9 +9,9 @@ where the outputs are; `model_parallel` calls it directly and `hybrid` wraps it 
 The inputs and targets, and what a block hands to the next stage, may be a tensor or a tuple,
 list or dict of tensors (nested too, `src/batches.py`): each is split into micro-batches leaf by
 leaf, and each micro-batch's structure moves to the next stage's device as it is. Anything else (a
-Python number, a string, ...) cannot be moved; `plan_split_points` finds such block boundaries
-with a forward pass on the meta device before any work, refuses split points there and keeps
-the automatic split away from them.
+Python number, a string, ...) cannot be moved; `unmovable_boundaries` finds such block boundaries
+with a forward pass on the meta device before any work, so that the strategy refuses split points
+there and keeps the automatic split away from them (`pipelined.py`).
 """
 
 from __future__ import annotations
@@ -81,37 +81,6 @@ def balanced_split_points(
     return points[::-1]
 
 
-def check_split_points(
-    split_points: Sequence[int] | None, stages: int, stages_setting: str, blocks: int | None = None
-) -> None:
-    """Raise ConfigError for split points that cannot cut `blocks` blocks into `stages` stages.
-
-    `blocks=None` runs only the checks that need no model (before it is built).
-    """
-    if blocks is not None and stages > blocks:
-        raise ConfigError(
-            f"{stages_setting}={stages} stages but the model has only {blocks} blocks; "
-            f"lower {stages_setting} or deepen the model (model.depth)"
-        )
-    if split_points is None:
-        return
-    points = list(split_points)
-    if len(points) != stages - 1:
-        raise ConfigError(
-            f"parallel.split_points={points} has {len(points)} entries but {stages_setting}="
-            f"{stages} stages need {stages - 1} (block indices where stages 1.. start)"
-        )
-    if any(b <= a for a, b in itertools.pairwise([0, *points])):
-        raise ConfigError(
-            f"parallel.split_points={points} must be strictly increasing block indices above 0"
-        )
-    if blocks is not None and points and points[-1] >= blocks:
-        raise ConfigError(
-            f"parallel.split_points={points} reaches past the model's last block "
-            f"(index {blocks - 1}); every stage needs at least one block"
-        )
-
-
 def movable(value: Any) -> bool:
     """Whether `value` can go to another device: a tensor, or tuples, lists and dicts of them."""
     leaves, _ = tree_flatten(value)
@@ -142,43 +111,12 @@ def describe_value(value: Any) -> str:
     return f"a {type(value).__name__} holding a {odd}"
 
 
-def plan_split_points(
-    model: nn.Sequential,
-    inputs: Tree,
-    stages: int,
-    split_points: Sequence[int] | None,
-    stages_setting: str,
-) -> list[int]:
-    """Where stages 1.. start for `model` (built on the meta device) fed `inputs` (meta):
-    `split_points` when given, else the split balanced by parameter count. Raises ConfigError
-    when a stage would start at a block whose input cannot be moved between devices."""
-    check_split_points(split_points, stages, stages_setting, blocks=len(model))
+def unmovable_boundaries(model: nn.Sequential, inputs: Tree) -> dict[int, Any]:
+    """{block index: what the block before it returns} where that cannot be handed to another
+    device, found by running `model` (built on the meta device) on `inputs` (meta); empty when
+    the blocks cannot run there."""
     outputs = meta_block_outputs(model, inputs) or []
-    unmovable = {i + 1: value for i, value in enumerate(outputs[:-1]) if not movable(value)}
-    if split_points is not None:
-        for point in split_points:
-            if point in unmovable:
-                raise ConfigError(
-                    f"parallel.split_points={list(split_points)}: block {point - 1} returns "
-                    f"{describe_value(unmovable[point])}, which cannot be handed to a stage "
-                    f"starting at block {point} (only tensors, and tuples, lists and dicts of "
-                    "tensors, move between devices); split elsewhere, or leave "
-                    "parallel.split_points unset"
-                )
-        return list(split_points)
-    cuttable = set(range(1, len(model))) - unmovable.keys()
-    points = balanced_split_points([parameter_count(b) for b in model], stages, cuttable)
-    if points is None:
-        blocked = ", ".join(
-            f"block {point} (block {point - 1} returns {describe_value(value)})"
-            for point, value in sorted(unmovable.items())
-        )
-        raise ConfigError(
-            f"{stages_setting}={stages} stages need {stages - 1} block boundaries to cut at, but "
-            f"only {len(cuttable)} of the model's {len(model) - 1} pass tensors (no stage can "
-            f"start at {blocked}); lower {stages_setting}"
-        )
-    return points
+    return {i + 1: value for i, value in enumerate(outputs[:-1]) if not movable(value)}
 
 
 def check_tied_parameters(
@@ -203,17 +141,6 @@ def check_tied_parameters(
                     )
 
 
-def check_microbatches(microbatches: int, samples: int | None = None, batch_name: str = "") -> None:
-    """Raise ConfigError unless `samples` (when known) fill `microbatches` non-empty parts."""
-    if microbatches < 1:
-        raise ConfigError(f"parallel.microbatches must be at least 1, got {microbatches}")
-    if samples is not None and samples < microbatches:
-        raise ConfigError(
-            f"{batch_name} is {samples} samples, too few for parallel.microbatches="
-            f"{microbatches}; lower parallel.microbatches or raise trainer.batch_size"
-        )
-
-
 def parameter_count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
@@ -228,17 +155,21 @@ class Pipeline(nn.Module):
         devices: Sequence[torch.device],
         microbatches: int,
         split_points: Sequence[int] | None = None,
-        stages_setting: str = "parallel.devices",
     ):
         super().__init__()
-        check_split_points(split_points, len(devices), stages_setting, blocks=len(model))
         if split_points is None:  # every block boundary taken to be cuttable
             split_points = balanced_split_points([parameter_count(b) for b in model], len(devices))
+        # The strategy has checked its settings (`pipelined.py`); this guards the module's use.
+        bounds = [0, *(split_points or []), len(model)]
+        if len(bounds) != len(devices) + 1 or any(b <= a for a, b in itertools.pairwise(bounds)):
+            raise ValueError(
+                f"{len(model)} blocks cannot be cut into {len(devices)} stages at {split_points}"
+            )
         self.model = model
         self.devices = list(devices)
         self.microbatches = microbatches
         self.split_points = list(split_points)
-        blocks, bounds = list(model), [0, *self.split_points, len(model)]
+        blocks = list(model)
         # A plain list, not registered: the blocks are registered once, through `self.model`.
         self.stages = [
             nn.Sequential(*blocks[a:b]).to(device)
