@@ -84,6 +84,8 @@ class Row:
     peak_memory_max_mb: float | None = None
     peak_memory_spread_mb: float | None = None
     """Largest minus smallest peak over the job's devices: the load imbalance."""
+    output_device_memory_ratio: float | None = None
+    """dp, dp_criterion on 2+ GPUs: the output device's peak over the other devices' mean."""
     final_train_loss: float | None = None
     final_val_loss: float | None = None
     status: str = "failed"
@@ -153,6 +155,7 @@ def fill_from_summary(row: Row, summary: dict[str, Any]) -> None:
         row.cores = summary["cores"]
     row.final_train_loss = summary["final_train_loss"]
     row.final_val_loss = summary["final_val_loss"]
+    row.output_device_memory_ratio = summary.get("output_device_memory_ratio")
     memory = summary["peak_memory_mb"]
     if memory:
         row.peak_memory_max_mb = max(memory)
@@ -216,6 +219,7 @@ COLUMN_TITLES = {
     "cores": "cores",
     "peak_memory_max_mb": "peak MB (max)",
     "peak_memory_spread_mb": "peak MB (spread)",
+    "output_device_memory_ratio": "output device memory",
     "final_train_loss": "train loss",
     "final_val_loss": "val loss",
     "status": "status",
@@ -228,7 +232,7 @@ def format_cell(name: str, value: Any) -> str:
         return ""
     if isinstance(value, float) and math.isnan(value):
         return "nan"
-    if name == "speedup":
+    if name in ("speedup", "output_device_memory_ratio"):
         return f"{value:.2f}x"
     if name == "mfu":
         return f"{100 * value:.3g}%"
@@ -245,7 +249,9 @@ def format_cell(name: str, value: Any) -> str:
 
 def markdown_table(rows: list[Row]) -> str:
     """The table with the reason folded into the status (`skipped: ...`)."""
-    names = [n for n in COLUMN_TITLES if n != "variant" or any(row.variant for row in rows)]
+    # Columns that only some sweeps fill (a swept variant, dp's output device on GPUs).
+    optional = {"variant", "output_device_memory_ratio"}
+    names = [n for n in COLUMN_TITLES if n not in optional or any(getattr(r, n) for r in rows)]
     align = ["---" if n in ("strategy", "variant", "status", "flags") else "---:" for n in names]
     lines = [
         "| " + " | ".join(COLUMN_TITLES[n] for n in names) + " |",

@@ -16,6 +16,7 @@ from helpers import (
     needs_gpus,
     parallel_config,
     reference_run,
+    run_sweep,
     summary,
     sweep_runs,
 )
@@ -23,6 +24,7 @@ from torch import nn
 
 from src.models import MLP, Transformer
 from src.objective import loss_sum
+from src.report import Row, markdown_table
 from src.strategies import build_strategy
 from src.strategies.dp_criterion import parallel_criterion
 from src.strategies.replicas import DataParallel, gather
@@ -323,3 +325,32 @@ def test_dp_criterion_lowers_the_output_devices_peak_memory():
         torch.cuda.synchronize()
         peaks[name] = torch.cuda.max_memory_allocated(0)
     assert peaks["dp_criterion"] < 0.8 * peaks["dp"], peaks
+
+
+@pytest.mark.cuda
+@needs_gpus(2)
+def test_a_sweep_shows_the_output_devices_memory_ratio_for_dp_and_dp_criterion(tmp_path):
+    """The workload dp_criterion exists for: whole-batch segmentation maps on the output device."""
+    segmentation = ("model=fcn", "data=synthetic_segmentation", "task=segmentation")
+    result = run_sweep(
+        *segmentation,
+        "trainer.max_steps=6",
+        "logger=none",
+        "trainer.accelerator=cuda",
+        "parallel=dp,dp_criterion",
+        sweep_dir=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ratios = {summary(tmp_path / job)["strategy"]: summary(tmp_path / job) for job in "01"}
+    ratios = {name: figures["output_device_memory_ratio"] for name, figures in ratios.items()}
+    assert ratios["dp_criterion"] < ratios["dp"], ratios
+    assert "output device memory" in (tmp_path / "summary.md").read_text()
+
+
+def test_the_sweep_table_shows_the_output_devices_memory_ratio_only_where_measured():
+    """On CPU (and for the other strategies) the figure is absent, and so is the column."""
+    measured = Row(job="0", strategy="dp", devices=2, variant="", output_device_memory_ratio=2.5)
+    other = Row(job="1", strategy="ddp", devices=2, variant="")
+    header, _, line, _ = markdown_table([measured, other]).splitlines()
+    assert "output device memory" in header and "| 2.50x |" in line
+    assert "output device memory" not in markdown_table([other])
