@@ -16,15 +16,18 @@ import torch
 from torch import nn
 
 from src.config import ConfigError
-from src.strategies.base import LossFn
+from src.strategies.base import DeviceShare, LossFn, ModelSizes, ring_bytes
 from src.strategies.ddp import DDP
 from src.strategies.pipeline import (
     Pipeline,
+    boundary_bytes,
+    bubble_fraction,
     check_microbatches,
     check_split_points,
     check_tied_parameters,
     log_layout,
     plan_split_points,
+    stage_shares,
 )
 
 
@@ -105,3 +108,21 @@ class Hybrid(DDP):
 
     def report(self) -> dict[str, Any]:
         return self.layout
+
+    def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
+        """Process 0's stages, on its share of the batch, each with DDP's gradient buckets."""
+        buckets = not self.cfg.gradient_as_bucket_view
+        samples = micro_batch // self.world_size
+        return stage_shares(
+            self.device_type, self.split_points, sizes, samples, self.cfg.microbatches, buckets
+        )
+
+    def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
+        samples = micro_batch // self.world_size
+        return {
+            "stage activations": accumulate * boundary_bytes(self.split_points, sizes, samples),
+            "gradient all-reduce": ring_bytes(sizes.parameter_bytes, self.world_size),
+        }
+
+    def idle_fraction(self) -> float:
+        return bubble_fraction(self.cfg.stages, self.cfg.microbatches)

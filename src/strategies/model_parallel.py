@@ -9,14 +9,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from src.strategies.base import LossFn, Strategy
+from src.strategies.base import DeviceShare, LossFn, ModelSizes, Strategy
 from src.strategies.pipeline import (
     Pipeline,
+    boundary_bytes,
+    bubble_fraction,
     check_microbatches,
     check_split_points,
     check_tied_parameters,
     log_layout,
     plan_split_points,
+    stage_shares,
 )
 
 
@@ -56,3 +59,16 @@ class ModelParallel(Strategy):
 
     def report(self) -> dict[str, Any]:
         return self.layout
+
+    def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
+        return stage_shares(
+            self.device_type, self.split_points, sizes, micro_batch, self.cfg.microbatches, False
+        )
+
+    def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
+        return {
+            "stage activations": accumulate * boundary_bytes(self.split_points, sizes, micro_batch)
+        }
+
+    def idle_fraction(self) -> float:
+        return bubble_fraction(self.cfg.devices, self.cfg.microbatches)
