@@ -198,6 +198,8 @@ class ParallelConfig:
     name: str = "single"
     devices: int = 1
     """Devices used by the whole job: GPUs on CUDA; replicas, processes or stages on CPU."""
+    chosen_by: str | None = None
+    """Set by parallel=auto: why the planner chose this strategy (also in summary.json)."""
 
 
 @dataclass

@@ -18,12 +18,15 @@ threads (dp's replicas run one after the other in the trace).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import hydra
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -41,7 +44,9 @@ from src.precision import autocast
 from src.strategies import STRATEGIES, build_strategy
 from src.strategies.base import DeviceShare, ModelSizes, Strategy
 
+log = logging.getLogger(__name__)
 MB = 2**20
+AUTO = "auto"  # parallel=auto: the planner chooses
 TRACED_STEPS = 2  # the second step's peak has the optimizer state the first one created
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
 # MemTracker's categories, summed into the plan's four.
@@ -75,6 +80,7 @@ class DevicePlan:
     """One device's predicted peak, split by what holds the memory (bytes)."""
 
     label: str
+    devices: int = 1  # that this entry stands for (see DeviceShare.devices)
     parameters: int = 0
     gradients: int = 0
     optimizer: int = 0
@@ -92,6 +98,7 @@ class Plan:
 
     strategy: str
     devices: int
+    parallel: DictConfig
     device_plans: list[DevicePlan] = field(default_factory=list)
     traffic: dict[str, int] = field(default_factory=dict)
     step_time_s: float = math.nan
@@ -125,29 +132,48 @@ def check_plan_settings(plan: DictConfig) -> None:
         raise ConfigError("plan.link_gb_per_s and plan.device_tflops must be above 0")
 
 
-def candidate_parallels(cfg: DictConfig, parallel_options: dict[str, DictConfig]) -> list[Any]:
-    """The (strategy, devices) pairs to plan: `plan.strategies` (default: the configured one)
-    at `plan.devices` (default: `parallel.devices`), each as its own `parallel` config."""
-    names = list(cfg.plan.strategies or [cfg.parallel.name])
+def candidate_parallels(cfg: DictConfig) -> list[DictConfig]:
+    """The `parallel` configs to plan: `plan.strategies` (default: the configured one; every
+    one for parallel=auto) at `plan.devices` (default: `parallel.devices`). A strategy other
+    than the configured one comes with its own option's settings (conf/parallel/<name>.yaml),
+    composed through Hydra, which must be initialized (it is inside train.py and plan.py)."""
+    check_plan_settings(cfg.plan)
+    auto = cfg.parallel.name == AUTO
+    names = list(cfg.plan.strategies or (STRATEGIES if auto else [cfg.parallel.name]))
     counts = list(cfg.plan.devices or [cfg.parallel.devices])
-    pairs = []
+    candidates = []
     for name in names:
-        base = cfg.parallel if name == cfg.parallel.name else parallel_options[name]
-        for count in counts:
-            pairs.append(OmegaConf.merge(base, {"devices": count}))
-    return pairs
+        base = cfg.parallel if name == cfg.parallel.name else parallel_option(name)
+        candidates += [OmegaConf.merge(base, {"devices": count}) for count in counts]
+    return candidates
+
+
+def parallel_option(name: str) -> DictConfig:
+    """conf/parallel/<name>.yaml, composed."""
+    return hydra.compose(config_name="config", overrides=[f"parallel={name}"]).parallel
+
+
+def resolve_auto(cfg: DictConfig) -> DictConfig:
+    """For parallel=auto, `cfg` with the chosen strategy's `parallel` settings (why it was
+    chosen in `parallel.chosen_by`, and logged); any other config as it is."""
+    if cfg.parallel.name != AUTO:
+        return cfg
+    best, reason = choose(plan_all(cfg, candidate_parallels(cfg)))
+    log.info(reason)
+    resolved = copy.deepcopy(cfg)
+    resolved.parallel = OmegaConf.merge(best.parallel, {"chosen_by": reason})
+    return resolved
 
 
 def plan_all(cfg: DictConfig, parallels: Sequence[DictConfig]) -> list[Plan]:
     """A `Plan` for each of `parallels` (a `parallel` config each) with the rest of `cfg`."""
-    check_plan_settings(cfg.plan)
     data = build_data(cfg.data, cfg.seed)
     sizes = model_sizes(cfg, data)
     return [plan_one(cfg, parallel, data, sizes) for parallel in parallels]
 
 
 def plan_one(cfg: DictConfig, parallel: DictConfig, data: Data, sizes: ModelSizes) -> Plan:
-    plan = Plan(parallel.name, parallel.devices)
+    plan = Plan(parallel.name, parallel.devices, parallel)
     trainer = cfg.trainer
     try:
         strategy = build_strategy(parallel, "cpu", trainer.precision)
@@ -169,7 +195,7 @@ def plan_one(cfg: DictConfig, parallel: DictConfig, data: Data, sizes: ModelSize
 def step_time_s(plan: Plan, strategy: Strategy, settings: DictConfig) -> float:
     """A rough time per step: the busiest device's FLOPs at `plan.device_tflops` (stretched by a
     pipeline's idle share), plus the step's traffic over `plan.link_gb_per_s`, not overlapped."""
-    busiest = max(device.flops for device in plan.device_plans)
+    busiest = max(device.flops / device.devices for device in plan.device_plans)
     compute = busiest / (settings.device_tflops * 1e12) / (1 - strategy.idle_fraction())
     return compute + sum(plan.traffic.values()) / (settings.link_gb_per_s * 1e9)
 
@@ -230,20 +256,28 @@ def trace_share(cfg: DictConfig, data: Data, share: DeviceShare) -> DevicePlan:
         stage = nn.Sequential(*list(model)[start:end])
         optimizer = build_optimizer(cfg.optimizer, stage.parameters())
         step = ShareStep(stage, share, task, last=end == len(model))
-        tracker, flops = StepMemTracker(), FlopCounterMode(display=False)
+        tracker = StepMemTracker()
         tracker.track_external(step, optimizer)
-        with tracker, flops:
+
+        def micro_step() -> None:
+            inputs = stage_inputs(model, start, share.samples, sample_inputs)
+            targets = sample_targets.new_zeros(share.samples, *sample_targets.shape[1:])
+            with autocast("cpu", trainer.precision):
+                loss = step(inputs, targets)
+            loss.backward()
+
+        with tracker:
             for _ in range(TRACED_STEPS):
                 for _ in range(trainer.accumulate):
-                    inputs = stage_inputs(model, start, share.samples, sample_inputs)
-                    targets = sample_targets.new_zeros(share.samples, *sample_targets.shape[1:])
-                    with autocast("cpu", trainer.precision):
-                        loss = step(inputs, targets)
-                    loss.backward()
+                    micro_step()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+        # Counted apart: under FlopCounterMode, checkpointed activations stay alive.
+        with FlopCounterMode(display=False) as flops:
+            micro_step()
     (peak,) = tracker.get_tracker_snapshot("peak").values()
-    device = DevicePlan(share.label, flops=flops.get_total_flops() // TRACED_STEPS)
+    total_flops = flops.get_total_flops() * trainer.accumulate
+    device = DevicePlan(share.label, share.devices, flops=total_flops)
     for kind, size in peak.items():
         if kind in TRACKED_AS:
             name = TRACKED_AS[kind]

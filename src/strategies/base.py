@@ -127,6 +127,9 @@ class DeviceShare:
     """It holds a copy of the parameters but no gradients or optimizer state of its own."""
     extra_bytes: dict[str, int] = field(default_factory=dict)
     """What the strategy adds, by category (parameters, gradients, optimizer, activations)."""
+    devices: int = 1
+    """The devices whose work this share stands for: on CPU one process runs all of a dp's
+    replicas or a pipeline's stages, which on GPUs run side by side."""
 
 
 def ring_bytes(size: int, ranks: int) -> int:

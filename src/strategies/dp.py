@@ -65,7 +65,10 @@ class DP(Strategy):
         others a parameter replica and their part of the batch."""
         parts = min(self.cfg.devices, micro_batch)
         if self.device_type == "cpu":
-            return [DeviceShare("cpu:0", micro_batch, parts=parts, gather=self.gather_outputs)]
+            share = DeviceShare(
+                "cpu:0", micro_batch, parts=parts, gather=self.gather_outputs, devices=parts
+            )
+            return [share]
         chunk = -(-micro_batch // parts)
         gathered = 2 * micro_batch * sizes.block_output_bytes[-1] if self.gather_outputs else 0
         output_device = DeviceShare("cuda:0", chunk, extra_bytes={"activations": gathered})

@@ -296,6 +296,7 @@ def stage_shares(
             blocks=(start, end),
             parts=min(microbatches, samples),
             extra_bytes={"gradients": sizes.blocks_bytes(start, end) if gradient_buckets else 0},
+            devices=1 if device_type == "cuda" else len(split_points) + 1,
         )
         for index, (start, end) in enumerate(stages)
     ]
