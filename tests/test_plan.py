@@ -72,9 +72,9 @@ def test_auto_chooses_the_fastest_plan_that_fits():
 
 
 def test_auto_resolves_to_a_strategy_and_says_why(compose_config):
+    cfg = compose_config(*TINY_MLP, "parallel=auto", "plan.strategies=[dp,model_parallel]")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose_config(*TINY_MLP, "parallel=auto", "plan.strategies=[dp,model_parallel]")
-        resolved = resolve_auto(cfg)
+        resolved = resolve_auto(cfg)  # composes the candidates' options, as inside train.py
     assert resolved.parallel.name in ("dp", "model_parallel")
     assert resolved.parallel.devices == 2
     assert resolved.parallel.chosen_by.startswith(f"parallel=auto chose {resolved.parallel.name}")
