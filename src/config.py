@@ -386,6 +386,9 @@ class PlanConfig:
 
     device_memory_gb: float = 80.0
     """Memory of one device (GPU; on CPU, what one process may use)."""
+    accelerator: str = "auto"
+    """The devices planned for: cpu (a row per process), cuda (a row per GPU: dp's output device
+    and each pipeline stage apart; no GPU needed to plan), or auto: trainer.accelerator's."""
     strategies: list[str] | None = None
     """Strategies to plan; None: the configured one (plan.py), every one (parallel=auto)."""
     devices: list[int] | None = None

@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from src.config import ConfigError
@@ -42,7 +42,7 @@ from src.optim import build_optimizer
 from src.performance import prepare_blocks
 from src.precision import autocast
 from src.strategies import STRATEGIES, build_strategy
-from src.strategies.base import DeviceShare, ModelSizes, Strategy
+from src.strategies.base import DeviceShare, ModelSizes, Strategy, resolve_device_type
 
 log = logging.getLogger(__name__)
 MB = 2**20
@@ -128,6 +128,8 @@ def check_plan_settings(plan: DictConfig) -> None:
         )
     if any(count < 1 for count in plan.devices or []):
         raise ConfigError(f"plan.devices must all be at least 1, got {list(plan.devices)}")
+    if plan.accelerator not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"plan.accelerator must be auto, cpu or cuda, got {plan.accelerator!r}")
     if plan.link_gb_per_s <= 0 or plan.device_tflops <= 0:
         raise ConfigError("plan.link_gb_per_s and plan.device_tflops must be above 0")
 
@@ -176,7 +178,7 @@ def plan_one(cfg: DictConfig, parallel: DictConfig, data: Data, sizes: ModelSize
     plan = Plan(parallel.name, parallel.devices, parallel)
     trainer = cfg.trainer
     try:
-        strategy = build_strategy(parallel, "cpu", trainer.precision)
+        strategy = build_strategy(parallel, planned_device_type(cfg), trainer.precision)
         strategy.check_batch(trainer.batch_size // trainer.accumulate)
         strategy.check_model(*meta_model_and_inputs(cfg, data, 2))
     except ConfigError as error:
@@ -190,6 +192,13 @@ def plan_one(cfg: DictConfig, parallel: DictConfig, data: Data, sizes: ModelSize
     plan.fits = plan.peak <= cfg.plan.device_memory_gb * 2**30
     plan.step_time_s = step_time_s(plan, strategy, cfg.plan)
     return plan
+
+
+def planned_device_type(cfg: DictConfig) -> str:
+    """cpu or cuda: `plan.accelerator`, or where the run would train."""
+    if cfg.plan.accelerator in ("cpu", "cuda"):
+        return cfg.plan.accelerator
+    return resolve_device_type(cfg.trainer.accelerator)
 
 
 def step_time_s(plan: Plan, strategy: Strategy, settings: DictConfig) -> float:
@@ -256,11 +265,12 @@ def trace_share(cfg: DictConfig, data: Data, share: DeviceShare) -> DevicePlan:
         stage = nn.Sequential(*list(model)[start:end])
         optimizer = build_optimizer(cfg.optimizer, stage.parameters())
         step = ShareStep(stage, share, task, last=end == len(model))
+        template = stage_inputs(model, start, share.samples, sample_inputs)
         tracker = StepMemTracker()
         tracker.track_external(step, optimizer)
 
         def micro_step() -> None:
-            inputs = stage_inputs(model, start, share.samples, sample_inputs)
+            inputs = fresh_inputs(template, from_stage=start > 0)
             targets = sample_targets.new_zeros(share.samples, *sample_targets.shape[1:])
             with autocast("cpu", trainer.precision):
                 loss = step(inputs, targets)
@@ -270,7 +280,8 @@ def trace_share(cfg: DictConfig, data: Data, share: DeviceShare) -> DevicePlan:
             for _ in range(TRACED_STEPS):
                 for _ in range(trainer.accumulate):
                     micro_step()
-                optimizer.step()
+                if not share.replica_only:  # a replica's gradients go to the output device
+                    optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
         # Counted apart: under FlopCounterMode, checkpointed activations stay alive.
         with FlopCounterMode(display=False) as flops:
@@ -303,16 +314,23 @@ def shared_out(device: DevicePlan, share: DeviceShare) -> DevicePlan:
 def stage_inputs(
     model: nn.Sequential, start: int, samples: int, sample_inputs: torch.Tensor
 ) -> Any:
-    """What block `start` takes for `samples` samples (fake): the data, or the previous stage's
-    output, which arrives with its gradient to send back."""
+    """What block `start` takes for `samples` samples (fake): the data, or (before tracking
+    starts) the previous blocks' output, as a template for `fresh_inputs`."""
     inputs = sample_inputs.new_zeros(samples, *sample_inputs.shape[1:])
     if start == 0:
         return inputs
     with torch.no_grad():
-        value = nn.Sequential(*list(model)[:start])(inputs)
-    return torch.utils._pytree.tree_map(
-        lambda t: t.detach().requires_grad_(t.is_floating_point()), value
-    )
+        return nn.Sequential(*list(model)[:start])(inputs)
+
+
+def fresh_inputs(template: Any, from_stage: bool) -> Any:
+    """A new micro-batch shaped like `template`; a previous stage's activations (`from_stage`)
+    arrive needing the gradient this stage sends back."""
+
+    def fresh(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(tensor).requires_grad_(from_stage and tensor.is_floating_point())
+
+    return tree_map(fresh, template)
 
 
 class ShareStep(nn.Module):
@@ -337,9 +355,9 @@ class ShareStep(nn.Module):
 
 
 def split_parts(inputs: Any, parts: int) -> list[Any]:
-    leaves, spec = torch.utils._pytree.tree_flatten(inputs)
+    leaves, spec = tree_flatten(inputs)
     chunks = [leaf.tensor_split(parts) for leaf in leaves]
-    return [torch.utils._pytree.tree_unflatten([c[i] for c in chunks], spec) for i in range(parts)]
+    return [tree_unflatten([c[i] for c in chunks], spec) for i in range(parts)]
 
 
 # ----------------------------------------------------------------------------------------- table
