@@ -95,17 +95,44 @@ def test_train_with_parallel_auto_records_the_choice(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "override, message",
+    "command, message",
     [
-        ("plan.strategies=[ddp,zero3]", "plan.strategies: unknown strategy 'zero3'"),
-        ("plan.device_memory_gb=0", "plan.device_memory_gb must be above 0"),
+        (["plan.py", "plan.strategies=[ddp,zero3]"], "plan.strategies: unknown strategy 'zero3'"),
+        (["train.py", "parallel=auto", "plan.device_memory_gb=0"], "must be above 0, got 0.0"),
     ],
+    ids=["plan.py", "train.py"],
 )
-def test_plan_bad_input_is_one_line_and_exit_2(override, message):
+def test_bad_plan_settings_are_one_line_and_exit_2(command, message):
     result = subprocess.run(
-        [sys.executable, "plan.py", override], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, *command, "logger=none", "trainer.accelerator=cpu"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [f"plan.py: error: {message}"] or (
-        message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    output = (result.stdout + result.stderr).splitlines()  # train.py logs its error line
+    error_lines = [line for line in output if "error" in line.lower()]
+    assert len(error_lines) == 1 and message in error_lines[0]
+
+
+def test_plan_py_help_names_the_plan_settings():
+    result = subprocess.run(
+        [sys.executable, "plan.py", "--help"], cwd=ROOT, capture_output=True, text=True
     )
+    assert result.returncode == 0
+    assert "plan.device_memory_gb" in result.stdout and "parallel=auto" in result.stdout
+
+
+def test_gpu_plan_shows_dp_output_device_and_each_stage(compose_config):
+    """Planned for GPUs (no GPU needed): dp's output device holds the state and the gathered
+    outputs, the replicas only parameters; a pipeline gets one row per stage."""
+    overrides = (*TINY_MLP, "plan.accelerator=cuda", "data.num_classes=500")
+    dp_cfg = compose_config(*overrides, "parallel=dp", "parallel.devices=3")
+    pipeline = compose_config(*overrides, "parallel=model_parallel", "parallel.devices=3").parallel
+    dp, stages = plan_all(dp_cfg, [dp_cfg.parallel, pipeline])
+    output_device, *replicas = dp.device_plans
+    assert [device.label for device in dp.device_plans] == ["cuda:0", "cuda:1", "cuda:2"]
+    assert all(replica.gradients == replica.optimizer == 0 for replica in replicas)
+    assert output_device.peak > max(replica.peak for replica in replicas)
+    assert [device.label for device in stages.device_plans] == ["cuda:0", "cuda:1", "cuda:2"]
+    assert sum(d.parameters for d in stages.device_plans) < 1.01 * output_device.parameters
