@@ -1,15 +1,15 @@
 """Measured peak tensor memory of real training steps, to hold the planner's predictions to.
 
-Each process of the configured strategy builds its model, wraps it, and runs two real training
-steps (the loop's own `forward_backward`, the real optimizer) under torch's `MemTracker`, which
-counts every tensor storage alive per device; the peak is the second step's, when the optimizer
-state exists. On CPU a device is a process (its replicas or stages share its memory), as in
-`peak_memory_mb`. Used by `scripts/benchmark.py --only plan` and the tests.
+Each process of the configured strategy builds its model, wraps it, and runs as many real
+training steps as the planner traces (two: the loop's own `forward_backward`, the real
+optimizer) under torch's `MemTracker`, which counts every tensor storage alive per device; the
+peak is the second step's, when the optimizer state exists. On CPU a device is a process (its
+replicas or stages share its memory), as in `peak_memory_mb`. Used by
+`scripts/benchmark.py --only plan` and the tests.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -21,12 +21,9 @@ from src.launch import launch
 from src.loop import forward_backward
 from src.optim import build_optimizer
 from src.performance import prepare_blocks
-from src.plan import StepMemTracker
+from src.plan import TRACED_STEPS, StepMemTracker, meta_model_and_inputs
 from src.precision import LossScaling, autocast
 from src.strategies import build_strategy
-
-log = logging.getLogger(__name__)
-MEASURED_STEPS = 2
 
 
 def measured_peak_mb(cfg: DictConfig) -> dict[str, float]:
@@ -44,12 +41,12 @@ def measured_peak_mb(cfg: DictConfig) -> dict[str, float]:
 
 
 def step_peak_mb(resolved_cfg: dict[str, Any]) -> dict[str, float]:
-    """This process's peak tensor memory (MB) over `MEASURED_STEPS` training steps."""
+    """This process's peak tensor memory (MB) over `TRACED_STEPS` training steps."""
     cfg = OmegaConf.create(resolved_cfg)
     trainer = cfg.trainer
     strategy = build_strategy(cfg.parallel, "cpu", trainer.precision)
     data = build_data(cfg.data, cfg.seed)
-    strategy.check_model(*meta_model_and_inputs(cfg, data))
+    strategy.check_model(*meta_model_and_inputs(cfg, data, 2))
     strategy.setup()
     micro_batch = trainer.batch_size // trainer.accumulate // strategy.world_size
     task = instantiate(cfg.task)
@@ -67,7 +64,7 @@ def step_peak_mb(resolved_cfg: dict[str, Any]) -> dict[str, float]:
             model = strategy.wrap(model)
             optimizer = build_optimizer(cfg.optimizer, strategy.unwrap(model).parameters())
             scaling = LossScaling(strategy.grad_scaler(trainer.precision == "fp16", 2.0**16))
-            for _ in range(MEASURED_STEPS):
+            for _ in range(TRACED_STEPS):
                 batches = iter([tuple(t.clone() for t in batch)] * trainer.accumulate)
                 precision = autocast("cpu", trainer.precision)
                 forward_backward(
@@ -80,11 +77,3 @@ def step_peak_mb(resolved_cfg: dict[str, Any]) -> dict[str, float]:
     peaks = tracker.get_tracker_snapshot("peak").values()
     peak = max(peaks, key=lambda snapshot: snapshot["Total"])
     return {str(kind): size / 2**20 for kind, size in peak.items()}
-
-
-def meta_model_and_inputs(cfg: DictConfig, data: Any) -> tuple[torch.nn.Module, torch.Tensor]:
-    """The model on the meta device and two samples' meta inputs, for `check_model`."""
-    with torch.device("meta"):
-        model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
-    inputs, _ = first_samples(data.train, 2)
-    return model, torch.empty_like(inputs, device="meta")

@@ -109,13 +109,6 @@ class Plan:
     def peak(self) -> int:
         return max((device.peak for device in self.device_plans), default=0)
 
-    def summary(self) -> dict[str, Any]:
-        """The figures summary.json and the report keep."""
-        return {
-            "predicted_peak_mb": self.peak / MB,
-            "predicted_traffic_mb": sum(self.traffic.values()) / MB,
-        }
-
 
 def check_plan_settings(plan: DictConfig) -> None:
     """Refuse plan settings that cannot work, in one line, before any tracing."""
