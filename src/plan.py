@@ -42,7 +42,13 @@ from src.optim import build_optimizer
 from src.performance import prepare_blocks
 from src.precision import autocast
 from src.strategies import STRATEGIES, build_strategy
-from src.strategies.base import DeviceShare, ModelSizes, Strategy, resolve_device_type
+from src.strategies.base import (
+    DeviceShare,
+    ModelSizes,
+    Strategy,
+    resolve_device_type,
+    tied_block_groups,
+)
 
 log = logging.getLogger(__name__)
 MB = 2**20
@@ -232,18 +238,6 @@ def model_sizes(cfg: DictConfig, data: Data) -> ModelSizes:
         block_output_bytes=outputs,
         shared_blocks=tied_block_groups(model),
     )
-
-
-def tied_block_groups(model: nn.Sequential) -> list[list[int]]:
-    """Blocks that share a parameter, grouped (each block alone when it shares none)."""
-    groups: list[tuple[set[int], list[int]]] = []
-    for index, block in enumerate(model):
-        params = {id(p) for p in block.parameters()}
-        sharing = [g for g in groups if g[0] & params]
-        groups = [g for g in groups if g not in sharing]
-        merged_ids = params.union(*(g[0] for g in sharing))
-        groups.append((merged_ids, sorted([i for g in sharing for i in g[1]] + [index])))
-    return [blocks for _, blocks in groups]
 
 
 def trace_share(cfg: DictConfig, data: Data, share: DeviceShare) -> DevicePlan:

@@ -132,6 +132,18 @@ class DeviceShare:
     replicas or a pipeline's stages, which on GPUs run side by side."""
 
 
+def tied_block_groups(model: nn.Sequential) -> list[list[int]]:
+    """Blocks that share a parameter, grouped (each block alone when it shares none)."""
+    groups: list[tuple[set[int], list[int]]] = []
+    for index, block in enumerate(model):
+        params = {id(p) for p in block.parameters()}
+        sharing = [g for g in groups if g[0] & params]
+        groups = [g for g in groups if g not in sharing]
+        merged_ids = params.union(*(g[0] for g in sharing))
+        groups.append((merged_ids, sorted([i for g in sharing for i in g[1]] + [index])))
+    return [blocks for _, blocks in groups]
+
+
 def ring_bytes(size: int, ranks: int) -> int:
     """Bytes each rank sends in a ring all-reduce of `size` bytes."""
     return 2 * (ranks - 1) * size // ranks

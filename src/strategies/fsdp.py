@@ -49,7 +49,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from src.checkpoint import renamed
 from src.precision import AUTOCAST_DTYPES
-from src.strategies.base import DeviceShare, ModelSizes
+from src.strategies.base import DeviceShare, ModelSizes, tied_block_groups
 from src.strategies.distributed import Distributed
 
 # Full tensors, gathered onto rank 0's CPU (the other ranks get nothing back).
@@ -149,13 +149,8 @@ def unit_bytes(sizes: ModelSizes) -> list[int]:
 def sharding_units(model: nn.Sequential) -> list[list[nn.Module]]:
     """The blocks grouped into FSDP units: each block on its own, except that blocks sharing a
     parameter (tied embeddings) form one unit, since one unit alone can shard and gather it."""
-    units: list[list[nn.Module]] = []
-    for block in model:
-        params = set(block.parameters())
-        sharing = [unit for unit in units if any(params & set(b.parameters()) for b in unit)]
-        units = [unit for unit in units if unit not in sharing]
-        units.append([b for unit in sharing for b in unit] + [block])
-    return units
+    blocks = list(model)
+    return [[blocks[index] for index in group] for group in tied_block_groups(model)]
 
 
 @contextlib.contextmanager
