@@ -372,7 +372,7 @@ def format_table(plans: Sequence[Plan], device_memory_gb: float) -> str:
             )
         if plan.traffic:
             parts = ", ".join(f"{name} {size / MB:.2f} MB" for name, size in plan.traffic.items())
-            lines.append(f"{'':<25}traffic per device per step: {parts}")
+            lines.append(f"{'':<25}traffic per step: {parts}")
     return "\n".join(lines)
 
 

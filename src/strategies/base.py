@@ -55,7 +55,7 @@ Now and then:
     strategy.teardown()
 For the planner (`src/plan.py`), after check_batch and check_model, touching no device:
     strategy.device_shares(sizes, micro_batch)   what each device holds and runs in a step
-    strategy.step_traffic(sizes, micro_batch, accumulate)   bytes a device sends per step
+    strategy.step_traffic(sizes, micro_batch, accumulate)   bytes sent per step, by transfer
     strategy.idle_fraction()                     share of the step a device waits (bubble)
 """
 
@@ -323,7 +323,9 @@ class Strategy:
         return [DeviceShare(f"{self.device_type}:0", micro_batch)]
 
     def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
-        """Bytes a device sends per optimizer step (`accumulate` micro-steps), by transfer."""
+        """Bytes sent per optimizer step (`accumulate` micro-steps), by transfer: what each rank
+        sends for collectives, what crosses all stage boundaries for pipelines, what the output
+        device exchanges for dp."""
         return {}
 
     def idle_fraction(self) -> float:
