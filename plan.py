@@ -2,7 +2,7 @@
 
 Prints, for the configured strategy (or plan.strategies x plan.devices), the predicted peak
 memory per device split into parameters, gradients, optimizer state and activations, the bytes
-each device sends per step, and whether it fits plan.device_memory_gb. Nothing runs on a
+sent per step, and whether it fits plan.device_memory_gb. Nothing runs on a
 device: the real model and batch are traced on fake tensors (src/plan.py).
 
     python plan.py                                             # the default run
