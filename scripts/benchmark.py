@@ -25,6 +25,9 @@ out of both.
                     and with trainer.async_checkpoint=true: the training time async saves
     loader          `parallel=single` on augmented 3x16x16 images, made by 2 DataLoader workers
                     / in the training process (data.num_workers=2 / 0)
+    plan            the planner's predicted peak memory per device (`python plan.py`) against
+                    the peak MemTracker measures over two real training steps in each process
+                    (src/memory_check.py), for mlp and gpt under every strategy on CPU
 """
 
 from __future__ import annotations
@@ -283,6 +286,45 @@ def checkpoint_blocking(rounds: int, steps: int) -> None:
     )
 
 
+PLAN_MODELS = {
+    "mlp": ("model=mlp", "trainer.batch_size=64"),
+    "gpt": (
+        "model=gpt",
+        "data=synthetic_tokens",
+        "task=language_model",
+        "data.seq_len=64",
+        "trainer.batch_size=16",
+    ),
+}
+PLAN_STRATEGIES = {
+    "single": ("parallel=single",),
+    "single, checkpointing": ("parallel=single", "trainer.activation_checkpointing=true"),
+    "single, bf16": ("parallel=single", "trainer.precision=bf16"),
+    "dp 2": ("parallel=dp", "parallel.devices=2"),
+    "dp_criterion 2": ("parallel=dp_criterion", "parallel.devices=2"),
+    "model_parallel 2, M=2": ("parallel=model_parallel", "parallel.microbatches=2"),
+    "ddp 2": ("parallel=ddp", "parallel.devices=2"),
+    "fsdp 2": ("parallel=fsdp", "parallel.devices=2"),
+    "hybrid 2x2, M=2": ("parallel=hybrid", "parallel.devices=4", "parallel.microbatches=2"),
+}
+
+
+def plan_accuracy() -> None:
+    """Predicted against measured peak tensor memory per process (MB), every model x strategy."""
+    from src.memory_check import measured_peak_mb
+    from src.plan import MB, plan_all
+
+    print(f"{'model':<6}{'strategy':<24}{'predicted MB':>13}{'measured MB':>13}{'ratio':>8}")
+    for model, model_overrides in PLAN_MODELS.items():
+        for label, overrides in PLAN_STRATEGIES.items():
+            cfg = compose_config(*model_overrides, *overrides, "logger=none")
+            (plan,) = plan_all(cfg, [cfg.parallel])
+            measured = measured_peak_mb(cfg)["Total"]
+            predicted = plan.peak / MB
+            ratio = predicted / measured
+            print(f"{model:<6}{label:<24}{predicted:>13.2f}{measured:>13.2f}{ratio:>8.3f}")
+
+
 Run = Callable[[int], float]
 COMPARISONS: dict[str, tuple[tuple[str, Run], tuple[str, Run]]] = {
     "single": (("template", template_single), ("plain", plain_single)),
@@ -315,7 +357,9 @@ def compare(name: str, rounds: int, steps: int) -> tuple[float, float, list[floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", choices=[*sorted(COMPARISONS), "checkpoint"], action="append")
+    parser.add_argument(
+        "--only", choices=[*sorted(COMPARISONS), "checkpoint", "plan"], action="append"
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument(
@@ -341,6 +385,9 @@ def main() -> None:
     for name in args.only or [*COMPARISONS, "checkpoint"]:
         if name == "checkpoint":
             checkpoint_blocking(args.rounds, args.steps)
+            continue
+        if name == "plan":
+            plan_accuracy()
             continue
         *speeds, ratios = compare(name, args.rounds, args.steps)
         batch = OVERHEAD_BATCH_SIZE if name == "overhead" else BATCH_SIZE

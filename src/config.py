@@ -242,6 +242,8 @@ class ParallelConfig:
     nodes: int = 1
     """>1: run train.py on every node with the same master_addr/master_port (strategies with
     one process per replica)."""
+    chosen_by: str | None = None
+    """Set by parallel=auto: why the planner chose this strategy (also in summary.json)."""
 
 
 @dataclass
@@ -450,6 +452,28 @@ class WandbConfig(LoggerConfig):
     """How long an online run may take to start before the run logs offline instead."""
 
 
+# ------------------------------------------------------------------------------------------ plan
+
+
+@dataclass
+class PlanConfig:
+    """What `python plan.py` and `parallel=auto` plan for (`src/plan.py`)."""
+
+    device_memory_gb: float = 80.0
+    """Memory of one device (GPU; on CPU, what one process may use)."""
+    accelerator: str = "auto"
+    """The devices planned for: cpu (a row per process), cuda (a row per GPU: dp's output device
+    and each pipeline stage apart; no GPU needed to plan), or auto: trainer.accelerator's."""
+    strategies: list[str] | None = None
+    """Strategies to plan; None: the configured one (plan.py), every one (parallel=auto)."""
+    devices: list[int] | None = None
+    """Device counts to plan; None: parallel.devices."""
+    device_tflops: float = 100.0
+    """One device's sustained TFLOP/s, for the predicted step time that ranks the strategies."""
+    link_gb_per_s: float = 50.0
+    """Bytes per second (GB/s) one device sends to another, for the same."""
+
+
 # ---------------------------------------------------------------------------------------- config
 
 
@@ -462,6 +486,7 @@ class Config:
     trainer: TrainerConfig = MISSING
     optimizer: Any = MISSING
     logger: Any = MISSING
+    plan: PlanConfig = field(default_factory=PlanConfig)
     seed: int = 0
 
 

@@ -53,6 +53,7 @@ from src.performance import (
     step_flops,
     throughput_figures,
 )
+from src.plan import resolve_auto
 from src.stopping import Interrupted, RunStopped
 from src.strategies import build_strategy
 from src.strategies.base import Strategy, resolve_device_type, usable_cores
@@ -362,6 +363,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     srun started (see `src/launch.py`); returns the summary of this node's lowest rank."""
     hydra = HydraConfig.get()
     run_dir = Path(hydra.runtime.output_dir)
+    cfg = resolve_auto(cfg)  # parallel=auto: the planner's choice from here on
     strategy = check_config(cfg, run_dir)
     checkpoint = resume_path(cfg.trainer.resume, run_dir)
     if checkpoint and finished(load_checkpoint(checkpoint, mmap=True), cfg):
@@ -501,6 +503,7 @@ def build_and_fit(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[st
         results = fit(cfg, strategy, model, optimizer, data, tracker, run_dir, start_step)
         summary = {
             "strategy": strategy.name,
+            **({"chosen_by": cfg.parallel.chosen_by} if cfg.parallel.chosen_by else {}),
             "devices": cfg.parallel.devices,
             "world_size": strategy.world_size,
             "global_batch": cfg.trainer.batch_size,

@@ -81,6 +81,8 @@ class Row:
     threads: int | None = None
     """Compute threads on the node: processes per node x intra-op threads per process."""
     cores: int | None = None
+    predicted_peak_mb: float | None = None
+    """The planner's prediction of the largest peak (src/plan.py), next to the measured one."""
     peak_memory_max_mb: float | None = None
     peak_memory_spread_mb: float | None = None
     """Largest minus smallest peak over the job's devices: the load imbalance."""
@@ -140,7 +142,21 @@ def read_row(job_dir: Path, variant: str) -> Row:
         row.reason = "no summary.json or status.json: the job did not finish (killed?)"
     if row.status == "ok" and summary_file.exists():
         fill_from_summary(row, json.loads(summary_file.read_text()))
+        row.predicted_peak_mb = predicted_peak_mb(config)
     return row
+
+
+def predicted_peak_mb(config: DictConfig) -> float | None:
+    """The planner's predicted peak memory per device for a job's config, in MB; None when it
+    cannot trace the model (or the config predates the planner)."""
+    from src.plan import MB, plan_all
+
+    try:
+        (plan,) = plan_all(config, [config.parallel])
+    except Exception:  # noqa: BLE001 - the table goes on without the prediction
+        log.debug("no prediction for this job", exc_info=True)
+        return None
+    return plan.peak / MB if plan.problem is None else None
 
 
 def fill_from_summary(row: Row, summary: dict[str, Any]) -> None:
@@ -217,7 +233,8 @@ COLUMN_TITLES = {
     "step_time_spread": "step ms spread",
     "threads": "threads",
     "cores": "cores",
-    "peak_memory_max_mb": "peak MB (max)",
+    "predicted_peak_mb": "predicted peak MB",
+    "peak_memory_max_mb": "measured peak MB (max)",
     "peak_memory_spread_mb": "peak MB (spread)",
     "output_device_memory_ratio": "output device memory",
     "final_train_loss": "train loss",
@@ -240,6 +257,8 @@ def format_cell(name: str, value: Any) -> str:
         return f"{100 * value:.0f}%"
     if name in ("samples_per_sec", "peak_memory_max_mb", "peak_memory_spread_mb"):
         return f"{value:,.0f}"
+    if name == "predicted_peak_mb":
+        return f"{value:,.3g}"
     if name in ("step_time_ms", "tflops_per_sec"):
         return f"{value:.3g}"
     if isinstance(value, float):

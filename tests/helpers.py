@@ -28,7 +28,7 @@ def options(group: str) -> list[str]:
     return sorted(path.stem for path in (ROOT / "conf" / group).glob("*.yaml"))
 
 
-STRATEGIES = options("parallel")
+STRATEGIES = [option for option in options("parallel") if option != "auto"]  # auto picks one
 
 # A few seconds per run on 2 CPU cores: small model, few steps, every step logged.
 TINY = (

@@ -65,6 +65,7 @@ def test_sweep_reports_every_job_and_groups_its_wandb_runs(tmp_path):
         row = by_job[key]
         assert float(row["efficiency"]) == float(row["speedup"]) / key[1]
         assert float(row["samples_per_sec"]) > 0 and float(row["peak_memory_max_mb"]) > 0
+        assert float(row["predicted_peak_mb"]) > 0
         assert (
             abs(float(row["final_val_loss"]) - float(by_job["single", 1]["final_val_loss"])) < 1e-5
         )

@@ -55,6 +55,10 @@ Now and then:
     strategy.peak_memory_mb()    the same for every device the job used (all processes)
     strategy.report()            strategy-specific figures for summary.json (e.g. bubble)
     strategy.teardown()
+For the planner (`src/plan.py`), after check_batch and check_model, touching no device:
+    strategy.device_shares(sizes, micro_batch)   what each device holds and runs in a step
+    strategy.step_traffic(sizes, micro_batch, accumulate)   bytes sent per step, by transfer
+    strategy.idle_fraction()                     share of the step a device waits (bubble)
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ import os
 import resource
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -83,6 +88,69 @@ SHARDED = StateDictOptions()
 
 LossFn = Callable[[Tree, Tree], torch.Tensor]
 """A task's `sums`: (outputs, targets) -> a 1-D tensor of sums."""
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """What the planner knows of the model before tracing it (bytes, from the meta device)."""
+
+    block_parameter_bytes: list[int]
+    """Each block's parameters (one shared by several blocks counted at the first)."""
+    input_bytes: int
+    """One sample's inputs."""
+    block_output_bytes: list[int]
+    """One sample's output of each block."""
+    shared_blocks: list[list[int]]
+    """The blocks grouped by shared parameters (each block alone when it shares none)."""
+
+    @property
+    def parameter_bytes(self) -> int:
+        return sum(self.block_parameter_bytes)
+
+    def blocks_bytes(self, start: int, end: int) -> int:
+        return sum(self.block_parameter_bytes[start:end])
+
+
+@dataclass(frozen=True)
+class DeviceShare:
+    """One device's part of a training step, as the planner traces it."""
+
+    label: str
+    samples: int
+    """Samples per micro-step through this device's blocks."""
+    blocks: tuple[int, int] | None = None
+    """The blocks it runs, [start, end); None: all."""
+    parts: int = 1
+    """The samples run in this many parts (replicas, pipeline micro-batches), all kept for
+    backward."""
+    gather: bool = False
+    """The parts' outputs are concatenated before the loss (DataParallel's gather)."""
+    state_shards: int = 1
+    """Parameters, gradients and optimizer state split this many ways (FSDP)."""
+    replica_only: bool = False
+    """It holds a copy of the parameters but no gradients or optimizer state of its own."""
+    extra_bytes: dict[str, int] = field(default_factory=dict)
+    """What the strategy adds, by category (parameters, gradients, optimizer, activations)."""
+    devices: int = 1
+    """The devices whose work this share stands for: on CPU one process runs all of a dp's
+    replicas or a pipeline's stages, which on GPUs run side by side."""
+
+
+def tied_block_groups(model: nn.Sequential) -> list[list[int]]:
+    """Blocks that share a parameter, grouped (each block alone when it shares none)."""
+    groups: list[tuple[set[int], list[int]]] = []
+    for index, block in enumerate(model):
+        params = {id(p) for p in block.parameters()}
+        sharing = [g for g in groups if g[0] & params]
+        groups = [g for g in groups if g not in sharing]
+        merged_ids = params.union(*(g[0] for g in sharing))
+        groups.append((merged_ids, sorted([i for g in sharing for i in g[1]] + [index])))
+    return [blocks for _, blocks in groups]
+
+
+def ring_bytes(size: int, ranks: int) -> int:
+    """Bytes each rank sends in a ring all-reduce of `size` bytes."""
+    return 2 * (ranks - 1) * size // ranks
 
 
 def resolve_device_type(accelerator: Accelerator) -> str:
@@ -257,3 +325,18 @@ class Strategy:
 
     def teardown(self) -> None:
         pass
+
+    def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
+        """What each device holds and runs in a step of `micro_batch` samples (all of them)."""
+        return [DeviceShare(f"{self.device_type}:0", micro_batch)]
+
+    def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
+        """Bytes sent per optimizer step (`accumulate` micro-steps), by transfer: what each rank
+        sends for collectives, what crosses all stage boundaries for pipelines, what the output
+        device exchanges for dp."""
+        return {}
+
+    def idle_fraction(self) -> float:
+        """Share of a step each device waits for others (a pipeline's bubble)."""
+        return 0.0
+

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from src.config import DDPConfig
+from src.strategies.base import DeviceShare, ModelSizes, ring_bytes
 from src.strategies.distributed import Distributed
 
 
@@ -44,6 +45,20 @@ class DDP(Distributed):
 
     def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if enabled else model.no_sync()
+
+    def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
+        """Rank 0's device: the whole model on its share of the batch, plus the reducer's
+        buckets, a second copy of the gradients (none when the gradients are views into them)."""
+        buckets = 0 if self.cfg.gradient_as_bucket_view else sizes.parameter_bytes
+        share = DeviceShare(
+            f"{self.device_type}:0",
+            micro_batch // self.world_size,
+            extra_bytes={"gradients": buckets},
+        )
+        return [share]
+
+    def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
+        return {"gradient all-reduce": ring_bytes(sizes.parameter_bytes, self.world_size)}
 
     def teardown(self) -> None:
         # DDP's reducer holds the process group, and a DDP module sits in reference cycles, so

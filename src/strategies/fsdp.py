@@ -49,6 +49,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from src.checkpoint import renamed
 from src.precision import AUTOCAST_DTYPES
+from src.strategies.base import DeviceShare, ModelSizes, tied_block_groups
 from src.strategies.distributed import Distributed
 
 # Full tensors, gathered onto rank 0's CPU (the other ranks get nothing back).
@@ -73,6 +74,32 @@ class FSDP(Distributed):
         for unit in sharding_units(model):
             fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=policy)
         return fully_shard(model, mesh=mesh, mp_policy=policy)
+
+    def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
+        """Rank 0's device: its share of the batch, its shard of the model's state, and the
+        working set of gathered parameters: the unit running and the next one, prefetched."""
+        gathered = 2 * self.gathered_bytes(max(unit_bytes(sizes)))
+        share = DeviceShare(
+            f"{self.device_type}:0",
+            micro_batch // self.world_size,
+            state_shards=self.world_size,
+            extra_bytes={"parameters": gathered},
+        )
+        return [share]
+
+    def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
+        """Every unit is gathered for forward and again for backward, its gradients
+        reduce-scattered once per step (each rank sends (N - 1) / N of each)."""
+        others = (self.world_size - 1) / self.world_size
+        gathered = self.gathered_bytes(sizes.parameter_bytes)
+        return {
+            "parameter all-gather": int(2 * accumulate * others * gathered),
+            "gradient reduce-scatter": int(others * sizes.parameter_bytes),
+        }
+
+    def gathered_bytes(self, fp32_bytes: int) -> int:
+        """Parameters as gathered: in the autocast dtype under bf16/fp16 (half of fp32)."""
+        return fp32_bytes // 2 if self.precision in AUTOCAST_DTYPES else fp32_bytes
 
     def grad_scaler(self, enabled: bool, init_scale: float) -> torch.amp.GradScaler:
         """Each rank holds a shard of every gradient: ShardedGradScaler all-reduces the inf/NaN
@@ -114,16 +141,16 @@ def copy_from_rank0(model: nn.Module, device: torch.device) -> None:
                 tensor.copy_(on_device)
 
 
+def unit_bytes(sizes: ModelSizes) -> list[int]:
+    """The parameter bytes of each sharding unit (blocks sharing a parameter together)."""
+    return [sum(sizes.block_parameter_bytes[b] for b in blocks) for blocks in sizes.shared_blocks]
+
+
 def sharding_units(model: nn.Sequential) -> list[list[nn.Module]]:
     """The blocks grouped into FSDP units: each block on its own, except that blocks sharing a
     parameter (tied embeddings) form one unit, since one unit alone can shard and gather it."""
-    units: list[list[nn.Module]] = []
-    for block in model:
-        params = set(block.parameters())
-        sharing = [unit for unit in units if any(params & set(b.parameters()) for b in unit)]
-        units = [unit for unit in units if unit not in sharing]
-        units.append([b for unit in sharing for b in unit] + [block])
-    return units
+    blocks = list(model)
+    return [[blocks[index] for index in group] for group in tied_block_groups(model)]
 
 
 @contextlib.contextmanager

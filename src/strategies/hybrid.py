@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from src.config import ConfigError
+from src.strategies.base import ModelSizes, ring_bytes
 from src.strategies.ddp import DDP
 from src.strategies.pipelined import Pipelined
 
@@ -62,3 +63,12 @@ class Hybrid(Pipelined, DDP):
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module.model
+
+    def gradient_buckets(self) -> bool:
+        return not self.cfg.gradient_as_bucket_view
+
+    def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
+        return {
+            **super().step_traffic(sizes, micro_batch, accumulate),
+            "gradient all-reduce": ring_bytes(sizes.parameter_bytes, self.world_size),
+        }

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from src.batches import Tree, batch_size, move, split
-from src.strategies.base import ConfigError, LossFn
+from src.strategies.base import ConfigError, DeviceShare, LossFn, ModelSizes
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +203,36 @@ class Pipeline(nn.Module):
             "microbatches": self.microbatches,
             "bubble_fraction": bubble_fraction(len(self.stages), self.microbatches),
         }
+
+
+def stage_shares(
+    device_type: str,
+    split_points: Sequence[int],
+    sizes: ModelSizes,
+    samples: int,
+    microbatches: int,
+    gradient_buckets: bool,
+) -> list[DeviceShare]:
+    """One share per stage on GPUs; on CPU one for the process holding all of them. With
+    `gradient_buckets` (DDP over pipelines), a second copy of each stage's gradients."""
+    bounds = [0, *split_points, len(sizes.block_parameter_bytes)]
+    stages = list(itertools.pairwise(bounds)) if device_type == "cuda" else [(0, bounds[-1])]
+    return [
+        DeviceShare(
+            f"{device_type}:{index}",
+            samples,
+            blocks=(start, end),
+            parts=min(microbatches, samples),
+            extra_bytes={"gradients": sizes.blocks_bytes(start, end) if gradient_buckets else 0},
+            devices=1 if device_type == "cuda" else len(split_points) + 1,
+        )
+        for index, (start, end) in enumerate(stages)
+    ]
+
+
+def boundary_bytes(split_points: Sequence[int], sizes: ModelSizes, samples: int) -> int:
+    """Activations sent forward across every stage boundary and their gradients sent back."""
+    return sum(2 * samples * sizes.block_output_bytes[point - 1] for point in split_points)
 
 
 def log_layout(layout: dict[str, Any]) -> None:

@@ -15,14 +15,17 @@ import torch
 from torch import nn
 
 from src.batches import Tree
-from src.strategies.base import ConfigError, LossFn, Strategy
+from src.strategies.base import ConfigError, DeviceShare, LossFn, ModelSizes, Strategy
 from src.strategies.pipeline import (
     Pipeline,
     balanced_split_points,
+    boundary_bytes,
+    bubble_fraction,
     check_tied_parameters,
     describe_value,
     log_layout,
     parameter_count,
+    stage_shares,
     unmovable_boundaries,
 )
 
@@ -133,3 +136,26 @@ class Pipelined(Strategy):
 
     def report(self) -> dict[str, Any]:
         return self.layout
+
+    def gradient_buckets(self) -> bool:
+        """Whether each stage keeps a second copy of its gradients (DDP's buckets)."""
+        return False
+
+    def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
+        """The first pipeline's stages, on its share of the batch."""
+        samples = micro_batch // self.world_size
+        return stage_shares(
+            self.device_type,
+            self.split_points,
+            sizes,
+            samples,
+            self.cfg.microbatches,
+            self.gradient_buckets(),
+        )
+
+    def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
+        samples = micro_batch // self.world_size
+        return {"stage activations": accumulate * boundary_bytes(self.split_points, sizes, samples)}
+
+    def idle_fraction(self) -> float:
+        return bubble_fraction(self.stages, self.cfg.microbatches)

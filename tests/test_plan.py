@@ -1,0 +1,138 @@
+"""The planner (`src/plan.py`, `plan.py`) and `parallel=auto`: predicted peaks against the peaks
+of real training steps, the choice, and bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers import ROOT, run_train
+from hydra import initialize_config_dir
+
+from src.memory_check import measured_peak_mb
+from src.plan import MB, Plan, choose, plan_all, resolve_auto
+
+TINY_MLP = ("model.hidden=64", "model.depth=3", "trainer.batch_size=64", "logger=none")
+TINY_GPT = (
+    "model=gpt",
+    "data=synthetic_tokens",
+    "task=language_model",
+    "data.seq_len=16",
+    "trainer.batch_size=16",
+    "logger=none",
+)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        (*TINY_MLP, "parallel=dp", "parallel.devices=2"),
+        (*TINY_GPT, "parallel=single", "trainer.activation_checkpointing=true"),
+        (*TINY_GPT, "parallel=model_parallel", "parallel.microbatches=2", "trainer.accumulate=2"),
+        (*TINY_GPT, "parallel=ddp", "parallel.devices=1", "trainer.precision=bf16"),
+    ],
+    ids=["mlp-dp", "gpt-single-checkpointing", "gpt-pipeline-accumulate", "gpt-ddp-bf16"],
+)
+def test_predicted_peak_within_10_percent_of_measured(compose_config, overrides):
+    cfg = compose_config(*overrides)
+    (plan,) = plan_all(cfg, [cfg.parallel])
+    measured = measured_peak_mb(cfg)["Total"]
+    assert plan.peak / MB == pytest.approx(measured, rel=0.10)
+
+
+def test_plan_splits_state_and_adds_what_the_strategy_holds(compose_config):
+    """FSDP holds a shard of the state, DDP a second copy of the gradients (its buckets)."""
+    cfg = compose_config(*TINY_MLP)
+    single, ddp, fsdp = plan_all(
+        cfg,
+        [
+            cfg.parallel,
+            compose_config(*TINY_MLP, "parallel=ddp").parallel,
+            compose_config(*TINY_MLP, "parallel=fsdp", "parallel.devices=4").parallel,
+        ],
+    )
+    (replica,) = ddp.device_plans
+    assert replica.gradients == 2 * replica.parameters  # at the optimizer step: grads + buckets
+    assert fsdp.peak < single.peak < ddp.peak
+    assert fsdp.traffic["gradient reduce-scatter"] < ddp.traffic["gradient all-reduce"]
+
+
+def plan(name: str, peak_mb: float, step_ms: float) -> Plan:
+    result = Plan(name, 2, None, step_time_s=step_ms / 1000, fits=peak_mb < 10)
+    return result
+
+
+def test_auto_chooses_the_fastest_plan_that_fits():
+    plans = [plan("ddp", 50, 1), plan("fsdp", 5, 3), plan("dp", 5, 2)]
+    best, reason = choose(plans)
+    assert best.strategy == "dp"
+    assert "too big: ddp" in reason and "\n" not in reason
+
+
+def test_auto_resolves_to_a_strategy_and_says_why(compose_config):
+    cfg = compose_config(*TINY_MLP, "parallel=auto", "plan.strategies=[dp,model_parallel]")
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        resolved = resolve_auto(cfg)  # composes the candidates' options, as inside train.py
+    assert resolved.parallel.name in ("dp", "model_parallel")
+    assert resolved.parallel.devices == 2
+    assert resolved.parallel.chosen_by.startswith(f"parallel=auto chose {resolved.parallel.name}")
+
+
+def test_train_with_parallel_auto_records_the_choice(tmp_path):
+    run_train(
+        *TINY_MLP,
+        "parallel=auto",
+        "plan.strategies=[dp,dp_criterion]",
+        "trainer.max_steps=2",
+        "data.num_samples=300",
+        run_dir=tmp_path,
+    )
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["strategy"] in ("dp", "dp_criterion")
+    assert summary["chosen_by"].startswith(f"parallel=auto chose {summary['strategy']}")
+
+
+@pytest.mark.parametrize(
+    "command, message",
+    [
+        (["plan.py", "plan.strategies=[ddp,zero3]"], "plan.strategies: unknown strategy 'zero3'"),
+        (["train.py", "parallel=auto", "plan.device_memory_gb=0"], "must be above 0, got 0.0"),
+    ],
+    ids=["plan.py", "train.py"],
+)
+def test_bad_plan_settings_are_one_line_and_exit_2(command, message):
+    result = subprocess.run(
+        [sys.executable, *command, "logger=none", "trainer.accelerator=cpu"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    output = (result.stdout + result.stderr).splitlines()  # train.py logs its error line
+    error_lines = [line for line in output if "error" in line.lower()]
+    assert len(error_lines) == 1 and message in error_lines[0]
+
+
+def test_plan_py_help_names_the_plan_settings():
+    result = subprocess.run(
+        [sys.executable, "plan.py", "--help"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 0
+    assert "plan.device_memory_gb" in result.stdout and "parallel=auto" in result.stdout
+
+
+def test_gpu_plan_shows_dp_output_device_and_each_stage(compose_config):
+    """Planned for GPUs (no GPU needed): dp's output device holds the state and the gathered
+    outputs, the replicas only parameters; a pipeline gets one row per stage."""
+    overrides = (*TINY_MLP, "plan.accelerator=cuda", "data.num_classes=500")
+    dp_cfg = compose_config(*overrides, "parallel=dp", "parallel.devices=3")
+    pipeline = compose_config(*overrides, "parallel=model_parallel", "parallel.devices=3").parallel
+    dp, stages = plan_all(dp_cfg, [dp_cfg.parallel, pipeline])
+    output_device, *replicas = dp.device_plans
+    assert [device.label for device in dp.device_plans] == ["cuda:0", "cuda:1", "cuda:2"]
+    assert all(replica.gradients == replica.optimizer == 0 for replica in replicas)
+    assert output_device.peak > max(replica.peak for replica in replicas)
+    assert [device.label for device in stages.device_plans] == ["cuda:0", "cuda:1", "cuda:2"]
+    assert sum(d.parameters for d in stages.device_plans) < 1.01 * output_device.parameters
