@@ -49,8 +49,7 @@ log = logging.getLogger(__name__)
 
 REQUIRED_KEYS = ("model", "optimizer", "step", "rng", "config")
 FULL_FILE = "checkpoint.pt"
-TRAIN_STATE_FILE = "train_state.pt"  # a sharded checkpoint's step, rng, config, ... (not model,
-# optimizer)
+TRAIN_STATE_FILE = "train_state.pt"  # a sharded checkpoint's dict less model and optimizer
 DCP_METADATA = ".metadata"
 FORMATS = ("auto", "full", "sharded")
 

@@ -380,8 +380,9 @@ def log_to_wandb(logger_cfg: DictConfig, sweep_dir: Path, rows: list[Row]) -> No
     from src.tracking import build_tracker, sweep_group  # W&B only when asked for
 
     settings = OmegaConf.to_container(logger_cfg, resolve=True)
-    settings.update(group=sweep_group(logger_cfg, sweep_dir), run_name=REPORT_RUN)
-    settings["job_type"] = REPORT_RUN
+    settings.update(
+        group=sweep_group(logger_cfg, sweep_dir), run_name=REPORT_RUN, job_type=REPORT_RUN
+    )
     counts = {status: sum(row.status == status for row in rows) for status in STATUSES}
     tracker = build_tracker(
         OmegaConf.create(settings), str(sweep_dir), {"sweep_dir": str(sweep_dir)}, is_main=True
