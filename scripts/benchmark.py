@@ -28,6 +28,15 @@ out of both.
     plan            the planner's predicted peak memory per device (`python plan.py`) against
                     the peak MemTracker measures over two real training steps in each process
                     (src/memory_check.py), for mlp and gpt under every strategy on CPU
+    compile         `parallel=single` on a small transformer, trainer.compile=true / eager
+                    (compiling happens in the warm-up steps, which are not timed)
+    bf16, fp16      the same transformer under trainer.precision=bf16 or fp16 / fp32; on a CPU
+                    these say how CPU autocast does, nothing of a GPU's tensor cores
+    activation_ckpt
+                    the same transformer with trainer.activation_checkpointing=true / without:
+                    the time recomputation costs; then the peak tensor memory of a forward and
+                    backward pass with and without it (torch's own count of tensor memory,
+                    MemTracker, on CPU; the CUDA allocator's peak on a GPU)
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.nn.parallel import DistributedDataParallel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +68,7 @@ from src.config import register_configs  # noqa: E402
 from src.data import build_data  # noqa: E402
 from src.experiment import check_config, train, train_worker  # noqa: E402
 from src.launch import launch  # noqa: E402
+from src.performance import prepare_blocks  # noqa: E402
 
 WARMUP_STEPS = 20
 BATCH_SIZE = 256
@@ -92,10 +103,10 @@ def compose_config(*overrides: str) -> DictConfig:
         return compose("config", overrides=list(overrides))
 
 
-def template_speed(steps: int, *overrides: str) -> float:
+def template_speed(steps: int, *overrides: str, workload: tuple[str, ...] = WORKLOAD) -> float:
     """samples/s of the workload with these overrides through the template's own `train`."""
     cfg = compose_config(
-        *WORKLOAD,
+        *workload,
         f"trainer.accelerator={DEVICE}",
         *overrides,
         f"trainer.max_steps={steps}",
@@ -122,6 +133,57 @@ def model_parallel_naive(steps: int) -> float:
 def loader_speed(steps: int, num_workers: int) -> float:
     augmented = ("data.image_shape=[3,16,16]", "data.augment=true")
     return template_speed(steps, "parallel=single", *augmented, f"data.num_workers={num_workers}")
+
+
+TRANSFORMER_BATCH_SIZE = 32
+# WORKLOAD's optimizer on the default small transformer (64 wide, 2 blocks, 4 heads) and
+# 32-token sequences of 64 symbols, 32 sequences a batch.
+TRANSFORMER_WORKLOAD = (
+    *(setting for setting in WORKLOAD if not setting.startswith(("model", "data", "trainer"))),
+    "model=transformer",
+    "data=synthetic_tokens",
+    f"trainer.batch_size={TRANSFORMER_BATCH_SIZE}",
+)
+TRANSFORMER_COMPARISONS = ("compile", "bf16", "fp16", "activation_ckpt")
+
+
+def transformer_speed(steps: int, *overrides: str) -> float:
+    return template_speed(steps, "parallel=single", *overrides, workload=TRANSFORMER_WORKLOAD)
+
+
+def transformer_memory_mb(activation_checkpointing: bool) -> float:
+    """Peak tensor memory, in MB, of one forward and backward pass of the transformer over a
+    batch (parameters and gradients included): torch's MemTracker on CPU (its own count of the
+    tensors' storage, not the process's RSS), the allocator's peak on CUDA."""
+    cfg = compose_config(*TRANSFORMER_WORKLOAD)
+    data = build_data(cfg.data, cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+    prepare_blocks(model, activation_checkpointing, compile=False)
+    model.to(DEVICE)
+    inputs = data.train.inputs[:TRANSFORMER_BATCH_SIZE].to(DEVICE)
+    targets = data.train.targets[:TRANSFORMER_BATCH_SIZE].to(DEVICE)
+    task = instantiate(cfg.task)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        task.sums(model(inputs), targets)[0].backward()
+        return torch.cuda.max_memory_allocated() / 2**20
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        task.sums(model(inputs), targets)[0].backward()
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] / 2**20
+
+
+def print_activation_memory() -> None:
+    kept, recomputed = transformer_memory_mb(False), transformer_memory_mb(True)
+    counted = "CUDA allocator peak" if DEVICE == "cuda" else "CPU, MemTracker tensor peak"
+    print(
+        f"{'':<16}  peak tensor memory of a step ({counted}): {kept:.1f} MB without, "
+        f"{recomputed:.1f} MB with activation checkpointing ({kept - recomputed:.1f} MB, "
+        f"{(kept - recomputed) / kept:.0%} saved)"
+    )
 
 
 def template_overhead(steps: int) -> float:
@@ -339,6 +401,25 @@ COMPARISONS: dict[str, tuple[tuple[str, Run], tuple[str, Run]]] = {
         ("2 workers", lambda steps: loader_speed(steps, 2)),
         ("0 workers", lambda steps: loader_speed(steps, 0)),
     ),
+    "compile": (
+        ("compiled", lambda steps: transformer_speed(steps, "trainer.compile=true")),
+        ("eager", transformer_speed),
+    ),
+    "bf16": (
+        ("bf16", lambda steps: transformer_speed(steps, "trainer.precision=bf16")),
+        ("fp32", transformer_speed),
+    ),
+    "fp16": (
+        ("fp16", lambda steps: transformer_speed(steps, "trainer.precision=fp16")),
+        ("fp32", transformer_speed),
+    ),
+    "activation_ckpt": (
+        (
+            "checkpointed",
+            lambda steps: transformer_speed(steps, "trainer.activation_checkpointing=true"),
+        ),
+        ("kept", transformer_speed),
+    ),
 }
 
 
@@ -378,7 +459,8 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, device {DEVICE}{gpu}, {torch.get_num_threads()} threads, "
         f"{args.rounds} rounds x {args.steps} steps ({WARMUP_STEPS} warm-up), "
-        f"batch {BATCH_SIZE} ({OVERHEAD_BATCH_SIZE} for overhead)"
+        f"batch {BATCH_SIZE} ({OVERHEAD_BATCH_SIZE} for overhead, {TRANSFORMER_BATCH_SIZE} for the "
+        "transformer's)"
     )
     sides = "".join(f"  {side:<16}{'samples/s':>11}{'ms/step':>9}" for side in ("first", "second"))
     print(f"{'comparison':<16}{sides}{'ratio':>8}  (rounds' ratios: min-max)")
@@ -391,6 +473,8 @@ def main() -> None:
             continue
         *speeds, ratios = compare(name, args.rounds, args.steps)
         batch = OVERHEAD_BATCH_SIZE if name == "overhead" else BATCH_SIZE
+        if name in TRANSFORMER_COMPARISONS:
+            batch = TRANSFORMER_BATCH_SIZE
         step_ms = [1000 * batch / speed for speed in speeds]
         cells = "".join(
             f"  {label:<16}{speed:>11,.0f}{ms:>9.3f}"
@@ -402,6 +486,10 @@ def main() -> None:
         print(f"{name:<16}{cells}{statistics.median(ratios):>8.3f}  ({spread})")
         if name == "overhead":
             print(f"{'':<16}  the template's host work: {step_ms[0] - step_ms[1]:+.3f} ms/step")
+        if name in ("bf16", "fp16") and DEVICE == "cpu":
+            print(f"{'':<16}  CPU figures (autocast on the CPU): they say nothing of a GPU")
+        if name == "activation_ckpt":
+            print_activation_memory()
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@
 
 A full checkpoint is the dict `model` (the plain state_dict, single's keys, whatever the strategy),
 `optimizer` (single's format: state keyed by parameter index), `step` (optimizer steps done),
-`rng`, `config` (resolved) and `wandb_run_id`; only tensors and plain values, so it loads with
+`rng`, `config` (resolved), `wandb_run_id` and `loss_scaling` (fp16's GradScaler state: the
+scale it reached, and the steps it skipped); only tensors and plain values, so it loads with
 `weights_only=True`. A sharded one holds the same, its `optimizer` keyed by parameter name; read
 whole (`load_checkpoint`), it comes back in the full format.
 
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 
 REQUIRED_KEYS = ("model", "optimizer", "step", "rng", "config")
 FULL_FILE = "checkpoint.pt"
-TRAIN_STATE_FILE = "train_state.pt"  # a sharded checkpoint's step, rng, config, wandb_run_id
+TRAIN_STATE_FILE = "train_state.pt"  # a sharded checkpoint's dict less model and optimizer
 DCP_METADATA = ".metadata"
 FORMATS = ("auto", "full", "sharded")
 

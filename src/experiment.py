@@ -486,7 +486,7 @@ def build_and_fit(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[st
     prepare_blocks(model, cfg.trainer.activation_checkpointing, cfg.trainer.compile)
     model = strategy.wrap(model)
     optimizer = build_optimizer(cfg.optimizer, strategy.unwrap(model).parameters())
-    start_step, wandb_run_id = 0, None
+    start_step, wandb_run_id, loss_scaling_state = 0, None, None
     if state:
         if in_shards:
             strategy.load_sharded(model, optimizer, str(checkpoint))
@@ -494,13 +494,16 @@ def build_and_fit(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[st
             strategy.load_optimizer_state_dict(model, optimizer, state["optimizer"])
         set_rng_state(state["rng"])
         start_step, wandb_run_id = state["step"], state["wandb_run_id"]
+        loss_scaling_state = state.get("loss_scaling")  # older checkpoints have none
         if strategy.is_main:
             log_resumed_schedule(cfg, state, checkpoint)
     resolved = plain_config(cfg)
     tracker = build_tracker(cfg.logger, str(run_dir), resolved, strategy.is_main, wandb_run_id)
     summary, exit_code = None, 1
     try:
-        results = fit(cfg, strategy, model, optimizer, data, tracker, run_dir, start_step)
+        results = fit(
+            cfg, strategy, model, optimizer, data, tracker, run_dir, start_step, loss_scaling_state
+        )
         summary = {
             "strategy": strategy.name,
             **({"chosen_by": cfg.parallel.chosen_by} if cfg.parallel.chosen_by else {}),

@@ -289,9 +289,11 @@ def fit(
     tracker: Any,
     run_dir: Path,
     start_step: int = 0,
+    loss_scaling_state: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Train from `start_step` (a resumed checkpoint's step, else 0) to `trainer.max_steps`;
-    returns the final figures.
+    """Train from `start_step` (a resumed checkpoint's step, else 0) to `trainer.max_steps`,
+    with fp16's loss scale where `loss_scaling_state` (the checkpoint's) left it; returns the
+    final figures.
 
     Ends early with `Interrupted` after SIGINT/SIGTERM, checkpointed: one process after the
     current step, several together after their next log, eval or checkpoint step. Ends with
@@ -319,6 +321,8 @@ def fit(
     scaling = LossScaling(
         strategy.grad_scaler(trainer.precision == "fp16", trainer.loss_scale_init)
     )
+    if loss_scaling_state:
+        scaling.load_state_dict(loss_scaling_state)
     lr_at = lr_schedule(cfg.optimizer, trainer.max_steps)
     speed = Throughput(trainer.timing_warmup_steps, trainer.batch_size)
     nonfinite = NonFiniteWatch()
@@ -454,6 +458,7 @@ def fit(
                     "rng": rng_state(),
                     "config": plain_config(cfg),
                     "wandb_run_id": tracker.run_id,
+                    "loss_scaling": scaling.state_dict(),
                 }
                 saved_to = checkpoints.save(model, optimizer, extra)
                 checkpoint_blocked_s.append(time.perf_counter() - paused)

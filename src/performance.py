@@ -9,6 +9,7 @@ activation checkpointing is not counted, so MFU stays comparable with and withou
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -98,12 +99,27 @@ def prepare_blocks(model: nn.Sequential, activation_checkpointing: bool, compile
     Checkpointing is non-reentrant (`torch.distributed._composable.checkpoint`, hooks on the
     block rather than a wrapper module): a block keeps only its input for backward and runs its
     forward again there, trading that compute for the activations' memory. It works with DDP
-    without `static_graph`, with FSDP2 and inside compiled blocks."""
+    without `static_graph`, with FSDP2 and with compiled blocks."""
     for block in model:
         if activation_checkpointing:
             checkpoint(block)
         if compile:
-            block.compile()
+            block.__class__ = compiled_class(type(block))
+
+
+@functools.cache
+def compiled_class(block_class: type[nn.Module]) -> type[nn.Module]:
+    """`block_class` with its forward compiled, one subclass per class (FSDP2 swaps classes
+    alike), so that every block of a class shares one compiled function, and its graphs where
+    the shapes agree.
+
+    Not `nn.Module.compile()`: that compiles the module's `__call__`, and dynamo skips the frames
+    of torch.nn's own code there, so a block built of torch modules only (an MLP's Sequential of
+    Linear and ReLU) ran uncompiled. Not a compiled method set on the instance either: dp's
+    replicas copy a block's attributes, and a bound method would run the original block. A
+    class's forward binds to whichever copy calls it."""
+    forward = torch.compile(block_class.forward)
+    return type(f"Compiled{block_class.__name__}", (block_class,), {"forward": forward})
 
 
 class NoProfiler:

@@ -11,6 +11,7 @@ still does (see `src/stopping.py`).
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 
@@ -49,3 +50,15 @@ class LossScaling:
         self.scaler.step(optimizer)
         self.scaler.update()
         self.skipped_steps += self.scaler.get_scale() < scale
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps, so that a resumed run goes on at the scale it reached rather
+        than searching again from `trainer.loss_scale_init` (plain numbers only)."""
+        return {"scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # A disabled scaler (fp32, bf16) saves nothing and loads nothing: a change of precision
+        # on resume starts fp16's scale afresh.
+        if state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        self.skipped_steps = state["skipped_steps"]

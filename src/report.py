@@ -13,6 +13,9 @@ more threads than cores, step times that disagree between logging windows, and e
 100%. The sweep exits non-zero when a job failed, or when no job could run at all; a combination
 that cannot run is reported as skipped and is not an error.
 
+At the end of a multirun with `logger=wandb`, one more W&B run in the sweep's group, named
+`scaling-report`, holds the table and the plot (a rebuild by hand logs nothing).
+
 matplotlib is imported only to draw the plot (training never pays for it); without it the table
 is still written.
 """
@@ -34,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 log = logging.getLogger(__name__)
 
 SWEPT_BY_STRATEGY = ("parallel", "parallel.devices")
+STATUSES = ("ok", "skipped", "failed")  # a job's outcome (src/sweep.py)
 # A job whose logging windows' step times differ by more than this fraction of their median was
 # disturbed while it ran (see `Throughput` in src/loop.py).
 NOISY_SPREAD = 0.5
@@ -387,11 +391,41 @@ def failure_message(rows: list[Row]) -> str | None:
     return None
 
 
+REPORT_RUN = "scaling-report"  # the W&B name and job type of a sweep's report run
+
+
+def log_to_wandb(logger_cfg: DictConfig, sweep_dir: Path, rows: list[Row]) -> None:
+    """One run in the sweep's W&B group (with `logger=wandb`) holding the table, as a
+    `wandb.Table` with summary.csv's columns, and scaling.png. Offline it is a run file in
+    `<sweep dir>/wandb`, which `wandb sync` uploads like the jobs' runs; W&B never fails the
+    sweep (see src/tracking.py)."""
+    if logger_cfg.name != "wandb":
+        return
+    from src.tracking import build_tracker, sweep_group  # W&B only when asked for
+
+    settings = OmegaConf.to_container(logger_cfg, resolve=True)
+    settings.update(
+        group=sweep_group(logger_cfg, sweep_dir), run_name=REPORT_RUN, job_type=REPORT_RUN
+    )
+    counts = {status: sum(row.status == status for row in rows) for status in STATUSES}
+    tracker = build_tracker(
+        OmegaConf.create(settings), str(sweep_dir), {"sweep_dir": str(sweep_dir)}, is_main=True
+    )
+    columns = [field.name for field in fields(Row)]
+    tracker.log_table("scaling/table", columns, [list(asdict(row).values()) for row in rows])
+    tracker.log_image("scaling/plot", sweep_dir / "scaling.png")
+    tracker.finish({f"jobs_{status}": count for status, count in counts.items()})
+
+
 class ScalingReport(Callback):
-    """Hydra callback: the report at the end of a multirun, and a non-zero exit if a job failed."""
+    """Hydra callback: the report at the end of a multirun (also to W&B), and a non-zero exit if
+    a job failed."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        message = failure_message(write_report(Path(config.hydra.sweep.dir)))
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = write_report(sweep_dir)
+        log_to_wandb(config.logger, sweep_dir, rows)
+        message = failure_message(rows)
         if message:
             # Hydra turns an exception raised by a callback into a warning; SystemExit is the one
             # way to make the multirun's exit status say that something failed.

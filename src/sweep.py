@@ -31,6 +31,7 @@ from omegaconf import DictConfig
 
 from src.config import ConfigError
 from src.stopping import Interrupted
+from src.tracking import sweep_group
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,8 @@ def run_job(run: Callable[[DictConfig], dict[str, Any]], cfg: DictConfig) -> flo
     if hydra_cfg.mode != RunMode.MULTIRUN:
         return run(cfg)["final_val_loss"]
 
-    if "group" in cfg.logger and cfg.logger.group is None:
-        cfg.logger.group = str(hydra_cfg.sweep.dir)
+    if "group" in cfg.logger:
+        cfg.logger.group = sweep_group(cfg.logger, hydra_cfg.sweep.dir)
     job_dir = Path(hydra_cfg.runtime.output_dir)
     try:
         summary = run(cfg)

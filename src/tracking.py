@@ -13,6 +13,7 @@ import os
 import ssl
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +33,21 @@ def check_tracker(cfg: Any) -> None:
         raise ConfigError(f"unknown logger.name {cfg.name!r}; use logger=wandb or logger=none")
 
 
+def sweep_group(logger_cfg: Any, sweep_dir: Path | str) -> str:
+    """The W&B group of a sweep's runs: `logger.group` when set, else the sweep directory."""
+    return logger_cfg.group if logger_cfg.group is not None else str(sweep_dir)
+
+
 class NullTracker:
     run_id: str | None = None
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def log_table(self, key: str, columns: list[str], rows: list[list[Any]]) -> None:
+        pass
+
+    def log_image(self, key: str, path: Path) -> None:
         pass
 
     def save(self, path: Path) -> None:
@@ -105,6 +117,23 @@ class WandbTracker:
         except Exception as error:  # noqa: BLE001 - tracking must never stop training
             log.warning("W&B logging failed, continuing without it: %s", error)
             self.run = None
+
+    def log_table(self, key: str, columns: list[str], rows: list[list[Any]]) -> None:
+        """`rows` as a `wandb.Table` under `key`, at step 0."""
+        self._log_media(key, lambda: self._wandb.Table(columns=columns, data=rows))
+
+    def log_image(self, key: str, path: Path) -> None:
+        """The image file `path` (a PNG, say) under `key`, at step 0."""
+        if path.exists():
+            self._log_media(key, lambda: self._wandb.Image(str(path)))
+
+    def _log_media(self, key: str, make: Callable[[], Any]) -> None:
+        if self.run is None:
+            return
+        try:
+            self.run.log({key: make()}, step=0)
+        except Exception as error:  # noqa: BLE001 - tracking must never fail its caller
+            log.warning("W&B could not log %s: %s", key, error)
 
     def save(self, path: Path) -> None:
         """Upload `path` (a file of the run folder) with the run's files."""

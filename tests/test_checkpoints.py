@@ -1,5 +1,6 @@
 """Checkpoint layout and formats: step folders, keep-last-K with fallback, requeue of a finished
-run, export, sharded (DCP) checkpoints resumed on other process counts and strategies, async."""
+run, export, sharded (DCP) checkpoints resumed on other process counts and strategies, async,
+fp16's loss scale."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from helpers import (
     summary,
 )
 
+from src.checkpoint import load_checkpoint
 from src.models import MLP
 
 # SGD (weights move every step; see test_fsdp.py), a checkpoint at step 3 of 6.
@@ -154,3 +156,20 @@ def test_single_and_ddp_write_sharded_checkpoints_on_request(strategy):
     assert sorted(state["optimizer"]["state"]) == list(range(8))  # read back in single's format
     assert json.loads((source / "summary.json").read_text())["steps"] == 6
     assert_same_training(reference_run(*SGD), source)
+
+
+def test_a_resumed_fp16_run_goes_on_at_the_loss_scale_it_reached(tmp_path):
+    """A first scale of 1e6 overflows the first steps' fp16 gradients: by step 3's checkpoint
+    the scaler has skipped 3 steps, halving its scale each time. Resumed there, the run goes on
+    at that scale (from 1e6 again it would skip steps 4 to 6 too) and ends exactly as the
+    uninterrupted run, skipped steps counted alike."""
+    fp16 = ("trainer.precision=fp16", "trainer.loss_scale_init=1e6")
+    source = finished_run(*fp16)
+    saved = load_checkpoint(source / "checkpoints" / "step-000003")["loss_scaling"]
+    assert saved["skipped_steps"] == 3 and saved["scaler"]["scale"] == 1.25e5
+    run_dir = from_step_3(source, tmp_path)
+
+    run_train(*SGD, *fp16, "trainer.resume=auto", run_dir=run_dir)
+
+    assert_same_training(source, run_dir)
+    assert summary(run_dir)["scaler_skipped_steps"] == summary(source)["scaler_skipped_steps"]

@@ -3,6 +3,7 @@ checkpointing, torch.compile, FLOP/s and MFU, the profiler."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -16,9 +17,10 @@ from helpers import (
     strategy_runs,
     summary,
 )
+from torch._dynamo.utils import counters
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from src.models import Transformer
+from src.models import MLP, Transformer
 from src.objective import Classification
 from src.performance import prepare_blocks, table_peak_tflops, throughput_figures
 from src.report import Row, markdown_table
@@ -135,12 +137,38 @@ def test_activation_checkpointing_saves_activation_memory():
 COMPILE_TOLERANCE = 1e-4
 
 
-# Compiling is slow on 2 cores (inductor's C++ builds): one run through DDP's hooks, which
-# covers a compiled block inside a strategy's wrapper; every other strategy wraps blocks alike.
-def test_compiled_blocks_train_like_eager_ones_under_ddp(tmp_path):
-    run_train(*SGD, "parallel=ddp", "trainer.compile=true", run_dir=tmp_path, timeout=600)
+def test_compile_compiles_blocks_of_torch_modules_and_copies_share_their_graphs():
+    """An MLP's blocks hold torch modules only (Linear, ReLU), which `nn.Module.compile` left
+    uncompiled. Copies of the model (dp's replicas) run the same graphs, bound to themselves."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = MLP(input_shape=(32,), num_classes=10, hidden=32, depth=3)
+    prepare_blocks(model, activation_checkpointing=False, compile=True)
+    replica = copy.deepcopy(model)
+    with torch.no_grad():
+        replica[3].bias.add_(1.0)
+    inputs = torch.randn(8, 32)
 
-    assert_same_training(reference_run(*SGD), tmp_path, atol=COMPILE_TOLERANCE)
+    torch.testing.assert_close(replica(inputs), model(inputs) + 1.0)
+    # The first block (with its Flatten), the other two hidden blocks alike, the head.
+    assert counters["stats"]["unique_graphs"] == 3
+    assert list(model.state_dict()) == list(MLP((32,), 10, 32, 3).state_dict())
+
+
+# Compiling is slow on 2 cores (inductor's C++ builds): one sweep, whose in-process jobs (dp,
+# model_parallel) share the compiled graphs and whose multi-process ones (ddp, fsdp) read
+# inductor's cache on disk.
+COMPILED = ("dp", "ddp", "fsdp", "model_parallel")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy", ["single", *COMPILED])
+def test_compiled_blocks_train_like_eager_ones_under_every_wrapper(strategy):
+    """Compiled blocks in dp's replicas, DDP's hooks, FSDP2's per-block units and the pipeline's
+    stages train as `single` does eagerly."""
+    runs = strategy_runs(*SGD, "trainer.compile=true", strategies=COMPILED)
+    assert_same_training(reference_run(*SGD), runs[strategy], atol=COMPILE_TOLERANCE)
 
 
 def test_profile_writes_a_chrome_trace_to_the_run_folder_and_w_and_b(tmp_path):

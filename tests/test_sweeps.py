@@ -23,6 +23,7 @@ from helpers import (
     assert_same_training,
     reference_run,
     run_sweep,
+    wandb_history,
     wandb_records,
 )
 from hydra import compose, initialize_config_dir
@@ -87,6 +88,23 @@ def test_sweep_reports_every_job_and_groups_its_wandb_runs(tmp_path):
     assert [run.display_name for run in runs] == ["single-1", "dp-1", "dp-2"]
     assert [run.job_type for run in runs] == ["single", "dp", "dp"]
     assert len({run.run_id for run in runs}) == 3
+
+    # One more run in the group, in the sweep dir: the table and the plot, as W&B media files.
+    (report,) = [r.run for r in wandb_records(sweep_dir) if r.WhichOneof("record_type") == "run"]
+    assert report.run_group == str(sweep_dir) and report.job_type == "scaling-report"
+    (logged,) = wandb_history(sweep_dir)
+    (files,) = sweep_dir.glob("wandb/offline-run-*/files")
+    assert logged["scaling/table/_type"] == "table-file"  # media: a file, its fields in history
+    table = json.loads((files / logged["scaling/table/path"]).read_text())
+    assert {"tflops_per_sec", "mfu", "samples_per_sec", "efficiency"} <= set(table["columns"])
+    logged_rows = [dict(zip(table["columns"], values, strict=True)) for values in table["data"]]
+    assert [row["status"] for row in logged_rows] == ["ok", "skipped", "ok", "ok"]
+    assert [row["tflops_per_sec"] for row in logged_rows] == [
+        float(row["tflops_per_sec"]) if row["tflops_per_sec"] else None for row in rows
+    ]
+    assert logged["scaling/plot/_type"] == "image-file"
+    plot = files / logged["scaling/plot/path"]
+    assert plot.read_bytes() == (sweep_dir / "scaling.png").read_bytes()
 
     # By hand on the same directory: a job killed before it wrote anything now reads as failed.
     killed = sweep_dir / by_job["dp", 2]["job"]
