@@ -25,6 +25,8 @@ out of both.
                     and with trainer.async_checkpoint=true: the training time async saves
     loader          `parallel=single` on augmented 3x16x16 images, made by 2 DataLoader workers
                     / in the training process (data.num_workers=2 / 0)
+    startup         wall time of a one-step `python train.py` (single, and ddp x2 on CPU) over
+                    that of `python -c "import torch"`: what a sweep of short jobs pays per job
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import argparse
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -283,6 +286,51 @@ def checkpoint_blocking(rounds: int, steps: int) -> None:
     )
 
 
+ONE_STEP = ("trainer.max_steps=1", "trainer.eval_every=0", "logger=none")
+STARTUP_COMMANDS = {
+    "import torch": [sys.executable, "-c", "import torch"],
+    "single": [sys.executable, "train.py", *ONE_STEP],
+    "ddp x2": [
+        sys.executable,
+        "train.py",
+        *ONE_STEP,
+        "parallel=ddp",
+        f"parallel.devices={DDP_PROCESSES}",
+        "trainer.accelerator=cpu",
+    ],
+}
+
+
+def wall_time_s(command: list[str]) -> float:
+    """Seconds from start to exit of `command` (in a run directory of its own)."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        started = time.perf_counter()
+        subprocess.run(
+            [*command, f"hydra.run.dir={run_dir}"] if "train.py" in command else command,
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
+        return time.perf_counter() - started
+
+
+def startup(rounds: int) -> None:
+    """Median wall time of each start-up command over rounds (their order rotating from round
+    to round), and each train.py command's ratio to `import torch`."""
+    times: dict[str, list[float]] = {name: [] for name in STARTUP_COMMANDS}
+    names = list(STARTUP_COMMANDS)
+    for round_index in range(rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(wall_time_s(STARTUP_COMMANDS[name]))
+    medians = {name: statistics.median(seconds) for name, seconds in times.items()}
+    base = medians["import torch"]
+    cells = " | ".join(
+        f"{name} {seconds:.2f} s ({seconds / base:.2f}x)" for name, seconds in medians.items()
+    )
+    print(f"{'startup':<16}  {cells}")
+
+
 Run = Callable[[int], float]
 COMPARISONS: dict[str, tuple[tuple[str, Run], tuple[str, Run]]] = {
     "single": (("template", template_single), ("plain", plain_single)),
@@ -315,7 +363,9 @@ def compare(name: str, rounds: int, steps: int) -> tuple[float, float, list[floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", choices=[*sorted(COMPARISONS), "checkpoint"], action="append")
+    parser.add_argument(
+        "--only", choices=[*sorted(COMPARISONS), "checkpoint", "startup"], action="append"
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument(
@@ -338,9 +388,12 @@ def main() -> None:
     )
     sides = "".join(f"  {side:<16}{'samples/s':>11}{'ms/step':>9}" for side in ("first", "second"))
     print(f"{'comparison':<16}{sides}{'ratio':>8}  (rounds' ratios: min-max)")
-    for name in args.only or [*COMPARISONS, "checkpoint"]:
+    for name in args.only or [*COMPARISONS, "checkpoint", "startup"]:
         if name == "checkpoint":
             checkpoint_blocking(args.rounds, args.steps)
+            continue
+        if name == "startup":
+            startup(args.rounds)
             continue
         *speeds, ratios = compare(name, args.rounds, args.steps)
         batch = OVERHEAD_BATCH_SIZE if name == "overhead" else BATCH_SIZE
