@@ -56,7 +56,8 @@ sys.path.insert(0, str(ROOT))
 
 from src.config import register_configs  # noqa: E402
 from src.data import build_data  # noqa: E402
-from src.experiment import check_config, train, train_worker  # noqa: E402
+from src.experiment import check_config, train  # noqa: E402
+from src.job import train_worker  # noqa: E402
 from src.launch import launch  # noqa: E402
 
 WARMUP_STEPS = 20

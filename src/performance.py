@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.utils import instantiate
 from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
@@ -38,12 +37,11 @@ PEAK_TFLOPS = {
 log = logging.getLogger(__name__)
 
 
-def step_flops(model_cfg: Any, task: Any, data: Data, batch_size: int) -> int | None:
+def step_flops(model: nn.Module, task: Any, data: Data, batch_size: int) -> int | None:
     """FLOPs of one optimizer step (forward, the task's loss and backward over `batch_size`
-    samples), or None for a model that cannot run on the meta device."""
+    samples) of `model`, built on the meta device; None for a model that cannot run there."""
     sample_inputs, sample_targets = first_samples(data.train, 1)
     with torch.device("meta"):
-        model = instantiate(model_cfg, input_shape=data.input_shape, num_classes=data.num_classes)
         inputs = torch.zeros(batch_size, *data.input_shape, dtype=sample_inputs.dtype)
         targets_shape = sample_targets.shape[1:]
         targets = torch.zeros(batch_size, *targets_shape, dtype=sample_targets.dtype)
