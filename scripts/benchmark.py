@@ -26,7 +26,8 @@ out of both.
     loader          `parallel=single` on augmented 3x16x16 images, made by 2 DataLoader workers
                     / in the training process (data.num_workers=2 / 0)
     startup         wall time of a one-step `python train.py` (single, and ddp x2 on CPU) over
-                    that of `python -c "import torch"`: what a sweep of short jobs pays per job
+                    that of `python -c "import torch"`: what a sweep of short jobs pays per job;
+                    `plain step` (import torch, one SGD step of a Linear) is the floor
 """
 
 from __future__ import annotations
@@ -288,8 +289,16 @@ def checkpoint_blocking(rounds: int, steps: int) -> None:
 
 
 ONE_STEP = ("trainer.max_steps=1", "trainer.eval_every=0", "logger=none")
+# The floor for any PyTorch training process: a torch.optim optimizer imports torch._dynamo
+# (its constructor and step do), which takes about as long again as `import torch`.
+PLAIN_STEP = (
+    "import torch; model = torch.nn.Linear(4, 2); "
+    "optimizer = torch.optim.SGD(model.parameters(), lr=0.1); "
+    "model(torch.randn(8, 4)).sum().backward(); optimizer.step()"
+)
 STARTUP_COMMANDS = {
     "import torch": [sys.executable, "-c", "import torch"],
+    "plain step": [sys.executable, "-c", PLAIN_STEP],
     "single": [sys.executable, "train.py", *ONE_STEP],
     "ddp x2": [
         sys.executable,

@@ -273,8 +273,24 @@ def launch(
     A failure in any rank stops them all and raises `ChildFailedError`, which names the rank
     that failed first and shows its traceback.
     """
+    from torch.distributed.launcher.api import elastic_launch
+
+    with tempfile.TemporaryDirectory(prefix="torchelastic-") as error_dir:
+        config = launch_config(processes_per_node, nodes, parallel, error_dir)
+        with stop_signals_passed_to_ranks():
+            worker = elastic_launch(config, _worker)
+            results = worker(fn, args, outcomes, job_logging, os.getpid())
+    result = results[min(results)]
+    if isinstance(result, Raised):
+        raise result.error
+    return result
+
+
+def launch_config(processes_per_node: int, nodes: int, parallel: Any, error_dir: str) -> Any:
+    """What `torchrun --standalone` would set up (or, on several nodes, a rendezvous at
+    parallel.master_addr:master_port), with no restarts; the ranks' error files in `error_dir`."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig
 
     if nodes == 1 and parallel.master_port == 0:
         endpoint, run_id = "localhost:0", uuid.uuid4().hex
@@ -288,31 +304,23 @@ def launch(
         nodes,
         endpoint,
     )
-    with tempfile.TemporaryDirectory(prefix="torchelastic-") as error_dir:
-        config = LaunchConfig(
-            min_nodes=nodes,
-            max_nodes=nodes,
-            nproc_per_node=processes_per_node,
-            run_id=run_id,
-            rdzv_backend="c10d",
-            rdzv_endpoint=endpoint,
-            rdzv_configs={"timeout": int(parallel.timeout_s)},
-            max_restarts=0,
-            start_method="spawn",
-            logs_specs=DefaultLogsSpecs(log_dir=error_dir),
-            # When the job stops (a failed rank, or SIGINT/SIGTERM), the other ranks get this
-            # long to finish their step and checkpoint before SIGKILL; a rank stuck in a
-            # collective could not answer sooner anyway.
-            shutdown_timeout=max(1, int(parallel.timeout_s)),
-            signals_to_handle=AGENT_HANDLED_SIGNALS,
-        )
-        with stop_signals_passed_to_ranks():
-            worker = elastic_launch(config, _worker)
-            results = worker(fn, args, outcomes, job_logging, os.getpid())
-    result = results[min(results)]
-    if isinstance(result, Raised):
-        raise result.error
-    return result
+    return LaunchConfig(
+        min_nodes=nodes,
+        max_nodes=nodes,
+        nproc_per_node=processes_per_node,
+        run_id=run_id,
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        rdzv_configs={"timeout": int(parallel.timeout_s)},
+        max_restarts=0,
+        start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=error_dir),
+        # When the job stops (a failed rank, or SIGINT/SIGTERM), the other ranks get this long
+        # to finish their step and checkpoint before SIGKILL; a rank stuck in a collective could
+        # not answer sooner anyway.
+        shutdown_timeout=max(1, int(parallel.timeout_s)),
+        signals_to_handle=AGENT_HANDLED_SIGNALS,
+    )
 
 
 @contextlib.contextmanager

@@ -54,6 +54,7 @@ class Throughput:
         self.samples_per_step = samples_per_step
         self.steps_done = 0  # by this process: a resumed run warms up again
         now = time.perf_counter()
+        self.started = now
         self.window_start, self.window_steps = now, 0  # the logging window, for progress lines
         self.timed_start = now if warmup_steps == 0 else None  # its part after warm-up
         self.timed_steps = 0
@@ -498,11 +499,9 @@ def fit(
     stop: StopOnSignal | None = None,
 ) -> dict[str, Any]:
     """Train from `start_step` (a resumed checkpoint's step, else 0) to `trainer.max_steps`;
-    returns the final figures.
-
-    Ends early with `Interrupted` after SIGINT/SIGTERM (`stop`: a handler this process already
-    holds; None installs one for this run), checkpointed: one process after the current step,
-    several together after their next log, eval or checkpoint step. Ends with `NonFiniteLoss`
+    returns the final figures. Ends early with `Interrupted` after SIGINT/SIGTERM (`stop`: the
+    handler this process holds; None installs one), checkpointed: one process after the current
+    step, several together after their next log, eval or checkpoint step; with `NonFiniteLoss`
     before a NaN/inf loss reaches a log or checkpoint."""
     trainer = trainer_settings(cfg.trainer)
     task = instantiate(cfg.task)
@@ -513,7 +512,6 @@ def fit(
     progress = Progress(trainer, strategy, task, speed)
     evaluation = Evaluation(trainer, strategy, task, val, speed)
     checkpointing = checkpointing_for(cfg, trainer, strategy, run_dir, tracker, speed, start_step)
-    started = time.perf_counter()
     with (
         open_history(run_dir / "metrics.jsonl", start_step, strategy.is_main) as file,
         contextlib.nullcontext(stop) if stop else StopOnSignal() as stop,
@@ -547,9 +545,7 @@ def fit(
 
     if trainer.profile and strategy.is_main:
         tracker.save(run_dir / PROFILE_TRACE)  # written when the profiler closed
-    wall_time_s = time.perf_counter() - started
-    parts = (stepper, progress, evaluation, checkpointing, speed)
-    return final_figures(trainer, strategy, *parts, wall_time_s)
+    return final_figures(trainer, strategy, stepper, progress, evaluation, checkpointing, speed)
 
 
 def profiler_for(
@@ -616,7 +612,6 @@ def final_figures(
     evaluation: Evaluation,
     checkpointing: Checkpointing,
     speed: Throughput,
-    wall_time_s: float,
 ) -> dict[str, Any]:
     memory_devices, memory_mb = strategy.peak_memory_mb()
     return {
@@ -628,7 +623,7 @@ def final_figures(
         **speed.summary(),
         "peak_memory_mb": memory_mb,
         "memory_devices": memory_devices,
-        "wall_time_s": wall_time_s,
+        "wall_time_s": time.perf_counter() - speed.started,
         # What a checkpoint costs the training (trainer.async_checkpoint: staging only).
         "checkpoint_blocked_s": statistics.median(checkpointing.blocked_s),
     }
