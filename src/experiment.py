@@ -3,8 +3,8 @@
 The builder runs twice per process, once on the meta device (`build_blueprint`: data, task and a
 model of shapes only, so that whatever can fail on bad input fails before any process, device
 or tracker is touched), then for real (`build_for_real`: the model, its wrapping, optimizer and
-checkpoint). A launcher runs only the first (`check_config`). Which process runs what is
-`src/job.py`'s business.
+checkpoint), and counts the step's FLOPs on the meta model. A launcher runs only the first
+(`check_config`: the settings' checks, then that). Which process runs what is `src/job.py`'s.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class Blueprint:
 
     data: Data
     task: Any
-    flops_per_step: int | None
+    meta_model: nn.Module  # shapes only
     checkpoint: Path | None  # to resume from
     saved: dict[str, Any] | None  # its structure; a full checkpoint's tensors memory-mapped
 
@@ -90,7 +90,7 @@ def build_blueprint(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> Bluep
     """Build data, task and model (on the meta device: no memory, no compute) and check them:
     whatever their builders reject fails here, as does a model output the task cannot take, a
     model the strategy cannot place (which also settles a pipeline's stage split) and a
-    checkpoint that does not fit this run. Counts the step's FLOPs on the same model."""
+    checkpoint that does not fit this run."""
     with blame("data"):
         data = build_data(cfg.data, cfg.seed)
     check_data(cfg, data)
@@ -102,8 +102,7 @@ def build_blueprint(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> Bluep
     saved = load_checkpoint(checkpoint, mmap=True) if checkpoint is not None else None
     if saved is not None:
         check_resumable(saved, checkpoint, model, cfg)
-    flops = step_flops(model, task, data, cfg.trainer.batch_size)
-    return Blueprint(data, task, flops, checkpoint, saved)
+    return Blueprint(data, task, model, checkpoint, saved)
 
 
 def check_config(cfg: DictConfig, run_dir: Path, ranks: Ranks | None = None) -> Strategy:
@@ -432,6 +431,9 @@ def build_and_fit(
     """Build the model for real and its optimizer and tracker, restore a checkpoint if asked,
     train, report."""
     matmul_precision = set_numerics(cfg.trainer, strategy.device_type)
+    flops_per_step = step_flops(
+        blueprint.meta_model, blueprint.task, blueprint.data, cfg.trainer.batch_size
+    )
     data = blueprint.data
     if not cfg.data.augment:  # augmented samples are made on the host, by the loader
         data = keep_on_device(data, strategy.devices[0])
@@ -448,9 +450,7 @@ def build_and_fit(
             "global_batch": cfg.trainer.batch_size,
             "matmul_precision": matmul_precision,
             **results,
-            **speed_figures(
-                cfg.trainer, strategy, blueprint.flops_per_step, results, matmul_precision
-            ),
+            **speed_figures(cfg.trainer, strategy, flops_per_step, results, matmul_precision),
             **cpu_share(strategy),
             **strategy.report(),
         }
