@@ -365,15 +365,15 @@ class Evaluation:
     """The validation figures, every `trainer.eval_every` steps and at the last."""
 
     def __init__(
-        self, trainer: TrainerConfig, strategy: Strategy, task: Any, val: ValBatches, speed: Any
+        self,
+        trainer: TrainerConfig,
+        strategy: Strategy,
+        task: Any,
+        val: ValBatches,
+        speed: Throughput,
     ):
-        self.trainer, self.strategy, self.task, self.val, self.speed = (
-            trainer,
-            strategy,
-            task,
-            val,
-            speed,
-        )
+        self.trainer, self.strategy, self.task, self.speed = trainer, strategy, task, speed
+        self.val = val
         self.figures: dict[str, float] = {"loss": math.nan}
 
     def due(self, step: int) -> bool:
@@ -442,13 +442,8 @@ class Stepper:
         optimizer: torch.optim.Optimizer,
         task: Any,
     ):
-        self.trainer, self.strategy, self.model, self.optimizer, self.task = (
-            trainer,
-            strategy,
-            model,
-            optimizer,
-            task,
-        )
+        self.trainer, self.strategy, self.task = trainer, strategy, task
+        self.model, self.optimizer = model, optimizer
         self.params = list(strategy.unwrap(model).parameters())
         self.precision = autocast(strategy.device_type, trainer.precision)
         self.scaling = LossScaling(
