@@ -36,14 +36,13 @@ def main(cfg: DictConfig) -> float:
         del os.environ[LET_ERRORS_THROUGH]
         composing = False
     # Imported here so that --help and config errors stay fast.
-    from src.experiment import resume_command, run
+    from src.job import resume_command, run
     from src.stopping import Interrupted, RunStopped
-    from src.sweep import run_job
 
     # Expected failures get one message and an exit code instead of a traceback. In a multirun,
-    # `run_job` records how each job ended and the sweep goes on; a signal still stops it.
+    # `sweep.run_job` records how each job ended and the sweep goes on; a signal still stops it.
     try:
-        return run_job(run, cfg)
+        return run(cfg)
     except Interrupted as stop:
         log.error("%s; resume with:\n  %s", stop, resume_command())
         sys.exit(stop.exit_code)

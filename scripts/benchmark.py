@@ -37,6 +37,9 @@ out of both.
                     the time recomputation costs; then the peak tensor memory of a forward and
                     backward pass with and without it (torch's own count of tensor memory,
                     MemTracker, on CPU; the CUDA allocator's peak on a GPU)
+    startup         wall time of a one-step `python train.py` (single, and ddp x2 on CPU) over
+                    that of `python -c "import torch"`: what a sweep of short jobs pays per job;
+                    `plain step` (import torch, one SGD step of a Linear) is the floor
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import argparse
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -66,7 +70,8 @@ sys.path.insert(0, str(ROOT))
 
 from src.config import register_configs  # noqa: E402
 from src.data import build_data  # noqa: E402
-from src.experiment import check_config, train, train_worker  # noqa: E402
+from src.experiment import check_config, train  # noqa: E402
+from src.job import train_worker  # noqa: E402
 from src.launch import launch  # noqa: E402
 from src.performance import prepare_blocks  # noqa: E402
 
@@ -385,6 +390,57 @@ def plan_accuracy() -> None:
             predicted = plan.peak / MB
             ratio = predicted / measured
             print(f"{model:<6}{label:<24}{predicted:>13.2f}{measured:>13.2f}{ratio:>8.3f}")
+ONE_STEP = ("trainer.max_steps=1", "trainer.eval_every=0", "logger=none")
+# The floor for any PyTorch training process: a torch.optim optimizer imports torch._dynamo
+# (its constructor and step do), which takes about as long again as `import torch`.
+PLAIN_STEP = (
+    "import torch; model = torch.nn.Linear(4, 2); "
+    "optimizer = torch.optim.SGD(model.parameters(), lr=0.1); "
+    "model(torch.randn(8, 4)).sum().backward(); optimizer.step()"
+)
+STARTUP_COMMANDS = {
+    "import torch": [sys.executable, "-c", "import torch"],
+    "plain step": [sys.executable, "-c", PLAIN_STEP],
+    "single": [sys.executable, "train.py", *ONE_STEP],
+    "ddp x2": [
+        sys.executable,
+        "train.py",
+        *ONE_STEP,
+        "parallel=ddp",
+        f"parallel.devices={DDP_PROCESSES}",
+        "trainer.accelerator=cpu",
+    ],
+}
+
+
+def wall_time_s(command: list[str]) -> float:
+    """Seconds from start to exit of `command` (in a run directory of its own)."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        started = time.perf_counter()
+        subprocess.run(
+            [*command, f"hydra.run.dir={run_dir}"] if "train.py" in command else command,
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
+        return time.perf_counter() - started
+
+
+def startup(rounds: int) -> None:
+    """Median wall time of each start-up command over rounds (their order rotating from round
+    to round), and each train.py command's ratio to `import torch`."""
+    times: dict[str, list[float]] = {name: [] for name in STARTUP_COMMANDS}
+    names = list(STARTUP_COMMANDS)
+    for round_index in range(rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(wall_time_s(STARTUP_COMMANDS[name]))
+    medians = {name: statistics.median(seconds) for name, seconds in times.items()}
+    base = medians["import torch"]
+    cells = " | ".join(
+        f"{name} {seconds:.2f} s ({seconds / base:.2f}x)" for name, seconds in medians.items()
+    )
+    print(f"{'startup':<16}  {cells}")
 
 
 Run = Callable[[int], float]
@@ -439,7 +495,7 @@ def compare(name: str, rounds: int, steps: int) -> tuple[float, float, list[floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--only", choices=[*sorted(COMPARISONS), "checkpoint", "plan"], action="append"
+        "--only", choices=[*sorted(COMPARISONS), "checkpoint", "plan", "startup"], action="append"
     )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=300)
@@ -464,12 +520,15 @@ def main() -> None:
     )
     sides = "".join(f"  {side:<16}{'samples/s':>11}{'ms/step':>9}" for side in ("first", "second"))
     print(f"{'comparison':<16}{sides}{'ratio':>8}  (rounds' ratios: min-max)")
-    for name in args.only or [*COMPARISONS, "checkpoint"]:
+    for name in args.only or [*COMPARISONS, "checkpoint", "startup"]:
         if name == "checkpoint":
             checkpoint_blocking(args.rounds, args.steps)
             continue
         if name == "plan":
             plan_accuracy()
+            continue
+        if name == "startup":
+            startup(args.rounds)
             continue
         *speeds, ratios = compare(name, args.rounds, args.steps)
         batch = OVERHEAD_BATCH_SIZE if name == "overhead" else BATCH_SIZE

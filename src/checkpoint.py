@@ -34,16 +34,15 @@ import sys
 import zipfile
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from src.config import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +155,8 @@ class CheckpointWriter:
                 publish(staging, final, self.keep)
             strategy.barrier()
             return final
+        import torch.distributed.checkpoint as dcp  # slow to import; only sharded ones need it
+
         state = strategy.sharded_state_dict(model, optimizer)
         staging = checkpoints_dir(self.run_dir) / f".staging-{final.name}"
         if strategy.is_main:
@@ -209,6 +210,8 @@ def check_intact(path: Path) -> None:
     its metadata names is there at its full length (short of reading every byte)."""
     load_checkpoint(path, mmap=True)
     if is_sharded(path):
+        import torch.distributed.checkpoint as dcp
+
         storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data
         for info in storage.values():
             shard = path / info.relative_path
@@ -272,6 +275,9 @@ def unreadable(path: Path, error: Exception) -> ConfigError:
 
 def sharded_shapes(path: Path) -> dict[str, torch.Tensor]:
     """The model's tensors as meta tensors of their full shapes, from the DCP metadata."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as error:  # noqa: BLE001
@@ -290,6 +296,10 @@ def meta_tensor(item: TensorStorageMetadata) -> torch.Tensor:
 def read_sharded(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A sharded checkpoint's model and optimizer, whole, in this process alone (no process
     group); the optimizer state in single's format (keyed by parameter index)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
     state: dict[str, Any] = {}
     try:
         # What `format_utils.dcp_to_torch_save` does: the state rebuilt from the metadata.

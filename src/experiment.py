@@ -1,7 +1,10 @@
-"""One experiment from a composed config: check it, build everything, run the loop, report.
+"""One process's part of an experiment: check the config, build, train, report.
 
-`run(cfg)` is what `train.py` calls inside the Hydra job. Every check that can fail on bad input
-runs before any process, model or tracker is created.
+The builder runs twice per process, once on the meta device (`build_blueprint`: data, task and a
+model of shapes only, so that whatever can fail on bad input fails before any process, device
+or tracker is touched), then for real (`build_for_real`: the model, its wrapping, optimizer and
+checkpoint), and counts the step's FLOPs on the meta model. A launcher runs only the first
+(`check_config`: the settings' checks, then that). Which process runs what is `src/job.py`'s.
 """
 
 from __future__ import annotations
@@ -11,15 +14,13 @@ import json
 import logging
 import math
 import os
-import shlex
-import signal
 import textwrap
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -32,19 +33,11 @@ from src.checkpoint import (
     load_checkpoint,
     resolved_format,
     resume_path,
-    saved_checkpoints,
     set_rng_state,
 )
 from src.config import ConfigError, plain_config
 from src.data import Data, build_data, first_samples, meta_samples
-from src.launch import (
-    KilledBySignal,
-    configure_logging,
-    join_started_ranks,
-    launch,
-    run_as_rank,
-    started_ranks,
-)
+from src.launch import Ranks
 from src.loop import fit, history_step
 from src.optim import build_optimizer, lr_schedule, schedule_length
 from src.performance import (
@@ -53,25 +46,17 @@ from src.performance import (
     step_flops,
     throughput_figures,
 )
-from src.plan import resolve_auto
-from src.stopping import Interrupted, RunStopped
+from src.stopping import StopOnSignal
 from src.strategies import build_strategy
 from src.strategies.base import Strategy, resolve_device_type, usable_cores
 from src.tracking import build_tracker, check_tracker
 
 log = logging.getLogger(__name__)
-# Its records go to train.log only (conf/config.yaml), not to the console.
-train_log_only = logging.getLogger("train_log_only")
 
 
-def check_config(cfg: DictConfig, run_dir: Path) -> Strategy:
-    """Every check that needs no process or device work; returns the (unstarted) strategy.
-
-    Besides the settings themselves, the data is built and the model and optimizer are built on
-    the meta device (no memory, no compute), so whatever their builders reject fails here, and
-    the model runs one forward pass and the loss there, so an output the loss cannot take fails
-    here too; a checkpoint to resume from is read (structure only) and matched against that
-    model and run."""
+def check_settings(cfg: DictConfig, ranks: Ranks | None) -> Strategy:
+    """The checks of the settings themselves (no data, no model); returns the unstarted
+    strategy. `ranks`: the ranks torchrun or srun started, this process among them, if any."""
     trainer = cfg.trainer
     check_trainer(trainer)
     device_type = resolve_device_type(trainer.accelerator)
@@ -83,26 +68,75 @@ def check_config(cfg: DictConfig, run_dir: Path) -> Strategy:
     ):
         raise ConfigError("trainer.precision=bf16 but this GPU has no bf16 support; use fp32")
     strategy = build_strategy(cfg.parallel, device_type, trainer.precision)
-    strategy.check_visible_gpus(ranks_started=started_ranks() is not None)
+    strategy.check_visible_gpus(ranks_started=ranks is not None)
     strategy.check_batch(trainer.batch_size // trainer.accumulate)
     check_tracker(cfg.logger)
+    check_checkpoint_format(trainer, strategy)
+    return strategy
 
+
+@dataclass
+class Blueprint:
+    """What the up-front build on the meta device settled, for the real build to reuse."""
+
+    data: Data
+    task: Any
+    meta_model: nn.Module  # shapes only
+    checkpoint: Path | None  # to resume from
+    saved: dict[str, Any] | None  # its structure; a full checkpoint's tensors memory-mapped
+
+
+def build_blueprint(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> Blueprint:
+    """Build data, task and model (on the meta device: no memory, no compute) and check them:
+    whatever their builders reject fails here, as does a model output the task cannot take, a
+    model the strategy cannot place (which also settles a pipeline's stage split) and a
+    checkpoint that does not fit this run."""
     with blame("data"):
         data = build_data(cfg.data, cfg.seed)
-    if len(data.train) < trainer.batch_size:
+    check_data(cfg, data)
+    with blame("task"):
+        task = instantiate(cfg.task)
+    model = build_model(cfg, data, torch.device("meta"))
+    check_model(cfg, strategy, model, task, data)
+    checkpoint = resume_path(cfg.trainer.resume, run_dir, announce=True)
+    saved = load_checkpoint(checkpoint, mmap=True) if checkpoint is not None else None
+    if saved is not None:
+        check_resumable(saved, checkpoint, model, cfg)
+    return Blueprint(data, task, model, checkpoint, saved)
+
+
+def check_config(cfg: DictConfig, run_dir: Path, ranks: Ranks | None = None) -> Strategy:
+    """Every check that needs no process or device work (the launcher's, before it starts any
+    rank); returns the unstarted strategy."""
+    strategy = check_settings(cfg, ranks)
+    build_blueprint(cfg, run_dir, strategy)
+    return strategy
+
+
+def build_model(cfg: DictConfig, data: Data, device: torch.device | None = None) -> nn.Module:
+    """`cfg.model` for `data`'s shapes, on `device` (None: the CPU, initialised from the RNG)."""
+    with blame("model"), torch.device(device or "cpu"):
+        return instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+
+
+def check_data(cfg: DictConfig, data: Data) -> None:
+    if len(data.train) < cfg.trainer.batch_size:
         raise ConfigError(
-            f"trainer.batch_size={trainer.batch_size} is more than the {len(data.train)} "
+            f"trainer.batch_size={cfg.trainer.batch_size} is more than the {len(data.train)} "
             "training samples; lower trainer.batch_size or use more data"
         )
-    with blame("model"), torch.device("meta"):
-        model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
     if cfg.data.augment and len(data.input_shape) != 3:
         raise ConfigError(
             f"data.augment=true crops and flips images (channels, height, width), but this "
             f"set's inputs are shaped {data.input_shape}; set data.augment=false"
         )
-    with blame("task"):
-        task = instantiate(cfg.task)
+
+
+def check_model(
+    cfg: DictConfig, strategy: Strategy, model: nn.Module, task: Any, data: Data
+) -> None:
+    """`model` (on the meta device) gives outputs the task takes, has something to train, can be
+    placed by `strategy`, and its optimizer and schedule can be built."""
     inputs, targets = meta_batch(data)
     check_model_output(model, task, inputs, targets, data.num_classes, cfg.model._target_)
     if not any(parameter.requires_grad for parameter in model.parameters()):
@@ -113,13 +147,7 @@ def check_config(cfg: DictConfig, run_dir: Path) -> Strategy:
     strategy.check_model(model, inputs)
     with blame("optimizer"):
         build_optimizer(cfg.optimizer, model.parameters())
-        lr_schedule(cfg.optimizer, trainer.max_steps)
-
-    check_checkpoint_format(trainer, strategy)
-    checkpoint = resume_path(trainer.resume, run_dir, announce=True)
-    if checkpoint is not None:
-        check_resumable(load_checkpoint(checkpoint, mmap=True), checkpoint, model, cfg)
-    return strategy
+        lr_schedule(cfg.optimizer, cfg.trainer.max_steps)
 
 
 def meta_batch(data: Data) -> tuple[Tree, Tree]:
@@ -321,7 +349,7 @@ def finished(state: dict[str, Any], cfg: DictConfig) -> bool:
 
 
 def finish_finished_run(
-    cfg: DictConfig, run_dir: Path, strategy: Strategy, checkpoint: Path
+    cfg: DictConfig, run_dir: Path, strategy: Strategy, checkpoint: Path, ranks: Ranks | None
 ) -> dict[str, Any]:
     """The summary of a run that had trained all its steps; written if the run died before."""
     path = run_dir / "summary.json"
@@ -331,7 +359,6 @@ def finish_finished_run(
         cfg.trainer.max_steps,
         cfg.trainer.max_steps,
     )
-    ranks = started_ranks()
     if path.exists() or (ranks is not None and ranks.rank != 0):
         return json.loads(path.read_text()) if path.exists() else {}
     history = run_dir / "metrics.jsonl"
@@ -358,97 +385,17 @@ def finish_finished_run(
     return summary
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
-    """Train in this process, in processes started here, or as one of the ranks that torchrun or
-    srun started (see `src/launch.py`); returns the summary of this node's lowest rank."""
-    hydra = HydraConfig.get()
-    run_dir = Path(hydra.runtime.output_dir)
-    cfg = resolve_auto(cfg)  # parallel=auto: the planner's choice from here on
-    strategy = check_config(cfg, run_dir)
-    checkpoint = resume_path(cfg.trainer.resume, run_dir)
-    if checkpoint and finished(load_checkpoint(checkpoint, mmap=True), cfg):
-        return finish_finished_run(cfg, run_dir, strategy, checkpoint)
-    job_logging = OmegaConf.to_container(hydra.job_logging, resolve=True)
-    nodes = cfg.parallel.nodes
-    ranks = started_ranks()
-    launching = ranks is None and strategy.processes_per_node * nodes > 1
-    if ranks is not None:
-        if ranks.world_size != strategy.processes_per_node * nodes:
-            raise ConfigError(
-                f"{ranks.world_size} processes were started ({ranks.local_world_size} per node) "
-                f"but parallel={strategy.name} runs {strategy.processes_per_node} per node on "
-                f"{nodes} node(s): make parallel.devices (and parallel.nodes) match the launcher"
-            )
-        join_started_ranks(ranks, str(run_dir), job_logging)
-    elif launching:
-        if nodes > 1 and cfg.parallel.master_port == 0:
-            # Under srun or torchrun the rendezvous comes from their environment instead.
-            raise ConfigError(
-                "parallel.nodes > 1 needs a rendezvous every node can reach: set "
-                "parallel.master_addr to the first node and parallel.master_port to a free port"
-            )
-        configure_logging(job_logging, "launcher")
-    if ranks is None or ranks.rank == 0:
-        log.info("overrides: %s", " ".join(hydra.overrides.task) or "none")
-        train_log_only.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
-    if launching:
-        resolved = plain_config(cfg)
-        args = (resolved, str(run_dir))
-        per_node = strategy.processes_per_node
-        outcome = launch_and_stop_on_signal(args, per_node, nodes, cfg.parallel, job_logging)
-        if isinstance(outcome, RunStopped):
-            raise outcome
-        return outcome
-    if ranks is not None:
-        return run_as_rank(train, cfg, run_dir, strategy)
-    return train(cfg, run_dir, strategy)
-
-
-def resume_command() -> str:
-    """The command line that continues this Hydra job's run from its last checkpoint."""
-    hydra_cfg = HydraConfig.get()
-    overrides = [o for o in hydra_cfg.overrides.task if not o.startswith("trainer.resume=")]
-    return shlex.join(
-        [
-            "python",
-            "train.py",
-            *overrides,
-            "trainer.resume=auto",
-            f"hydra.run.dir={hydra_cfg.runtime.output_dir}",
-        ]
-    )
-
-
-def launch_and_stop_on_signal(
-    args: tuple, per_node: int, nodes: int, parallel: DictConfig, job_logging: dict[str, Any]
-) -> dict[str, Any] | RunStopped:
-    """`launch` the ranks of `train_worker`. A first SIGINT/SIGTERM stops them together after a
-    step, and comes back as their outcome; a second one kills them (or the first, before they
-    have started): then the last checkpoint says where the run can resume from."""
-    try:
-        return launch(train_worker, args, per_node, nodes, parallel, job_logging)
-    except KilledBySignal as stopped:
-        saved = saved_checkpoints(Path(args[1]))  # a checkpoint is never half-written
-        kept = f"the last checkpoint is {saved[-1]}" if saved else "no checkpoint was written"
-        name = signal.Signals(stopped.signum).name
-        raise Interrupted(f"stopped by {name} at once; {kept}", 128 + stopped.signum) from None
-
-
-def train_worker(resolved_cfg: dict[str, Any], run_dir: str) -> dict[str, Any] | RunStopped:
-    """`train` in a process started by `launch`, from the config the launcher checked (checked
-    again here, which costs no device work, for the strategy's plan: a pipeline's stage split).
-    A stop that every rank made at the same step (they agree on signals and non-finite losses)
-    is the run's outcome, handed back to the launcher, not a crash."""
-    cfg = OmegaConf.create(resolved_cfg)
-    strategy = check_config(cfg, Path(run_dir))
-    try:
-        return train(cfg, Path(run_dir), strategy)
-    except RunStopped as stop:
-        return stop
-
-
-def train(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[str, Any]:
-    """Train in this process (one of several, for multi-process strategies)."""
+def train(
+    cfg: DictConfig,
+    run_dir: Path,
+    strategy: Strategy,
+    blueprint: Blueprint | None = None,
+    stop: StopOnSignal | None = None,
+) -> dict[str, Any]:
+    """Train in this process (one of several, for multi-process strategies): the up-front build
+    on the meta device (unless `blueprint` is that build, done already), then the real one, and
+    the loop. `stop`: the stop handler this process holds, if any (see `fit`)."""
+    blueprint = blueprint or build_blueprint(cfg, run_dir, strategy)
     strategy.setup()
     # A multirun runs its jobs in one process: each job's peak memory must count from its start.
     # torch's reset does not initialise CUDA itself and fails with "Invalid device argument" on
@@ -459,50 +406,45 @@ def train(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[str, Any]:
     for device in cuda_devices:
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        return build_and_fit(cfg, run_dir, strategy)
+        return build_and_fit(cfg, run_dir, strategy, blueprint, stop)
     finally:
         strategy.teardown()
 
 
-def build_and_fit(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[str, Any]:
-    """Build data, model, optimizer and tracker, restore a checkpoint if asked, train, report."""
+def build_and_fit(
+    cfg: DictConfig,
+    run_dir: Path,
+    strategy: Strategy,
+    blueprint: Blueprint,
+    stop: StopOnSignal | None,
+) -> dict[str, Any]:
+    """Build the model for real and its optimizer and tracker, restore a checkpoint if asked,
+    train, report."""
     matmul_precision = set_numerics(cfg.trainer, strategy.device_type)
-    data = build_data(cfg.data, cfg.seed)
+    flops_per_step = step_flops(
+        blueprint.meta_model, blueprint.task, blueprint.data, cfg.trainer.batch_size
+    )
+    data = blueprint.data
     if not cfg.data.augment:  # augmented samples are made on the host, by the loader
         data = keep_on_device(data, strategy.devices[0])
-    flops_per_step = step_flops(cfg.model, instantiate(cfg.task), data, cfg.trainer.batch_size)
-    torch.manual_seed(cfg.seed)
-    model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
-    size_lazy_modules(model, data)
-    checkpoint = resume_path(cfg.trainer.resume, run_dir)
-    if checkpoint is None and cfg.trainer.resume and strategy.is_main:
-        log.info("trainer.resume=auto: no checkpoint in %s yet, starting afresh", run_dir)
-    # A sharded checkpoint goes straight into the wrapped model, each rank reading its shards;
-    # a full one (or a sharded one for a strategy that cannot) is read whole, before `wrap`.
-    in_shards = checkpoint is not None and is_sharded(checkpoint) and strategy.sharded_checkpoints
-    state = load_checkpoint(checkpoint, mmap=in_shards) if checkpoint else None
-    if state and not in_shards:
-        model.load_state_dict(state["model"])
-    prepare_blocks(model, cfg.trainer.activation_checkpointing, cfg.trainer.compile)
-    model = strategy.wrap(model)
-    optimizer = build_optimizer(cfg.optimizer, strategy.unwrap(model).parameters())
-    start_step, wandb_run_id, loss_scaling_state = 0, None, None
-    if state:
-        if in_shards:
-            strategy.load_sharded(model, optimizer, str(checkpoint))
-        else:
-            strategy.load_optimizer_state_dict(model, optimizer, state["optimizer"])
-        set_rng_state(state["rng"])
-        start_step, wandb_run_id = state["step"], state["wandb_run_id"]
-        loss_scaling_state = state.get("loss_scaling")  # older checkpoints have none
-        if strategy.is_main:
-            log_resumed_schedule(cfg, state, checkpoint)
+    model, optimizer, start_step, wandb_run_id, loss_scaling_state = build_for_real(
+        cfg, run_dir, strategy, blueprint
+    )
     resolved = plain_config(cfg)
     tracker = build_tracker(cfg.logger, str(run_dir), resolved, strategy.is_main, wandb_run_id)
     summary, exit_code = None, 1
     try:
         results = fit(
-            cfg, strategy, model, optimizer, data, tracker, run_dir, start_step, loss_scaling_state
+            cfg,
+            strategy,
+            model,
+            optimizer,
+            data,
+            tracker,
+            run_dir,
+            start_step,
+            stop,
+            loss_scaling_state,
         )
         summary = {
             "strategy": strategy.name,
@@ -523,6 +465,48 @@ def build_and_fit(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> dict[st
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         log.info(format_summary(summary, run_dir))
     return summary
+
+
+def build_for_real(
+    cfg: DictConfig, run_dir: Path, strategy: Strategy, blueprint: Blueprint
+) -> tuple[nn.Module, torch.optim.Optimizer, int, str | None, dict[str, Any] | None]:
+    """The model (seeded, so every strategy starts from single's weights), wrapped by the
+    strategy, and its optimizer, both restored from the checkpoint to resume from; with the step
+    to start after, the W&B run to continue and fp16's loss scaling state."""
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, blueprint.data)
+    size_lazy_modules(model, blueprint.data)
+    state, in_shards = checkpoint_to_load(blueprint, strategy)
+    if state is not None and not in_shards:
+        model.load_state_dict(state["model"])
+    prepare_blocks(model, cfg.trainer.activation_checkpointing, cfg.trainer.compile)
+    model = strategy.wrap(model)
+    optimizer = build_optimizer(cfg.optimizer, strategy.unwrap(model).parameters())
+    if state is None:
+        if cfg.trainer.resume and strategy.is_main:
+            log.info("trainer.resume=auto: no checkpoint in %s yet, starting afresh", run_dir)
+        return model, optimizer, 0, None, None
+    if in_shards:
+        strategy.load_sharded(model, optimizer, str(blueprint.checkpoint))
+    else:
+        strategy.load_optimizer_state_dict(model, optimizer, state["optimizer"])
+    set_rng_state(state["rng"])
+    if strategy.is_main:
+        log_resumed_schedule(cfg, state, blueprint.checkpoint)
+    loss_scaling_state = state.get("loss_scaling")  # older checkpoints have none
+    return model, optimizer, state["step"], state["wandb_run_id"], loss_scaling_state
+
+
+def checkpoint_to_load(blueprint: Blueprint, strategy: Strategy) -> tuple[dict | None, bool]:
+    """The checkpoint's state, and whether its tensors go straight into the wrapped model, each
+    rank reading its own shards (a sharded checkpoint, for a strategy that can). A full one (or a
+    sharded one for a strategy that cannot, then read whole here) is loaded before `wrap`."""
+    if blueprint.checkpoint is None:
+        return None, False
+    in_shards = is_sharded(blueprint.checkpoint)
+    if in_shards and not strategy.sharded_checkpoints:
+        return load_checkpoint(blueprint.checkpoint), False
+    return blueprint.saved, in_shards
 
 
 def speed_figures(

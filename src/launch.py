@@ -62,7 +62,8 @@ class KilledBySignal(BaseException):
 
 @dataclass(frozen=True)
 class Ranks:
-    """Where this process sits in a job whose ranks were started by torchrun or srun."""
+    """Where this process sits in a job of several processes: read from the environment once
+    (`started_ranks`), then handed to whatever needs it."""
 
     rank: int
     world_size: int
@@ -99,7 +100,7 @@ def first_node(nodelist: str) -> str:
 
 
 def started_ranks() -> Ranks | None:
-    """The ranks torchrun or srun started, or None when this process is the only one."""
+    """The ranks torchrun, srun or `launch` started, or None when this process is the only one."""
     env = os.environ
     if "RANK" not in env or "WORLD_SIZE" not in env:
         return None
@@ -161,25 +162,33 @@ def configure_logging(job_logging: dict[str, Any], label: str) -> None:
     logging.config.dictConfig(config)
 
 
-def run_as_rank(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run `fn` as one rank of a multi-process job; on failure, log it and leave in order."""
-    from src.stopping import hold_stop_signals_for_this_rank
+def run_as_rank(
+    ranks: Ranks, fn: Callable[..., Any], *args: Any, outcomes: tuple[type, ...] = ()
+) -> Any:
+    """`fn(*args, stop=...)` as one rank of a multi-process job. From now to its exit, SIGINT
+    and SIGTERM only ask `fn` to stop with the other ranks (`stop`, a `StopOnSignal` that `fn`
+    must watch), unless the job is over (a rank failed, or the launcher died): then the rank
+    exits. An exception in `outcomes` is how the run ended (every rank raises it alike); any
+    other is a failure: logged, and the rank leaves in order (see `failure_order`)."""
+    from src.stopping import StopOnSignal
 
-    hold_stop_signals_for_this_rank(job_failed=job_failed)
+    stop = StopOnSignal(False, job_failed=lambda: job_failed(ranks)).__enter__()
     try:
-        return fn(*args)
+        return fn(*args, stop=stop)
+    except outcomes:
+        raise
     except Exception:
         log.exception("failed")
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if ranks.world_size > 1:
             wait = FIRST_FAILURE_WAIT_S if failure_order() == 1 else LATER_FAILURE_WAIT_S
             time.sleep(wait)
         raise
 
 
-def job_failed() -> bool:
+def job_failed(ranks: Ranks) -> bool:
     """Whether a rank has reported a failure, or the store has died with the launcher (or the
     rank 0) that hosted it: either way the job is over."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    if ranks.world_size == 1:
         return False
     failures = reported_failures(add=0)
     return failures is None or failures > 0
@@ -218,17 +227,33 @@ def end_with_launcher(launcher_pid: int) -> None:
         os._exit(128 + signal.SIGKILL)
 
 
+@dataclass
+class Raised:
+    """How a launched rank hands the launcher an exception of `outcomes` (see `launch`)."""
+
+    error: BaseException
+
+
 def _worker(
-    fn: Callable[..., Any], args: tuple, job_logging: dict[str, Any], launcher_pid: int
+    fn: Callable[..., Any],
+    args: tuple,
+    outcomes: tuple[type, ...],
+    job_logging: dict[str, Any],
+    launcher_pid: int,
 ) -> Any:
-    """Entry point of each launched process (the agent sets RANK, WORLD_SIZE, ...)."""
+    """Entry point of each launched process: `fn(*args, ranks, stop=...)` as its rank (the agent
+    has set RANK, WORLD_SIZE, ...)."""
     end_with_launcher(launcher_pid)
-    configure_logging(job_logging, f"rank{os.environ['RANK']}")
+    ranks = started_ranks()
+    configure_logging(job_logging, f"rank{ranks.rank}")
     # Connect to the launcher's store now: a rank that fails later tells it (`failure_order`),
     # signals ask it whether the job is over (`job_failed`), and once the launcher has died, a
     # new connection would wait 30 minutes for it.
     rank_store()
-    return run_as_rank(fn, *args)
+    try:
+        return run_as_rank(ranks, fn, *args, ranks, outcomes=outcomes)
+    except outcomes as error:
+        return Raised(error)  # torch's agent carries results back, and exceptions only as text
 
 
 def launch(
@@ -238,15 +263,34 @@ def launch(
     nodes: int,
     parallel: Any,
     job_logging: dict[str, Any],
+    outcomes: tuple[type, ...] = (),
 ) -> Any:
-    """Run `fn(*args)` in `processes_per_node` new processes on this node; returns the result
-    of the lowest rank here. `parallel` gives master_addr/master_port and timeout_s.
+    """Run `fn(*args, ranks, stop=...)` in `processes_per_node` new processes on this node (see
+    `run_as_rank`); returns the result of the lowest rank here, or raises what it raised of
+    `outcomes` (picklable exceptions that end a run as planned: every rank raises one alike).
+    `parallel` gives master_addr/master_port and timeout_s.
 
     A failure in any rank stops them all and raises `ChildFailedError`, which names the rank
     that failed first and shows its traceback.
     """
+    from torch.distributed.launcher.api import elastic_launch
+
+    with tempfile.TemporaryDirectory(prefix="torchelastic-") as error_dir:
+        config = launch_config(processes_per_node, nodes, parallel, error_dir)
+        with stop_signals_passed_to_ranks():
+            worker = elastic_launch(config, _worker)
+            results = worker(fn, args, outcomes, job_logging, os.getpid())
+    result = results[min(results)]
+    if isinstance(result, Raised):
+        raise result.error
+    return result
+
+
+def launch_config(processes_per_node: int, nodes: int, parallel: Any, error_dir: str) -> Any:
+    """What `torchrun --standalone` would set up (or, on several nodes, a rendezvous at
+    parallel.master_addr:master_port), with no restarts; the ranks' error files in `error_dir`."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig
 
     if nodes == 1 and parallel.master_port == 0:
         endpoint, run_id = "localhost:0", uuid.uuid4().hex
@@ -260,27 +304,23 @@ def launch(
         nodes,
         endpoint,
     )
-    with tempfile.TemporaryDirectory(prefix="torchelastic-") as error_dir:
-        config = LaunchConfig(
-            min_nodes=nodes,
-            max_nodes=nodes,
-            nproc_per_node=processes_per_node,
-            run_id=run_id,
-            rdzv_backend="c10d",
-            rdzv_endpoint=endpoint,
-            rdzv_configs={"timeout": int(parallel.timeout_s)},
-            max_restarts=0,
-            start_method="spawn",
-            logs_specs=DefaultLogsSpecs(log_dir=error_dir),
-            # When the job stops (a failed rank, or SIGINT/SIGTERM), the other ranks get this
-            # long to finish their step and checkpoint before SIGKILL; a rank stuck in a
-            # collective could not answer sooner anyway.
-            shutdown_timeout=max(1, int(parallel.timeout_s)),
-            signals_to_handle=AGENT_HANDLED_SIGNALS,
-        )
-        with stop_signals_passed_to_ranks():
-            results = elastic_launch(config, _worker)(fn, args, job_logging, os.getpid())
-    return results[min(results)]
+    return LaunchConfig(
+        min_nodes=nodes,
+        max_nodes=nodes,
+        nproc_per_node=processes_per_node,
+        run_id=run_id,
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        rdzv_configs={"timeout": int(parallel.timeout_s)},
+        max_restarts=0,
+        start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=error_dir),
+        # When the job stops (a failed rank, or SIGINT/SIGTERM), the other ranks get this long
+        # to finish their step and checkpoint before SIGKILL; a rank stuck in a collective could
+        # not answer sooner anyway.
+        shutdown_timeout=max(1, int(parallel.timeout_s)),
+        signals_to_handle=AGENT_HANDLED_SIGNALS,
+    )
 
 
 @contextlib.contextmanager

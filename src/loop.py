@@ -30,7 +30,7 @@ from src.data import Data, Split, ValBatches, loading_for, train_batches
 from src.optim import lr_schedule
 from src.performance import step_profiler
 from src.precision import LossScaling, autocast
-from src.stopping import Interrupted, NonFiniteWatch, agree_to_stop, stop_signals
+from src.stopping import Interrupted, NonFiniteWatch, StopOnSignal, agree_to_stop
 from src.strategies.base import Strategy, usable_cores
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ class Throughput:
         self.samples_per_step = samples_per_step
         self.steps_done = 0  # by this process: a resumed run warms up again
         now = time.perf_counter()
+        self.started = now
         self.window_start, self.window_steps = now, 0  # the logging window, for progress lines
         self.timed_start = now if warmup_steps == 0 else None  # its part after warm-up
         self.timed_steps = 0
@@ -89,14 +90,17 @@ class Throughput:
         self.window_start, self.window_steps = now, 0
         return ms
 
-    def pause(self) -> float:
-        return time.perf_counter()
-
-    def resume(self, paused_at: float) -> None:
-        elapsed = time.perf_counter() - paused_at
-        self.window_start += elapsed
-        if self.timed_start is not None:
-            self.timed_start += elapsed
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent inside (logging, eval, checkpoints) counts in no step."""
+        paused_at = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - paused_at
+            self.window_start += elapsed
+            if self.timed_start is not None:
+                self.timed_start += elapsed
 
     def summary(self) -> dict[str, float]:
         if not self.window_ms:
@@ -280,6 +284,214 @@ def window_means(
     return reduced_figures(strategy, task, torch.stack(step_sums).sum(0), targets)
 
 
+def trainer_settings(trainer: DictConfig) -> TrainerConfig:
+    """The trainer settings as a typed object, for a config composed with its schema or rebuilt
+    from a plain dict (a launched rank's). Plain attributes: an OmegaConf lookup takes
+    microseconds, and the loop makes several a step."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainerConfig), trainer))
+
+
+def due(every: int, step: int) -> bool:
+    """Whether a cadence of `every` steps (0: never) falls on `step`."""
+    return every > 0 and step % every == 0
+
+
+class History:
+    """Where figures go: the tracker, and `metrics.jsonl` (main process only, see
+    `open_history`)."""
+
+    def __init__(self, tracker: Any, file: TextIO | None):
+        self.tracker, self.file = tracker, file
+
+    def record(self, metrics: dict[str, float], step: int) -> None:
+        self.tracker.log(metrics, step=step)
+        if self.file:
+            self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+            self.file.flush()
+
+
+class Progress:
+    """The training figures, every `trainer.log_every` steps and at the last: summed over the
+    steps since the previous log, recorded, and shown as a progress line."""
+
+    def __init__(self, trainer: TrainerConfig, strategy: Strategy, task: Any, speed: Throughput):
+        self.trainer, self.strategy, self.task, self.speed = trainer, strategy, task, speed
+        self.window_sums: list[torch.Tensor] = []  # each step's sums since the last log
+        self.targets = 0
+        self.figures: dict[str, float] = {"loss": math.nan}
+
+    def due(self, step: int) -> bool:
+        return due(self.trainer.log_every, step)
+
+    def add(self, step_sums: torch.Tensor, targets: int | torch.Tensor) -> None:
+        self.window_sums.append(step_sums)
+        self.targets += targets
+
+    def maybe_log(self, step: int, lr: float, history: History, force: bool) -> None:
+        if not (force or self.due(step)):
+            return
+        figures = window_means(self.strategy, self.task, self.window_sums, self.targets)
+        self.figures = figures or {name: math.nan for name in self.figures}
+        self.window_sums, self.targets = [], 0
+        data_wait_ms = self.speed.window_data_wait_ms()
+        step_ms = self.speed.close_window()
+        samples_per_sec = self.trainer.batch_size * 1000 / step_ms
+        with self.speed.paused():
+            memory = dict(zip(*self.strategy.local_peak_memory_mb(), strict=True))
+            metrics = {
+                **{f"memory/{device}_peak_mb": mb for device, mb in memory.items()},
+                **{f"train/{name}": value for name, value in self.figures.items()},
+                "train/lr": lr,
+                "train/step_time_ms": step_ms,
+                "train/samples_per_sec": samples_per_sec,
+                "train/data_wait_ms": data_wait_ms,
+            }
+            history.record(metrics, step)
+            if self.strategy.is_main:
+                eta_s = (self.trainer.max_steps - step) * step_ms / 1000
+                log.info(
+                    progress_line(
+                        step,
+                        self.trainer.max_steps,
+                        self.figures["loss"],
+                        samples_per_sec,
+                        data_wait_ms,
+                        eta_s,
+                    )
+                )
+
+
+class Evaluation:
+    """The validation figures, every `trainer.eval_every` steps and at the last."""
+
+    def __init__(
+        self,
+        trainer: TrainerConfig,
+        strategy: Strategy,
+        task: Any,
+        val: ValBatches,
+        speed: Throughput,
+    ):
+        self.trainer, self.strategy, self.task, self.speed = trainer, strategy, task, speed
+        self.val = val
+        self.figures: dict[str, float] = {"loss": math.nan}
+
+    def due(self, step: int) -> bool:
+        return due(self.trainer.eval_every, step)
+
+    def maybe_run(
+        self, step: int, model: torch.nn.Module, precision: Any, history: History, force: bool
+    ) -> None:
+        if not (force or self.due(step)):
+            return
+        with self.speed.paused():
+            self.figures = evaluate(
+                model, self.strategy, self.task, self.val, self.trainer.eval_batch_size, precision
+            )
+            history.record({f"val/{name}": value for name, value in self.figures.items()}, step)
+            if self.strategy.is_main:
+                shown = " | ".join(f"val {name} {v:.4g}" for name, v in self.figures.items())
+                log.info("step %d | %s", step, shown)
+
+
+class Checkpointing:
+    """A checkpoint every `trainer.checkpoint_every` steps, and whenever forced (the last step, a
+    stop); a forced one is complete on disk before `maybe_save` returns."""
+
+    def __init__(
+        self,
+        writer: CheckpointWriter,
+        every: int,
+        extra: dict[str, Any],
+        speed: Throughput,
+        start_step: int,
+        scaling: LossScaling,
+    ):
+        self.writer, self.every, self.extra, self.speed = writer, every, extra, speed
+        self.scaling = scaling  # fp16's loss scale goes on where the checkpoint left it
+        self.last_step = start_step or None  # the newest checkpoint's step
+        self.blocked_s: list[float] = []  # how long each checkpoint held training up
+
+    def due(self, step: int) -> bool:
+        return due(self.every, step)
+
+    def maybe_save(
+        self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, force: bool
+    ) -> Path | None:
+        """The folder the checkpoint is (or, saved asynchronously, will be) published as."""
+        if not (force or self.due(step)):
+            return None
+        with self.speed.paused():
+            started = time.perf_counter()
+            extra = {
+                "step": step,
+                "rng": rng_state(),
+                "loss_scaling": self.scaling.state_dict(),
+                **self.extra,
+            }
+            saved_to = self.writer.save(model, optimizer, extra)
+            self.blocked_s.append(time.perf_counter() - started)
+            if force:
+                self.writer.wait()
+        self.last_step = step
+        return saved_to
+
+
+class Stepper:
+    """One optimizer step: gradients over the step's micro-batches, then (unless the loss is
+    non-finite and `trainer.skip_nonfinite` skips it) clipping and the update."""
+
+    def __init__(
+        self,
+        trainer: TrainerConfig,
+        strategy: Strategy,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        task: Any,
+        loss_scaling_state: dict[str, Any] | None,
+    ):
+        self.trainer, self.strategy, self.task = trainer, strategy, task
+        self.model, self.optimizer = model, optimizer
+        self.params = list(strategy.unwrap(model).parameters())
+        self.precision = autocast(strategy.device_type, trainer.precision)
+        self.scaling = LossScaling(
+            strategy.grad_scaler(trainer.precision == "fp16", trainer.loss_scale_init)
+        )
+        if loss_scaling_state:
+            self.scaling.load_state_dict(loss_scaling_state)
+        self.nonfinite = NonFiniteWatch()
+        self.skipped_steps = 0
+
+    def train_step(
+        self, step: int, lr: float, batches: Iterator
+    ) -> tuple[torch.Tensor, int | torch.Tensor] | None:
+        """The step's task sums and target count (see `forward_backward`); None if skipped."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        step_sums, targets = forward_backward(
+            self.model,
+            self.strategy,
+            self.task,
+            batches,
+            self.precision,
+            self.trainer.accumulate,
+            self.scaling,
+        )
+        stepped = not self.trainer.skip_nonfinite or finite_everywhere(self.strategy, step_sums[0])
+        if stepped:
+            self.nonfinite.observe(step, step_sums)
+            if self.trainer.grad_clip > 0:
+                self.scaling.unscale(self.optimizer)
+                torch.nn.utils.clip_grad_norm_(self.params, self.trainer.grad_clip)
+            self.scaling.step(self.optimizer)
+        else:
+            self.skipped_steps += 1
+            if self.strategy.is_main:
+                log.warning("step %d: non-finite loss, optimizer step skipped", step)
+        self.optimizer.zero_grad(set_to_none=True)
+        return (step_sums, targets) if stepped else None
+
+
 def fit(
     cfg: DictConfig,
     strategy: Strategy,
@@ -289,200 +501,139 @@ def fit(
     tracker: Any,
     run_dir: Path,
     start_step: int = 0,
+    stop: StopOnSignal | None = None,
     loss_scaling_state: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train from `start_step` (a resumed checkpoint's step, else 0) to `trainer.max_steps`,
     with fp16's loss scale where `loss_scaling_state` (the checkpoint's) left it; returns the
-    final figures.
+    final figures. Ends early with `Interrupted` after SIGINT/SIGTERM (`stop`: the
+    handler this process holds; None installs one), checkpointed: one process after the current
+    step, several together after their next log, eval or checkpoint step; with `NonFiniteLoss`
+    before a NaN/inf loss reaches a log or checkpoint."""
+    trainer = trainer_settings(cfg.trainer)
+    task = instantiate(cfg.task)
+    batches, val = input_batches(cfg, trainer, strategy, data, start_step)
+    lr_at = lr_schedule(cfg.optimizer, trainer.max_steps)
+    speed = Throughput(trainer.timing_warmup_steps, trainer.batch_size)
+    stepper = Stepper(trainer, strategy, model, optimizer, task, loss_scaling_state)
+    progress = Progress(trainer, strategy, task, speed)
+    evaluation = Evaluation(trainer, strategy, task, val, speed)
+    checkpointing = checkpointing_for(
+        cfg, trainer, strategy, run_dir, tracker, speed, start_step, stepper.scaling
+    )
+    with (
+        open_history(run_dir / "metrics.jsonl", start_step, strategy.is_main) as file,
+        contextlib.nullcontext(stop) if stop else StopOnSignal() as stop,
+        profiler_for(trainer, strategy, run_dir) as profiler,
+        contextlib.closing(checkpointing.writer),  # a save in flight is published, even on error
+    ):
+        history = History(tracker, file)
+        model.train()
+        for step in range(start_step + 1, trainer.max_steps + 1):
+            lr = lr_at(step - 1)
+            stepped = stepper.train_step(step, lr, batches)
+            if stepped:
+                progress.add(*stepped)
+            speed.step_done(strategy, batches.take_wait())
+            profiler.step()
 
-    Ends early with `Interrupted` after SIGINT/SIGTERM, checkpointed: one process after the
-    current step, several together after their next log, eval or checkpoint step. Ends with
-    `NonFiniteLoss` before a NaN/inf loss reaches a log or checkpoint."""
-    # Plain attributes: an OmegaConf lookup takes microseconds, and the loop makes several a step.
-    trainer = TrainerConfig(**OmegaConf.to_container(cfg.trainer, resolve=True))
-    params = list(strategy.unwrap(model).parameters())
-    micro_batch = trainer.batch_size // trainer.accumulate
+            last = step == trainer.max_steps
+            # Several processes stop together, after a step they synchronize at anyway; one
+            # process on its own stops after the current step.
+            in_sync = last or progress.due(step) or evaluation.due(step) or checkpointing.due(step)
+            stop_signal = agree_to_stop(
+                strategy, stepper.nonfinite, stop, step, in_sync, checkpointing.last_step
+            )
+            stopping = stop_signal is not None and not last
+
+            progress.maybe_log(step, lr, history, force=last)
+            evaluation.maybe_run(step, model, stepper.precision, history, force=last)
+            saved_to = checkpointing.maybe_save(step, model, optimizer, force=last or stopping)
+            if stopping:
+                raise Interrupted.by(stop_signal, step, saved_to)
+
+    if trainer.profile and strategy.is_main:
+        tracker.save(run_dir / PROFILE_TRACE)  # written when the profiler closed
+    return final_figures(trainer, strategy, stepper, progress, evaluation, checkpointing, speed)
+
+
+def profiler_for(
+    trainer: TrainerConfig, strategy: Strategy, run_dir: Path
+) -> contextlib.AbstractContextManager:
+    """`trainer.profile`'s profiler, on the main process; a no-op otherwise."""
+    return step_profiler(
+        trainer.profile and strategy.is_main,
+        trainer.profile_steps,
+        strategy.device_type,
+        run_dir / PROFILE_TRACE,
+    )
+
+
+def input_batches(
+    cfg: DictConfig, trainer: TrainerConfig, strategy: Strategy, data: Data, start_step: int
+) -> tuple[TimedBatches, ValBatches]:
+    """This process's training batches from `start_step` on, and its validation batches."""
     loading = loading_for(
         cfg.data, cfg.seed, strategy.device_type, strategy.processes_per_node, usable_cores()
     )
-    batches = TimedBatches(
-        train_batches(
-            data.train,
-            micro_batch,
-            cfg.seed,
-            strategy.rank,
-            strategy.world_size,
-            start_batch=start_step * trainer.accumulate,
-            loading=loading,
-        )
+    train = train_batches(
+        data.train,
+        trainer.batch_size // trainer.accumulate,
+        cfg.seed,
+        strategy.rank,
+        strategy.world_size,
+        start_batch=start_step * trainer.accumulate,
+        loading=loading,
     )
     val = ValBatches(data.val, trainer.eval_batch_size, strategy.rank, strategy.world_size, loading)
-    precision = autocast(strategy.device_type, trainer.precision)
-    scaling = LossScaling(
-        strategy.grad_scaler(trainer.precision == "fp16", trainer.loss_scale_init)
-    )
-    if loss_scaling_state:
-        scaling.load_state_dict(loss_scaling_state)
-    lr_at = lr_schedule(cfg.optimizer, trainer.max_steps)
-    speed = Throughput(trainer.timing_warmup_steps, trainer.batch_size)
-    nonfinite = NonFiniteWatch()
-    checkpoints = CheckpointWriter(
+    return TimedBatches(train), val
+
+
+def checkpointing_for(
+    cfg: DictConfig,
+    trainer: TrainerConfig,
+    strategy: Strategy,
+    run_dir: Path,
+    tracker: Any,
+    speed: Throughput,
+    start_step: int,
+    scaling: LossScaling,
+) -> Checkpointing:
+    writer = CheckpointWriter(
         run_dir,
         strategy,
         resolved_format(trainer.checkpoint_format, strategy),
         trainer.keep_checkpoints,
         trainer.async_checkpoint,
     )
-    checkpoint_blocked_s: list[float] = []  # how long each checkpoint held training up
-    last_checkpoint = start_step or None
-    window_sums: list[torch.Tensor] = []  # each step's sums since the last log
-    targets_since_log, skipped_steps = 0, 0
-    task = instantiate(cfg.task)
-    train_figures: dict[str, float] = {"loss": math.nan}
-    val_figures: dict[str, float] = {"loss": math.nan}
-    started = time.perf_counter()
+    # Saved with every checkpoint, besides model, optimizer, step and RNG.
+    extra = {
+        "config": plain_config(cfg),
+        "wandb_run_id": tracker.run_id,
+    }
+    return Checkpointing(writer, trainer.checkpoint_every, extra, speed, start_step, scaling)
 
-    with (
-        open_history(run_dir / "metrics.jsonl", start_step, strategy.is_main) as history,
-        stop_signals() as stop,
-        step_profiler(
-            trainer.profile and strategy.is_main,
-            trainer.profile_steps,
-            strategy.device_type,
-            run_dir / PROFILE_TRACE,
-        ) as profiler,
-        contextlib.closing(checkpoints),  # a save still in flight is published, even on error
-    ):
 
-        def record(metrics: dict[str, float], step: int) -> None:
-            tracker.log(metrics, step=step)
-            if history:
-                history.write(json.dumps({"step": step, **metrics}) + "\n")
-                history.flush()
-
-        model.train()
-        for step in range(start_step + 1, trainer.max_steps + 1):
-            lr = lr_at(step - 1)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-
-            step_sums, targets = forward_backward(
-                model, strategy, task, batches, precision, trainer.accumulate, scaling
-            )
-            if trainer.skip_nonfinite and not finite_everywhere(strategy, step_sums[0]):
-                skipped_steps += 1
-                if strategy.is_main:
-                    log.warning("step %d: non-finite loss, optimizer step skipped", step)
-            else:
-                nonfinite.observe(step, step_sums)
-                if trainer.grad_clip > 0:
-                    scaling.unscale(optimizer)
-                    torch.nn.utils.clip_grad_norm_(params, trainer.grad_clip)
-                scaling.step(optimizer)
-                window_sums.append(step_sums)
-                targets_since_log += targets
-            optimizer.zero_grad(set_to_none=True)
-            speed.step_done(strategy, batches.take_wait())
-            profiler.step()
-
-            last = step == trainer.max_steps
-            log_now = step % trainer.log_every == 0 or last
-            eval_now = (trainer.eval_every and step % trainer.eval_every == 0) or last
-            checkpoint_due = (
-                trainer.checkpoint_every and step % trainer.checkpoint_every == 0
-            ) or last
-            # Several processes stop together, after a step they synchronize at anyway; one
-            # process on its own stops after the current step.
-            in_sync = log_now or eval_now or checkpoint_due
-            stop_signal = None
-            if in_sync or (stop.requested and strategy.world_size == 1):
-                stop_signal = agree_to_stop(strategy, nonfinite, stop, step, last_checkpoint)
-            stop_now = stop_signal is not None and not last
-            checkpoint_now = checkpoint_due or stop_now
-
-            if log_now:
-                train_figures = window_means(strategy, task, window_sums, targets_since_log) or {
-                    name: math.nan for name in train_figures
-                }
-                data_wait_ms = speed.window_data_wait_ms()
-                step_ms = speed.close_window()
-                paused = speed.pause()
-                samples_per_sec = trainer.batch_size * 1000 / step_ms
-                window_sums, targets_since_log = [], 0
-                memory = dict(zip(*strategy.local_peak_memory_mb(), strict=True))
-                record(
-                    {
-                        **{f"memory/{device}_peak_mb": mb for device, mb in memory.items()},
-                        **{f"train/{name}": value for name, value in train_figures.items()},
-                        "train/lr": lr,
-                        "train/step_time_ms": step_ms,
-                        "train/samples_per_sec": samples_per_sec,
-                        "train/data_wait_ms": data_wait_ms,
-                    },
-                    step,
-                )
-                if strategy.is_main:
-                    eta = (trainer.max_steps - step) * step_ms / 1000
-                    log.info(
-                        progress_line(
-                            step,
-                            trainer.max_steps,
-                            train_figures["loss"],
-                            samples_per_sec,
-                            data_wait_ms,
-                            eta,
-                        )
-                    )
-                speed.resume(paused)
-
-            if eval_now:
-                paused = speed.pause()
-                val_figures = evaluate(
-                    model, strategy, task, val, trainer.eval_batch_size, precision
-                )
-                record({f"val/{name}": value for name, value in val_figures.items()}, step)
-                if strategy.is_main:
-                    log.info(
-                        "step %d | %s",
-                        step,
-                        " | ".join(
-                            f"val {name} {value:.4g}" for name, value in val_figures.items()
-                        ),
-                    )
-                speed.resume(paused)
-
-            if checkpoint_now:
-                paused = speed.pause()
-                extra = {  # besides model and optimizer, which the strategy provides
-                    "step": step,
-                    "rng": rng_state(),
-                    "config": plain_config(cfg),
-                    "wandb_run_id": tracker.run_id,
-                    "loss_scaling": scaling.state_dict(),
-                }
-                saved_to = checkpoints.save(model, optimizer, extra)
-                checkpoint_blocked_s.append(time.perf_counter() - paused)
-                if last or stop_now:
-                    checkpoints.wait()
-                last_checkpoint = step
-                speed.resume(paused)
-
-            if stop_now:
-                raise Interrupted.by(stop_signal, step, saved_to)
-
-    if trainer.profile and strategy.is_main:
-        tracker.save(run_dir / PROFILE_TRACE)
+def final_figures(
+    trainer: TrainerConfig,
+    strategy: Strategy,
+    stepper: Stepper,
+    progress: Progress,
+    evaluation: Evaluation,
+    checkpointing: Checkpointing,
+    speed: Throughput,
+) -> dict[str, Any]:
     memory_devices, memory_mb = strategy.peak_memory_mb()
     return {
         "steps": trainer.max_steps,
-        **{f"final_train_{name}": value for name, value in train_figures.items()},
-        **summary_val_figures(val_figures),
-        "skipped_steps": skipped_steps,
-        "scaler_skipped_steps": scaling.skipped_steps,
+        **{f"final_train_{name}": value for name, value in progress.figures.items()},
+        **summary_val_figures(evaluation.figures),
+        "skipped_steps": stepper.skipped_steps,
+        "scaler_skipped_steps": stepper.scaling.skipped_steps,
         **speed.summary(),
         "peak_memory_mb": memory_mb,
         "memory_devices": memory_devices,
-        "wall_time_s": time.perf_counter() - started,
+        "wall_time_s": time.perf_counter() - speed.started,
         # What a checkpoint costs the training (trainer.async_checkpoint: staging only).
-        "checkpoint_blocked_s": statistics.median(checkpoint_blocked_s),
+        "checkpoint_blocked_s": statistics.median(checkpointing.blocked_s),
     }

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.utils import instantiate
 from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
@@ -39,12 +38,10 @@ PEAK_TFLOPS = {
 log = logging.getLogger(__name__)
 
 
-def step_flops(model_cfg: Any, task: Any, data: Data, batch_size: int) -> int | None:
+def step_flops(model: nn.Module, task: Any, data: Data, batch_size: int) -> int | None:
     """FLOPs of one optimizer step (forward, the task's loss and backward over `batch_size`
-    samples), or None for a model that cannot run on the meta device."""
+    samples) of `model`, built on the meta device; None for a model that cannot run there."""
     inputs, targets = meta_samples(data.train, batch_size)
-    with torch.device("meta"):
-        model = instantiate(model_cfg, input_shape=data.input_shape, num_classes=data.num_classes)
     try:
         with FlopCounterMode(display=False) as counter:
             task.sums(model(inputs), targets)[0].backward()

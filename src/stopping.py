@@ -5,7 +5,6 @@ Both end in an exception that `train.py` reports as one message, with an exit co
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -67,10 +66,11 @@ class StopOnSignal:
     A process on its own stops after the current step, and the previous handlers come straight
     back, so that a second signal stops it at once. The ranks of a multi-process job must stop
     after the same step: they settle it in `agree_to_stop`, and hold their handler from start to
-    exit (`hold_stop_signals_for_this_rank`), so that a signal while they start up or finish
+    exit (`launch.run_as_rank`), so that a signal while they start up or finish
     cannot kill one of them alone. They keep every later signal to themselves, because one
     Ctrl-C reaches each rank twice (from the terminal, and passed on by the launcher); stopping
     them at once is the launcher's call (SIGKILL after a second signal, or parallel.timeout_s).
+    `job_failed()` says when a signal is instead the launcher ending a failed job: the rank exits.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -124,25 +124,6 @@ class StopOnSignal:
         self._previous = {}
 
 
-_rank_stop: StopOnSignal | None = None  # signal handlers belong to the process, and so does this
-
-
-def hold_stop_signals_for_this_rank(job_failed: Callable[[], bool]) -> None:
-    """In a rank of a multi-process job, as it starts: from now to its exit, SIGINT and SIGTERM
-    only ask `fit` to stop with the other ranks (see `StopOnSignal`), unless `job_failed()`
-    says that the job is over (a rank failed, or the launcher died): then the rank exits."""
-    global _rank_stop
-    if _rank_stop is None:
-        _rank_stop = StopOnSignal(False, job_failed).__enter__()
-
-
-def stop_signals() -> contextlib.AbstractContextManager[StopOnSignal]:
-    """What `fit` watches for a stop: this rank's handler, or one of its own for this run."""
-    if _rank_stop is not None:
-        return contextlib.nullcontext(_rank_stop)
-    return StopOnSignal()
-
-
 class NonFiniteWatch:
     """Finds the first step whose loss was NaN or infinite, without waiting on the device and
     without device work per step.
@@ -182,12 +163,16 @@ def agree_to_stop(
     nonfinite: NonFiniteWatch,
     stop: StopOnSignal,
     step: int,
+    in_sync: bool,
     last_checkpoint: int | None,
 ) -> int | None:
     """What every process must do after `step`, settled in one all-reduce on a step where they
-    synchronize anyway (log, eval, checkpoint): raises NonFiniteLoss if any process has seen a
-    non-finite loss; returns the signal to stop for if any process has received one, else None.
+    synchronize anyway (`in_sync`: log, eval, checkpoint): raises NonFiniteLoss if any process
+    has seen a non-finite loss; returns the signal to stop for if any process has received one,
+    else None. A process on its own settles it as soon as a signal comes.
     """
+    if not (in_sync or (stop.requested and strategy.world_size == 1)):
+        return None
     bad = nonfinite.pending()
     # Read once: a signal that lands during the all-reduce must wait for the next agreement,
     # or this process would decide on what the others did not see.

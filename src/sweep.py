@@ -15,12 +15,13 @@ A job of a sweep also joins the sweep's W&B group unless `logger.group` is set.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import logging
 import math
-import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from src.config import ConfigError
+from src.launch import Ranks, started_ranks
 from src.stopping import Interrupted
 from src.tracking import sweep_group
 
@@ -38,31 +40,43 @@ log = logging.getLogger(__name__)
 STATUS_FILE = "status.json"
 
 
-def run_job(run: Callable[[DictConfig], dict[str, Any]], cfg: DictConfig) -> float:
-    """`run(cfg)` as a Hydra job; returns the final validation loss (NaN if it did not train)."""
-    hydra_cfg = HydraConfig.get()
-    if hydra_cfg.mode != RunMode.MULTIRUN:
-        return run(cfg)["final_val_loss"]
+Task = Callable[[DictConfig, Ranks | None], dict[str, Any]]
 
-    if "group" in cfg.logger:
-        cfg.logger.group = sweep_group(cfg.logger, hydra_cfg.sweep.dir)
-    job_dir = Path(hydra_cfg.runtime.output_dir)
-    try:
-        summary = run(cfg)
-    except ConfigError as error:
-        log.warning("skipped: this combination cannot run: %s", error)
-        write_status(job_dir, "skipped", str(error))
-    except Interrupted:
-        raise  # SIGINT/SIGTERM stop the whole sweep, not just this job
-    except Exception as error:  # noqa: BLE001 - recorded, and the sweep goes on with the next job
-        log.exception("job %s failed", hydra_cfg.job.num)
-        write_status(job_dir, "failed", f"{type(error).__name__}: {error}")
-    else:
-        write_status(job_dir, "ok")
-        return summary["final_val_loss"]
-    finally:
-        release_device_memory()
-    return math.nan
+
+def run_job(task: Task) -> Callable[[DictConfig], float]:
+    """`task(cfg, ranks)` as a Hydra job, with the ranks that torchrun or srun started read from
+    the environment once; the job returns the final validation loss (NaN if it did not train).
+
+    In a multirun, the job records how it ended and returns, and the sweep goes on; a signal
+    still stops the sweep."""
+
+    @functools.wraps(task)
+    def job(cfg: DictConfig) -> float:
+        ranks = started_ranks()
+        hydra_cfg = HydraConfig.get()
+        if hydra_cfg.mode != RunMode.MULTIRUN:
+            return task(cfg, ranks)["final_val_loss"]
+        if "group" in cfg.logger:
+            cfg.logger.group = sweep_group(cfg.logger, hydra_cfg.sweep.dir)
+        status = JobStatus(Path(hydra_cfg.runtime.output_dir), ranks)
+        try:
+            summary = task(cfg, ranks)
+        except ConfigError as error:
+            log.warning("skipped: this combination cannot run: %s", error)
+            status.write("skipped", str(error))
+        except Interrupted:
+            raise  # SIGINT/SIGTERM stop the whole sweep, not just this job
+        except Exception as error:  # noqa: BLE001 - recorded, and the sweep goes on
+            log.exception("job %s failed", hydra_cfg.job.num)
+            status.write("failed", f"{type(error).__name__}: {error}")
+        else:
+            status.write("ok")
+            return summary["final_val_loss"]
+        finally:
+            release_device_memory()
+        return math.nan
+
+    return job
 
 
 def release_device_memory() -> None:
@@ -73,9 +87,17 @@ def release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def write_status(job_dir: Path, status: str, reason: str = "") -> None:
-    if os.environ.get("RANK", "0") != "0":
-        return  # one of several ranks that srun started, each in this job: rank 0 speaks for it
-    job_dir.mkdir(parents=True, exist_ok=True)
-    text = json.dumps({"status": status, "reason": reason}, indent=2) + "\n"
-    (job_dir / STATUS_FILE).write_text(text)
+@dataclass
+class JobStatus:
+    """A sweep job's `status.json`, written by rank 0 of several ranks that srun started (each
+    runs this job), and by the job's only process otherwise."""
+
+    job_dir: Path
+    ranks: Ranks | None
+
+    def write(self, status: str, reason: str = "") -> None:
+        if self.ranks is not None and self.ranks.rank != 0:
+            return
+        self.job_dir.mkdir(parents=True, exist_ok=True)
+        text = json.dumps({"status": status, "reason": reason}, indent=2) + "\n"
+        (self.job_dir / STATUS_FILE).write_text(text)

@@ -37,7 +37,7 @@ from helpers import (
 import src.strategies.ddp
 from src.config import ConfigError
 from src.experiment import check_config
-from src.launch import adopt_slurm_environment, first_node
+from src.launch import Ranks, adopt_slurm_environment, first_node
 from src.models import MLP
 from src.strategies import build_strategy
 
@@ -380,9 +380,8 @@ def test_under_srun_gpus_per_task_each_rank_drives_the_one_gpu_it_sees(
     with pytest.raises(ConfigError, match=r"parallel\.devices=4 but only 1 GPU"):
         check_config(cfg, tmp_path)  # a job started here needs all four
 
-    for name, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3"}.items():
-        monkeypatch.setenv(name, value)
-    strategy = check_config(cfg, tmp_path)  # each rank needs one
+    rank3 = Ranks(rank=3, world_size=4, local_rank=3, local_world_size=4)
+    strategy = check_config(cfg, tmp_path, rank3)  # each rank needs one
     strategy.local_rank = 3
     assert strategy.local_devices() == [torch.device("cuda", 0)]
     pretend_gpus(monkeypatch, 4)  # all the node's GPUs visible to every rank

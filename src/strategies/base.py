@@ -72,19 +72,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
 
 from src.batches import Tree
 from src.config import Accelerator, ConfigError, ParallelConfig
-
-# DCP's APIs for a plain, DDP or FSDP2 model: parameter names as keys, each rank its own shards.
-SHARDED = StateDictOptions()
 
 LossFn = Callable[[Tree, Tree], torch.Tensor]
 """A task's `sums`: (outputs, targets) -> a 1-D tensor of sums."""
@@ -280,12 +271,21 @@ class Strategy:
     ) -> dict[str, Any]:
         """`model` and `optimizer` keyed by parameter name, each process holding its own shards
         (a replica's tensors are whole; DCP writes them once)."""
-        model_state, optimizer_state = get_state_dict(model, optimizer, options=SHARDED)
+        # DCP is imported where used: importing it costs a run's start-up about a fifth of
+        # `import torch`, and only sharded checkpoints need it.
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        # DCP's APIs for a plain, DDP or FSDP2 model: parameter names as keys, own shards each.
+        options = StateDictOptions()
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
         return {"model": model_state, "optimizer": optimizer_state}
 
     def load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
         """Load a sharded checkpoint into the wrapped `model` and its `optimizer`: DCP reads each
         process's shards of the tensors it is given, however many processes wrote them."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
         state = self.sharded_state_dict(model, optimizer)  # the shapes and shards to fill
         dcp.load(state, checkpoint_id=path)
         set_state_dict(
@@ -293,7 +293,7 @@ class Strategy:
             optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
-            options=SHARDED,
+            options=StateDictOptions(),
         )
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:

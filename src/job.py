@@ -1,0 +1,139 @@
+"""One Hydra job: train in this process, launch the ranks of a multi-process strategy, or run as
+one of the ranks that torchrun or srun started.
+
+`run(cfg)` is what `train.py` calls inside the Hydra job; `sweep.run_job` reads the ranks from
+the environment once, and records the outcome of a sweep's job. Every check that can fail on
+bad input runs before any process, device or tracker is touched: the launcher checks on the meta
+device (`experiment.build_blueprint`) before it starts a rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import signal
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from src.checkpoint import saved_checkpoints
+from src.config import ConfigError, plain_config
+from src.experiment import (
+    build_blueprint,
+    check_settings,
+    finish_finished_run,
+    finished,
+    train,
+)
+from src.launch import (
+    KilledBySignal,
+    Ranks,
+    configure_logging,
+    join_started_ranks,
+    launch,
+    run_as_rank,
+)
+from src.plan import resolve_auto
+from src.stopping import Interrupted, RunStopped, StopOnSignal
+from src.strategies.base import Strategy
+from src.sweep import run_job
+
+log = logging.getLogger(__name__)
+# Its records go to train.log only (conf/config.yaml), not to the console.
+train_log_only = logging.getLogger("train_log_only")
+
+
+@run_job
+def run(cfg: DictConfig, ranks: Ranks | None) -> dict[str, Any]:
+    """Train in this process, in processes started here, or as one of `ranks` (started by
+    torchrun or srun); returns the summary of this node's lowest rank."""
+    hydra = HydraConfig.get()
+    run_dir = Path(hydra.runtime.output_dir)
+    cfg = resolve_auto(cfg)  # parallel=auto: the planner's choice from here on
+    strategy = check_settings(cfg, ranks)
+    blueprint = build_blueprint(cfg, run_dir, strategy)
+    if blueprint.saved is not None and finished(blueprint.saved, cfg):
+        return finish_finished_run(cfg, run_dir, strategy, blueprint.checkpoint, ranks)
+    job_logging = OmegaConf.to_container(hydra.job_logging, resolve=True)
+    nodes = cfg.parallel.nodes
+    if ranks is not None:
+        check_started_ranks(ranks, strategy, nodes)
+        join_started_ranks(ranks, str(run_dir), job_logging)
+        if ranks.rank == 0:
+            log_config(cfg)
+        return run_as_rank(ranks, train, cfg, run_dir, strategy, blueprint, outcomes=(RunStopped,))
+    if strategy.processes_per_node * nodes == 1:
+        log_config(cfg)
+        return train(cfg, run_dir, strategy, blueprint)
+    if nodes > 1 and cfg.parallel.master_port == 0:
+        # Under srun or torchrun the rendezvous comes from their environment instead.
+        raise ConfigError(
+            "parallel.nodes > 1 needs a rendezvous every node can reach: set "
+            "parallel.master_addr to the first node and parallel.master_port to a free port"
+        )
+    configure_logging(job_logging, "launcher")
+    log_config(cfg)
+    resolved = plain_config(cfg)
+    return launch_ranks(resolved, run_dir, strategy.processes_per_node, nodes, job_logging)
+
+
+def check_started_ranks(ranks: Ranks, strategy: Strategy, nodes: int) -> None:
+    if ranks.world_size != strategy.processes_per_node * nodes:
+        raise ConfigError(
+            f"{ranks.world_size} processes were started ({ranks.local_world_size} per node) "
+            f"but parallel={strategy.name} runs {strategy.processes_per_node} per node on "
+            f"{nodes} node(s): make parallel.devices (and parallel.nodes) match the launcher"
+        )
+
+
+def log_config(cfg: DictConfig) -> None:
+    log.info("overrides: %s", " ".join(HydraConfig.get().overrides.task) or "none")
+    train_log_only.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
+
+
+def launch_ranks(
+    resolved_cfg: dict[str, Any],
+    run_dir: Path,
+    per_node: int,
+    nodes: int,
+    job_logging: dict[str, Any],
+) -> dict[str, Any]:
+    """`launch` the ranks of `train_worker`. A first SIGINT/SIGTERM stops them together after a
+    step (they raise the stop, and so does this); a second one kills them (or the first, before
+    they have started): then the last checkpoint says where the run can resume from."""
+    parallel = OmegaConf.create(resolved_cfg["parallel"])
+    args = (resolved_cfg, str(run_dir))
+    try:
+        return launch(train_worker, args, per_node, nodes, parallel, job_logging, (RunStopped,))
+    except KilledBySignal as stopped:
+        saved = saved_checkpoints(run_dir)  # a checkpoint is never half-written
+        kept = f"the last checkpoint is {saved[-1]}" if saved else "no checkpoint was written"
+        name = signal.Signals(stopped.signum).name
+        raise Interrupted(f"stopped by {name} at once; {kept}", 128 + stopped.signum) from None
+
+
+def train_worker(
+    resolved_cfg: dict[str, Any], run_dir: str, ranks: Ranks, stop: StopOnSignal
+) -> dict[str, Any]:
+    """`train` in a process started by `launch`, from the config the launcher checked. A stop
+    that every rank made at the same step (they agree on signals and non-finite losses) is
+    raised, and `launch` raises it again in the launcher."""
+    cfg = OmegaConf.create(resolved_cfg)
+    return train(cfg, Path(run_dir), check_settings(cfg, ranks), stop=stop)
+
+
+def resume_command() -> str:
+    """The command line that continues this Hydra job's run from its last checkpoint."""
+    hydra_cfg = HydraConfig.get()
+    overrides = [o for o in hydra_cfg.overrides.task if not o.startswith("trainer.resume=")]
+    return shlex.join(
+        [
+            "python",
+            "train.py",
+            *overrides,
+            "trainer.resume=auto",
+            f"hydra.run.dir={hydra_cfg.runtime.output_dir}",
+        ]
+    )
