@@ -36,7 +36,7 @@ ROWS = [
     pytest.param(
         ["parallel=nosuch"],
         HYDRA,
-        "Could not find 'parallel/nosuch'; choose one of ddp, dp, dp_criterion, fsdp, hybrid, "
+        "Could not find 'parallel/nosuch'; choose one of auto, ddp, dp, dp_criterion, fsdp, hybrid, "
         "model_parallel, single",
         id="strategy",
     ),
