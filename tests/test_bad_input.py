@@ -36,8 +36,8 @@ ROWS = [
     pytest.param(
         ["parallel=nosuch"],
         HYDRA,
-        "Could not find 'parallel/nosuch'; choose one of auto, ddp, dp, dp_criterion, fsdp, hybrid, "
-        "model_parallel, single",
+        "Could not find 'parallel/nosuch'; choose one of auto, ddp, dp, dp_criterion, fsdp, "
+        "hybrid, model_parallel, single",
         id="strategy",
     ),
     pytest.param(
