@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ROOT, options, parallel_config
+from helpers import ROOT, STRATEGIES, options, parallel_config
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -104,7 +104,7 @@ def test_no_option_repeats_its_schemas_defaults():
         assert not repeated, f"{path.relative_to(ROOT)} repeats the schema's {repeated}"
 
 
-@pytest.mark.parametrize("option", options("parallel"))
+@pytest.mark.parametrize("option", STRATEGIES)
 def test_every_strategy_option_builds_the_class_it_names(compose_config, option):
     parallel = compose_config(f"parallel={option}").parallel
     strategy = build_strategy(parallel, "cpu")

@@ -175,13 +175,14 @@ def test_augmentation_is_a_function_of_seed_epoch_and_index():
 
 @pytest.mark.equivalence
 def test_token_file_trains_alike_for_any_worker_count_and_strategy(tmp_path):
-    """`single` reading in-process and every strategy reading with 2 workers per process train
-    the same weights (the loader's batches match the in-memory path's: see the test above)."""
+    """`single` reading in-process, and `single`, `ddp` x2 and `fsdp` x2 reading with 2 workers
+    per process, train the same weights (the loader's batches match the in-memory path's: see the
+    test above)."""
     token_file = tmp_path / "train.bin"
     write_tokens(token_file)
     run = tokens_run(token_file)
     in_process = reference_run(*run, "data.num_workers=0")
-    for run_dir in strategy_runs(*run, "data.num_workers=2").values():
+    for run_dir in strategy_runs(*run, "data.num_workers=2", strategies=("ddp", "fsdp")).values():
         assert_same_training(in_process, run_dir)
     rows = [row for row in metrics(run_dir) if "train/loss" in row]
     assert len(rows) == 6 and all(row["train/data_wait_ms"] >= 0 for row in rows)
