@@ -3,22 +3,15 @@ of `data=synthetic`, whose settings it takes."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from src.data import Data, Split, synthetic_classification
 
 
-def halves_and_values(
-    seed: int,
-    input_dim: int,
-    num_classes: int,
-    num_samples: int,
-    val_fraction: float,
-    image_shape: list[int] | None = None,
-) -> Data:
-    """`data=synthetic`'s samples as dicts: inputs {"left", "right"} (the two halves of the
-    features), targets {"label": the class, "value": the features' mean}."""
-    data = synthetic_classification(
-        seed, input_dim, num_classes, num_samples, val_fraction, image_shape
-    )
+def halves_and_values(seed: int, **settings: Any) -> Data:
+    """`data=synthetic`'s samples (its `settings`) as dicts: inputs {"left", "right"} (the two
+    halves of the features), targets {"label": the class, "value": the features' mean}."""
+    data = synthetic_classification(seed, **settings)
     return Data(as_dicts(data.train), as_dicts(data.val), data.input_shape, data.num_classes)
 
 
