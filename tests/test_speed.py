@@ -104,7 +104,7 @@ def test_sweep_table_has_flop_rate_and_mfu_columns():
 SGD = (*TINY, "optimizer=sgd", "optimizer.warmup_steps=0")
 
 
-CHECKPOINTED = ("ddp", "fsdp", "model_parallel")
+CHECKPOINTED = ("ddp", "fsdp", "model_parallel", "hybrid")
 
 
 @pytest.mark.parametrize("strategy", ["single", *CHECKPOINTED])
@@ -157,15 +157,15 @@ def test_compile_compiles_blocks_of_torch_modules_and_copies_share_their_graphs(
 
 
 # Compiling is slow on 2 cores (inductor's C++ builds): one sweep, whose in-process jobs (dp,
-# model_parallel) share the compiled graphs and whose multi-process ones (ddp, fsdp) read
-# inductor's cache on disk.
-COMPILED = ("dp", "ddp", "fsdp", "model_parallel")
+# dp_criterion, model_parallel) share the compiled graphs and whose multi-process ones (ddp, fsdp,
+# hybrid) read inductor's cache on disk.
+COMPILED = BESIDES_SINGLE
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", ["single", *COMPILED])
 def test_compiled_blocks_train_like_eager_ones_under_every_wrapper(strategy):
-    """Compiled blocks in dp's replicas, DDP's hooks, FSDP2's per-block units and the pipeline's
+    """Compiled blocks in dp's replicas, DDP's hooks, FSDP2's per-block units and the pipelines'
     stages train as `single` does eagerly."""
     runs = strategy_runs(*SGD, "trainer.compile=true", strategies=COMPILED)
     assert_same_training(reference_run(*SGD), runs[strategy], atol=COMPILE_TOLERANCE)
