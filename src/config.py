@@ -230,6 +230,9 @@ class RegressionConfig(TaskConfig):
 # -------------------------------------------------------------------------------------- parallel
 
 
+AUTO = "auto"  # parallel=auto: the planner (src/plan.py) chooses the strategy
+
+
 @dataclass
 class ParallelConfig:
     """How the work is spread over devices: `_target_` is the strategy class (src/strategies/),

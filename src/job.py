@@ -19,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoint import saved_checkpoints
-from src.config import ConfigError, plain_config
+from src.config import AUTO, ConfigError, plain_config
 from src.experiment import (
     build_blueprint,
     check_settings,
@@ -35,7 +35,6 @@ from src.launch import (
     launch,
     run_as_rank,
 )
-from src.plan import resolve_auto
 from src.stopping import Interrupted, RunStopped, StopOnSignal
 from src.strategies.base import Strategy
 from src.sweep import run_job
@@ -51,7 +50,10 @@ def run(cfg: DictConfig, ranks: Ranks | None) -> dict[str, Any]:
     torchrun or srun); returns the summary of this node's lowest rank."""
     hydra = HydraConfig.get()
     run_dir = Path(hydra.runtime.output_dir)
-    cfg = resolve_auto(cfg)  # parallel=auto: the planner's choice from here on
+    if cfg.parallel.name == AUTO:  # imported only then: its tracing tools take a second to load
+        from src.plan import resolve_auto
+
+        cfg = resolve_auto(cfg)  # the planner's choice from here on
     strategy = check_settings(cfg, ranks)
     blueprint = build_blueprint(cfg, run_dir, strategy)
     if blueprint.saved is not None and finished(blueprint.saved, cfg):

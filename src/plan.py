@@ -37,7 +37,7 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
-from src.config import ConfigError
+from src.config import AUTO, ConfigError
 from src.data import Data, build_data, first_samples
 from src.optim import build_optimizer
 from src.performance import prepare_blocks
@@ -53,7 +53,6 @@ from src.strategies.base import (
 
 log = logging.getLogger(__name__)
 MB = 2**20
-AUTO = "auto"  # parallel=auto: the planner chooses
 # The strategies to choose from: every `parallel=` option but auto.
 STRATEGIES = sorted(
     path.stem
