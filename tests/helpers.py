@@ -7,6 +7,7 @@ import fcntl
 import functools
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -137,14 +138,22 @@ class TrainRun:
 
     def finish(self, timeout: float = 300, check: bool = False) -> subprocess.CompletedProcess:
         """Wait for the exit code, reading the rest of the output (which unblocks the run).
-        `one_page` runs return all their output as stdout."""
-        if self.page is None:
-            stdout, stderr = (text.decode() for text in self.process.communicate(timeout=timeout))
-        else:
-            self.lines.append(self.page.read().decode())
-            self.page.close()
-            self.process.wait(timeout=timeout)
-            stdout, stderr = "".join(self.lines), ""
+        `one_page` runs return all their output as stdout. A run past `timeout` is killed with
+        its whole session (its ranks too), as `subprocess.run` would kill it, before the error."""
+        try:
+            if self.page is None:
+                output = self.process.communicate(timeout=timeout)
+                stdout, stderr = (text.decode() for text in output)
+            else:
+                self.lines.append(self.page.read().decode())
+                self.page.close()
+                self.process.wait(timeout=timeout)
+                stdout, stderr = "".join(self.lines), ""
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            raise
         result = subprocess.CompletedProcess(self.command, self.process.returncode, stdout, stderr)
         if check and result.returncode != 0:
             raise AssertionError(
