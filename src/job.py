@@ -34,6 +34,7 @@ from src.launch import (
     join_started_ranks,
     launch,
     run_as_rank,
+    start_rank_server,
 )
 from src.stopping import Interrupted, RunStopped, StopOnSignal
 from src.strategies.base import Strategy
@@ -55,11 +56,13 @@ def run(cfg: DictConfig, ranks: Ranks | None) -> dict[str, Any]:
 
         cfg = resolve_auto(cfg)  # the planner's choice from here on
     strategy = check_settings(cfg, ranks)
+    nodes = cfg.parallel.nodes
+    if ranks is None and strategy.processes_per_node * nodes > 1:
+        start_rank_server()  # it imports what the ranks need while this process checks the run
     blueprint = build_blueprint(cfg, run_dir, strategy)
     if blueprint.saved is not None and finished(blueprint.saved, cfg):
         return finish_finished_run(cfg, run_dir, strategy, blueprint.checkpoint, ranks)
     job_logging = OmegaConf.to_container(hydra.job_logging, resolve=True)
-    nodes = cfg.parallel.nodes
     if ranks is not None:
         check_started_ranks(ranks, strategy, nodes)
         join_started_ranks(ranks, str(run_dir), job_logging)

@@ -32,6 +32,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -208,22 +209,52 @@ def reported_failures(add: int) -> int | None:
         return None
 
 
-def end_with_launcher(launcher_pid: int) -> None:
-    """From now on, the kernel kills this rank the moment its launcher dies (Linux), and it
-    exits at once if the launcher is already gone.
+def start_rank_server() -> int:
+    """Start this process's rank server, once: multiprocessing's forkserver, which imports torch
+    and the training code (`src.rank_server`) now, while this process checks the run, and then
+    forks each rank that `launch` starts. A rank forked from it is ready in a moment, where a
+    spawned one spent seconds importing (and a sweep's later jobs reuse the server). Unlike a fork
+    of this process, it forks from one that has run nothing: no CUDA context, no OpenMP threads.
+    Returns its pid: the ranks' parent."""
+    import multiprocessing
+    from multiprocessing import forkserver
 
-    Without this, a launcher killed while its ranks start leaves them behind: torch asks for a
-    SIGINT on the parent's death, but only once a rank has imported torch (a launcher that
-    dies before then sends nothing), and a rank blocked in C++ (connecting to the launcher's
-    store, meeting the others in the process group) cannot run a Python signal handler until
-    that call gives up, minutes later. With the launcher gone nobody collects the ranks' results,
-    and a checkpoint is never half-written, so nothing is lost by SIGKILL."""
+    multiprocessing.set_forkserver_preload(["src.rank_server"])
+    # Python 3.11 starts the server without this process's sys.path: name the repository.
+    repository = str(Path(__file__).resolve().parents[1])
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [repository, saved]))
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+    return forkserver._forkserver._forkserver_pid  # noqa: SLF001 - not published otherwise
+
+
+def die_with_parent() -> None:
+    """From now on (Linux), the kernel SIGKILLs this process the moment its parent dies."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
             log.warning("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
-    # Checked after prctl: a launcher that died before it would never signal this rank.
-    if os.getppid() != launcher_pid:
+
+
+def end_with_launcher(server_pid: int) -> None:
+    """From now on, the kernel kills this rank the moment the rank server that forked it dies,
+    which dies with the launcher (`src.rank_server`); and the rank exits at once if the server is
+    already gone.
+
+    Without this, a launcher killed while its ranks start leaves them behind: torch asks for a
+    SIGINT on the parent's death, but a rank blocked in C++ (connecting to the launcher's store,
+    meeting the others in the process group) cannot run a Python signal handler until that call
+    gives up, minutes later. With the launcher gone nobody collects the ranks' results, and a
+    checkpoint is never half-written, so nothing is lost by SIGKILL."""
+    die_with_parent()
+    # Checked after prctl: a server that died before it would never signal this rank.
+    if os.getppid() != server_pid:
         os._exit(128 + signal.SIGKILL)
 
 
@@ -239,11 +270,12 @@ def _worker(
     args: tuple,
     outcomes: tuple[type, ...],
     job_logging: dict[str, Any],
-    launcher_pid: int,
+    server_pid: int,
 ) -> Any:
     """Entry point of each launched process: `fn(*args, ranks, stop=...)` as its rank (the agent
     has set RANK, WORLD_SIZE, ...)."""
-    end_with_launcher(launcher_pid)
+    end_with_launcher(server_pid)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (`src.rank_server`)
     ranks = started_ranks()
     configure_logging(job_logging, f"rank{ranks.rank}")
     # Connect to the launcher's store now: a rank that fails later tells it (`failure_order`),
@@ -279,7 +311,7 @@ def launch(
         config = launch_config(processes_per_node, nodes, parallel, error_dir)
         with stop_signals_passed_to_ranks():
             worker = elastic_launch(config, _worker)
-            results = worker(fn, args, outcomes, job_logging, os.getpid())
+            results = worker(fn, args, outcomes, job_logging, start_rank_server())
     result = results[min(results)]
     if isinstance(result, Raised):
         raise result.error
@@ -313,7 +345,7 @@ def launch_config(processes_per_node: int, nodes: int, parallel: Any, error_dir:
         rdzv_endpoint=endpoint,
         rdzv_configs={"timeout": int(parallel.timeout_s)},
         max_restarts=0,
-        start_method="spawn",
+        start_method="forkserver",  # see `start_rank_server`
         logs_specs=DefaultLogsSpecs(log_dir=error_dir),
         # When the job stops (a failed rank, or SIGINT/SIGTERM), the other ranks get this long
         # to finish their step and checkpoint before SIGKILL; a rank stuck in a collective could

@@ -163,6 +163,25 @@ class TrainRun:
         return result
 
 
+def proc_file(pid: int, name: str) -> str:
+    """/proc/<pid>/<name> as text; empty once the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def rank_pids(launcher_pid: int) -> list[int]:
+    """The rank processes of a multi-process job started by `launcher_pid` (train.py): forked by
+    its rank server (`launch.start_rank_server`, multiprocessing's forkserver)."""
+
+    def children(pid: int) -> list[int]:
+        return [int(child) for child in proc_file(pid, f"task/{pid}/children").split()]
+
+    servers = [pid for pid in children(launcher_pid) if "forkserver" in proc_file(pid, "cmdline")]
+    return [rank for server in servers for rank in children(server)]
+
+
 def run_train(
     *overrides: str,
     run_dir: Path,

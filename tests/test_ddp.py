@@ -29,6 +29,8 @@ from helpers import (
     on_cpu,
     parallel_config,
     pretend_gpus,
+    proc_file,
+    rank_pids,
     reference_run,
     run_train,
     summary,
@@ -160,13 +162,6 @@ def test_failing_rank_stops_the_whole_job_and_is_named(
     assert processes_of_job(marker) == []
 
 
-def command_line(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:  # gone meanwhile
-        return ""
-
-
 def wait_until(condition: Callable[[], bool], within_s: float) -> bool:
     """Poll `condition` until it holds or `within_s` has passed; whether it holds."""
     deadline = time.monotonic() + within_s
@@ -177,9 +172,9 @@ def wait_until(condition: Callable[[], bool], within_s: float) -> bool:
     return True
 
 
-@pytest.mark.parametrize("moment", ["ranks spawned", "rendezvous"])
+@pytest.mark.parametrize("moment", ["ranks started", "rendezvous"])
 def test_ranks_end_within_seconds_when_the_launcher_is_killed(tmp_path, moment):
-    """SIGKILL the launching train.py as soon as its rank processes exist (still importing), or
+    """SIGKILL the launching train.py as soon as its rank processes exist, or
     when a rank logs its first line (it is about to meet the others in the process group):
     every process of the job (the ranks and multiprocessing's resource tracker) must be gone
     within seconds, or a requeued job would start beside them. (Killed while they train, the
@@ -188,14 +183,11 @@ def test_ranks_end_within_seconds_when_the_launcher_is_killed(tmp_path, moment):
     launcher = TrainRun(*TINY, *DDP, run_dir=tmp_path, env={"DDP_TEST_JOB": marker}, one_page=True)
 
     def job_processes() -> list[str]:
-        return [command_line(pid) for pid in processes_of_job(marker)]
-
-    def rank_spawned() -> bool:
-        return any("spawn_main" in command for command in job_processes())
+        return [proc_file(pid, "cmdline") for pid in processes_of_job(marker)]
 
     try:
-        if moment == "ranks spawned":
-            assert wait_until(rank_spawned, within_s=120)
+        if moment == "ranks started":
+            assert wait_until(lambda: rank_pids(launcher.process.pid), within_s=120)
         else:
             launcher.wait_for("[rank")
         launcher.process.kill()

@@ -27,6 +27,7 @@ from helpers import (
     assert_same_training,
     checkpoint,
     metrics,
+    rank_pids,
     reference_run,
     run_train,
     tokens_run,
@@ -167,16 +168,6 @@ def resume_with_the_printed_command(output: str, run_dir: Path) -> None:
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
 
 
-def rank_pids(launcher_pid: int) -> list[int]:
-    """The processes a multi-process job's launcher started for its ranks."""
-    children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
-    return [
-        pid
-        for pid in map(int, children)
-        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    ]
-
-
 @pytest.mark.equivalence
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
@@ -186,14 +177,15 @@ def rank_pids(launcher_pid: int) -> list[int]:
         (DDP, signal.SIGINT, "process group"),  # Ctrl-C: the terminal signals every process
         (DDP, signal.SIGTERM, "one rank"),  # the other rank never hears of it but for its peer
         (FSDP, signal.SIGTERM, "launcher"),  # the checkpoint gathers the shards of every rank
-        (HYBRID, signal.SIGINT, "process group"),  # two pipelines of two stages each
+        # Two pipelines of two stages each; a scheduler's cancel signals every process of the job.
+        (HYBRID, signal.SIGTERM, "process group"),
     ],
     ids=[
         "ddp-sigterm-launcher",
         "ddp-ctrl-c",
         "ddp-sigterm-one-rank",
         "fsdp-sigterm-launcher",
-        "hybrid-ctrl-c",
+        "hybrid-sigterm-process-group",
     ],
 )
 def test_multi_process_job_stops_as_one_and_resumes(tmp_path, strategy, signum, target):
