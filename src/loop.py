@@ -528,15 +528,16 @@ class LoopParts:
 def loop_parts(
     cfg: DictConfig,
     strategy: Strategy,
+    data: Data,
+    start_step: int,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    data: Data,
+    loss_scaling_state: dict[str, Any] | None,
     tracker: Any,
     run_dir: Path,
-    start_step: int,
-    loss_scaling_state: dict[str, Any] | None,
 ) -> LoopParts:
-    """The loop's parts for this process, from `start_step` on (see `fit`)."""
+    """The loop's parts for this process (see `fit`): its batches of `data` from `start_step` on,
+    the stepper of `model` and `optimizer`, and checkpoints into `run_dir`."""
     trainer = trainer_settings(cfg.trainer)
     task = instantiate(cfg.task)
     batches, val = input_batches(cfg, trainer, strategy, data, start_step)
@@ -570,7 +571,7 @@ def fit(
     step, several together after their next log, eval or checkpoint step; with `NonFiniteLoss`
     before a NaN/inf loss reaches a log or checkpoint."""
     loop = loop_parts(
-        cfg, strategy, model, optimizer, data, tracker, run_dir, start_step, loss_scaling_state
+        cfg, strategy, data, start_step, model, optimizer, loss_scaling_state, tracker, run_dir
     )
     with (
         open_history(tracker, run_dir / "metrics.jsonl", start_step, strategy.is_main) as history,
