@@ -67,7 +67,7 @@ def check_settings(cfg: DictConfig, ranks: Ranks | None) -> Strategy:
         and not torch.cuda.is_bf16_supported(including_emulation=False)
     ):
         raise ConfigError("trainer.precision=bf16 but this GPU has no bf16 support; use fp32")
-    strategy = build_strategy(cfg.parallel, device_type, trainer.precision)
+    strategy = build_strategy(cfg.parallel, device_type, trainer.precision, ranks)
     strategy.check_visible_gpus(ranks_started=ranks is not None)
     strategy.check_batch(trainer.batch_size // trainer.accumulate)
     check_tracker(cfg.logger)
