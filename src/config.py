@@ -135,9 +135,16 @@ class DataConfig(LoaderConfig):
 
 
 @dataclass
-class SyntheticConfig(DataConfig):
-    _target_: str = "src.data.synthetic_classification"
+class GaussianInputsConfig(DataConfig):
+    """What the synthetic sets of Gaussian inputs (classification, regression) share."""
+
     input_dim: int = 32
+    """Features per input, each drawn from a standard normal."""
+
+
+@dataclass
+class SyntheticConfig(GaussianInputsConfig):
+    _target_: str = "src.data.synthetic_classification"
     num_classes: int = 10
     num_samples: int = 8192
     image_shape: list[int] | None = None
@@ -167,9 +174,8 @@ class SyntheticSegmentationConfig(DataConfig):
 
 
 @dataclass
-class SyntheticRegressionConfig(DataConfig):
+class SyntheticRegressionConfig(GaussianInputsConfig):
     _target_: str = "src.data.synthetic_regression"
-    input_dim: int = 32
     output_dim: int = 4
     """Floats per target; the model's output width must match it."""
     num_samples: int = 4096

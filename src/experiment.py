@@ -67,7 +67,7 @@ def check_settings(cfg: DictConfig, ranks: Ranks | None) -> Strategy:
         and not torch.cuda.is_bf16_supported(including_emulation=False)
     ):
         raise ConfigError("trainer.precision=bf16 but this GPU has no bf16 support; use fp32")
-    strategy = build_strategy(cfg.parallel, device_type, trainer.precision)
+    strategy = build_strategy(cfg.parallel, device_type, trainer.precision, ranks)
     strategy.check_visible_gpus(ranks_started=ranks is not None)
     strategy.check_batch(trainer.batch_size // trainer.accumulate)
     check_tracker(cfg.logger)
@@ -380,8 +380,7 @@ def finish_finished_run(
         "val_accuracy": last("val/accuracy"),
         "completed_before_resume": True,  # the timings were lost with the process that trained
     }
-    path.write_text(json.dumps(summary, indent=2) + "\n")
-    log.info(format_summary(summary, run_dir))
+    write_summary(summary, run_dir)
     return summary
 
 
@@ -446,25 +445,42 @@ def build_and_fit(
             stop,
             loss_scaling_state,
         )
-        summary = {
-            "strategy": strategy.name,
-            **({"chosen_by": cfg.parallel.chosen_by} if cfg.parallel.chosen_by else {}),
-            "devices": cfg.parallel.devices,
-            "world_size": strategy.world_size,
-            "global_batch": cfg.trainer.batch_size,
-            "matmul_precision": matmul_precision,
-            **results,
-            **speed_figures(cfg.trainer, strategy, flops_per_step, results, matmul_precision),
-            **cpu_share(strategy),
-            **strategy.report(),
-        }
+        summary = run_summary(cfg, strategy, results, flops_per_step, matmul_precision)
         exit_code = 0
     finally:
         tracker.finish(summary, exit_code)
     if strategy.is_main:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        log.info(format_summary(summary, run_dir))
+        write_summary(summary, run_dir)
     return summary
+
+
+def run_summary(
+    cfg: DictConfig,
+    strategy: Strategy,
+    results: dict[str, Any],
+    flops_per_step: int | None,
+    matmul_precision: str,
+) -> dict[str, Any]:
+    """summary.json's figures: what ran, `fit`'s results, and the speed and resources behind
+    them."""
+    return {
+        "strategy": strategy.name,
+        **({"chosen_by": cfg.parallel.chosen_by} if cfg.parallel.chosen_by else {}),
+        "devices": cfg.parallel.devices,
+        "world_size": strategy.world_size,
+        "global_batch": cfg.trainer.batch_size,
+        "matmul_precision": matmul_precision,
+        **results,
+        **speed_figures(cfg.trainer, strategy, flops_per_step, results, matmul_precision),
+        **cpu_share(strategy),
+        **strategy.report(),
+    }
+
+
+def write_summary(summary: dict[str, Any], run_dir: Path) -> None:
+    """summary.json in the run folder, and the summary in the log."""
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    log.info(format_summary(summary, run_dir))
 
 
 def build_for_real(

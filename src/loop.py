@@ -15,7 +15,8 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -180,21 +181,22 @@ def progress_line(
 
 
 @contextlib.contextmanager
-def open_history(path: Path, start_step: int, is_main: bool) -> Iterator[TextIO | None]:
-    """`metrics.jsonl` (main process only), opened to append the rows after `start_step`.
+def open_history(tracker: Any, path: Path, start_step: int, is_main: bool) -> Iterator[History]:
+    """The run's `History`: the tracker, and `metrics.jsonl` (main process only) opened to append
+    the rows after `start_step`.
 
     Rows past `start_step` come from a run that died after its last checkpoint (or an earlier run
     in this folder); they are dropped first, so the file reads as one uninterrupted run."""
     if not is_main:
-        yield None
+        yield History(tracker, None)
         return
     if path.exists():
         kept = [line for line in path.read_text().splitlines() if history_step(line) <= start_step]
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text("".join(f"{line}\n" for line in kept))
         os.replace(tmp, path)
-    with path.open("a") as history:
-        yield history
+    with path.open("a") as file:
+        yield History(tracker, file)
 
 
 def history_step(line: str) -> float:
@@ -492,6 +494,64 @@ class Stepper:
         return (step_sums, targets) if stepped else None
 
 
+@dataclass
+class LoopParts:
+    """What the training loop works with, built for one run by `loop_parts`."""
+
+    trainer: TrainerConfig
+    batches: TimedBatches
+    lr_at: Callable[[int], float]
+    speed: Throughput
+    stepper: Stepper
+    progress: Progress
+    evaluation: Evaluation
+    checkpointing: Checkpointing
+
+    def agreed_stop(self, strategy: Strategy, stop: StopOnSignal, step: int) -> int | None:
+        """The signal all processes agreed to stop for after `step` (see `agree_to_stop`), or
+        None to go on; None at the last step too, which ends the run anyway."""
+        last = step == self.trainer.max_steps
+        # Several processes stop together, after a step they synchronize at anyway; one
+        # process on its own stops after the current step.
+        in_sync = (
+            last
+            or self.progress.due(step)
+            or self.evaluation.due(step)
+            or self.checkpointing.due(step)
+        )
+        stop_signal = agree_to_stop(
+            strategy, self.stepper.nonfinite, stop, step, in_sync, self.checkpointing.last_step
+        )
+        return None if last else stop_signal
+
+
+def loop_parts(
+    cfg: DictConfig,
+    strategy: Strategy,
+    data: Data,
+    start_step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_scaling_state: dict[str, Any] | None,
+    tracker: Any,
+    run_dir: Path,
+) -> LoopParts:
+    """The loop's parts for this process (see `fit`): its batches of `data` from `start_step` on,
+    the stepper of `model` and `optimizer`, and checkpoints into `run_dir`."""
+    trainer = trainer_settings(cfg.trainer)
+    task = instantiate(cfg.task)
+    batches, val = input_batches(cfg, trainer, strategy, data, start_step)
+    lr_at = lr_schedule(cfg.optimizer, trainer.max_steps)
+    speed = Throughput(trainer.timing_warmup_steps, trainer.batch_size)
+    stepper = Stepper(trainer, strategy, model, optimizer, task, loss_scaling_state)
+    progress = Progress(trainer, strategy, task, speed)
+    evaluation = Evaluation(trainer, strategy, task, val, speed)
+    checkpointing = checkpointing_for(
+        cfg, trainer, strategy, run_dir, tracker, speed, start_step, stepper.scaling
+    )
+    return LoopParts(trainer, batches, lr_at, speed, stepper, progress, evaluation, checkpointing)
+
+
 def fit(
     cfg: DictConfig,
     strategy: Strategy,
@@ -510,63 +570,44 @@ def fit(
     handler this process holds; None installs one), checkpointed: one process after the current
     step, several together after their next log, eval or checkpoint step; with `NonFiniteLoss`
     before a NaN/inf loss reaches a log or checkpoint."""
-    trainer = trainer_settings(cfg.trainer)
-    task = instantiate(cfg.task)
-    batches, val = input_batches(cfg, trainer, strategy, data, start_step)
-    lr_at = lr_schedule(cfg.optimizer, trainer.max_steps)
-    speed = Throughput(trainer.timing_warmup_steps, trainer.batch_size)
-    stepper = Stepper(trainer, strategy, model, optimizer, task, loss_scaling_state)
-    progress = Progress(trainer, strategy, task, speed)
-    evaluation = Evaluation(trainer, strategy, task, val, speed)
-    checkpointing = checkpointing_for(
-        cfg, trainer, strategy, run_dir, tracker, speed, start_step, stepper.scaling
+    loop = loop_parts(
+        cfg, strategy, data, start_step, model, optimizer, loss_scaling_state, tracker, run_dir
     )
     with (
-        open_history(run_dir / "metrics.jsonl", start_step, strategy.is_main) as file,
+        open_history(tracker, run_dir / "metrics.jsonl", start_step, strategy.is_main) as history,
         contextlib.nullcontext(stop) if stop else StopOnSignal() as stop,
-        profiler_for(trainer, strategy, run_dir) as profiler,
-        contextlib.closing(checkpointing.writer),  # a save in flight is published, even on error
+        profiling(loop.trainer, strategy, run_dir, tracker) as profiler,
+        contextlib.closing(loop.checkpointing.writer),  # publishes a save in flight, even on error
     ):
-        history = History(tracker, file)
         model.train()
-        for step in range(start_step + 1, trainer.max_steps + 1):
-            lr = lr_at(step - 1)
-            stepped = stepper.train_step(step, lr, batches)
-            if stepped:
-                progress.add(*stepped)
-            speed.step_done(strategy, batches.take_wait())
+        for step in range(start_step + 1, loop.trainer.max_steps + 1):
+            lr = loop.lr_at(step - 1)
+            if stepped := loop.stepper.train_step(step, lr, loop.batches):
+                loop.progress.add(*stepped)
+            loop.speed.step_done(strategy, loop.batches.take_wait())
             profiler.step()
 
-            last = step == trainer.max_steps
-            # Several processes stop together, after a step they synchronize at anyway; one
-            # process on its own stops after the current step.
-            in_sync = last or progress.due(step) or evaluation.due(step) or checkpointing.due(step)
-            stop_signal = agree_to_stop(
-                strategy, stepper.nonfinite, stop, step, in_sync, checkpointing.last_step
-            )
-            stopping = stop_signal is not None and not last
-
-            progress.maybe_log(step, lr, history, force=last)
-            evaluation.maybe_run(step, model, stepper.precision, history, force=last)
-            saved_to = checkpointing.maybe_save(step, model, optimizer, force=last or stopping)
+            last = step == loop.trainer.max_steps
+            stop_signal = loop.agreed_stop(strategy, stop, step)
+            stopping = stop_signal is not None
+            loop.progress.maybe_log(step, lr, history, force=last)
+            loop.evaluation.maybe_run(step, model, loop.stepper.precision, history, force=last)
+            saved_to = loop.checkpointing.maybe_save(step, model, optimizer, force=last or stopping)
             if stopping:
                 raise Interrupted.by(stop_signal, step, saved_to)
-
-    if trainer.profile and strategy.is_main:
-        tracker.save(run_dir / PROFILE_TRACE)  # written when the profiler closed
-    return final_figures(trainer, strategy, stepper, progress, evaluation, checkpointing, speed)
+    return final_figures(strategy, loop)
 
 
-def profiler_for(
-    trainer: TrainerConfig, strategy: Strategy, run_dir: Path
-) -> contextlib.AbstractContextManager:
-    """`trainer.profile`'s profiler, on the main process; a no-op otherwise."""
-    return step_profiler(
-        trainer.profile and strategy.is_main,
-        trainer.profile_steps,
-        strategy.device_type,
-        run_dir / PROFILE_TRACE,
-    )
+@contextlib.contextmanager
+def profiling(trainer: TrainerConfig, strategy: Strategy, run_dir: Path, tracker: Any) -> Iterator:
+    """`trainer.profile`'s profiler, on the main process (a no-op otherwise); the trace it writes
+    as it closes goes to the tracker too, unless training failed."""
+    enabled = trainer.profile and strategy.is_main
+    trace = run_dir / PROFILE_TRACE
+    with step_profiler(enabled, trainer.profile_steps, strategy.device_type, trace) as profiler:
+        yield profiler
+    if enabled:
+        tracker.save(trace)
 
 
 def input_batches(
@@ -614,26 +655,18 @@ def checkpointing_for(
     return Checkpointing(writer, trainer.checkpoint_every, extra, speed, start_step, scaling)
 
 
-def final_figures(
-    trainer: TrainerConfig,
-    strategy: Strategy,
-    stepper: Stepper,
-    progress: Progress,
-    evaluation: Evaluation,
-    checkpointing: Checkpointing,
-    speed: Throughput,
-) -> dict[str, Any]:
+def final_figures(strategy: Strategy, loop: LoopParts) -> dict[str, Any]:
     memory_devices, memory_mb = strategy.peak_memory_mb()
     return {
-        "steps": trainer.max_steps,
-        **{f"final_train_{name}": value for name, value in progress.figures.items()},
-        **summary_val_figures(evaluation.figures),
-        "skipped_steps": stepper.skipped_steps,
-        "scaler_skipped_steps": stepper.scaling.skipped_steps,
-        **speed.summary(),
+        "steps": loop.trainer.max_steps,
+        **{f"final_train_{name}": value for name, value in loop.progress.figures.items()},
+        **summary_val_figures(loop.evaluation.figures),
+        "skipped_steps": loop.stepper.skipped_steps,
+        "scaler_skipped_steps": loop.stepper.scaling.skipped_steps,
+        **loop.speed.summary(),
         "peak_memory_mb": memory_mb,
         "memory_devices": memory_devices,
-        "wall_time_s": time.perf_counter() - speed.started,
+        "wall_time_s": time.perf_counter() - loop.speed.started,
         # What a checkpoint costs the training (trainer.async_checkpoint: staging only).
-        "checkpoint_blocked_s": statistics.median(checkpointing.blocked_s),
+        "checkpoint_blocked_s": statistics.median(loop.checkpointing.blocked_s),
     }

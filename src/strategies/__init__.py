@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from src.config import ParallelConfig
 from src.strategies.base import ConfigError, Strategy
 
+if TYPE_CHECKING:
+    from src.launch import Ranks
 
-def build_strategy(cfg: ParallelConfig, device_type: str, precision: str = "fp32") -> Strategy:
+
+def build_strategy(
+    cfg: ParallelConfig, device_type: str, precision: str = "fp32", ranks: Ranks | None = None
+) -> Strategy:
     """The strategy class that `parallel._target_` names, given `cfg` (its settings are checked;
     nothing is started yet). `precision` is `trainer.precision`, for strategies that keep
-    parameters in it (fsdp)."""
+    parameters in it (fsdp); `ranks`, the ranks torchrun, srun or `launch` started, this process
+    among them (None: it is the only one), for `setup` to join."""
     strategy = strategy_class(cfg._target_)(cfg, device_type)
     strategy.precision = precision
+    strategy.ranks = ranks
     return strategy
 
 

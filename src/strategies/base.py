@@ -5,6 +5,9 @@ The loop (`src/loop.py`) calls only what is below and never asks which strategy 
 Before any work (in the launching process):
     strategy = Strategy(cfg.parallel, device_type)   checks the settings, touches no device
     strategy.precision                                 trainer.precision (set by build_strategy)
+    strategy.ranks                                     the ranks torchrun, srun or `launch`
+                                                       started, this process among them (set by
+                                                       build_strategy); None: it runs alone
     strategy.check_batch(micro_batch)                  the global micro-batch splits as needed
     strategy.check_visible_gpus(ranks_started)         enough GPUs for the job, or for this rank
     strategy.check_model(model, inputs)                the model (built on the meta device) fits,
@@ -69,13 +72,16 @@ import resource
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from src.batches import Tree
 from src.config import Accelerator, ConfigError, ParallelConfig
+
+if TYPE_CHECKING:
+    from src.launch import Ranks
 
 LossFn = Callable[[Tree, Tree], torch.Tensor]
 """A task's `sums`: (outputs, targets) -> a 1-D tensor of sums."""
@@ -172,6 +178,7 @@ class Strategy:
     world_size: int = 1
     is_main: bool = True
     precision: str = "fp32"
+    ranks: Ranks | None = None
     # One file that single loads; sharded (DCP) needs a plain, DDP or FSDP2 module.
     sharded_checkpoints: bool = False
     default_checkpoint_format: str = "full"

@@ -2,9 +2,9 @@
 
 Each process drives its `local_devices()` (for ddp `cuda:<local rank>` among the GPUs it sees, or
 the CPU; hybrid overrides them with its stages' devices) and joins a torch.distributed process
-group: NCCL on CUDA, gloo on CPU, unless `parallel.backend` says otherwise. The ranks come from the
-environment set by whoever started the processes (`src/launch.py`, torchrun or srun); a job of one
-process needs none.
+group: NCCL on CUDA, gloo on CPU, unless `parallel.backend` says otherwise. The ranks are the
+job's `strategy.ranks` (`src/launch.py` reads them once from the environment that torchrun, srun or
+`launch` set); a job of one process has none.
 """
 
 from __future__ import annotations
@@ -84,10 +84,10 @@ class Distributed(Strategy):
         return f"parallel.devices={self.cfg.devices} x parallel.nodes={self.cfg.nodes}"
 
     def setup(self) -> None:
-        env = os.environ
-        self.rank = int(env.get("RANK", "0"))
-        self.local_rank = int(env.get("LOCAL_RANK", "0"))
-        local_processes = int(env.get("LOCAL_WORLD_SIZE", "1"))
+        ranks = self.ranks  # None: a job of one process
+        self.rank = ranks.rank if ranks is not None else 0
+        self.local_rank = ranks.local_rank if ranks is not None else 0
+        local_processes = ranks.local_world_size if ranks is not None else 1
         self.devices = self.local_devices()
         self.device = self.devices[0]  # where this rank's collectives run
         if self.device.type == "cuda":
@@ -97,7 +97,7 @@ class Distributed(Strategy):
         devices = ", ".join(str(device) for device in self.devices)
         log.info("%s, %s, %d intra-op thread(s) (%s)", devices, self.backend, threads, reason)
         timeout = timedelta(seconds=self.cfg.timeout_s)
-        if "RANK" in env:
+        if ranks is not None:
             dist.init_process_group(self.backend, init_method="env://", timeout=timeout)
         else:  # a job of one process: nobody to meet
             dist.init_process_group(
