@@ -59,7 +59,8 @@ class MLPConfig:
     hidden: int = 256
     """Width of every hidden block."""
     depth: int = 4
-    """Hidden Linear+ReLU blocks, before the classifier head."""
+    """Hidden Linear+ReLU blocks (the first also flattens its input); with the classifier head,
+    depth + 1 blocks for a pipeline to split into stages."""
 
 
 @dataclass
@@ -78,10 +79,12 @@ class ConvNetConfig:
 class GPTConfig:
     _target_: str = "src.models.GPT"
     n_layer: int = 2
-    """Transformer blocks."""
+    """Transformer blocks; with the embedding and the head, n_layer + 2 blocks for a pipeline to
+    split into stages."""
     n_head: int = 2
     """Attention heads per block; n_embd must divide by it."""
     n_embd: int = 64
+    """Width of the embeddings and of every block (each head gets n_embd / n_head)."""
     tie_weights: bool = True
     """The vocabulary head shares the token embedding's weight (GPT-2 does)."""
 
@@ -104,6 +107,7 @@ class TransformerConfig:
     depth: int = 2
     """Transformer blocks."""
     heads: int = 4
+    """Attention heads per block."""
 
 
 # ------------------------------------------------------------------------------------------ data

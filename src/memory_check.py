@@ -17,12 +17,13 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from src.data import build_data, first_samples
-from src.launch import launch
+from src.launch import Ranks, launch
 from src.loop import forward_backward
 from src.optim import build_optimizer
 from src.performance import prepare_blocks
 from src.plan import TRACED_STEPS, StepMemTracker, meta_model_and_inputs
 from src.precision import LossScaling, autocast
+from src.stopping import StopOnSignal
 from src.strategies import build_strategy
 
 
@@ -40,11 +41,14 @@ def measured_peak_mb(cfg: DictConfig) -> dict[str, float]:
     )
 
 
-def step_peak_mb(resolved_cfg: dict[str, Any]) -> dict[str, float]:
-    """This process's peak tensor memory (MB) over `TRACED_STEPS` training steps."""
+def step_peak_mb(
+    resolved_cfg: dict[str, Any], ranks: Ranks | None = None, stop: StopOnSignal | None = None
+) -> dict[str, float]:
+    """This process's peak tensor memory (MB) over `TRACED_STEPS` training steps; as one of
+    `ranks` when `launch` started it (two steps end before any stop request matters)."""
     cfg = OmegaConf.create(resolved_cfg)
     trainer = cfg.trainer
-    strategy = build_strategy(cfg.parallel, "cpu", trainer.precision)
+    strategy = build_strategy(cfg.parallel, "cpu", trainer.precision, ranks)
     data = build_data(cfg.data, cfg.seed)
     strategy.check_model(*meta_model_and_inputs(cfg, data, 2))
     strategy.setup()

@@ -32,8 +32,15 @@ TINY_GPT = (
         (*TINY_GPT, "parallel=single", "trainer.activation_checkpointing=true"),
         (*TINY_GPT, "parallel=model_parallel", "parallel.microbatches=2", "trainer.accumulate=2"),
         (*TINY_GPT, "parallel=ddp", "parallel.devices=1", "trainer.precision=bf16"),
+        (*TINY_MLP, "parallel=ddp", "parallel.devices=2"),  # ranks started by `launch`
     ],
-    ids=["mlp-dp", "gpt-single-checkpointing", "gpt-pipeline-accumulate", "gpt-ddp-bf16"],
+    ids=[
+        "mlp-dp",
+        "gpt-single-checkpointing",
+        "gpt-pipeline-accumulate",
+        "gpt-ddp-bf16",
+        "mlp-ddp",
+    ],
 )
 def test_predicted_peak_within_10_percent_of_measured(compose_config, overrides):
     cfg = compose_config(*overrides)
