@@ -87,6 +87,12 @@ def train_command(*overrides: str) -> list[str]:
     return [sys.executable, "train.py", *on_cpu(overrides)]
 
 
+# Environment of every test run: W&B quiet; inductor (trainer.compile) compiling in the process
+# itself instead of starting a pool of compile workers in every process and rank, which on 2 cores
+# cost more than the compiling.
+QUIET_AND_FRUGAL = {"WANDB_SILENT": "true", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+
+
 class TrainRun:
     """`python train.py <overrides> hydra.run.dir=<run_dir>` (or `-m ... hydra.sweep.dir=<dir>`)
     started in the background, in its own session: the process group that a terminal's Ctrl-C
@@ -120,7 +126,7 @@ class TrainRun:
             cwd=ROOT,
             stdout=stdout,
             stderr=stderr,
-            env={**os.environ, "WANDB_SILENT": "true", **(env or {})},
+            env={**os.environ, **QUIET_AND_FRUGAL, **(env or {})},
             start_new_session=True,
         )
         self.lines: list[str] = []

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (
+    QUIET_AND_FRUGAL,
     ROOT,
     TINY_SGD,
     TrainRun,
@@ -163,7 +164,7 @@ def resume_with_the_printed_command(output: str, run_dir: Path) -> None:
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "WANDB_SILENT": "true"},
+        env={**os.environ, **QUIET_AND_FRUGAL},
     )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
 
