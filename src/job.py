@@ -58,6 +58,7 @@ def run(cfg: DictConfig, ranks: Ranks | None) -> dict[str, Any]:
     strategy = check_settings(cfg, ranks)
     nodes = cfg.parallel.nodes
     if ranks is None and strategy.processes_per_node * nodes > 1:
+        check_rendezvous(cfg.parallel)
         start_rank_server()  # it imports what the ranks need while this process checks the run
     blueprint = build_blueprint(cfg, run_dir, strategy)
     if blueprint.saved is not None and finished(blueprint.saved, cfg):
@@ -72,16 +73,20 @@ def run(cfg: DictConfig, ranks: Ranks | None) -> dict[str, Any]:
     if strategy.processes_per_node * nodes == 1:
         log_config(cfg)
         return train(cfg, run_dir, strategy, blueprint)
-    if nodes > 1 and cfg.parallel.master_port == 0:
-        # Under srun or torchrun the rendezvous comes from their environment instead.
-        raise ConfigError(
-            "parallel.nodes > 1 needs a rendezvous every node can reach: set "
-            "parallel.master_addr to the first node and parallel.master_port to a free port"
-        )
     configure_logging(job_logging, "launcher")
     log_config(cfg)
     resolved = plain_config(cfg)
     return launch_ranks(resolved, run_dir, strategy.processes_per_node, nodes, job_logging)
+
+
+def check_rendezvous(parallel: DictConfig) -> None:
+    """Ranks launched here on several nodes must meet at an address every node can reach. (Under
+    srun or torchrun the rendezvous comes from their environment instead.)"""
+    if parallel.nodes > 1 and parallel.master_port == 0:
+        raise ConfigError(
+            "parallel.nodes > 1 needs a rendezvous every node can reach: set "
+            "parallel.master_addr to the first node and parallel.master_port to a free port"
+        )
 
 
 def check_started_ranks(ranks: Ranks, strategy: Strategy, nodes: int) -> None:

@@ -23,6 +23,7 @@ import ctypes.util
 import functools
 import logging
 import logging.config
+import multiprocessing
 import os
 import re
 import signal
@@ -216,7 +217,6 @@ def start_rank_server() -> int:
     spawned one spent seconds importing (and a sweep's later jobs reuse the server). Unlike a fork
     of this process, it forks from one that has run nothing: no CUDA context, no OpenMP threads.
     Returns its pid: the ranks' parent."""
-    import multiprocessing
     from multiprocessing import forkserver
 
     multiprocessing.set_forkserver_preload(["src.rank_server"])
@@ -276,6 +276,10 @@ def _worker(
     has set RANK, WORLD_SIZE, ...)."""
     end_with_launcher(server_pid)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (`src.rank_server`)
+    # Forked by a forkserver, the rank would start its own processes (DataLoader workers) through
+    # a forkserver of its own too, which imports torch again (seconds): they start the platform's
+    # way instead, as under torchrun.
+    multiprocessing.set_start_method(None, force=True)
     ranks = started_ranks()
     configure_logging(job_logging, f"rank{ranks.rank}")
     # Connect to the launcher's store now: a rank that fails later tells it (`failure_order`),
@@ -365,7 +369,6 @@ def stop_signals_passed_to_ranks() -> Iterator[None]:
     which they cannot do until their results are read: `launch` tells it to leave these signals
     alone (`AGENT_HANDLED_SIGNALS`).
     """
-    import multiprocessing
 
     from src.stopping import StopOnSignal
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import re
 import signal
@@ -13,6 +14,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -39,7 +41,7 @@ from helpers import (
 import src.strategies.ddp
 from src.config import ConfigError
 from src.experiment import check_config
-from src.launch import Ranks, adopt_slurm_environment, first_node
+from src.launch import Ranks, adopt_slurm_environment, first_node, launch
 from src.models import MLP
 from src.strategies import build_strategy
 
@@ -170,6 +172,20 @@ def wait_until(condition: Callable[[], bool], within_s: float) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+def start_method_of_rank(ranks: Ranks, stop: Any) -> str:
+    return multiprocessing.get_start_method()
+
+
+def test_launched_ranks_start_their_processes_the_platforms_way():
+    """A rank's own processes (DataLoader workers) start as under torchrun (fork on Linux), not
+    through a forkserver of the rank's own, which imports torch again: seen, 5 s of data wait per
+    rank and loader."""
+    parallel = parallel_config("ddp")
+    logging_config = {"version": 1, "disable_existing_loggers": False}
+    platforms_way = multiprocessing.get_all_start_methods()[0]
+    assert launch(start_method_of_rank, (), 2, 1, parallel, logging_config) == platforms_way
 
 
 @pytest.mark.parametrize("moment", ["ranks started", "rendezvous"])
