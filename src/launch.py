@@ -258,6 +258,20 @@ def end_with_launcher(server_pid: int) -> None:
         os._exit(128 + signal.SIGKILL)
 
 
+def take_launcher_environment(launcher_environment: dict[str, str]) -> None:
+    """This rank's environment as a rank spawned now would have it: the launcher's at launch (it
+    may have changed since the server started, e.g. by a sweep job's `hydra.job.env_set`), plus
+    what torch's agent set for the rank (RANK, MASTER_PORT, ...)."""
+    server = sys.modules.get("src.rank_server")
+    if server is None:  # not preloaded: the environment is the launcher's when it started
+        return
+    set_by_agent = {
+        key: value for key, value in os.environ.items() if server.ENVIRONMENT.get(key) != value
+    }
+    os.environ.clear()
+    os.environ.update({**launcher_environment, **set_by_agent})
+
+
 @dataclass
 class Raised:
     """How a launched rank hands the launcher an exception of `outcomes` (see `launch`)."""
@@ -271,10 +285,12 @@ def _worker(
     outcomes: tuple[type, ...],
     job_logging: dict[str, Any],
     server_pid: int,
+    launcher_environment: dict[str, str],
 ) -> Any:
     """Entry point of each launched process: `fn(*args, ranks, stop=...)` as its rank (the agent
     has set RANK, WORLD_SIZE, ...)."""
     end_with_launcher(server_pid)
+    take_launcher_environment(launcher_environment)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (`src.rank_server`)
     # Forked by a forkserver, the rank would start its own processes (DataLoader workers) through
     # a forkserver of its own too, which imports torch again (seconds): they start the platform's
@@ -315,7 +331,8 @@ def launch(
         config = launch_config(processes_per_node, nodes, parallel, error_dir)
         with stop_signals_passed_to_ranks():
             worker = elastic_launch(config, _worker)
-            results = worker(fn, args, outcomes, job_logging, start_rank_server())
+            server_pid = start_rank_server()
+            results = worker(fn, args, outcomes, job_logging, server_pid, dict(os.environ))
     result = results[min(results)]
     if isinstance(result, Raised):
         raise result.error

@@ -5,12 +5,18 @@ It imports `torch._dynamo` too: a `torch.optim` optimizer imports it on construc
 takes about as long as torch itself.
 """
 
+import os
 import signal
 
-import torch._dynamo  # noqa: F401
+# The environment its ranks are forked with; each swaps it for the launcher's at launch
+# (`launch.take_launcher_environment`), keeping what changed since: what torch's agent set for
+# the rank, and (taken before these imports) whatever the imports set.
+ENVIRONMENT = dict(os.environ)
 
-import src.job  # noqa: F401
-from src.launch import die_with_parent
+import torch._dynamo  # noqa: E402, F401
+
+import src.job  # noqa: E402, F401
+from src.launch import die_with_parent  # noqa: E402
 
 # The server dies with the launcher, and its ranks with it (`launch.end_with_launcher`). (By
 # itself it would live on while a rank did: each holds its end of the pipe it watches.) Until

@@ -41,7 +41,7 @@ from helpers import (
 import src.strategies.ddp
 from src.config import ConfigError
 from src.experiment import check_config
-from src.launch import Ranks, adopt_slurm_environment, first_node, launch
+from src.launch import Ranks, adopt_slurm_environment, first_node, launch, start_rank_server
 from src.models import MLP
 from src.strategies import build_strategy
 
@@ -186,6 +186,22 @@ def test_launched_ranks_start_their_processes_the_platforms_way():
     logging_config = {"version": 1, "disable_existing_loggers": False}
     platforms_way = multiprocessing.get_all_start_methods()[0]
     assert launch(start_method_of_rank, (), 2, 1, parallel, logging_config) == platforms_way
+
+
+def environment_of_rank(name: str, ranks: Ranks, stop: Any) -> tuple[str | None, str]:
+    return os.environ.get(name), os.environ["RANK"]
+
+
+def test_launched_ranks_get_the_launchers_environment_at_launch(monkeypatch):
+    """A variable the launcher set after its rank server started (a sweep's later job, with its
+    `hydra.job.env_set`) reaches the ranks, beside what torch's agent sets for each."""
+    start_rank_server()
+    monkeypatch.setenv("TEMPLATE_TEST_SETTING", "set after the server started")
+    parallel = parallel_config("ddp")
+    logging_config = {"version": 1, "disable_existing_loggers": False}
+    args = ("TEMPLATE_TEST_SETTING",)
+    result = launch(environment_of_rank, args, 2, 1, parallel, logging_config)
+    assert result == ("set after the server started", "0")
 
 
 @pytest.mark.parametrize("moment", ["ranks started", "rendezvous"])
