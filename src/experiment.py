@@ -68,7 +68,7 @@ def check_settings(cfg: DictConfig, ranks: Ranks | None) -> Strategy:
     ):
         raise ConfigError("trainer.precision=bf16 but this GPU has no bf16 support; use fp32")
     strategy = build_strategy(cfg.parallel, device_type, trainer.precision, ranks)
-    strategy.check_visible_gpus(ranks_started=ranks is not None)
+    strategy.check_visible_gpus()
     strategy.check_batch(trainer.batch_size // trainer.accumulate)
     check_tracker(cfg.logger)
     check_checkpoint_format(trainer, strategy)

@@ -57,7 +57,8 @@ def run(cfg: DictConfig, ranks: Ranks | None) -> dict[str, Any]:
         cfg = resolve_auto(cfg)  # the planner's choice from here on
     strategy = check_settings(cfg, ranks)
     nodes = cfg.parallel.nodes
-    if ranks is None and strategy.processes_per_node * nodes > 1:
+    processes = strategy.processes_per_node * nodes
+    if ranks is None and processes > 1:
         check_rendezvous(cfg.parallel)
         start_rank_server()  # it imports what the ranks need while this process checks the run
     blueprint = build_blueprint(cfg, run_dir, strategy)
@@ -70,7 +71,7 @@ def run(cfg: DictConfig, ranks: Ranks | None) -> dict[str, Any]:
         if ranks.rank == 0:
             log_config(cfg)
         return run_as_rank(ranks, train, cfg, run_dir, strategy, blueprint, outcomes=(RunStopped,))
-    if strategy.processes_per_node * nodes == 1:
+    if processes == 1:
         log_config(cfg)
         return train(cfg, run_dir, strategy, blueprint)
     configure_logging(job_logging, "launcher")

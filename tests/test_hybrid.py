@@ -24,6 +24,7 @@ from helpers import (
 )
 
 from src.config import ConfigError
+from src.launch import Ranks
 from src.models import MLP
 from src.strategies import build_strategy
 
@@ -103,12 +104,13 @@ def test_processes_and_their_gpus_follow_from_devices_and_stages(monkeypatch):
     # Under `srun --gpus-per-task=2` each process sees its own pair only, and needs no more.
     pretend_gpus(monkeypatch, 2)
     assert strategy.local_devices() == [torch.device("cuda", 0), torch.device("cuda", 1)]
-    strategy.check_visible_gpus(ranks_started=True)
     with pytest.raises(ConfigError, match=r"parallel\.devices=8 but only 2 GPU"):
-        strategy.check_visible_gpus(ranks_started=False)
+        strategy.check_visible_gpus()  # a job started here: it needs every GPU
+    strategy.ranks = Ranks(rank=3, world_size=8, local_rank=3, local_world_size=4)
+    strategy.check_visible_gpus()
     pretend_gpus(monkeypatch, 1)
     with pytest.raises(ConfigError, match=r"drives 2 GPU\(s\) but this one sees 1"):
-        strategy.check_visible_gpus(ranks_started=True)
+        strategy.check_visible_gpus()
 
 
 @pytest.mark.cuda

@@ -9,7 +9,7 @@ Before any work (in the launching process):
                                                        started, this process among them (set by
                                                        build_strategy); None: it runs alone
     strategy.check_batch(micro_batch)                  the global micro-batch splits as needed
-    strategy.check_visible_gpus(ranks_started)         enough GPUs for the job, or for this rank
+    strategy.check_visible_gpus()                      enough GPUs for the job, or for this rank
     strategy.check_model(model, inputs)                the model (built on the meta device) fits,
                                                        given a batch of meta inputs; pipelines
                                                        choose their stage boundaries here (every
@@ -210,15 +210,15 @@ class Strategy:
                 "raise trainer.batch_size"
             )
 
-    def check_visible_gpus(self, ranks_started: bool) -> None:
+    def check_visible_gpus(self) -> None:
         """Raise ConfigError when too few GPUs are visible: all of `parallel.devices` to a job
-        started here, one process's share to each rank that torchrun or srun started (under
+        started here, one process's share to each of the `ranks` torchrun or srun started (under
         `srun --gpus-per-task`, a rank sees its own GPUs only)."""
         if self.device_type != "cuda":
             return
         visible = torch.cuda.device_count()
         per_process = self.cfg.devices // self.processes_per_node
-        if not ranks_started and self.cfg.devices > visible:
+        if self.ranks is None and self.cfg.devices > visible:
             raise ConfigError(
                 f"parallel.devices={self.cfg.devices} but only {visible} GPU(s) are visible; "
                 "lower parallel.devices"

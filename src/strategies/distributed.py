@@ -20,10 +20,12 @@ from torch import nn
 
 from src.batches import Tree, move
 from src.config import ConfigError
+from src.launch import Ranks
 from src.strategies.base import LossFn, Strategy, usable_cores
 from src.strategies.sync_batchnorm import convert_sync_batchnorm
 
 log = logging.getLogger(__name__)
+ALONE = Ranks(rank=0, world_size=1, local_rank=0, local_world_size=1)  # a job of one process
 
 
 def rank_threads(threads_per_rank: int | None, local_processes: int) -> tuple[int, str]:
@@ -84,20 +86,18 @@ class Distributed(Strategy):
         return f"parallel.devices={self.cfg.devices} x parallel.nodes={self.cfg.nodes}"
 
     def setup(self) -> None:
-        ranks = self.ranks  # None: a job of one process
-        self.rank = ranks.rank if ranks is not None else 0
-        self.local_rank = ranks.local_rank if ranks is not None else 0
-        local_processes = ranks.local_world_size if ranks is not None else 1
+        ranks = self.ranks or ALONE
+        self.rank, self.local_rank = ranks.rank, ranks.local_rank
         self.devices = self.local_devices()
         self.device = self.devices[0]  # where this rank's collectives run
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        threads, reason = rank_threads(self.cfg.threads_per_rank, local_processes)
+        threads, reason = rank_threads(self.cfg.threads_per_rank, ranks.local_world_size)
         torch.set_num_threads(threads)
         devices = ", ".join(str(device) for device in self.devices)
         log.info("%s, %s, %d intra-op thread(s) (%s)", devices, self.backend, threads, reason)
         timeout = timedelta(seconds=self.cfg.timeout_s)
-        if ranks is not None:
+        if self.ranks is not None:
             dist.init_process_group(self.backend, init_method="env://", timeout=timeout)
         else:  # a job of one process: nobody to meet
             dist.init_process_group(
