@@ -3,11 +3,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import torch
 from helpers import ROOT, on_cpu
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from src.config import register_configs
+
+torch.set_num_threads(1)  # as in every process the tests start (helpers.QUIET_AND_FRUGAL says why)
 
 
 @pytest.fixture(scope="session")

@@ -87,10 +87,17 @@ def train_command(*overrides: str) -> list[str]:
     return [sys.executable, "train.py", *on_cpu(overrides)]
 
 
-# Environment of every test run: W&B quiet; inductor (trainer.compile) compiling in the process
-# itself instead of starting a pool of compile workers in every process and rank, which on 2 cores
-# cost more than the compiling.
-QUIET_AND_FRUGAL = {"WANDB_SILENT": "true", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+# Environment of every test run: W&B quiet; one intra-op thread per process; inductor
+# (trainer.compile) compiling in the process itself instead of starting a pool of compile workers
+# in every process and rank, which on 2 cores cost more than the compiling. The suite runs two test
+# files at once, so a process's second thread mostly waits for a core, spinning: the default run
+# took 12.7 s on a quiet 2-core machine, 37.5 s beside two busy processes, 19.3 s there with one
+# thread. (Ranks get one thread each on 2 cores anyway: `distributed.rank_threads`.)
+QUIET_AND_FRUGAL = {
+    "WANDB_SILENT": "true",
+    "OMP_NUM_THREADS": "1",
+    "TORCHINDUCTOR_COMPILE_THREADS": "1",
+}
 
 
 class TrainRun:
