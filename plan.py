@@ -22,6 +22,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, OverrideParseException
 
 from src.config import ConfigError, composition_error_line, register_configs
+from src.process_exit import exit_without_teardown
 
 CONF = Path(__file__).resolve().parent / "conf"
 
@@ -51,4 +52,5 @@ if __name__ == "__main__":
         print(__doc__.strip())
         sys.exit(0)
     logging.basicConfig(level=logging.WARNING)
-    sys.exit(main(sys.argv[1:]))
+    with exit_without_teardown():
+        sys.exit(main(sys.argv[1:]))

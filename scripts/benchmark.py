@@ -39,7 +39,8 @@ out of both.
                     MemTracker, on CPU; the CUDA allocator's peak on a GPU)
     startup         wall time of a one-step `python train.py` (single, and ddp x2 on CPU) over
                     that of `python -c "import torch"`: what a sweep of short jobs pays per job;
-                    `plain step` (import torch, one SGD step of a Linear) is the floor
+                    and over its floor: `plain step` (import torch, one SGD step of a Linear),
+                    `plain ddp x2` (the same step under DDP, 2 processes started by torchrun)
 """
 
 from __future__ import annotations
@@ -390,27 +391,50 @@ def plan_accuracy() -> None:
             predicted = plan.peak / MB
             ratio = predicted / measured
             print(f"{model:<6}{label:<24}{predicted:>13.2f}{measured:>13.2f}{ratio:>8.3f}")
+
+
 ONE_STEP = ("trainer.max_steps=1", "trainer.eval_every=0", "logger=none")
-# The floor for any PyTorch training process: a torch.optim optimizer imports torch._dynamo
-# (its constructor and step do), which takes about as long again as `import torch`.
-PLAIN_STEP = (
-    "import torch; model = torch.nn.Linear(4, 2); "
-    "optimizer = torch.optim.SGD(model.parameters(), lr=0.1); "
-    "model(torch.randn(8, 4)).sum().backward(); optimizer.step()"
-)
-STARTUP_COMMANDS = {
-    "import torch": [sys.executable, "-c", "import torch"],
-    "plain step": [sys.executable, "-c", PLAIN_STEP],
-    "single": [sys.executable, "train.py", *ONE_STEP],
-    "ddp x2": [
-        sys.executable,
-        "train.py",
-        *ONE_STEP,
-        "parallel=ddp",
-        f"parallel.devices={DDP_PROCESSES}",
-        "trainer.accelerator=cpu",
-    ],
-}
+# The floors: a plain PyTorch process that takes one SGD step, and the same step under DDP in
+# torchrun's processes (a torch.optim optimizer imports torch._dynamo, its constructor and step
+# do, which takes about as long again as `import torch`).
+PLAIN_STEP = """
+import torch
+model = torch.nn.Linear(4, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+model(torch.randn(8, 4)).sum().backward()
+optimizer.step()
+"""
+PLAIN_DDP_STEP = """
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+model(torch.randn(8, 4)).sum().backward()
+optimizer.step()
+dist.destroy_process_group()
+"""
+
+
+def startup_commands(script_dir: Path) -> dict[str, list[str]]:
+    """The start-up comparison's commands; torchrun's script is written to `script_dir`."""
+    plain_ddp_script = script_dir / "plain_ddp_step.py"
+    plain_ddp_script.write_text(PLAIN_DDP_STEP)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return {
+        "import torch": [sys.executable, "-c", "import torch"],
+        "plain step": [sys.executable, "-c", PLAIN_STEP],
+        "single": [sys.executable, "train.py", *ONE_STEP],
+        "plain ddp x2": [*torchrun, f"--nproc_per_node={DDP_PROCESSES}", str(plain_ddp_script)],
+        "ddp x2": [
+            sys.executable,
+            "train.py",
+            *ONE_STEP,
+            "parallel=ddp",
+            f"parallel.devices={DDP_PROCESSES}",
+            "trainer.accelerator=cpu",
+        ],
+    }
 
 
 def wall_time_s(command: list[str]) -> float:
@@ -428,19 +452,23 @@ def wall_time_s(command: list[str]) -> float:
 
 def startup(rounds: int) -> None:
     """Median wall time of each start-up command over rounds (their order rotating from round
-    to round), and each train.py command's ratio to `import torch`."""
-    times: dict[str, list[float]] = {name: [] for name in STARTUP_COMMANDS}
-    names = list(STARTUP_COMMANDS)
-    for round_index in range(rounds):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            times[name].append(wall_time_s(STARTUP_COMMANDS[name]))
+    to round), its ratio to `import torch`, and each train.py run's ratio to its plain floor."""
+    with tempfile.TemporaryDirectory() as script_dir:
+        commands = startup_commands(Path(script_dir))
+        times: dict[str, list[float]] = {name: [] for name in commands}
+        names = list(commands)
+        for round_index in range(rounds):
+            shift = round_index % len(names)
+            for name in names[shift:] + names[:shift]:
+                times[name].append(wall_time_s(commands[name]))
     medians = {name: statistics.median(seconds) for name, seconds in times.items()}
     base = medians["import torch"]
     cells = " | ".join(
         f"{name} {seconds:.2f} s ({seconds / base:.2f}x)" for name, seconds in medians.items()
     )
     print(f"{'startup':<16}  {cells}")
+    for run, floor in (("single", "plain step"), ("ddp x2", "plain ddp x2")):
+        print(f"{'':<16}  {run} / {floor}: {medians[run] / medians[floor]:.2f}x")
 
 
 Run = Callable[[int], float]
