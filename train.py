@@ -19,7 +19,7 @@ from hydra.errors import ConfigCompositionException, OverrideParseException
 from omegaconf import DictConfig
 
 from src.config import ConfigError, composition_error_line, register_configs
-from src.launch import follow_rank0_run_dir
+from src.launch import follow_rank0_run_dir, start_rank_server_early
 from src.process_exit import exit_without_teardown
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,7 @@ def main(cfg: DictConfig) -> float:
     if composing:  # composed: from here on Hydra reports errors its own way
         del os.environ[LET_ERRORS_THROUGH]
         composing = False
+    start_rank_server_early(cfg.parallel)  # its imports overlap the next line's
     # Imported here so that --help and config errors stay fast.
     from src.job import resume_command, run
     from src.stopping import Interrupted, RunStopped

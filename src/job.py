@@ -60,7 +60,7 @@ def run(cfg: DictConfig, ranks: Ranks | None) -> dict[str, Any]:
     processes = strategy.processes_per_node * nodes
     if ranks is None and processes > 1:
         check_rendezvous(cfg.parallel)
-        start_rank_server()  # it imports what the ranks need while this process checks the run
+        start_rank_server()  # unless train.py has: it imports what the ranks need meanwhile
     blueprint = build_blueprint(cfg, run_dir, strategy)
     if blueprint.saved is not None and finished(blueprint.saved, cfg):
         return finish_finished_run(cfg, run_dir, strategy, blueprint.checkpoint, ranks)

@@ -234,6 +234,24 @@ def start_rank_server() -> int:
     return forkserver._forkserver._forkserver_pid  # noqa: SLF001 - not published otherwise
 
 
+def start_rank_server_early(parallel: Any) -> None:
+    """Start the rank server before this process imports torch, when its settings say that ranks
+    will be launched here: a strategy of one process per replica (`DistributedConfig`'s
+    settings) on more than one device, outside torchrun and srun. The server's imports, torch's
+    and the training code's, then overlap this process's own instead of following them (ddp x2
+    one-step run: 5.9 s -> 4.4 s on 2 cores). It is a guess from the settings alone, the
+    strategy not being built yet: `launch` starts the server anyway if it is not running, and a
+    server started for a job that turns out to run one process (hybrid with devices == stages)
+    only imported for nothing."""
+    from omegaconf import OmegaConf
+
+    from src.config import DistributedConfig
+
+    distributed = issubclass(OmegaConf.get_type(parallel) or object, DistributedConfig)
+    if distributed and parallel.devices * parallel.nodes > 1 and started_ranks() is None:
+        start_rank_server()
+
+
 def die_with_parent() -> None:
     """From now on (Linux), the kernel SIGKILLs this process the moment its parent dies."""
     if sys.platform.startswith("linux"):

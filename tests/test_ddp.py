@@ -492,3 +492,44 @@ def test_ddp_on_one_gpu_trains_in_process_like_single(tmp_path):
     assert summary(tmp_path)["memory_devices"] == ["cuda:0"]
     assert any("cuda:0, nccl" in line for line in log_lines(tmp_path))
     assert_same_training(reference_run(*TINY_SGD, *gpu), tmp_path)
+
+
+# Composes the config as train.py does, then asks for the rank server as train.py does before it
+# imports torch: prints whether a server runs, and whether torch had been imported by then.
+EARLY_SERVER = """
+import sys
+from multiprocessing import forkserver
+from hydra import compose, initialize_config_dir
+from src.config import register_configs
+from src.launch import start_rank_server_early
+
+register_configs()
+with initialize_config_dir(config_dir=sys.argv[1], version_base="1.3"):
+    cfg = compose("config", overrides=sys.argv[2:])
+start_rank_server_early(cfg.parallel)
+print(forkserver._forkserver._forkserver_pid is not None, "torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize(
+    ("overrides", "environment", "started"),
+    [
+        (DDP, {}, True),
+        (("parallel=fsdp", "parallel.devices=2"), {}, True),
+        (("parallel=hybrid", "parallel.devices=4", "parallel.stages=2"), {}, True),
+        (("parallel=ddp", "parallel.devices=1"), {}, False),
+        (("parallel=dp", "parallel.devices=2"), {}, False),
+        (("parallel=model_parallel", "parallel.devices=2"), {}, False),
+        (DDP, {"RANK": "0", "WORLD_SIZE": "2"}, False),  # torchrun started the ranks
+    ],
+    ids=["ddp", "fsdp", "hybrid", "ddp-1", "dp", "model_parallel", "under-torchrun"],
+)
+def test_the_rank_server_starts_before_torch_is_imported_when_ranks_will_be_launched(
+    overrides, environment, started, tmp_path
+):
+    command = [sys.executable, "-c", EARLY_SERVER, str(ROOT / "conf"), *overrides]
+    env = {**os.environ, **environment}
+    output = tmp_path / "printed"
+    with output.open("w") as stdout:  # not a pipe: a server would hold it open while it imports
+        subprocess.run(command, cwd=ROOT, env=env, stdout=stdout, timeout=60, check=True)
+    assert output.read_text().split() == [str(started), "False"]
