@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -441,12 +442,14 @@ def wall_time_s(command: list[str]) -> float:
     """Seconds from start to exit of `command` (in a run directory of its own)."""
     with tempfile.TemporaryDirectory() as run_dir:
         started = time.perf_counter()
-        subprocess.run(
+        ended = subprocess.run(
             [*command, f"hydra.run.dir={run_dir}"] if "train.py" in command else command,
             cwd=ROOT,
-            check=True,
             capture_output=True,
+            text=True,
         )
+        if ended.returncode != 0:
+            sys.exit(f"{shlex.join(command)} failed ({ended.returncode}):\n{ended.stderr[-3000:]}")
         return time.perf_counter() - started
 
 
