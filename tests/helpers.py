@@ -213,6 +213,25 @@ def run_sweep(
     return TrainRun(*overrides, sweep_dir=sweep_dir, env=env).finish(timeout)
 
 
+def kill_and_resume(run_dir: Path, *overrides: str, reference: Path) -> None:
+    """SIGKILL a run once step 6 is logged, resume it, and compare it with `reference`."""
+    run = TrainRun(*overrides, run_dir=run_dir, one_page=True)
+    run.wait_for("step 6/60")
+    run.process.kill()  # SIGKILL: no handler, no clean-up
+    returncode = run.finish().returncode
+    assert returncode == -signal.SIGKILL
+    assert not (run_dir / "summary.json").exists()
+    saved_step = checkpoint(run_dir)["step"]
+    assert 5 <= saved_step < 60
+
+    result = run_train(*overrides, "trainer.resume=auto", run_dir=run_dir)
+
+    resumed_from = run_dir / "checkpoints" / f"step-{saved_step:06d}"
+    assert f"resuming from {resumed_from} at step {saved_step}" in result.stdout
+    assert_same_training(reference, run_dir)  # every step's loss, and the final weights
+    assert checkpoint(run_dir)["step"] == 60
+
+
 @functools.cache
 def reference_run(*overrides: str) -> Path:
     """A `parallel=single` run with these overrides, trained once per test session."""
