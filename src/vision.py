@@ -94,8 +94,9 @@ def read_set(name: str, root: str, download: bool, train: bool) -> datasets.Visi
                 for inner in sorted(path.rglob("*"), reverse=True):
                     inner.rmdir()
                 path.rmdir()
+        reason = " ".join(str(error).split())  # torchvision's reasons take several lines
         raise FileNotFoundError(
-            f"data.download=true could not fetch data={name} into {root} ({error}); check the "
+            f"data.download=true could not fetch data={name} into {root} ({reason}); check the "
             f"network, or put its files into {root}"
         ) from error
     except (pickle.UnpicklingError, EOFError, KeyError, ValueError) as error:
