@@ -21,6 +21,7 @@ import copy
 import ctypes
 import ctypes.util
 import functools
+import inspect
 import logging
 import logging.config
 import multiprocessing
@@ -210,13 +211,13 @@ def reported_failures(add: int) -> int | None:
         return None
 
 
-def start_rank_server() -> int:
+def start_rank_server() -> int | None:
     """Start this process's rank server, once: multiprocessing's forkserver, which imports torch
     and the training code (`src.rank_server`) now, while this process checks the run, and then
     forks each rank that `launch` starts. A rank forked from it is ready in a moment, where a
     spawned one spent seconds importing (and a sweep's later jobs reuse the server). Unlike a fork
     of this process, it forks from one that has run nothing: no CUDA context, no OpenMP threads.
-    Returns its pid: the ranks' parent."""
+    Returns its pid (the ranks' parent), or None where it cannot be read (`rank_server_pid`)."""
     from multiprocessing import forkserver
 
     multiprocessing.set_forkserver_preload(["src.rank_server"])
@@ -231,7 +232,16 @@ def start_rank_server() -> int:
             del os.environ["PYTHONPATH"]
         else:
             os.environ["PYTHONPATH"] = saved
-    return forkserver._forkserver._forkserver_pid  # noqa: SLF001 - not published otherwise
+    return rank_server_pid()
+
+
+def rank_server_pid() -> int | None:
+    """The running forkserver's pid: Python keeps it in a private attribute (checked on the
+    interpreter the project tests, `tests/test_ddp.py`). None if a Python stores it elsewhere:
+    then a rank started after its server died is not caught at once (`end_with_launcher`)."""
+    from multiprocessing import forkserver
+
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)  # noqa: SLF001
 
 
 def start_rank_server_early(parallel: Any) -> None:
@@ -260,7 +270,7 @@ def die_with_parent() -> None:
             log.warning("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
 
 
-def end_with_launcher(server_pid: int) -> None:
+def end_with_launcher(server_pid: int | None) -> None:
     """From now on, the kernel kills this rank the moment the rank server that forked it dies,
     which dies with the launcher (`src.rank_server`); and the rank exits at once if the server is
     already gone.
@@ -272,7 +282,7 @@ def end_with_launcher(server_pid: int) -> None:
     checkpoint is never half-written, so nothing is lost by SIGKILL."""
     die_with_parent()
     # Checked after prctl: a server that died before it would never signal this rank.
-    if os.getppid() != server_pid:
+    if server_pid is not None and os.getppid() != server_pid:
         os._exit(128 + signal.SIGKILL)
 
 
@@ -302,7 +312,7 @@ def _worker(
     args: tuple,
     outcomes: tuple[type, ...],
     job_logging: dict[str, Any],
-    server_pid: int,
+    server_pid: int | None,
     launcher_environment: dict[str, str],
 ) -> Any:
     """Entry point of each launched process: `fn(*args, ranks, stop=...)` as its rank (the agent
@@ -366,6 +376,12 @@ def name_rendezvous_events_cheaply() -> None:
     `sys._getframe` gives without reading anything: the same names, at once."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
+    torchs = getattr(dynamic_rendezvous, "get_method_name", None)
+    torchs = getattr(torchs, "__wrapped__", torchs)  # named cheaply already
+    if torchs is None or list(inspect.signature(torchs).parameters) != ["depth"]:
+        return  # torch names its events otherwise now: leave it to it
+
+    @functools.wraps(torchs)  # keeps torch's as __wrapped__
     def get_method_name(depth: int = 2) -> str:
         try:
             return sys._getframe(depth).f_code.co_name  # noqa: SLF001 - inspect.stack's frames

@@ -185,6 +185,7 @@ def plan_one(cfg: DictConfig, parallel: DictConfig, data: Data, sizes: ModelSize
     try:
         strategy = build_strategy(parallel, planned_device_type(cfg), trainer.precision)
         strategy.check_batch(trainer.batch_size // trainer.accumulate)
+        strategy.check_accumulate(trainer.accumulate)
         strategy.check_model(*meta_model_and_inputs(cfg, data, 2))
     except ConfigError as error:
         plan.problem = str(error)

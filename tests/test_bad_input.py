@@ -134,6 +134,18 @@ ROWS = [
         id="fsdp-batch-over-ranks",
     ),
     pytest.param(
+        ["parallel=ddp", "parallel.static_graph=true", "trainer.accumulate=2"],
+        CHECK,
+        "parallel.static_graph=true cannot run with trainer.accumulate=2",
+        id="ddp-static-graph-accumulate",
+    ),
+    pytest.param(
+        ["parallel=hybrid", "parallel.static_graph=true", "trainer.accumulate=2"],
+        CHECK,
+        "parallel.static_graph=true cannot run with trainer.accumulate=2",
+        id="hybrid-static-graph-accumulate",
+    ),
+    pytest.param(
         ["parallel=ddp", "trainer.accelerator=cpu", "parallel.backend=mpi"],
         CHECK,
         "parallel.backend must be gloo, nccl or null (nccl on CUDA, gloo on CPU), got 'mpi'",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import multiprocessing
 import os
 import re
@@ -47,7 +46,6 @@ from src.launch import (
     adopt_slurm_environment,
     first_node,
     launch,
-    name_rendezvous_events_cheaply,
     start_rank_server,
 )
 from src.models import MLP
@@ -210,32 +208,6 @@ def test_launched_ranks_get_the_launchers_environment_at_launch(monkeypatch):
     args = ("TEMPLATE_TEST_SETTING",)
     result = launch(environment_of_rank, args, 2, 1, parallel, logging_config)
     assert result == ("set after the server started", "0")
-
-
-def test_rendezvous_events_keep_the_names_torchs_stack_walk_gives_them(monkeypatch):
-    """`launch` names the rendezvous events of torch's agent without its `inspect.stack()` walks
-    (`name_rendezvous_events_cheaply`), and they get the same names, the stack's deepest frame
-    included."""
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-
-    def record(depth: int) -> tuple[str, str]:
-        # torch's get_method_name reads inspect.stack()[depth] from its own frame, one further in.
-        walked = inspect.stack()
-        torch_name = walked[depth - 1].function if depth - 1 < len(walked) else "no_method_name"
-        return dynamic_rendezvous.get_method_name(depth), torch_name
-
-    def next_rendezvous(depth: int) -> tuple[str, str]:
-        return record(depth)
-
-    monkeypatch.setattr(dynamic_rendezvous, "get_method_name", None)  # restored afterwards
-    name_rendezvous_events_cheaply()
-    deepest = len(inspect.stack()) + 2  # from get_method_name: record, next_rendezvous, here
-    names = []
-    for depth in (1, 2, 3, deepest, deepest + 1):
-        names.append(next_rendezvous(depth))
-    assert [cheap for cheap, _ in names] == [walked for _, walked in names]
-    assert [cheap for cheap, _ in names][:2] == ["record", "next_rendezvous"]
-    assert names[-1][0] == "no_method_name" != names[-2][0]
 
 
 @pytest.mark.parametrize("moment", ["ranks started", "rendezvous"])
