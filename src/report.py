@@ -436,9 +436,49 @@ def log_to_wandb(logger_cfg: DictConfig, sweep_dir: Path, rows: list[Row]) -> No
     tracker.finish({f"jobs_{status}": count for status, count in counts.items()})
 
 
+def check_sweep_dir(config: DictConfig) -> None:
+    """A sweep folder that a multirun has written is resumed only by the command that wrote it
+    (`src/sweep.py`): job N of another command is another job. Hydra numbers the trials of other
+    sweepers (Optuna) from 0 in every run, so only Hydra's basic sweeper resumes a folder."""
+    sweep_dir = Path(config.hydra.sweep.dir)
+    earlier_file = sweep_dir / "multirun.yaml"
+    if not earlier_file.exists():
+        return
+    earlier = OmegaConf.load(earlier_file).hydra
+    if config.hydra.sweeper._target_ != BASIC_SWEEPER:
+        refuse(
+            f"hydra.sweep.dir={sweep_dir} holds an earlier multirun, and this sweeper numbers "
+            "its jobs from 0 in every run: choose a new hydra.sweep.dir (a study in a storage "
+            "file resumes there)"
+        )
+    for key in ("overrides.task", "sweeper"):
+        if as_written(earlier, key) != as_written(config.hydra, key):
+            command = " ".join(map(str, earlier.overrides.task))
+            refuse(
+                f"hydra.sweep.dir={sweep_dir} holds the jobs of another command ({command}): "
+                "run that command again to resume them, or choose a new hydra.sweep.dir"
+            )
+
+
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+
+
+def as_written(hydra_cfg: DictConfig, key: str) -> Any:
+    return OmegaConf.to_container(OmegaConf.select(hydra_cfg, key), resolve=False)
+
+
+def refuse(message: str) -> None:
+    print(f"train.py: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 class ScalingReport(Callback):
-    """Hydra callback: the report at the end of a multirun (also to W&B), and a non-zero exit if
-    a job failed."""
+    """Hydra callback: a check that a sweep folder given again is this sweep's (before any job
+    starts), the report at the end of a multirun (also to W&B), and a non-zero exit if a job
+    failed."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        check_sweep_dir(config)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)

@@ -11,6 +11,15 @@ raising; the report reads those files and makes the sweep exit non-zero when a j
     failed    the job raised while running; the traceback is in its train.log
 
 A job of a sweep also joins the sweep's W&B group unless `logger.group` is set.
+
+A sweep resumes: the same `-m` command with `hydra.sweep.dir=<that sweep>` runs again only what
+did not finish. A job whose status.json says ok is not run again (its summary stands); any other
+job continues from its own folder's last checkpoint (an interrupted job, a failed one) or starts
+over if it wrote none; the report is rebuilt from all of them. Each rank that srun started decides
+alone, from files that stay as they are until training writes, so the ranks agree. A failed job
+resumes rather than restarts because exact resume makes both train the same weights, and a
+transient failure then costs only the steps since the checkpoint. Before any job starts,
+`report.check_sweep_dir` refuses a sweep folder that holds another command's jobs.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from src.checkpoint import saved_checkpoints
 from src.config import ConfigError
 from src.launch import Ranks, started_ranks
 from src.stopping import Interrupted
@@ -59,6 +69,12 @@ def run_job(task: Task) -> Callable[[DictConfig], float]:
         if "group" in cfg.logger:
             cfg.logger.group = sweep_group(cfg.logger, hydra_cfg.sweep.dir)
         status = JobStatus(Path(hydra_cfg.runtime.output_dir), ranks)
+        earlier = status.finished_summary()
+        if earlier is not None:
+            log.info("job %s finished in an earlier run of this sweep: kept", hydra_cfg.job.num)
+            return earlier["final_val_loss"]
+        if saved_checkpoints(status.job_dir):  # an earlier run of the sweep stopped this job
+            cfg.trainer.resume = "auto"
         try:
             summary = task(cfg, ranks)
         except ConfigError as error:
@@ -94,6 +110,15 @@ class JobStatus:
 
     job_dir: Path
     ranks: Ranks | None
+
+    def finished_summary(self) -> dict[str, Any] | None:
+        """The summary of a job that an earlier run of the sweep finished (status ok), or None."""
+        status_file, summary_file = self.job_dir / STATUS_FILE, self.job_dir / "summary.json"
+        if not (status_file.exists() and summary_file.exists()):
+            return None
+        if json.loads(status_file.read_text())["status"] != "ok":
+            return None
+        return json.loads(summary_file.read_text())
 
     def write(self, status: str, reason: str = "") -> None:
         if self.ranks is not None and self.ranks.rank != 0:
