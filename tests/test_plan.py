@@ -3,6 +3,7 @@ of real training steps, the choice, and bad input."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -23,23 +24,51 @@ TINY_GPT = (
     "trainer.batch_size=16",
     "logger=none",
 )
+# torchvision's ResNet-18 with the CIFAR stem on 32x32 images, 4 wide: BatchNorm buffers,
+# residual branches, in-place ReLUs.
+TINY_RESNET = (
+    *("model=resnet", "model.width=4", "model.cifar_stem=true"),
+    *("data.image_shape=[3,32,32]", "data.num_samples=64", "trainer.batch_size=8"),
+    "logger=none",
+)
+NEEDS_TORCHVISION = pytest.mark.skipif(
+    importlib.util.find_spec("torchvision") is None, reason="model=resnet needs torchvision"
+)
+RESNET_CASES = {
+    "resnet-single": ("parallel=single",),
+    "resnet-ddp": ("parallel=ddp", "parallel.devices=2"),
+    "resnet-fsdp": ("parallel=fsdp", "parallel.devices=2"),
+    "resnet-model-parallel": ("parallel=model_parallel",),
+}
 
 
 @pytest.mark.parametrize(
     "overrides",
     [
-        (*TINY_MLP, "parallel=dp", "parallel.devices=2"),
-        (*TINY_GPT, "parallel=single", "trainer.activation_checkpointing=true"),
-        (*TINY_GPT, "parallel=model_parallel", "parallel.microbatches=2", "trainer.accumulate=2"),
-        (*TINY_GPT, "parallel=ddp", "parallel.devices=1", "trainer.precision=bf16"),
-        (*TINY_MLP, "parallel=ddp", "parallel.devices=2"),  # ranks started by `launch`
-    ],
-    ids=[
-        "mlp-dp",
-        "gpt-single-checkpointing",
-        "gpt-pipeline-accumulate",
-        "gpt-ddp-bf16",
-        "mlp-ddp",
+        pytest.param((*TINY_MLP, "parallel=dp", "parallel.devices=2"), id="mlp-dp"),
+        pytest.param(
+            (*TINY_GPT, "parallel=single", "trainer.activation_checkpointing=true"),
+            id="gpt-single-checkpointing",
+        ),
+        pytest.param(
+            (
+                *TINY_GPT,
+                "parallel=model_parallel",
+                "parallel.microbatches=2",
+                "trainer.accumulate=2",
+            ),
+            id="gpt-pipeline-accumulate",
+        ),
+        pytest.param(
+            (*TINY_GPT, "parallel=ddp", "parallel.devices=1", "trainer.precision=bf16"),
+            id="gpt-ddp-bf16",
+        ),
+        # ranks started by `launch`
+        pytest.param((*TINY_MLP, "parallel=ddp", "parallel.devices=2"), id="mlp-ddp"),
+        *[
+            pytest.param((*TINY_RESNET, *case), id=name, marks=NEEDS_TORCHVISION)
+            for name, case in RESNET_CASES.items()
+        ],
     ],
 )
 def test_predicted_peak_within_10_percent_of_measured(compose_config, overrides):

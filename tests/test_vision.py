@@ -19,8 +19,8 @@ from helpers import (  # noqa: E402
     checkpoint,
     kill_and_resume,
     reference_run,
+    run_train,
     strategy_runs,
-    sweep_runs,
 )
 from vision_files import (  # noqa: E402
     class_images,
@@ -277,13 +277,15 @@ def test_a_failed_download_is_one_line_and_leaves_no_folders(tmp_path, compose_c
 
 @functools.cache
 def resnet_runs() -> dict[str, Path]:
-    """The CIFAR ResNet under single and model_parallel (one sweep), ddp and fsdp with
-    SyncBatchNorm (another: single's settings have no sync_batchnorm)."""
+    """The CIFAR ResNet under single and model_parallel (one sweep), and ddp and fsdp with
+    SyncBatchNorm (a run each: a sweep composes its config once with parallel=single first,
+    whose settings have no sync_batchnorm)."""
     runs = strategy_runs(*cifar_resnet(), strategies=("model_parallel",))
-    synced = sweep_runs(
-        *cifar_resnet(), "parallel=ddp,fsdp", "parallel.devices=2", "parallel.sync_batchnorm=true"
-    )
-    return {**runs, **{key.removeprefix("parallel="): run for key, run in synced.items()}}
+    for strategy in ("ddp", "fsdp"):
+        synced = (f"parallel={strategy}", "parallel.devices=2", "parallel.sync_batchnorm=true")
+        runs[strategy] = Path(tempfile.mkdtemp(prefix=f"resnet-{strategy}-"))
+        run_train(*cifar_resnet(), *synced, run_dir=runs[strategy])
+    return runs
 
 
 @pytest.mark.equivalence
