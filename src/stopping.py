@@ -1,6 +1,7 @@
-"""What ends a run early: a stop signal (SIGINT/SIGTERM) or a non-finite loss.
+"""What ends a run early: a stop signal (SIGINT/SIGTERM), a non-finite loss, or a process of a
+multi-process job that died.
 
-Both end in an exception that `train.py` reports as one message, with an exit code that says why.
+Each ends in an exception that `train.py` reports as one message, with an exit code that says why.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ class Interrupted(RunStopped):
         return cls(
             f"stopped by {name} after step {step}; checkpoint saved to {checkpoint}", 128 + signum
         )
+
+
+class ProcessDied(RunStopped):
+    """A process of a multi-process job died or failed (a rank, or the rank server that forked
+    them), and the launcher stopped the rest; the run resumes from its last checkpoint."""
 
 
 class NonFiniteLoss(RunStopped):

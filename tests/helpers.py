@@ -12,6 +12,8 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +184,28 @@ def proc_file(pid: int, name: str) -> str:
         return Path(f"/proc/{pid}/{name}").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+def processes_of_job(marker: str) -> list[int]:
+    """Processes whose environment holds DDP_TEST_JOB=<marker> (launcher, agent, workers)."""
+    pids = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"DDP_TEST_JOB={marker}".encode() in environ.read_bytes().split(b"\0"):
+                pids.append(int(environ.parent.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return pids
+
+
+def wait_until(condition: Callable[[], bool], within_s: float) -> bool:
+    """Poll `condition` until it holds or `within_s` has passed; whether it holds."""
+    deadline = time.monotonic() + within_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def rank_pids(launcher_pid: int) -> list[int]:
