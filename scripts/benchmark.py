@@ -70,6 +70,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -129,8 +130,21 @@ def template_speed(steps: int, *overrides: str, workload: tuple[str, ...] = WORK
         return train(cfg, Path(run_dir), check_config(cfg, Path(run_dir)))["samples_per_sec"]
 
 
+# The `single` comparison's workload (issue 29): MLP 784-1024-1024-10, batch 256, SGD.
+SINGLE_WORKLOAD = (
+    *(setting for setting in WORKLOAD if not setting.startswith(("model.", "data.", "optimizer"))),
+    "model.hidden=1024",
+    "model.depth=2",
+    "data.input_dim=784",
+    "data.num_samples=32768",
+    "optimizer=sgd",
+    "optimizer.schedule=constant",
+    "optimizer.warmup_steps=0",
+)
+
+
 def template_single(steps: int) -> float:
-    return template_speed(steps, "parallel=single")
+    return template_speed(steps, "parallel=single", workload=SINGLE_WORKLOAD)
 
 
 def model_parallel_pipelined(steps: int) -> float:
@@ -287,6 +301,36 @@ def plain_resnet(steps: int) -> float:
     model.to(DEVICE)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.optimizer.lr, momentum=0.9)
     return plain_loop(steps, model, optimizer, data, RESNET_BATCH_SIZE, cfg.seed)
+
+
+def plain_single_loader(steps: int) -> float:
+    """SINGLE_WORKLOAD in a loop as a user writes it by hand: a DataLoader over a TensorDataset
+    (shuffled, whole batches), SGD with the same learning rate and momentum."""
+    cfg = compose_config(*SINGLE_WORKLOAD)
+    device = torch.device(DEVICE)
+    data = build_data(cfg.data, cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+    model.to(device)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=cfg.optimizer.lr, momentum=cfg.optimizer.momentum
+    )
+    dataset = TensorDataset(data.train.inputs, data.train.targets)
+    loader = DataLoader(dataset, batch_size=cfg.trainer.batch_size, shuffle=True, drop_last=True)
+    batches = (batch for _ in iter(int, 1) for batch in loader)  # endless, epoch after epoch
+    for step in range(steps):
+        if step == WARMUP_STEPS:
+            started = time.perf_counter()
+        inputs, targets = next(batches)
+        inputs, targets = inputs.to(device), targets.to(device)
+        loss = F.cross_entropy(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % 50 == 0:
+            loss.item()
+    loss.item()  # wait for the queued steps
+    return (steps - WARMUP_STEPS) * cfg.trainer.batch_size / (time.perf_counter() - started)
 
 
 def plain_overhead(steps: int) -> float:
@@ -543,7 +587,7 @@ def startup(rounds: int) -> None:
 
 Run = Callable[[int], float]
 COMPARISONS: dict[str, tuple[tuple[str, Run], tuple[str, Run]]] = {
-    "single": (("template", template_single), ("plain", plain_single)),
+    "single": (("template", template_single), ("plain", plain_single_loader)),
     "overhead": (("template", template_overhead), ("plain", plain_overhead)),
     "resnet": (("template", template_resnet), ("torchvision", plain_resnet)),
     "model_parallel": (

@@ -512,7 +512,8 @@ class PlanConfig:
     """The devices planned for: cpu (a row per process), cuda (a row per GPU: dp's output device
     and each pipeline stage apart; no GPU needed to plan), or auto: trainer.accelerator's."""
     strategies: list[str] | None = None
-    """Strategies to plan; None: the configured one (plan.py), every one (parallel=auto)."""
+    """Strategies to plan; None: every one (parallel=auto, and plan.py unless an override
+    names the parallel option: then that one)."""
     devices: list[int] | None = None
     """Device counts to plan; None: parallel.devices."""
     device_tflops: float = 100.0

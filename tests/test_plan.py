@@ -12,6 +12,7 @@ import pytest
 from helpers import ROOT, run_train
 from hydra import initialize_config_dir
 
+import src.plan
 from src.memory_check import measured_peak_mb
 from src.plan import MB, Plan, choose, plan_all, resolve_auto
 
@@ -172,3 +173,33 @@ def test_gpu_plan_shows_dp_output_device_and_each_stage(compose_config):
     assert output_device.peak > max(replica.peak for replica in replicas)
     assert [device.label for device in stages.device_plans] == ["cuda:0", "cuda:1", "cuda:2"]
     assert sum(d.parameters for d in stages.device_plans) < 1.01 * output_device.parameters
+
+
+def test_plan_py_plans_every_strategy_that_runs_and_recommends_one():
+    result = subprocess.run(
+        [sys.executable, "plan.py", *TINY_MLP, "parallel.devices=2", "trainer.accelerator=cpu"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    *table, last = result.stdout.strip().splitlines()
+    rows = {line.split()[0] for line in table[2:] if not line.startswith(" ")}
+    assert {"ddp", "dp", "dp_criterion", "fsdp", "model_parallel"} <= rows
+    assert "cannot run: hybrid x2, single x2 (plan one with parallel=<name> to see why)" in table
+    assert last.startswith("recommended: parallel=") and "the fastest of those that fit" in last
+    assert "planned fsdp on 2 device(s) (4/7" in result.stderr  # progress, as it goes
+
+
+def test_equal_shares_are_traced_once(compose_config, monkeypatch):
+    """ddp and fsdp give each of 2 devices the same half batch through the whole model: one
+    trace serves both (fsdp then shards its state), with the plans as when traced apart."""
+    traced = []
+    trace_share = src.plan.trace_share
+    monkeypatch.setattr(src.plan, "trace_share", lambda *a: traced.append(a) or trace_share(*a))
+    cfg = compose_config(*TINY_MLP, "parallel=ddp")
+    fsdp = compose_config(*TINY_MLP, "parallel=fsdp").parallel
+    together = plan_all(cfg, [cfg.parallel, fsdp])
+    assert len(traced) == 1
+    apart = [plan_all(cfg, [parallel])[0] for parallel in (cfg.parallel, fsdp)]
+    assert [p.device_plans for p in together] == [p.device_plans for p in apart]
