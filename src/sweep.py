@@ -10,7 +10,9 @@ raising; the report reads those files and makes the sweep exit non-zero when a j
               GPUs, ...); nothing was started
     failed    the job raised while running; the traceback is in its train.log
 
-A job of a sweep also joins the sweep's W&B group unless `logger.group` is set.
+A job of a sweep also joins the sweep's W&B group unless `logger.group` is set, and resumes from
+its own run folder's checkpoints if it has any (a SLURM job run again after its time limit or a
+pre-emption), as with `trainer.resume=auto`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from src.checkpoint import saved_checkpoints
 from src.config import ConfigError
 from src.launch import Ranks, started_ranks
 from src.stopping import Interrupted
@@ -58,7 +61,10 @@ def run_job(task: Task) -> Callable[[DictConfig], float]:
             return task(cfg, ranks)["final_val_loss"]
         if "group" in cfg.logger:
             cfg.logger.group = sweep_group(cfg.logger, hydra_cfg.sweep.dir)
-        status = JobStatus(Path(hydra_cfg.runtime.output_dir), ranks)
+        job_dir = Path(hydra_cfg.runtime.output_dir)
+        if cfg.trainer.resume is None and saved_checkpoints(job_dir):
+            cfg.trainer.resume = "auto"
+        status = JobStatus(job_dir, ranks)
         try:
             summary = task(cfg, ranks)
         except ConfigError as error:
