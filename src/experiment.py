@@ -558,14 +558,17 @@ def keep_on_device(data: Data, device: torch.device) -> Data:
     return data.to(device)
 
 
-def cpu_share(strategy: Strategy) -> dict[str, int]:
+def cpu_share(strategy: Strategy) -> dict[str, Any]:
     """This node's processes, each one's intra-op threads, and the cores they may use: with more
     threads than cores the processes compete for them, and the scaling report says so."""
-    return {
+    share = {
         "processes_per_node": strategy.processes_per_node,
         "threads_per_process": torch.get_num_threads(),
         "cores": usable_cores(),
     }
+    if hasattr(os, "sched_getaffinity"):  # which cores: a concurrent sweep gives each job its own
+        share["cpu_affinity"] = sorted(os.sched_getaffinity(0))
+    return share
 
 
 def size_lazy_modules(model: nn.Module, data: Data) -> None:

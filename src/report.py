@@ -441,23 +441,25 @@ def check_sweep_dir(config: DictConfig) -> None:
     (`src/sweep.py`): job N of another command is another job. Hydra numbers the trials of other
     sweepers (Optuna) from 0 in every run, so only Hydra's basic sweeper resumes a folder."""
     sweep_dir = Path(config.hydra.sweep.dir)
-    earlier_file = sweep_dir / "multirun.yaml"
-    if not earlier_file.exists():
+    earlier_file = sweep_dir / "multirun.yaml"  # the basic sweeper's record of its command
+    if not (earlier_file.exists() or job_dirs(sweep_dir)):
         return
-    earlier = OmegaConf.load(earlier_file).hydra
     if config.hydra.sweeper._target_ != BASIC_SWEEPER:
         refuse(
             f"hydra.sweep.dir={sweep_dir} holds an earlier multirun, and this sweeper numbers "
             "its jobs from 0 in every run: choose a new hydra.sweep.dir (a study in a storage "
             "file resumes there)"
         )
-    for key in ("overrides.task", "sweeper"):
-        if as_written(earlier, key) != as_written(config.hydra, key):
-            command = " ".join(map(str, earlier.overrides.task))
-            refuse(
-                f"hydra.sweep.dir={sweep_dir} holds the jobs of another command ({command}): "
-                "run that command again to resume them, or choose a new hydra.sweep.dir"
-            )
+    earlier = OmegaConf.load(earlier_file).hydra if earlier_file.exists() else None
+    if earlier is None or any(
+        as_written(earlier, key) != as_written(config.hydra, key)
+        for key in ("overrides.task", "sweeper")
+    ):
+        command = " ".join(map(str, earlier.overrides.task)) if earlier else "another sweeper"
+        refuse(
+            f"hydra.sweep.dir={sweep_dir} holds the jobs of another command ({command}): "
+            "run that command again to resume them, or choose a new hydra.sweep.dir"
+        )
 
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"

@@ -163,11 +163,11 @@ def test_slurm_preset_sizes_each_job_from_its_parallel_settings():
     assert resources("parallel=ddp", "parallel.devices=2", *cpu_partition) == (1, 2, None)
 
 
-def test_concurrent_preset_composes_the_joblib_launcher():
+def test_concurrent_preset_composes_the_concurrent_launcher():
     cfg = compose_with_hydra("hydra/launcher=concurrent", "hydra.launcher.n_jobs=3")
     launcher = instantiate(cfg.hydra.launcher)
-    assert type(launcher).__name__ == "JoblibLauncher"
-    assert launcher.joblib["n_jobs"] == 3
+    assert type(launcher).__name__ == "ConcurrentLauncher"
+    assert launcher.n_jobs == 3
 
 
 def test_scaling_preset_sweeps_every_strategy_over_device_counts():
