@@ -17,9 +17,9 @@ did not finish. A job whose status.json says ok is not run again (its summary st
 job continues from its own folder's last checkpoint (an interrupted job, a failed one, a SLURM job
 requeued after its time limit or a pre-emption) or starts over if it wrote none, unless
 `trainer.resume` says otherwise; the report is rebuilt from all of them. Each rank that srun
-started decides alone, from files that stay as they are until training writes, so the ranks agree. A failed job
-resumes rather than restarts because exact resume makes both train the same weights, and a
-transient failure then costs only the steps since the checkpoint. Before any job starts,
+started decides alone, from files that stay as they are until training writes, so the ranks agree.
+A failed job resumes rather than restarts because exact resume makes both train the same weights,
+and a transient failure then costs only the steps since the checkpoint. Before any job starts,
 `report.check_sweep_dir` refuses a sweep folder that holds another command's jobs.
 """
 
