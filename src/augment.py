@@ -26,10 +26,15 @@ def augment_image(
 ) -> tuple[Tree, Tree]:
     """`sample`'s image cropped and flipped by torchvision's transforms, with their random draws
     taken from (seed, epoch, index) alone: the same sample gets the same augmentation whichever
-    process, worker or strategy reads it. torchvision draws from torch's global generator, so
-    the draws run on a forked one, leaving the process's own where it was."""
+    process, worker or strategy reads it. torchvision draws from torch's default CPU generator,
+    which is seeded for the sample and then set back: the process's own draws go on where they
+    were. (`torch.manual_seed` would also seed every other device type, 1000 times slower.)"""
     image, target = sample
+    generator = torch.default_generator  # what torchvision draws from; set back afterwards
+    state = generator.get_state()
     # A tuple of ints hashes alike in every process (PYTHONHASHSEED salts only str and bytes).
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(hash((seed, epoch, index)) & (2**63 - 1))
+    generator.manual_seed(hash((seed, epoch, index)) & (2**63 - 1))
+    try:
         return crop_and_flip(*image.shape[-2:])(image), target
+    finally:
+        generator.set_state(state)
