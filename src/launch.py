@@ -396,7 +396,10 @@ def first_to_die(failed: Any, server_pid: int | None) -> str:
         return f"rank {rank} (pid {failure.pid}) was killed by {failure.signal_name()}"
     message = failure.message  # what the rank's error file holds: its exception, or a dict
     text = message.get("message", "") if isinstance(message, dict) else str(message)
-    line = text.strip().splitlines()[0] if text.strip() else f"exit code {failure.exitcode}"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    # A wrapped error ("...Failed: backend='inductor' raised:") names its cause on the next line.
+    line = " ".join(lines[:2] if lines[:1] and lines[0].endswith(":") else lines[:1])
+    line = line or f"exit code {failure.exitcode}"
     return f"rank {rank} (pid {failure.pid}) failed: {line} (its traceback is in train.log)"
 
 

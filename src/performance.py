@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -97,11 +98,27 @@ def prepare_blocks(model: nn.Sequential, activation_checkpointing: bool, compile
     block rather than a wrapper module): a block keeps only its input for backward and runs its
     forward again there, trading that compute for the activations' memory. It works with DDP
     without `static_graph`, with FSDP2 and with compiled blocks."""
+    if compile:
+        keep_kernels_apart_by_aten_capability()
     for block in model:
         if activation_checkpointing:
             checkpoint(block)
         if compile:
             block.__class__ = compiled_class(type(block))
+
+
+def keep_kernels_apart_by_aten_capability() -> None:
+    """Under ATEN_CPU_CAPABILITY, inductor caches its kernels on disk apart from the ones it
+    built without it (unless TORCHINDUCTOR_CACHE_DIR names a folder of the user's). Its cache
+    keys leave the variable out, while its compiler flags follow it: on torch 2.14.1 a kernel
+    cached vectorised by a run with the CPU's own kernels failed to build under `default`
+    (`at::vec` not declared)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    shared = default_cache_dir()  # torch names it in the environment once it has used it
+    if capability and os.environ.get("TORCHINDUCTOR_CACHE_DIR", shared) == shared:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{shared}-aten-{capability}"
 
 
 @functools.cache

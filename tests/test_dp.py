@@ -354,3 +354,58 @@ def test_the_sweep_table_shows_the_output_devices_memory_ratio_only_where_measur
     header, _, line, _ = markdown_table([measured, other]).splitlines()
     assert "output device memory" in header and "| 2.50x |" in line
     assert "output device memory" not in markdown_table([other])
+
+
+class ScaledByBuffer(nn.Module):
+    """torch's test_data_parallel_buffers_requiring_grad: a buffer that requires grad."""
+
+    def __init__(self, scale: torch.Tensor):
+        super().__init__()
+        self.scale = nn.Buffer(scale)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return inputs * self.scale
+
+
+def test_a_buffer_requiring_grad_gets_every_replicas_gradient():
+    inputs = torch.randn(4, 3, dtype=torch.double)
+    module = ScaledByBuffer(torch.randn(3, dtype=torch.double, requires_grad=True))
+    DataParallel(module, [CPU, CPU], gather_outputs=True)(inputs).sum().backward()
+    torch.testing.assert_close(module.scale.grad, inputs.sum(0))
+    assert module.scale.is_leaf
+
+
+class NoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(2, 3))
+
+    def forward(self) -> torch.Tensor:
+        return self.weight * 2
+
+
+def test_a_forward_without_inputs_runs_once_as_torchs_does():
+    assert DataParallel(NoInputs(), [CPU, CPU], gather_outputs=True)().shape == (2, 3)
+
+
+class ZeroingInForward(nn.Linear):
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        self.zero_grad()
+        return super().forward(inputs)
+
+
+def test_zero_grad_in_a_replicas_forward_warns_and_keeps_the_gradients():
+    """As torch's DataParallel: its replicas' parameters are copies, so zero_grad there only
+    warns. The module's own zero_grad still works afterwards."""
+    torch.manual_seed(0)
+    module = ZeroingInForward(3, 2)
+    wrapped = DataParallel(module, [CPU, CPU], gather_outputs=True)
+    inputs = torch.randn(4, 3)
+    expected = torch.autograd.grad(nn.Linear.forward(module, inputs).sum(), module.weight)[0]
+    for _ in range(2):  # the second forward must not clear the first backward's gradients
+        with pytest.warns(UserWarning, match=r"zero_grad\(\) from a module created with"):
+            output = wrapped(inputs)
+        output.sum().backward()
+    torch.testing.assert_close(module.weight.grad, 2 * expected)
+    module.zero_grad()
+    assert module.weight.grad is None

@@ -171,6 +171,17 @@ def test_compiled_blocks_train_like_eager_ones_under_every_wrapper(strategy):
     assert_same_training(reference_run(*SGD), runs[strategy], atol=COMPILE_TOLERANCE)
 
 
+def test_compiled_blocks_under_baseline_kernels_train_like_eager_ones(tmp_path):
+    """After compiled runs with this CPU's own kernels (the sweep above) have filled inductor's
+    cache, a compiled run under ATEN_CPU_CAPABILITY=default builds its own kernels instead of
+    the vectorised ones cached, which failed to build there. Its weights then match eager
+    `single`'s (1.5e-8 apart under `default`, measured), within the other kernels' rounding."""
+    strategy_runs(*SGD, "trainer.compile=true", strategies=COMPILED)  # the cached kernels
+    baseline = {"ATEN_CPU_CAPABILITY": "default"}
+    run_train(*SGD, "trainer.compile=true", run_dir=tmp_path, env=baseline)
+    assert_same_training(reference_run(*SGD), tmp_path)
+
+
 def test_profile_writes_a_chrome_trace_to_the_run_folder_and_w_and_b(tmp_path):
     run_train(
         *TINY, "logger=wandb", "trainer.profile=true", "trainer.profile_steps=2", run_dir=tmp_path

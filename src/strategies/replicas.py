@@ -20,6 +20,11 @@ refuses to run without an accelerator.
 
 BatchNorm: as in torch, only replica 0 updates the module's running statistics (the other
 replicas' buffers are copies, dropped after the forward pass), from its own chunk of the batch.
+A buffer that requires grad is copied differentiably, as torch broadcasts it, so every replica's
+rows reach its gradient. A forward without inputs runs once, on the first device, as in torch;
+`zero_grad()` called in a replica's forward warns that it has no effect, and has none (torch's
+replicas hold copies of the parameters; ours the parameters themselves, whose gradients are put
+back after the forward pass).
 """
 
 from __future__ import annotations
@@ -54,11 +59,34 @@ def scatter(batch: Any, devices: Sequence[torch.device]) -> list[Any]:
 
 
 def replicate(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
-    """One copy of `module` per device; gradients of every copy flow into `module`'s Parameters."""
+    """One copy of `module` per device; gradients of every copy flow into `module`'s Parameters
+    (and into its buffers that require grad)."""
     if devices[0].type == "cuda":
         return torch.nn.parallel.replicate(module, devices, detach=not torch.is_grad_enabled())
     shared = {id(parameter): parameter for parameter in module.parameters()}
-    return [module] + [copy.deepcopy(module, memo=dict(shared)) for _ in devices[1:]]
+    graded = [buffer for buffer in module.buffers() if buffer.requires_grad]
+    return [module] + [
+        copy.deepcopy(module, memo={**shared, **{id(b): b.clone() for b in graded}})
+        for _ in devices[1:]
+    ]
+
+
+@contextlib.contextmanager
+def running_as_replicas(module: nn.Module, replicas: Sequence[nn.Module]) -> Iterator[None]:
+    """While `replicas` of `module` run their forward pass: a `zero_grad()` there warns, as in
+    torch, and `module`'s gradients are what they were before (torch's replicas' parameters are
+    copies, whose gradients nobody keeps)."""
+    gradients = [(parameter, parameter.grad) for parameter in module.parameters()]
+    marked = [m for r in replicas for m in r.modules() if not getattr(m, "_is_replica", False)]
+    for submodule in marked:
+        submodule._is_replica = True  # what torch's replicas say; Module.zero_grad reads it
+    try:
+        yield
+    finally:
+        for submodule in marked:
+            del submodule._is_replica
+        for parameter, gradient in gradients:
+            parameter.grad = gradient
 
 
 def gather(outputs: Sequence[Any], device: torch.device) -> Any:
@@ -165,9 +193,11 @@ class DataParallel(nn.Module):
         self.gather_outputs = gather_outputs
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        parts = scatter((inputs, kwargs), self.devices)
+        # Nothing to split: torch runs the module once, on the first device.
+        parts = scatter((inputs, kwargs), self.devices) if inputs or kwargs else [((), {})]
         devices = self.devices[: len(parts)]
         replicas = replicate(self.module, devices)
         args, kwargs_parts = zip(*parts, strict=True)
-        outputs = parallel_apply(replicas, args, devices, kwargs_parts)
+        with running_as_replicas(self.module, replicas):
+            outputs = parallel_apply(replicas, args, devices, kwargs_parts)
         return gather(outputs, self.devices[0]) if self.gather_outputs else outputs
