@@ -31,7 +31,14 @@ CONF = Path(__file__).resolve().parent / "conf"
 
 
 def main(overrides: list[str]) -> int:
-    from src.plan import candidate_parallels, format_table, plan_all, recommendation
+    from src.plan import (
+        candidate_parallels,
+        format_table,
+        measured_speed,
+        plan_all,
+        planned_device_type,
+        recommendation,
+    )
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -42,6 +49,7 @@ def main(overrides: list[str]) -> int:
             plans = plan_all(cfg, parallels, progress if len(parallels) > 1 else None)
             print(format_table(plans, cfg.plan.device_memory_gb, brief=every))
             if len(plans) > 1:
+                print(measured_speed(planned_device_type(cfg), cfg.plan).describe())
                 print(recommendation(plans))
         except (ConfigCompositionException, OverrideParseException) as error:
             print(f"plan.py: error: {composition_error_line(error)}", file=sys.stderr)

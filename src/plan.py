@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import math
+import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +53,7 @@ from src.strategies.base import (
     Strategy,
     resolve_device_type,
     tied_block_groups,
+    usable_cores,
 )
 
 log = logging.getLogger(__name__)
@@ -179,9 +183,11 @@ def plan_all(
     cfg: DictConfig,
     parallels: Sequence[DictConfig],
     progress: Callable[[str], None] | None = None,
+    speed: DeviceSpeed | None = None,
 ) -> list[Plan]:
     """A `Plan` for each of `parallels` (a `parallel` config each) with the rest of `cfg`;
-    `progress` is told of each one as it is done. Devices whose share of a step is the same
+    `progress` is told of each one as it is done; `speed` is the devices' (default:
+    `measured_speed`). Devices whose share of a step is the same
     (ddp's and fsdp's replicas at one device count, say) are traced once."""
     data = build_data(cfg.data, cfg.seed)
     sizes = model_sizes(cfg, data)
@@ -189,7 +195,7 @@ def plan_all(
     plans = []
     started = time.perf_counter()
     for index, parallel in enumerate(parallels, 1):
-        plans.append(plan_one(cfg, parallel, data, sizes, traces))
+        plans.append(plan_one(cfg, parallel, data, sizes, traces, speed))
         if progress:
             progress(
                 f"planned {parallel.name} on {parallel.devices} device(s) "
@@ -204,6 +210,7 @@ def plan_one(
     data: Data,
     sizes: ModelSizes,
     traces: dict[tuple, TracedShare] | None = None,
+    speed: DeviceSpeed | None = None,
 ) -> Plan:
     """`parallel`'s plan; `traces` holds the shares traced so far, by `share_key`."""
     plan = Plan(parallel.name, parallel.devices, parallel)
@@ -225,7 +232,8 @@ def plan_one(
         plan.device_plans.append(device_plan(traces[key], share))
     plan.traffic = strategy.step_traffic(sizes, micro_batch, trainer.accumulate)
     plan.fits = plan.peak <= cfg.plan.device_memory_gb * 2**30
-    plan.step_time_s = step_time_s(plan, strategy, cfg.plan)
+    speed = speed or measured_speed(strategy.device_type, cfg.plan)
+    plan.step_time_s = step_time_s(plan, strategy, speed, usable_cores())
     return plan
 
 
@@ -236,12 +244,152 @@ def planned_device_type(cfg: DictConfig) -> str:
     return resolve_device_type(cfg.trainer.accelerator)
 
 
-def step_time_s(plan: Plan, strategy: Strategy, settings: DictConfig) -> float:
-    """A rough time per step: the busiest device's FLOPs at `plan.device_tflops` (stretched by a
-    pipeline's idle share), plus the step's traffic over `plan.link_gb_per_s`, not overlapped."""
-    busiest = max(device.flops / device.devices for device in plan.device_plans)
-    compute = busiest / (settings.device_tflops * 1e12) / (1 - strategy.idle_fraction())
-    return compute + sum(plan.traffic.values()) / (settings.link_gb_per_s * 1e9)
+class DeviceSpeed:
+    """What the predicted step time takes a device to do: FLOP/s at a number of intra-op
+    threads, and bytes/s sent between processes (`link`) and within one (`copy`). This one
+    takes them from the settings (`plan.device_tflops`, `plan.link_gb_per_s`): GPUs, which the
+    planner need not see."""
+
+    def __init__(self, settings: DictConfig):
+        self.settings = settings
+
+    def flops_per_s(self, threads: int) -> float:
+        return self.settings.device_tflops * 1e12
+
+    def link_bytes_per_s(self) -> float:
+        return self.settings.link_gb_per_s * 1e9
+
+    def copy_bytes_per_s(self) -> float:
+        return self.link_bytes_per_s()
+
+    def describe(self) -> str:
+        return (
+            f"step times at {self.settings.device_tflops:g} TFLOP/s per device "
+            f"(plan.device_tflops), {self.settings.link_gb_per_s:g} GB/s between devices "
+            "(plan.link_gb_per_s)"
+        )
+
+
+class MeasuredCPU(DeviceSpeed):
+    """This machine's CPU, measured (each figure once, in well under a second): a CPU 'device'
+    is no chip of its own but a share of the cores, so the rate to plan with is what a matmul
+    reaches on the threads a process gets; processes talk over loopback sockets (gloo), a
+    process's devices through its own memory."""
+
+    MATMUL = (256, 512, 512)  # m, k, n: a layer's work at a small batch
+    SENT_BYTES = 8 * MB
+
+    def __init__(self) -> None:
+        self.figures: dict[str, float] = {}
+
+    def measured(self, name: str, measure: Callable[[], float]) -> float:
+        if name not in self.figures:
+            self.figures[name] = measure()
+        return self.figures[name]
+
+    def flops_per_s(self, threads: int) -> float:
+        return self.measured(f"flops/{threads}", lambda: matmul_flops_per_s(self.MATMUL, threads))
+
+    def link_bytes_per_s(self) -> float:
+        return self.measured("link", lambda: socket_bytes_per_s(self.SENT_BYTES))
+
+    def copy_bytes_per_s(self) -> float:
+        return self.measured("copy", lambda: copy_bytes_per_s(self.SENT_BYTES))
+
+    def describe(self) -> str:
+        rates = sorted(
+            (int(name.split("/")[1]), rate)
+            for name, rate in self.figures.items()
+            if name.startswith("flops/")
+        )
+        flops = ", ".join(
+            f"{rate / 1e9:.3g} GFLOP/s on {threads} thread(s)" for threads, rate in rates
+        )
+        moved = [
+            f"{label} {self.figures[name] / 1e9:.3g} GB/s"
+            for name, label in (("link", "loopback socket"), ("copy", "memory copy"))
+            if name in self.figures
+        ]
+        return f"step times from this CPU, measured now: {', '.join([flops, *moved])}"
+
+
+@functools.cache
+def measured_cpu() -> MeasuredCPU:
+    """This process's measurements of the CPU (one set, shared by every plan)."""
+    return MeasuredCPU()
+
+
+def measured_speed(device_type: str, settings: DictConfig) -> DeviceSpeed:
+    """The speed to plan `device_type` with: the CPU measured, GPUs from the settings."""
+    return measured_cpu() if device_type == "cpu" else DeviceSpeed(settings)
+
+
+def best_time_s(work: Callable[[], Any], repeats: int = 5) -> float:
+    """The shortest of `repeats` timed runs of `work` (after one untimed): the machine's speed,
+    not what else it ran meanwhile."""
+    work()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def matmul_flops_per_s(shape: tuple[int, int, int], threads: int) -> float:
+    m, k, n = shape
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return 2 * m * k * n / best_time_s(lambda: a @ b)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def copy_bytes_per_s(size: int) -> float:
+    source = torch.empty(size // 4)
+    target = torch.empty_like(source)
+    return size / best_time_s(lambda: target.copy_(source))
+
+
+def socket_bytes_per_s(size: int) -> float:
+    """Bytes/s through a loopback TCP connection, sent by one thread, read by another."""
+    payload = bytes(size)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        sender = socket.create_connection(server.getsockname())
+        receiver, _ = server.accept()
+        with sender, receiver:
+            buffer = bytearray(size)
+
+            def send_and_read() -> None:
+                thread = threading.Thread(target=sender.sendall, args=(payload,))
+                thread.start()
+                view, received = memoryview(buffer), 0
+                while received < size:
+                    received += receiver.recv_into(view[received:])
+                thread.join()
+
+            return size / best_time_s(send_and_read, repeats=3)
+
+
+def step_time_s(plan: Plan, strategy: Strategy, speed: DeviceSpeed, cores: int) -> float:
+    """A rough time per step: compute, plus the step's traffic, not overlapped.
+
+    GPUs run side by side: the busiest device's FLOPs, stretched by a pipeline's idle share.
+    On CPU the plan's devices are one process's (see `DeviceShare.devices`) and they share its
+    cores, so they run one after another: all their FLOPs at the rate of that process's threads
+    (the cores split over the node's processes). Traffic between processes goes over the link;
+    within one process (every device of a one-process strategy) it is a copy in memory."""
+    processes = strategy.processes_per_node
+    if strategy.device_type == "cpu":
+        threads = max(1, cores // processes)
+        compute = sum(device.flops for device in plan.device_plans) / speed.flops_per_s(threads)
+    else:
+        busiest = max(device.flops / device.devices for device in plan.device_plans)
+        compute = busiest / speed.flops_per_s(1) / (1 - strategy.idle_fraction())
+    rate = speed.link_bytes_per_s() if processes > 1 else speed.copy_bytes_per_s()
+    return compute + sum(plan.traffic.values()) / rate
 
 
 def meta_model_and_inputs(cfg: DictConfig, data: Data, samples: int) -> tuple[nn.Module, Any]:

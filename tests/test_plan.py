@@ -14,7 +14,7 @@ from hydra import initialize_config_dir
 
 import src.plan
 from src.memory_check import measured_peak_mb
-from src.plan import MB, Plan, choose, plan_all, resolve_auto
+from src.plan import MB, DeviceSpeed, Plan, choose, plan_all, resolve_auto
 
 TINY_MLP = ("model.hidden=64", "model.depth=3", "trainer.batch_size=64", "logger=none")
 TINY_GPT = (
@@ -203,3 +203,49 @@ def test_equal_shares_are_traced_once(compose_config, monkeypatch):
     assert len(traced) == 1
     apart = [plan_all(cfg, [parallel])[0] for parallel in (cfg.parallel, fsdp)]
     assert [p.device_plans for p in together] == [p.device_plans for p in apart]
+
+
+class FixedCPU(DeviceSpeed):
+    """A CPU with given figures: FLOP/s by intra-op threads, loopback and in-memory bytes/s."""
+
+    def __init__(self, flops_per_s: dict[int, float], link: float, copy: float):
+        self.rates, self.link, self.copy = flops_per_s, link, copy
+
+    def flops_per_s(self, threads: int) -> float:
+        return self.rates[threads]
+
+    def link_bytes_per_s(self) -> float:
+        return self.link
+
+    def copy_bytes_per_s(self) -> float:
+        return self.copy
+
+
+@pytest.mark.parametrize(
+    "speed, chosen",
+    [
+        # A second thread adds nothing (cores shared with others): two processes of one thread
+        # each halve the work, and the link is fast.
+        (FixedCPU({1: 1e9, 2: 1e9}, link=1e10, copy=1e10), "ddp"),
+        # Threads scale perfectly and the link is slow: one process on both cores wins.
+        (FixedCPU({1: 1e9, 2: 2e9}, link=1e6, copy=1e10), "model_parallel"),
+    ],
+    ids=["threads-do-not-scale", "slow-link"],
+)
+def test_auto_on_cpu_ranks_by_the_measured_speed(compose_config, monkeypatch, speed, chosen):
+    """On CPU a process's devices share its cores: model_parallel's two stages in one process
+    cost all of the model's FLOPs at the process's threads, ddp's two processes each half of
+    them at one thread each, plus the gradient all-reduce over the link."""
+    monkeypatch.setattr(src.plan, "usable_cores", lambda: 2)
+    cfg = compose_config(*TINY_MLP, "parallel=ddp", "trainer.accelerator=cpu")
+    pipeline = compose_config(*TINY_MLP, "parallel=model_parallel").parallel
+    ddp, stages = plan_all(cfg, [cfg.parallel, pipeline], speed=speed)
+    flops = stages.device_plans[0].flops
+    assert ddp.device_plans[0].flops == pytest.approx(flops / 2, rel=0.01)
+    assert stages.step_time_s == pytest.approx(
+        flops / speed.rates[2] + sum(stages.traffic.values()) / speed.copy
+    )
+    assert ddp.step_time_s == pytest.approx(
+        flops / 2 / speed.rates[1] + sum(ddp.traffic.values()) / speed.link, rel=0.01
+    )
+    assert choose([ddp, stages])[0].strategy == chosen
