@@ -45,14 +45,16 @@ def free_port() -> int:
 
 def slurm_conf(folder: Path, node: str) -> str:
     """One node named as this machine, 2 CPUs, partition `debug`; no accounting, no cgroups
-    (proctrack/linuxproc works in containers); a requeued job may start again at once."""
+    (proctrack/linuxproc works in containers). A requeued job may start again within seconds:
+    SLURM 22.05 holds it for cred_expire (120 s by default), later ones for requeue_delay, and
+    the schedulers that start it then look every sched_interval and bf_interval (60 s, 30 s)."""
     return f"""\
 ClusterName=tests
 SlurmctldHost={node}(127.0.0.1)
 SlurmctldPort={free_port()}
 SlurmdPort={free_port()}
 AuthType=auth/munge
-AuthInfo=socket={folder}/munge.socket
+AuthInfo=socket={folder}/munge.socket,cred_expire=5
 CredType=cred/munge
 SlurmUser=root
 SlurmdUser=root
@@ -66,7 +68,7 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
-SchedulerParameters=requeue_delay=0
+SchedulerParameters=sched_interval=1,bf_interval=1,requeue_delay=0
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none

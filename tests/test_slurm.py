@@ -166,7 +166,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm: Cluster, tmp_
     sweep_dir = tmp_path / "sweep"
     result = run_sweep(
         *ON_SLURM, "hydra.launcher.timeout_min=1", "hydra.launcher.signal=USR2@50", *steps,
-        sweep_dir=sweep_dir, env=slurm.env, timeout=240,
+        sweep_dir=sweep_dir, env=slurm.env, timeout=540,
     )  # fmt: skip
 
     assert result.returncode == 0, result.stderr[-4000:]
