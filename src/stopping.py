@@ -37,6 +37,7 @@ class RunStopped(Exception):
 class Interrupted(RunStopped):
     """Stopped by a stop signal (SIGINT, SIGTERM, ...); the exit code is what a shell reports for
     a process that the signal killed."""
+
     @classmethod
     def by(cls, signum: int, step: int, checkpoint: Path) -> Interrupted:
         name = signal.Signals(signum).name
