@@ -39,10 +39,6 @@ class Interrupted(RunStopped):
     """Stopped by a stop signal (SIGINT, SIGTERM, ...); the exit code is what a shell reports for
     a process that the signal killed."""
 
-    @property
-    def signum(self) -> int:
-        return self.exit_code - 128
-
     @classmethod
     def by(cls, signum: int, step: int, checkpoint: Path) -> Interrupted:
         name = signal.Signals(signum).name
@@ -142,13 +138,15 @@ _received_early: list[int] = []
 
 
 @contextlib.contextmanager
-def stopping_also_on(signum: int) -> Iterator[None]:
+def stopping_also_on(signum: int, received_already: bool = False) -> Iterator[None]:
     """While it lasts, `signum` stops a run in this process as SIGTERM does; one that comes before
-    training has begun stops it after its first step. Every rank of a job must enter it alike:
-    the ranks agree on a stop by counting each of `StopOnSignal.SIGNALS`."""
+    training has begun (or `received_already`) stops it after its first step. Every rank of a
+    job must enter it alike: the ranks agree on a stop by counting each of StopOnSignal.SIGNALS."""
     saved = StopOnSignal.SIGNALS
     if signum not in saved:
         StopOnSignal.SIGNALS = (*saved, signum)
+    if received_already:
+        _received_early.append(signum)
     previous = signal.signal(signum, lambda received, frame: _received_early.append(received))
     try:
         yield

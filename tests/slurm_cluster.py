@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,14 +46,16 @@ def free_port() -> int:
 
 def slurm_conf(folder: Path, node: str) -> str:
     """One node named as this machine, 2 CPUs, partition `debug`; no accounting, no cgroups
-    (proctrack/linuxproc works in containers); a requeued job may start again at once."""
+    (proctrack/linuxproc works in containers). A requeued job may start again within seconds:
+    SLURM 22.05 holds it for cred_expire (120 s by default), later ones for requeue_delay, and
+    the schedulers that start it then look every sched_interval and bf_interval (60 s, 30 s)."""
     return f"""\
 ClusterName=tests
 SlurmctldHost={node}(127.0.0.1)
 SlurmctldPort={free_port()}
 SlurmdPort={free_port()}
 AuthType=auth/munge
-AuthInfo=socket={folder}/munge.socket
+AuthInfo=socket={folder}/munge.socket,cred_expire=5
 CredType=cred/munge
 SlurmUser=root
 SlurmdUser=root
@@ -66,7 +69,7 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
-SchedulerParameters=requeue_delay=0
+SchedulerParameters=sched_interval=1,bf_interval=1,requeue_delay=0
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
@@ -89,28 +92,25 @@ class Cluster:
             command, env={**os.environ, **self.env}, capture_output=True, text=True, check=True
         ).stdout
 
-    def start_controller(self) -> float:
-        """Start slurmctld; returns when it started. It checks time limits (and sends the
-        signals due before them) every 30 s from then on."""
-        started = time.time()
-        self.run("slurmctld", "-i")
-        return started
-
-    def restart_controller(self) -> float:
+    def restart_controller(self) -> None:
+        """Restart slurmctld (jobs go on running). It checks time limits, and sends the signals
+        due before them, every 30 s from its start: from now on."""
         self.stop("slurmctld")
-        return self.start_controller()
+        self.run("slurmctld", "-i")
+        self.wait_until(lambda states: bool(states))
 
-    def wait_until_idle(self) -> None:
+    def wait_until(self, ready: Callable[[list[str]], bool]) -> None:
+        """Until the node's states, as sinfo gives them, are `ready`."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             try:
-                if self.run("sinfo", "--noheader", "--format=%T").split() == ["idle"]:
+                if ready(self.run("sinfo", "--noheader", "--format=%T").split()):
                     return
             except subprocess.CalledProcessError:
                 pass  # slurmctld not listening yet
             time.sleep(0.2)
         logs = [(self.folder / f"{name}.log").read_text()[-2000:] for name in DAEMONS]
-        raise RuntimeError("the SLURM node did not come up idle:\n" + "\n".join(logs))
+        raise RuntimeError("the SLURM node did not come up:\n" + "\n".join(logs))
 
     def stop(self, daemon: str) -> None:
         """Stop a daemon by the pid in its pid file, and wait until it has gone."""
@@ -152,9 +152,9 @@ def start_cluster(folder: Path) -> Cluster:
         f"--log-file={folder}/munged.log",
         f"--seed-file={folder}/munged.seed",
     )
-    cluster.start_controller()
+    cluster.run("slurmctld", "-i")
     cluster.run("slurmd")
-    cluster.wait_until_idle()
+    cluster.wait_until(lambda states: states == ["idle"])
     return cluster
 
 

@@ -154,26 +154,28 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm: Cluster, tmp_
     (USR2, `hydra.launcher.signal`) stops the run after a step, checkpointed; the job requeues
     itself and its next run trains the rest.
 
-    slurmctld sends that signal when it checks time limits, every 30 s from its start: at the
-    first check after the job started for a signal 50 s ahead of a 1-minute limit. The test
-    restarts slurmctld to know when that is: the job starts at once and trains 28 s (a paced
-    model, which waits rather than computes), past the check at 30 s; its next run, started at
-    about 32 s, has the rest done before the check at 60 s (or is stopped and requeued again)."""
-    paced = ("model._target_=tests.odd_models.PacedMLP", "trainer.max_steps=1400")
+    slurmctld sends that signal when it checks time limits, every 30 s from its start, at the
+    first check that is less than 30 s before the signal is due: for USR2@5 and a 1-minute limit,
+    at the first check 25 s or more after the job started (earlier, the task could be starting,
+    with no handler yet). Once the job trains, the test restarts slurmctld, so that the check
+    comes 30 s later: the job trains 33 s in all (a paced model, which waits rather than
+    computes), and its next run is done in a few seconds, long before its own signal."""
+    paced = ("model._target_=tests.odd_models.PacedMLP", "trainer.max_steps=1650")
     steps = (*paced, *STOPPED_AND_RESUMED, "trainer.log_every=1")
-    slurm.restart_controller()
-    slurm.wait_until_idle()
     sweep_dir = tmp_path / "sweep"
-    result = run_sweep(
-        *ON_SLURM, "hydra.launcher.timeout_min=1", "hydra.launcher.signal=USR2@50", *steps,
-        sweep_dir=sweep_dir, env=slurm.env, timeout=240,
+    sweep = TrainRun(
+        *ON_SLURM, "hydra.launcher.timeout_min=1", "hydra.launcher.signal=USR2@5", *steps,
+        sweep_dir=sweep_dir, env=slurm.env,
     )  # fmt: skip
+    job_dir = sweep_dir / "0"
+    wait_for_step(job_dir, 1, sweep)
+    slurm.restart_controller()
+    result = sweep.finish(timeout=540)
 
     assert result.returncode == 0, result.stderr[-4000:]
-    job_dir = sweep_dir / "0"
     log = (job_dir / "train.log").read_text()
     assert "SIGUSR2 received: stopping after the current step" in log
     (job_log,) = sweep_dir.glob(".submitit/*/*_0_log.out")
     assert "requeued: it resumes from its checkpoint" in job_log.read_text()
     reference = reference_run(*[o for o in steps if "PacedMLP" not in o])  # the plain MLP
-    assert_resumed_as_if_uninterrupted(job_dir, reference, 1400)
+    assert_resumed_as_if_uninterrupted(job_dir, reference, 1650)

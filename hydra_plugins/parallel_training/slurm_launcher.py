@@ -41,7 +41,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from hydra.core.utils import JobReturn, filter_overrides
 from hydra_plugins.hydra_submitit_launcher import submitit_launcher
 from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
 from omegaconf import DictConfig
@@ -91,21 +91,24 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
         """One SLURM task of a job: runs its Hydra job as one of the job's ranks. Stopped by a
         signal, the task exits without a result (the job runs again, or ends as SLURM ended it);
         stopped by `hydra.launcher.signal`, the job requeues itself first."""
+        requeue_signal = signal_number(self.params["signal"])
+        # Noted from now on, instead of submitit's handler: importing torch takes seconds.
+        received = []
+        signal.signal(requeue_signal, lambda signum, frame: received.append(signum))
         from src.launch import adopt_slurm_environment
-        from src.stopping import Interrupted, stopping_also_on
+        from src.stopping import stopping_also_on
 
         adopt_slurm_environment()
-        requeue_signal = signal_number(self.params["signal"])
-        with stopping_also_on(requeue_signal):
-            job_return = super().__call__(*args, **kwargs)
-        stopped = job_return._return_value  # noqa: SLF001 - the exception of a failed job
-        if job_return.status != JobStatus.FAILED or not isinstance(stopped, Interrupted):
-            return job_return
-        job_id = os.environ["SLURM_JOB_ID"]
-        if stopped.signum == requeue_signal and os.environ.get("SLURM_PROCID", "0") == "0":
-            subprocess.run(["scontrol", "requeue", job_id], check=True)
-            log.warning("job %s requeued: it resumes from its checkpoint when it runs", job_id)
-        raise SystemExit(stopped.exit_code)  # not an Exception: submitit writes no result
+        try:
+            with stopping_also_on(requeue_signal, received_already=bool(received)):
+                return super().__call__(*args, **kwargs)
+        except SystemExit as stopped:  # train.py's exit for a stopped run: 128 + the signal
+            job_id = os.environ["SLURM_JOB_ID"]
+            requeue = stopped.code == 128 + requeue_signal
+            if requeue and os.environ.get("SLURM_PROCID", "0") == "0":
+                subprocess.run(["scontrol", "requeue", job_id], check=True)
+                log.warning("job %s requeued: it resumes from its checkpoint when it runs", job_id)
+            raise  # not an Exception: submitit writes no result
 
     def launch(
         self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
