@@ -419,17 +419,20 @@ def launch_config(processes_per_node: int, nodes: int, parallel: Any, error_dir:
 def this_node(master_addr: str) -> tuple[str | None, bool | None]:
     """This node's address towards the first node (`master_addr`), and whether it is that node,
     found from the route to it instead of from the host name, which nodes may share (containers,
-    network namespaces) and which may resolve to a loopback address. On the first node's own
-    loopback (nodes on one host) torch's own guess stands: one launcher hosts, the others join."""
+    network namespaces) and which may resolve to a loopback address. On a loopback master_addr
+    (nodes on one host) torch's own guess stands: one launcher hosts, the others join."""
     import ipaddress
     import socket
 
-    address = socket.gethostbyname(master_addr)
-    if ipaddress.ip_address(address).is_loopback:
+    try:
+        address = socket.gethostbyname(master_addr)
+        if ipaddress.ip_address(address).is_loopback:
+            return None, None
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, 9))  # UDP: picks the route, sends nothing
+            own = probe.getsockname()[0]
+    except OSError:  # no address or no route: the rendezvous will say so in its own words
         return None, None
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((address, 9))  # UDP: picks the route, sends nothing
-        own = probe.getsockname()[0]
     return own, own == address
 
 
