@@ -1,17 +1,19 @@
 """Plan before you launch: `python plan.py [the same overrides as train.py]`.
 
-Prints, for the configured strategy (or plan.strategies x plan.devices), the predicted peak
-memory per device split into parameters, gradients, optimizer state and activations, the bytes
-sent per step, and whether it fits plan.device_memory_gb. Nothing runs on a
-device: the real model and batch are traced on fake tensors (src/plan.py).
+Prints, for every strategy that can run on parallel.devices (or plan.strategies x plan.devices;
+or only the one named by a `parallel=<name>` override), the predicted peak memory per device
+split into parameters, gradients, optimizer state and activations, the bytes sent per step, and
+whether it fits plan.device_memory_gb, then one line recommending the fastest predicted one that
+fits, and why. Nothing runs on a device: the real model and batch are traced on fake tensors
+(src/plan.py); progress goes to stderr.
 
-    python plan.py                                             # the default run
+    python plan.py parallel.devices=8                          # every strategy on 8 devices
     python plan.py model=gpt data=synthetic_tokens task=language_model parallel=fsdp
     python plan.py plan.strategies=[ddp,fsdp,hybrid] plan.devices=[2,4,8]
     python plan.py parallel=auto plan.device_memory_gb=16      # what parallel=auto would pick
 
 plan.* settings: device_memory_gb (one device's memory), strategies, devices, device_tflops and
-link_gb_per_s (for the predicted step time that parallel=auto ranks by).
+link_gb_per_s (for the predicted step time the recommendation and parallel=auto rank by).
 """
 
 import logging
@@ -19,6 +21,7 @@ import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException, OverrideParseException
 
 from src.config import ConfigError, composition_error_line, register_configs
@@ -28,16 +31,18 @@ CONF = Path(__file__).resolve().parent / "conf"
 
 
 def main(overrides: list[str]) -> int:
-    from src.plan import AUTO, candidate_parallels, choose, format_table, plan_all
+    from src.plan import candidate_parallels, format_table, plan_all, recommendation
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         try:
             cfg = compose(config_name="config", overrides=overrides)
-            plans = plan_all(cfg, candidate_parallels(cfg))
-            print(format_table(plans, cfg.plan.device_memory_gb))
-            if cfg.parallel.name == AUTO:
-                print(choose(plans)[1])
+            every = not names_a_strategy(overrides)
+            parallels = candidate_parallels(cfg, every)
+            plans = plan_all(cfg, parallels, progress if len(parallels) > 1 else None)
+            print(format_table(plans, cfg.plan.device_memory_gb, brief=every))
+            if len(plans) > 1:
+                print(recommendation(plans))
         except (ConfigCompositionException, OverrideParseException) as error:
             print(f"plan.py: error: {composition_error_line(error)}", file=sys.stderr)
             return 2
@@ -45,6 +50,17 @@ def main(overrides: list[str]) -> int:
             print(f"plan.py: error: {error}", file=sys.stderr)
             return error.exit_code
     return 0
+
+
+def names_a_strategy(overrides: list[str]) -> bool:
+    """Whether the overrides choose the parallel option (`parallel=fsdp`), which is then the one
+    planned (unless plan.strategies lists others)."""
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return any(override.key_or_group == "parallel" for override in parsed)
+
+
+def progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -39,13 +39,13 @@ def main(cfg: DictConfig) -> float:
     start_rank_server_early(cfg.parallel)  # its imports overlap the next line's
     # Imported here so that --help and config errors stay fast.
     from src.job import resume_command, run
-    from src.stopping import Interrupted, RunStopped
+    from src.stopping import Interrupted, ProcessDied, RunStopped
 
     # Expected failures get one message and an exit code instead of a traceback. In a multirun,
     # `sweep.run_job` records how each job ended and the sweep goes on; a signal still stops it.
     try:
         return run(cfg)
-    except Interrupted as stop:
+    except (Interrupted, ProcessDied) as stop:
         log.error("%s; resume with:\n  %s", stop, resume_command())
         sys.exit(stop.exit_code)
     except (ConfigError, RunStopped) as error:

@@ -12,6 +12,9 @@ out of both.
 
     single          the template's `parallel=single` / a plain PyTorch loop (1.0: no overhead),
                     both on the same device (a GPU when one is visible, see --device)
+    resnet          the template's ResNet-18 (CIFAR stem, 64 wide) / torchvision's resnet18 given
+                    the CIFAR stem by hand, SGD, on 3x32x32 images in batches of 32, the same
+                    device (1.0: no overhead); on CPU try --steps 40
     overhead        the same on a tiny model (16 wide, batch 16), so that a step is almost all
                     host work: the difference in ms/step is the template's per-step overhead
     model_parallel  2 stages, GPipe over 4 micro-batches / the naive schedule; on CPU the stages
@@ -27,7 +30,8 @@ out of both.
                     / in the training process (data.num_workers=2 / 0)
     plan            the planner's predicted peak memory per device (`python plan.py`) against
                     the peak MemTracker measures over two real training steps in each process
-                    (src/memory_check.py), for mlp and gpt under every strategy on CPU
+                    (src/memory_check.py), for mlp and gpt under every strategy, resnet under
+                    four, on CPU
     compile         `parallel=single` on a small transformer, trainer.compile=true / eager
                     (compiling happens in the warm-up steps, which are not timed)
     bf16, fp16      the same transformer under trainer.precision=bf16 or fp16 / fp32; on a CPU
@@ -66,12 +70,13 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from src.config import register_configs  # noqa: E402
-from src.data import build_data  # noqa: E402
+from src.data import Data, build_data  # noqa: E402
 from src.experiment import check_config, train  # noqa: E402
 from src.job import train_worker  # noqa: E402
 from src.launch import launch  # noqa: E402
@@ -125,8 +130,21 @@ def template_speed(steps: int, *overrides: str, workload: tuple[str, ...] = WORK
         return train(cfg, Path(run_dir), check_config(cfg, Path(run_dir)))["samples_per_sec"]
 
 
+# The `single` comparison's workload (issue 29): MLP 784-1024-1024-10, batch 256, SGD.
+SINGLE_WORKLOAD = (
+    *(setting for setting in WORKLOAD if not setting.startswith(("model.", "data.", "optimizer"))),
+    "model.hidden=1024",
+    "model.depth=2",
+    "data.input_dim=784",
+    "data.num_samples=32768",
+    "optimizer=sgd",
+    "optimizer.schedule=constant",
+    "optimizer.warmup_steps=0",
+)
+
+
 def template_single(steps: int) -> float:
-    return template_speed(steps, "parallel=single")
+    return template_speed(steps, "parallel=single", workload=SINGLE_WORKLOAD)
 
 
 def model_parallel_pipelined(steps: int) -> float:
@@ -202,22 +220,33 @@ def plain_single(steps: int, *overrides: str) -> float:
     device: data kept on a GPU (as the template keeps a small dataset), fused AdamW there, TF32
     matmuls (the template's default on CUDA)."""
     cfg = compose_config(*WORKLOAD, *overrides)
-    device = torch.device(DEVICE)
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")
     data = build_data(cfg.data, cfg.seed)
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
-    model.to(device)
+    model.to(DEVICE)
     optimizer = torch.optim.AdamW(
         model.parameters(),
         lr=cfg.optimizer.lr,
         weight_decay=cfg.optimizer.weight_decay,
-        fused=device.type == "cuda" or None,
+        fused=DEVICE == "cuda" or None,
     )
+    return plain_loop(steps, model, optimizer, data, cfg.trainer.batch_size, cfg.seed)
+
+
+def plain_loop(
+    steps: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: Data,
+    batch_size: int,
+    seed: int,
+) -> float:
+    """samples/s of a hand-written training loop over an in-memory set, on the device."""
+    device = torch.device(DEVICE)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
     inputs, targets = data.train.inputs.to(device), data.train.targets.to(device)
-    batch_size = cfg.trainer.batch_size
-    generator = torch.Generator().manual_seed(cfg.seed)
+    generator = torch.Generator().manual_seed(seed)
     order, position = torch.randperm(len(targets), generator=generator).to(device), 0
     for step in range(steps):
         if step == WARMUP_STEPS:
@@ -235,6 +264,73 @@ def plain_single(steps: int, *overrides: str) -> float:
             loss.item()
     loss.item()  # wait for the queued steps
     return (steps - WARMUP_STEPS) * batch_size / (time.perf_counter() - started)
+
+
+RESNET_BATCH_SIZE = 32
+# ResNet-18 (64 wide, the CIFAR stem) with SGD on CIFAR-shaped images (3x32x32, 10 classes):
+# synthetic ones, so that both sides read the same in-memory set without any files.
+RESNET_WORKLOAD = (
+    "model=resnet",
+    "model.cifar_stem=true",
+    "data=synthetic",
+    "data.image_shape=[3,32,32]",
+    "data.num_samples=2048",
+    f"trainer.batch_size={RESNET_BATCH_SIZE}",
+    "optimizer=sgd",
+    "optimizer.schedule=constant",
+    "optimizer.warmup_steps=0",
+    "logger=none",
+)
+
+
+def template_resnet(steps: int) -> float:
+    return template_speed(steps, "parallel=single", workload=RESNET_WORKLOAD)
+
+
+def plain_resnet(steps: int) -> float:
+    """torchvision's resnet18 given the CIFAR stem by hand (a 3x3 first convolution, no
+    max-pool), as CIFAR training scripts do, with SGD, in the hand-written loop."""
+    import torchvision
+
+    cfg = compose_config(*RESNET_WORKLOAD)
+    data = build_data(cfg.data, cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = torchvision.models.resnet18(num_classes=data.num_classes)
+    model.conv1 = torch.nn.Conv2d(3, 64, 3, padding=1, bias=False)
+    model.maxpool = torch.nn.Identity()
+    model.to(DEVICE)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.optimizer.lr, momentum=0.9)
+    return plain_loop(steps, model, optimizer, data, RESNET_BATCH_SIZE, cfg.seed)
+
+
+def plain_single_loader(steps: int) -> float:
+    """SINGLE_WORKLOAD in a loop as a user writes it by hand: a DataLoader over a TensorDataset
+    (shuffled, whole batches), SGD with the same learning rate and momentum."""
+    cfg = compose_config(*SINGLE_WORKLOAD)
+    device = torch.device(DEVICE)
+    data = build_data(cfg.data, cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+    model.to(device)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=cfg.optimizer.lr, momentum=cfg.optimizer.momentum
+    )
+    dataset = TensorDataset(data.train.inputs, data.train.targets)
+    loader = DataLoader(dataset, batch_size=cfg.trainer.batch_size, shuffle=True, drop_last=True)
+    batches = (batch for _ in iter(int, 1) for batch in loader)  # endless, epoch after epoch
+    for step in range(steps):
+        if step == WARMUP_STEPS:
+            started = time.perf_counter()
+        inputs, targets = next(batches)
+        inputs, targets = inputs.to(device), targets.to(device)
+        loss = F.cross_entropy(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % 50 == 0:
+            loss.item()
+    loss.item()  # wait for the queued steps
+    return (steps - WARMUP_STEPS) * cfg.trainer.batch_size / (time.perf_counter() - started)
 
 
 def plain_overhead(steps: int) -> float:
@@ -364,6 +460,14 @@ PLAN_MODELS = {
         "data.seq_len=64",
         "trainer.batch_size=16",
     ),
+    "resnet": (
+        "model=resnet",
+        "model.width=8",
+        "model.cifar_stem=true",
+        "data.image_shape=[3,32,32]",
+        "data.num_samples=256",
+        "trainer.batch_size=16",
+    ),
 }
 PLAN_STRATEGIES = {
     "single": ("parallel=single",),
@@ -375,6 +479,13 @@ PLAN_STRATEGIES = {
     "ddp 2": ("parallel=ddp", "parallel.devices=2"),
     "fsdp 2": ("parallel=fsdp", "parallel.devices=2"),
     "hybrid 2x2, M=2": ("parallel=hybrid", "parallel.devices=4", "parallel.microbatches=2"),
+    "model_parallel 2": ("parallel=model_parallel",),
+}
+# The strategies each model is planned under (resnet: those tests/test_plan.py holds it to).
+PLAN_CASES = {
+    "mlp": [label for label in PLAN_STRATEGIES if label != "model_parallel 2"],
+    "gpt": [label for label in PLAN_STRATEGIES if label != "model_parallel 2"],
+    "resnet": ["single", "ddp 2", "fsdp 2", "model_parallel 2"],
 }
 
 
@@ -385,8 +496,8 @@ def plan_accuracy() -> None:
 
     print(f"{'model':<6}{'strategy':<24}{'predicted MB':>13}{'measured MB':>13}{'ratio':>8}")
     for model, model_overrides in PLAN_MODELS.items():
-        for label, overrides in PLAN_STRATEGIES.items():
-            cfg = compose_config(*model_overrides, *overrides, "logger=none")
+        for label in PLAN_CASES[model]:
+            cfg = compose_config(*model_overrides, *PLAN_STRATEGIES[label], "logger=none")
             (plan,) = plan_all(cfg, [cfg.parallel])
             measured = measured_peak_mb(cfg)["Total"]
             predicted = plan.peak / MB
@@ -476,8 +587,9 @@ def startup(rounds: int) -> None:
 
 Run = Callable[[int], float]
 COMPARISONS: dict[str, tuple[tuple[str, Run], tuple[str, Run]]] = {
-    "single": (("template", template_single), ("plain", plain_single)),
+    "single": (("template", template_single), ("plain", plain_single_loader)),
     "overhead": (("template", template_overhead), ("plain", plain_overhead)),
+    "resnet": (("template", template_resnet), ("torchvision", plain_resnet)),
     "model_parallel": (
         ("pipelined M=4", model_parallel_pipelined),
         ("naive M=1", model_parallel_naive),
@@ -565,6 +677,8 @@ def main() -> None:
         batch = OVERHEAD_BATCH_SIZE if name == "overhead" else BATCH_SIZE
         if name in TRANSFORMER_COMPARISONS:
             batch = TRANSFORMER_BATCH_SIZE
+        if name == "resnet":
+            batch = RESNET_BATCH_SIZE
         step_ms = [1000 * batch / speed for speed in speeds]
         cells = "".join(
             f"  {label:<16}{speed:>11,.0f}{ms:>9.3f}"

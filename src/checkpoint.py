@@ -156,17 +156,24 @@ class CheckpointWriter:
             strategy.barrier()
             return final
         import torch.distributed.checkpoint as dcp  # slow to import; only sharded ones need it
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
         state = strategy.sharded_state_dict(model, optimizer)
+        # Tensors every rank holds (FSDP's buffers, a replica's weights) are written by rank 0,
+        # in its order: the checkpoint then reads back in single's key order, not with the
+        # buffers another rank wrote listed last.
+        planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
         staging = checkpoints_dir(self.run_dir) / f".staging-{final.name}"
         if strategy.is_main:
             save_file(extra, prepare_staging(self.run_dir, step) / TRAIN_STATE_FILE)
         strategy.barrier()  # the staging folder is ready for every rank's shards
         if self.use_async:
-            future = dcp.async_save(state, checkpoint_id=staging, process_group=self.group)
+            future = dcp.async_save(
+                state, checkpoint_id=staging, process_group=self.group, planner=planner
+            )
             self.pending = (future, staging, final)
             return final
-        dcp.save(state, checkpoint_id=staging)
+        dcp.save(state, checkpoint_id=staging, planner=planner)
         if strategy.is_main:
             publish(staging, final, self.keep)
         strategy.barrier()

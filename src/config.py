@@ -100,6 +100,23 @@ class FCNConfig:
 
 
 @dataclass
+class ResNetConfig:
+    _target_: str = "src.resnet.ResNet"
+    arch: str = "resnet18"
+    """resnet18, resnet34 or resnet50: torchvision's block type and blocks per stage."""
+    width: int = 64
+    """Channels of the stem and the first stage (the later stages have 2, 4 and 8 times as
+    many); torchvision's ResNets have 64."""
+    cifar_stem: bool = False
+    """A 3x3 stride-1 convolution and no max-pool (for 32x32 inputs such as CIFAR's) instead of
+    ImageNet's 7x7 stride-2 convolution and max-pool."""
+    weights: str | None = None
+    """A local state_dict file to start from (this model's keys or torchvision's ResNet's, e.g.
+    saved from `torchvision.models.resnet18()`); None: torchvision's random initialisation.
+    Nothing is downloaded."""
+
+
+@dataclass
 class TransformerConfig:
     _target_: str = "src.models.Transformer"
     hidden: int = 64
@@ -186,12 +203,29 @@ class SyntheticRegressionConfig(GaussianInputsConfig):
 
 
 @dataclass
-class MNISTConfig(DataConfig):
-    _target_: str = "src.data.mnist"
+class TorchvisionSetConfig(LoaderConfig):
+    """A set torchvision reads from its published files (`src/vision.py`): the training part
+    trains, the test part validates."""
+
+    _target_: str = MISSING
     root: str = "data"
-    """Folder holding `MNIST/raw/*-ubyte[.gz]` (torchvision's layout)."""
+    """Folder holding the set's files as torchvision lays them out (the option's file says
+    where)."""
     download: bool = False
-    """Fetch the files when missing; needs network. Never done unless asked."""
+    """Fetch the files when missing, with torchvision; needs network. Never done unless asked."""
+
+
+@dataclass
+class ImageFolderConfig(LoaderConfig):
+    _target_: str = "src.vision.image_folder"
+    root: str = MISSING
+    """Folder holding `train/<class>/<image>` and `val/<class>/<image>` (any format PIL reads)."""
+    image_size: list[int] | None = None
+    """[height, width] every image is resized to; None: the images must all be of one size."""
+    mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
+    """Per-channel mean subtracted from the RGB images (in [0, 1]); ImageNet's by default."""
+    std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
+    """Per-channel standard deviation the images are divided by."""
 
 
 @dataclass
@@ -478,7 +512,8 @@ class PlanConfig:
     """The devices planned for: cpu (a row per process), cuda (a row per GPU: dp's output device
     and each pipeline stage apart; no GPU needed to plan), or auto: trainer.accelerator's."""
     strategies: list[str] | None = None
-    """Strategies to plan; None: the configured one (plan.py), every one (parallel=auto)."""
+    """Strategies to plan; None: every one (parallel=auto, and plan.py unless an override
+    names the parallel option: then that one)."""
     devices: list[int] | None = None
     """Device counts to plan; None: parallel.devices."""
     device_tflops: float = 100.0
@@ -510,13 +545,15 @@ SCHEMAS = {
         "transformer": TransformerConfig,
         "fcn": FCNConfig,
         "gpt": GPTConfig,
+        "resnet": ResNetConfig,
     },
     "data": {
         "synthetic": SyntheticConfig,
         "synthetic_tokens": SyntheticTokensConfig,
         "synthetic_segmentation": SyntheticSegmentationConfig,
         "synthetic_regression": SyntheticRegressionConfig,
-        "mnist": MNISTConfig,
+        "torchvision_set": TorchvisionSetConfig,
+        "image_folder": ImageFolderConfig,
         "tokens": TokensConfig,
     },
     "task": {

@@ -11,15 +11,9 @@ step k.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import gzip
-import logging
 import math
-import os
 import signal
-import struct
-import urllib.request
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +28,6 @@ from torch.utils.data import DataLoader, Dataset
 from src import batches
 from src.batches import Tree
 from src.config import data_builder_config
-
-log = logging.getLogger(__name__)
 
 Batch = tuple[Tree, Tree]
 """(inputs, targets): each a tensor, or a tuple/dict of tensors."""
@@ -239,59 +231,6 @@ def synthetic_regression(
     return _split(inputs, targets, output_dim, val_fraction, seed)
 
 
-MNIST_URL = "https://ossci-datasets.s3.amazonaws.com/mnist/"
-MNIST_FILES = {"images": "train-images-idx3-ubyte", "labels": "train-labels-idx1-ubyte"}
-
-
-def read_idx(path: Path) -> torch.Tensor:
-    """Read an IDX file (MNIST's format), optionally gzipped."""
-    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    zero, dtype_code, ndim = struct.unpack(">HBB", raw[:4])
-    if zero != 0 or dtype_code != 0x08:
-        raise ValueError(f"{path} is not an unsigned-byte IDX file")
-    shape = struct.unpack(f">{ndim}I", raw[4 : 4 + 4 * ndim])
-    return torch.frombuffer(bytearray(raw[4 + 4 * ndim :]), dtype=torch.uint8).reshape(shape)
-
-
-def _find_mnist_file(raw_dir: Path, stem: str, download: bool) -> Path:
-    for candidate in (raw_dir / stem, raw_dir / f"{stem}.gz"):
-        if candidate.exists():
-            return candidate
-    if not download:
-        raise FileNotFoundError(
-            f"MNIST file {stem}[.gz] not found in {raw_dir}; point data.root at the folder that "
-            "holds MNIST/raw, or set data.download=true (needs network)"
-        )
-    target = raw_dir / f"{stem}.gz"
-    url = MNIST_URL + target.name
-    partial = target.with_name(f".{target.name}.part")  # never read as MNIST if cut short
-    created = [folder for folder in (raw_dir, *raw_dir.parents) if not folder.exists()]
-    raw_dir.mkdir(parents=True, exist_ok=True)
-    log.info("downloading %s", url)
-    try:
-        urllib.request.urlretrieve(url, partial)
-    except OSError as error:  # URLError, a timeout, a full disk, ...
-        partial.unlink(missing_ok=True)
-        for folder in created:  # deepest first; a folder holding a finished file stays
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-        raise FileNotFoundError(
-            f"data.download=true could not fetch {url} ({getattr(error, 'reason', error)}); "
-            f"check the network, or put MNIST's files into {raw_dir}"
-        ) from error
-    os.replace(partial, target)
-    return target
-
-
-def mnist(seed: int, root: str, download: bool, val_fraction: float) -> Data:
-    """MNIST's training files from `root/MNIST/raw` (torchvision's layout), split into train/val."""
-    raw_dir = Path(root).expanduser() / "MNIST" / "raw"
-    images = read_idx(_find_mnist_file(raw_dir, MNIST_FILES["images"], download))
-    labels = read_idx(_find_mnist_file(raw_dir, MNIST_FILES["labels"], download))
-    inputs = (images.float().unsqueeze(1) / 255.0 - 0.1307) / 0.3081
-    return _split(inputs, labels.long(), 10, val_fraction, seed)
-
-
 def batches_per_epoch(num_samples: int, batch_size: int) -> int:
     return num_samples // batch_size
 
@@ -417,8 +356,15 @@ def loading_for(
         pin_memory=cuda and settings.pin_memory,
         persistent_workers=settings.persistent_workers,
         prefetch_factor=settings.prefetch_factor,
-        augment=functools.partial(augment_image, seed) if settings.augment else None,
+        augment=augmentation(seed) if settings.augment else None,
     )
+
+
+def augmentation(seed: int) -> Callable[[Batch, int, int], Batch]:
+    """`data.augment=true`'s crop and flip (`src/augment.py`), drawn from (seed, epoch, index)."""
+    from src.augment import augment_image  # torchvision, only for runs that augment
+
+    return functools.partial(augment_image, seed)
 
 
 def train_batches(
@@ -479,19 +425,3 @@ class ValBatches:
             read = iter(self.loader)
         for (inputs, targets), counted in zip(read, self.counted, strict=True):
             yield inputs, targets, counted
-
-
-def augment_image(seed: int, sample: Batch, epoch: int, index: int) -> Batch:
-    """A random crop (of the image padded by an eighth of its size on each side) and a
-    horizontal flip, drawn from (seed, epoch, index) alone: the same sample gets the same
-    augmentation whichever process, worker or strategy reads it."""
-    image, target = sample
-    # A tuple of ints hashes alike in every process (PYTHONHASHSEED salts only str and bytes).
-    generator = torch.Generator().manual_seed(hash((seed, epoch, index)) & (2**63 - 1))
-    height, width = image.shape[-2:]
-    pad = max(1, min(height, width) // 8)
-    padded = torch.nn.functional.pad(image, (pad, pad, pad, pad))
-    top, left = torch.randint(0, 2 * pad + 1, (2,), generator=generator).tolist()
-    flip = torch.randint(0, 2, (), generator=generator).item()
-    crop = padded[..., top : top + height, left : left + width]
-    return (crop.flip(-1) if flip else crop), target

@@ -70,6 +70,7 @@ def check_settings(cfg: DictConfig, ranks: Ranks | None) -> Strategy:
     strategy = build_strategy(cfg.parallel, device_type, trainer.precision, ranks)
     strategy.check_visible_gpus()
     strategy.check_batch(trainer.batch_size // trainer.accumulate)
+    strategy.check_accumulate(trainer.accumulate)
     check_tracker(cfg.logger)
     check_checkpoint_format(trainer, strategy)
     return strategy

@@ -28,6 +28,7 @@ from src.experiment import (
     train,
 )
 from src.launch import (
+    JobFailed,
     KilledBySignal,
     Ranks,
     configure_logging,
@@ -36,7 +37,7 @@ from src.launch import (
     run_as_rank,
     start_rank_server,
 )
-from src.stopping import Interrupted, RunStopped, StopOnSignal
+from src.stopping import Interrupted, ProcessDied, RunStopped, StopOnSignal
 from src.strategies.base import Strategy
 from src.sweep import run_job
 
@@ -113,16 +114,23 @@ def launch_ranks(
 ) -> dict[str, Any]:
     """`launch` the ranks of `train_worker`. A first SIGINT/SIGTERM stops them together after a
     step (they raise the stop, and so does this); a second one kills them (or the first, before
-    they have started): then the last checkpoint says where the run can resume from."""
+    they have started); a process of the job that dies or fails ends it: then the last
+    checkpoint says where the run can resume from."""
     parallel = OmegaConf.create(resolved_cfg["parallel"])
     args = (resolved_cfg, str(run_dir))
     try:
         return launch(train_worker, args, per_node, nodes, parallel, job_logging, (RunStopped,))
     except KilledBySignal as stopped:
-        saved = saved_checkpoints(run_dir)  # a checkpoint is never half-written
-        kept = f"the last checkpoint is {saved[-1]}" if saved else "no checkpoint was written"
         name = signal.Signals(stopped.signum).name
+        kept = last_checkpoint(run_dir)
         raise Interrupted(f"stopped by {name} at once; {kept}", 128 + stopped.signum) from None
+    except JobFailed as failed:
+        raise ProcessDied(f"{failed}; the job stopped and {last_checkpoint(run_dir)}") from None
+
+
+def last_checkpoint(run_dir: Path) -> str:
+    saved = saved_checkpoints(run_dir)  # a checkpoint is never half-written
+    return f"the last checkpoint is {saved[-1]}" if saved else "no checkpoint was written"
 
 
 def train_worker(

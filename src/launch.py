@@ -21,6 +21,7 @@ import copy
 import ctypes
 import ctypes.util
 import functools
+import inspect
 import logging
 import logging.config
 import multiprocessing
@@ -47,6 +48,11 @@ FAILURES_KEY = "template/failures"
 # stops them as soon as the first one has exited.
 FIRST_FAILURE_WAIT_S = 1.0
 LATER_FAILURE_WAIT_S = 3.0
+# torch's loggers that report a failed rank (with a traceback) and the SIGTERM to the others.
+AGENT_FAILURE_LOGGERS = (
+    "torch.distributed.elastic.multiprocessing.api",
+    "torch.multiprocessing.spawn",
+)
 AGENT_HANDLED_SIGNALS = "SIGHUP,SIGQUIT"  # torch's agent stops the ranks at once on these
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
@@ -60,6 +66,10 @@ class KilledBySignal(BaseException):
     def __init__(self, signum: int):
         super().__init__(signum)
         self.signum = signum
+
+
+class JobFailed(Exception):
+    """A process of a job that `launch` started died or failed; the message names it."""
 
 
 @dataclass(frozen=True)
@@ -210,13 +220,13 @@ def reported_failures(add: int) -> int | None:
         return None
 
 
-def start_rank_server() -> int:
+def start_rank_server() -> int | None:
     """Start this process's rank server, once: multiprocessing's forkserver, which imports torch
     and the training code (`src.rank_server`) now, while this process checks the run, and then
     forks each rank that `launch` starts. A rank forked from it is ready in a moment, where a
     spawned one spent seconds importing (and a sweep's later jobs reuse the server). Unlike a fork
     of this process, it forks from one that has run nothing: no CUDA context, no OpenMP threads.
-    Returns its pid: the ranks' parent."""
+    Returns its pid (the ranks' parent), or None where it cannot be read (`rank_server_pid`)."""
     from multiprocessing import forkserver
 
     multiprocessing.set_forkserver_preload(["src.rank_server"])
@@ -231,7 +241,16 @@ def start_rank_server() -> int:
             del os.environ["PYTHONPATH"]
         else:
             os.environ["PYTHONPATH"] = saved
-    return forkserver._forkserver._forkserver_pid  # noqa: SLF001 - not published otherwise
+    return rank_server_pid()
+
+
+def rank_server_pid() -> int | None:
+    """The running forkserver's pid: Python keeps it in a private attribute (checked on the
+    interpreter the project tests, `tests/test_ddp.py`). None if a Python stores it elsewhere:
+    then a rank started after its server died is not caught at once (`end_with_launcher`)."""
+    from multiprocessing import forkserver
+
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)  # noqa: SLF001
 
 
 def start_rank_server_early(parallel: Any) -> None:
@@ -260,7 +279,7 @@ def die_with_parent() -> None:
             log.warning("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
 
 
-def end_with_launcher(server_pid: int) -> None:
+def end_with_launcher(server_pid: int | None) -> None:
     """From now on, the kernel kills this rank the moment the rank server that forked it dies,
     which dies with the launcher (`src.rank_server`); and the rank exits at once if the server is
     already gone.
@@ -272,7 +291,7 @@ def end_with_launcher(server_pid: int) -> None:
     checkpoint is never half-written, so nothing is lost by SIGKILL."""
     die_with_parent()
     # Checked after prctl: a server that died before it would never signal this rank.
-    if os.getppid() != server_pid:
+    if server_pid is not None and os.getppid() != server_pid:
         os._exit(128 + signal.SIGKILL)
 
 
@@ -302,7 +321,7 @@ def _worker(
     args: tuple,
     outcomes: tuple[type, ...],
     job_logging: dict[str, Any],
-    server_pid: int,
+    server_pid: int | None,
     launcher_environment: dict[str, str],
 ) -> Any:
     """Entry point of each launched process: `fn(*args, ranks, stop=...)` as its rank (the agent
@@ -340,22 +359,59 @@ def launch(
     `outcomes` (picklable exceptions that end a run as planned: every rank raises one alike).
     `parallel` gives master_addr/master_port and timeout_s.
 
-    A failure in any rank stops them all and raises `ChildFailedError`, which names the rank
-    that failed first and shows its traceback.
+    A failure in any rank, or the death of the rank server that forked them, stops them all
+    and raises `JobFailed`, naming the process that failed first (a rank logs its traceback).
     """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     name_rendezvous_events_cheaply()
+    # JobFailed's line says what these would.
+    for name in AGENT_FAILURE_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="torchelastic-") as error_dir:
         config = launch_config(processes_per_node, nodes, parallel, error_dir)
         with stop_signals_passed_to_ranks():
             worker = elastic_launch(config, _worker)
             server_pid = start_rank_server()
-            results = worker(fn, args, outcomes, job_logging, server_pid, dict(os.environ))
+            try:
+                results = worker(fn, args, outcomes, job_logging, server_pid, dict(os.environ))
+            except ChildFailedError as failed:
+                raise JobFailed(first_to_die(failed, server_pid)) from None
     result = results[min(results)]
     if isinstance(result, Raised):
         raise result.error
     return result
+
+
+def first_to_die(failed: Any, server_pid: int | None) -> str:
+    """Which process of the job ended it, from torch's `ChildFailedError`: the rank server if
+    it has died (its ranks die with it, and the agent sees them exit 255, with no cause), or
+    else the rank that failed first, with its error or the signal that killed it."""
+    server_end = child_end(server_pid) if server_pid is not None else None
+    if server_end is not None:
+        return f"the rank server (pid {server_pid}), which forks the ranks, {server_end}"
+    rank, failure = failed.get_first_failure()
+    if failure.exitcode < 0:
+        return f"rank {rank} (pid {failure.pid}) was killed by {failure.signal_name()}"
+    message = failure.message  # what the rank's error file holds: its exception, or a dict
+    text = message.get("message", "") if isinstance(message, dict) else str(message)
+    line = text.strip().splitlines()[0] if text.strip() else f"exit code {failure.exitcode}"
+    return f"rank {rank} (pid {failure.pid}) failed: {line} (its traceback is in train.log)"
+
+
+def child_end(pid: int) -> str | None:
+    """How this process's child `pid` ended, or None while it runs; it stays unreaped, for
+    multiprocessing to reap (a sweep's next job starts a new rank server)."""
+    try:
+        ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped already
+        return "died"
+    if ended is None:
+        return None
+    if ended.si_code == os.CLD_EXITED:
+        return f"exited with status {ended.si_status}"
+    return f"was killed by {signal.Signals(ended.si_status).name}"
 
 
 def name_rendezvous_events_cheaply() -> None:
@@ -366,6 +422,12 @@ def name_rendezvous_events_cheaply() -> None:
     `sys._getframe` gives without reading anything: the same names, at once."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
+    torchs = getattr(dynamic_rendezvous, "get_method_name", None)
+    torchs = getattr(torchs, "__wrapped__", torchs)  # named cheaply already
+    if torchs is None or list(inspect.signature(torchs).parameters) != ["depth"]:
+        return  # torch names its events otherwise now: leave it to it
+
+    @functools.wraps(torchs)  # keeps torch's as __wrapped__
     def get_method_name(depth: int = 2) -> str:
         try:
             return sys._getframe(depth).f_code.co_name  # noqa: SLF001 - inspect.stack's frames

@@ -9,6 +9,7 @@ with `trainer.skip_nonfinite`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -226,10 +227,34 @@ def forward_backward(
         with strategy.grad_sync(model, enabled=micro_step == accumulate - 1):
             with autocast:
                 sums = strategy.apply(model, inputs, targets, task.sums)
-            scaling.scale(sums[0] / mean_divisor).backward()
+            scaling.scale(sums).backward(mean_loss_gradient(sums, mean_divisor))
         sums = sums.detach()
         step_sums = sums if step_sums is None else step_sums + sums
     return step_sums, targets_seen
+
+
+def mean_loss_gradient(sums: torch.Tensor, divisor: int | torch.Tensor) -> torch.Tensor:
+    """The gradient `sums.backward` takes to backpropagate the mean loss, sums[0] / divisor,
+    and nothing of the other sums: [1 / divisor, 0, ...]. Given to backward whole, it spares
+    the select and the division that `(sums[0] / divisor).backward()` runs, and their backward
+    ops, every micro-step; a divisor known from the shapes (an int) reuses one tensor."""
+    if torch.is_tensor(divisor):
+        return first_unit(len(sums), sums.dtype, sums.device) / divisor
+    return divided_first_unit(len(sums), sums.dtype, sums.device, divisor)
+
+
+@functools.lru_cache(maxsize=16)
+def first_unit(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    unit = torch.zeros(size, dtype=dtype, device=device)
+    unit[0] = 1
+    return unit
+
+
+@functools.lru_cache(maxsize=16)
+def divided_first_unit(
+    size: int, dtype: torch.dtype, device: torch.device, divisor: int
+) -> torch.Tensor:
+    return first_unit(size, dtype, device) / divisor  # as the division's backward computes it
 
 
 class TimedBatches:

@@ -22,7 +22,8 @@ import copy
 import dataclasses
 import logging
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,7 @@ STRATEGIES = sorted(
     for path in (Path(__file__).resolve().parents[1] / "conf" / "parallel").glob("*.yaml")
     if path.stem != AUTO
 )
-TRACED_STEPS = 2  # the second step's peak has the optimizer state the first one created
+TRACED_STEPS = 2  # measured (src/memory_check.py): the second step's peak has the optimizer state
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
 # MemTracker's categories, summed into the plan's four.
 TRACKED_AS = {
@@ -139,14 +140,15 @@ def check_plan_settings(plan: DictConfig) -> None:
         raise ConfigError("plan.link_gb_per_s and plan.device_tflops must be above 0")
 
 
-def candidate_parallels(cfg: DictConfig) -> list[DictConfig]:
-    """The `parallel` configs to plan: `plan.strategies` (default: the configured one; every
-    one for parallel=auto) at `plan.devices` (default: `parallel.devices`). A strategy other
-    than the configured one comes with its own option's settings (conf/parallel/<name>.yaml),
-    composed through Hydra, which must be initialized (it is inside train.py and plan.py)."""
+def candidate_parallels(cfg: DictConfig, every: bool = False) -> list[DictConfig]:
+    """The `parallel` configs to plan: `plan.strategies` (default: every one for parallel=auto
+    or `every`, else the configured one) at `plan.devices` (default: `parallel.devices`). A
+    strategy other than the configured one comes with its own option's settings
+    (conf/parallel/<name>.yaml), composed through Hydra, which must be initialized (it is inside
+    train.py and plan.py)."""
     check_plan_settings(cfg.plan)
-    auto = cfg.parallel.name == AUTO
-    names = list(cfg.plan.strategies or (STRATEGIES if auto else [cfg.parallel.name]))
+    every = every or cfg.parallel.name == AUTO
+    names = list(cfg.plan.strategies or (STRATEGIES if every else [cfg.parallel.name]))
     counts = list(cfg.plan.devices or [cfg.parallel.devices])
     candidates = []
     for name in names:
@@ -165,34 +167,62 @@ def resolve_auto(cfg: DictConfig) -> DictConfig:
     chosen in `parallel.chosen_by`, and logged); any other config as it is."""
     if cfg.parallel.name != AUTO:
         return cfg
-    best, reason = choose(plan_all(cfg, candidate_parallels(cfg)))
+    best, why = choose(plan_all(cfg, candidate_parallels(cfg)))
+    reason = f"parallel=auto chose {best.strategy} on {best.devices} device(s): {why}"
     log.info(reason)
     resolved = copy.deepcopy(cfg)
     resolved.parallel = OmegaConf.merge(best.parallel, {"chosen_by": reason})
     return resolved
 
 
-def plan_all(cfg: DictConfig, parallels: Sequence[DictConfig]) -> list[Plan]:
-    """A `Plan` for each of `parallels` (a `parallel` config each) with the rest of `cfg`."""
+def plan_all(
+    cfg: DictConfig,
+    parallels: Sequence[DictConfig],
+    progress: Callable[[str], None] | None = None,
+) -> list[Plan]:
+    """A `Plan` for each of `parallels` (a `parallel` config each) with the rest of `cfg`;
+    `progress` is told of each one as it is done. Devices whose share of a step is the same
+    (ddp's and fsdp's replicas at one device count, say) are traced once."""
     data = build_data(cfg.data, cfg.seed)
     sizes = model_sizes(cfg, data)
-    return [plan_one(cfg, parallel, data, sizes) for parallel in parallels]
+    traces: dict[tuple, TracedShare] = {}
+    plans = []
+    started = time.perf_counter()
+    for index, parallel in enumerate(parallels, 1):
+        plans.append(plan_one(cfg, parallel, data, sizes, traces))
+        if progress:
+            progress(
+                f"planned {parallel.name} on {parallel.devices} device(s) "
+                f"({index}/{len(parallels)}, {time.perf_counter() - started:.0f} s)"
+            )
+    return plans
 
 
-def plan_one(cfg: DictConfig, parallel: DictConfig, data: Data, sizes: ModelSizes) -> Plan:
+def plan_one(
+    cfg: DictConfig,
+    parallel: DictConfig,
+    data: Data,
+    sizes: ModelSizes,
+    traces: dict[tuple, TracedShare] | None = None,
+) -> Plan:
+    """`parallel`'s plan; `traces` holds the shares traced so far, by `share_key`."""
     plan = Plan(parallel.name, parallel.devices, parallel)
     trainer = cfg.trainer
+    traces = {} if traces is None else traces
     try:
         strategy = build_strategy(parallel, planned_device_type(cfg), trainer.precision)
         strategy.check_batch(trainer.batch_size // trainer.accumulate)
+        strategy.check_accumulate(trainer.accumulate)
         strategy.check_model(*meta_model_and_inputs(cfg, data, 2))
     except ConfigError as error:
         plan.problem = str(error)
         return plan
     micro_batch = trainer.batch_size // trainer.accumulate
-    plan.device_plans = [
-        trace_share(cfg, data, share) for share in strategy.device_shares(sizes, micro_batch)
-    ]
+    for share in strategy.device_shares(sizes, micro_batch):
+        key = share_key(share)
+        if key not in traces:
+            traces[key] = trace_share(cfg, data, share)
+        plan.device_plans.append(device_plan(traces[key], share))
     plan.traffic = strategy.step_traffic(sizes, micro_batch, trainer.accumulate)
     plan.fits = plan.peak <= cfg.plan.device_memory_gb * 2**30
     plan.step_time_s = step_time_s(plan, strategy, cfg.plan)
@@ -246,8 +276,26 @@ def model_sizes(cfg: DictConfig, data: Data) -> ModelSizes:
     )
 
 
-def trace_share(cfg: DictConfig, data: Data, share: DeviceShare) -> DevicePlan:
-    """`share`'s part of `TRACED_STEPS` training steps on fake tensors; its peak by category."""
+@dataclass(frozen=True)
+class TracedShare:
+    """What tracing a share found: its peak by MemTracker's categories, and its FLOPs per
+    optimizer step."""
+
+    peak: dict[Any, int]
+    flops: int
+
+
+def share_key(share: DeviceShare) -> tuple:
+    """What a share's trace depends on: shares equal in these trace the same (the label, the
+    sharding and what the strategy adds are applied after, in `device_plan`)."""
+    return (share.samples, share.blocks, share.parts, share.gather, share.replica_only)
+
+
+def trace_share(cfg: DictConfig, data: Data, share: DeviceShare) -> TracedShare:
+    """`share`'s part of two training steps on fake tensors. The first creates the optimizer
+    state and counts the FLOPs (apart from the tracker: under FlopCounterMode, checkpointed
+    activations stay alive); the second, tracked by MemTracker with that state held, gives the
+    peak by category (the first step's peak is never higher: it holds no optimizer state)."""
     trainer = cfg.trainer
     task = instantiate(cfg.task)
     sample_inputs, sample_targets = first_samples(data.train, 1)
@@ -259,30 +307,32 @@ def trace_share(cfg: DictConfig, data: Data, share: DeviceShare) -> DevicePlan:
         optimizer = build_optimizer(cfg.optimizer, stage.parameters())
         step = ShareStep(stage, share, task, last=end == len(model))
         template = stage_inputs(model, start, share.samples, sample_inputs)
+
+        def training_step() -> None:
+            for _ in range(trainer.accumulate):
+                inputs = fresh_inputs(template, from_stage=start > 0)
+                targets = sample_targets.new_zeros(share.samples, *sample_targets.shape[1:])
+                with autocast("cpu", trainer.precision):
+                    loss = step(inputs, targets)
+                loss.backward()
+            if not share.replica_only:  # a replica's gradients go to the output device
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        with FlopCounterMode(display=False) as flops:
+            training_step()
         tracker = StepMemTracker()
         tracker.track_external(step, optimizer)
-
-        def micro_step() -> None:
-            inputs = fresh_inputs(template, from_stage=start > 0)
-            targets = sample_targets.new_zeros(share.samples, *sample_targets.shape[1:])
-            with autocast("cpu", trainer.precision):
-                loss = step(inputs, targets)
-            loss.backward()
-
         with tracker:
-            for _ in range(TRACED_STEPS):
-                for _ in range(trainer.accumulate):
-                    micro_step()
-                if not share.replica_only:  # a replica's gradients go to the output device
-                    optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-        # Counted apart: under FlopCounterMode, checkpointed activations stay alive.
-        with FlopCounterMode(display=False) as flops:
-            micro_step()
+            training_step()
     (peak,) = tracker.get_tracker_snapshot("peak").values()
-    total_flops = flops.get_total_flops() * trainer.accumulate
-    device = DevicePlan(share.label, share.devices, flops=total_flops)
-    for kind, size in peak.items():
+    return TracedShare(dict(peak), flops.get_total_flops())
+
+
+def device_plan(traced: TracedShare, share: DeviceShare) -> DevicePlan:
+    """`share`'s device: its traced peak in the plan's categories, shared out."""
+    device = DevicePlan(share.label, share.devices, flops=traced.flops)
+    for kind, size in traced.peak.items():
         if kind in TRACKED_AS:
             name = TRACKED_AS[kind]
             setattr(device, name, getattr(device, name) + size)
@@ -356,14 +406,17 @@ def split_parts(inputs: Any, parts: int) -> list[Any]:
 # ----------------------------------------------------------------------------------------- table
 
 
-def format_table(plans: Sequence[Plan], device_memory_gb: float) -> str:
-    """The plans as a text table, one row per device of each plan, MB."""
+def format_table(plans: Sequence[Plan], device_memory_gb: float, brief: bool = False) -> str:
+    """The plans as a text table, one row per device of each plan, MB; `brief` names the plans
+    that cannot run in one line at the end instead of a row each with the reason."""
     header = (
         f"{'strategy':<15}{'devices':>8}  {'device':<12}{'params':>9}{'grads':>9}{'optim':>9}"
         f"{'activ':>9}{'peak MB':>10}{'traffic MB':>12}{'fits':>6}"
     )
     lines = [f"device memory: {device_memory_gb:g} GB (plan.device_memory_gb)", header]
     for plan in plans:
+        if plan.problem and brief:
+            continue
         if plan.problem:
             lines.append(f"{plan.strategy:<15}{plan.devices:>8}  cannot run: {plan.problem}")
             continue
@@ -379,6 +432,11 @@ def format_table(plans: Sequence[Plan], device_memory_gb: float) -> str:
         if plan.traffic:
             parts = ", ".join(f"{name} {size / MB:.2f} MB" for name, size in plan.traffic.items())
             lines.append(f"{'':<25}traffic per step: {parts}")
+    unrunnable = [f"{plan.strategy} x{plan.devices}" for plan in plans if plan.problem]
+    if brief and unrunnable:
+        lines.append(
+            f"cannot run: {', '.join(unrunnable)} (plan one with parallel=<name> to see why)"
+        )
     return "\n".join(lines)
 
 
@@ -390,18 +448,25 @@ def choose(plans: Sequence[Plan]) -> tuple[Plan, str]:
         smallest = min(runnable, key=lambda plan: plan.peak, default=None)
         need = f"; the smallest needs {smallest.peak / MB:.0f} MB per device" if smallest else ""
         raise ConfigError(
-            f"parallel=auto: no strategy fits plan.device_memory_gb{need}; raise "
-            "plan.device_memory_gb or parallel.devices, or lower trainer.batch_size"
+            f"no strategy fits plan.device_memory_gb{need}; raise plan.device_memory_gb or "
+            "parallel.devices, or lower trainer.batch_size"
         )
     best = min(fitting, key=lambda plan: plan.step_time_s)
     others = ", ".join(
-        f"{plan.strategy} {plan.step_time_s * 1e3:.3g} ms" for plan in fitting if plan is not best
+        f"{plan.strategy} x{plan.devices} {plan.step_time_s * 1e3:.3g} ms"
+        for plan in fitting
+        if plan is not best
     )
     left_out = [plan.strategy for plan in runnable if not plan.fits]
     reason = (
-        f"parallel=auto chose {best.strategy} on {best.devices} device(s): predicted "
-        f"{best.step_time_s * 1e3:.3g} ms per step and {best.peak / MB:.1f} MB per device, the "
-        f"fastest of those that fit ({others or 'no other'})"
+        f"predicted {best.step_time_s * 1e3:.3g} ms per step and {best.peak / MB:.1f} MB per "
+        f"device, the fastest of those that fit ({others or 'no other'})"
         + (f"; too big: {', '.join(left_out)}" if left_out else "")
     )
     return best, reason
+
+
+def recommendation(plans: Sequence[Plan]) -> str:
+    """The line that ends `python plan.py`'s comparison: which to run, and why."""
+    best, why = choose(plans)
+    return f"recommended: parallel={best.strategy} parallel.devices={best.devices}: {why}"

@@ -1,14 +1,17 @@
-"""What ends a run early: a stop signal (SIGINT/SIGTERM) or a non-finite loss.
+"""What ends a run early: a stop signal (SIGINT/SIGTERM, or one `stopping_also_on` adds, such as
+SLURM's signal before a time limit), a non-finite loss, or a process of a multi-process job that
+died.
 
-Both end in an exception that `train.py` reports as one message, with an exit code that says why.
+Each ends in an exception that `train.py` reports as one message, with an exit code that says why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 
@@ -33,8 +36,12 @@ class RunStopped(Exception):
 
 
 class Interrupted(RunStopped):
-    """Stopped by SIGINT or SIGTERM; the exit code is what a shell reports for a process that
-    the signal killed."""
+    """Stopped by a stop signal (SIGINT, SIGTERM, ...); the exit code is what a shell reports for
+    a process that the signal killed."""
+
+    @property
+    def signum(self) -> int:
+        return self.exit_code - 128
 
     @classmethod
     def by(cls, signum: int, step: int, checkpoint: Path) -> Interrupted:
@@ -42,6 +49,11 @@ class Interrupted(RunStopped):
         return cls(
             f"stopped by {name} after step {step}; checkpoint saved to {checkpoint}", 128 + signum
         )
+
+
+class ProcessDied(RunStopped):
+    """A process of a multi-process job died or failed (a rank, or the rank server that forked
+    them), and the launcher stopped the rest; the run resumes from its last checkpoint."""
 
 
 class NonFiniteLoss(RunStopped):
@@ -73,7 +85,7 @@ class StopOnSignal:
     `job_failed()` says when a signal is instead the launcher ending a failed job: the rank exits.
     """
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)  # and `stopping_also_on`'s
 
     def __init__(
         self,
@@ -91,6 +103,8 @@ class StopOnSignal:
 
     def __enter__(self) -> StopOnSignal:
         self._previous = {signum: signal.signal(signum, self._note) for signum in self.SIGNALS}
+        if _received_early:  # by `stopping_also_on`, before training began
+            self._note(_received_early.pop(), None)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -122,6 +136,26 @@ class StopOnSignal:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
+
+
+_received_early: list[int] = []
+
+
+@contextlib.contextmanager
+def stopping_also_on(signum: int) -> Iterator[None]:
+    """While it lasts, `signum` stops a run in this process as SIGTERM does; one that comes before
+    training has begun stops it after its first step. Every rank of a job must enter it alike:
+    the ranks agree on a stop by counting each of `StopOnSignal.SIGNALS`."""
+    saved = StopOnSignal.SIGNALS
+    if signum not in saved:
+        StopOnSignal.SIGNALS = (*saved, signum)
+    previous = signal.signal(signum, lambda received, frame: _received_early.append(received))
+    try:
+        yield
+    finally:
+        StopOnSignal.SIGNALS = saved
+        signal.signal(signum, previous)
+        _received_early.clear()
 
 
 class NonFiniteWatch:

@@ -14,11 +14,12 @@ A job of a sweep also joins the sweep's W&B group unless `logger.group` is set.
 
 A sweep resumes: the same `-m` command with `hydra.sweep.dir=<that sweep>` runs again only what
 did not finish. A job whose status.json says ok is not run again (its summary stands); any other
-job continues from its own folder's last checkpoint (an interrupted job, a failed one) or starts
-over if it wrote none; the report is rebuilt from all of them. Each rank that srun started decides
-alone, from files that stay as they are until training writes, so the ranks agree. A failed job
-resumes rather than restarts because exact resume makes both train the same weights, and a
-transient failure then costs only the steps since the checkpoint. Before any job starts,
+job continues from its own folder's last checkpoint (an interrupted job, a failed one, a SLURM job
+requeued after its time limit or a pre-emption) or starts over if it wrote none, unless
+`trainer.resume` says otherwise; the report is rebuilt from all of them. Each rank that srun
+started decides alone, from files that stay as they are until training writes, so the ranks agree.
+A failed job resumes rather than restarts because exact resume makes both train the same weights,
+and a transient failure then costs only the steps since the checkpoint. Before any job starts,
 `report.check_sweep_dir` refuses a sweep folder that holds another command's jobs.
 """
 
@@ -73,7 +74,8 @@ def run_job(task: Task) -> Callable[[DictConfig], float]:
         if earlier is not None:
             log.info("job %s finished in an earlier run of this sweep: kept", hydra_cfg.job.num)
             return earlier["final_val_loss"]
-        if saved_checkpoints(status.job_dir):  # an earlier run of the sweep stopped this job
+        # an earlier run of the sweep, or SLURM's requeue, stopped this job
+        if cfg.trainer.resume is None and saved_checkpoints(status.job_dir):
             cfg.trainer.resume = "auto"
         try:
             summary = task(cfg, ranks)

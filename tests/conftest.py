@@ -1,12 +1,13 @@
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 from helpers import ROOT, on_cpu
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
+from slurm_cluster import Cluster, start_cluster, stop_cluster
 
 from src.config import register_configs
 
@@ -24,3 +25,14 @@ def compose_config() -> Callable[..., DictConfig]:
             return compose("config", overrides=on_cpu(overrides))
 
     return _compose
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A one-node SLURM cluster of this machine for the session (`tests/slurm_cluster.py`); the
+    tests that use it are marked `needs_slurm()`, which skips them without SLURM's binaries."""
+    cluster = start_cluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        yield cluster
+    finally:
+        stop_cluster(cluster)

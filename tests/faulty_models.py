@@ -1,8 +1,10 @@
 """A model for fault tests only, picked with `model._target_=tests.faulty_models.FaultyMLP`.
 
 In its FAIL_AT_STEP-th training forward pass, on the rank named by FAIL_RANK, it raises
-(FAULT=raise), kills its own process without a word (FAULT=kill) or stops forever (FAULT=hang).
-The rank named by BUSY_RANK (if any) then keeps computing (a Python-level wait) instead.
+(FAULT=raise), kills its own process without a word (FAULT=kill), kills the rank server that
+forked it (FAULT=kill_server) or the launcher above that (FAULT=kill_launcher), or stops forever
+(FAULT=hang). The rank named by BUSY_RANK (if any) then keeps computing (a Python-level wait)
+instead. Without FAULT it is the MLP.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class FaultyMLP(MLP):
         self.training_forwards = 0
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        if self.training:
+        if self.training and "FAULT" in os.environ:
             self.training_forwards += 1
             failing_rank = os.environ["RANK"] == os.environ["FAIL_RANK"]
             busy_rank = os.environ["RANK"] == os.environ.get("BUSY_RANK")
@@ -30,9 +32,20 @@ class FaultyMLP(MLP):
             if busy_rank and at_step:
                 threading.Event().wait()
             if failing_rank and at_step:
-                if os.environ["FAULT"] == "kill":
-                    os.kill(os.getpid(), signal.SIGKILL)
+                killed = {
+                    "kill": os.getpid,
+                    "kill_server": os.getppid,
+                    "kill_launcher": lambda: parent_of(os.getppid()),
+                }.get(os.environ["FAULT"])
+                if killed is not None:
+                    os.kill(killed(), signal.SIGKILL)
+                    threading.Event().wait()  # until the kill's consequences reach this rank
                 if os.environ["FAULT"] == "hang":
                     threading.Event().wait()
                 raise RuntimeError(f"injected failure in training step {self.training_forwards}")
         return super().forward(inputs)
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])

@@ -12,6 +12,8 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +188,28 @@ def proc_file(pid: int, name: str) -> str:
         return ""
 
 
+def processes_of_job(marker: str) -> list[int]:
+    """Processes whose environment holds DDP_TEST_JOB=<marker> (launcher, agent, workers)."""
+    pids = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"DDP_TEST_JOB={marker}".encode() in environ.read_bytes().split(b"\0"):
+                pids.append(int(environ.parent.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return pids
+
+
+def wait_until(condition: Callable[[], bool], within_s: float) -> bool:
+    """Poll `condition` until it holds or `within_s` has passed; whether it holds."""
+    deadline = time.monotonic() + within_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def rank_pids(launcher_pid: int) -> list[int]:
     """The rank processes of a multi-process job started by `launcher_pid` (train.py): forked by
     its rank server (`launch.start_rank_server`, multiprocessing's forkserver)."""
@@ -213,6 +237,25 @@ def run_sweep(
 ) -> subprocess.CompletedProcess:
     """`python train.py -m <overrides> hydra.sweep.dir=<sweep_dir>`, to the end."""
     return TrainRun(*overrides, sweep_dir=sweep_dir, env=env).finish(timeout)
+
+
+def kill_and_resume(run_dir: Path, *overrides: str, reference: Path) -> None:
+    """SIGKILL a run once step 6 is logged, resume it, and compare it with `reference`."""
+    run = TrainRun(*overrides, run_dir=run_dir, one_page=True)
+    run.wait_for("step 6/60")
+    run.process.kill()  # SIGKILL: no handler, no clean-up
+    returncode = run.finish().returncode
+    assert returncode == -signal.SIGKILL
+    assert not (run_dir / "summary.json").exists()
+    saved_step = checkpoint(run_dir)["step"]
+    assert 5 <= saved_step < 60
+
+    result = run_train(*overrides, "trainer.resume=auto", run_dir=run_dir)
+
+    resumed_from = run_dir / "checkpoints" / f"step-{saved_step:06d}"
+    assert f"resuming from {resumed_from} at step {saved_step}" in result.stdout
+    assert_same_training(reference, run_dir)  # every step's loss, and the final weights
+    assert checkpoint(run_dir)["step"] == 60
 
 
 @functools.cache
@@ -328,7 +371,7 @@ def assert_same_training(reference: Path, other: Path, atol: float = 1e-5) -> No
         )
     assert_same_losses(reference, other, atol)
     expected_weights, actual_weights = checkpoint(reference)["model"], checkpoint(other)["model"]
-    assert actual_weights.keys() == expected_weights.keys()
+    assert list(actual_weights) == list(expected_weights), "not single's keys in single's order"
     for key, weight in expected_weights.items():
         difference = (actual_weights[key].float() - weight.float()).abs().max().item()
         assert difference < atol, f"{key}: max abs difference {difference:.2e}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -198,3 +199,16 @@ class UnusedBranch(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+
+class PacedMLP(MLP):
+    """The MLP, whose training steps take at least STEP_S each (it waits, using no CPU): a run of
+    known length, for tests that need a run still training when a signal comes at a time the
+    test does not choose (SLURM's before a time limit). It trains the MLP's weights."""
+
+    STEP_S = 0.02
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            time.sleep(self.STEP_S)
+        return super().forward(inputs)

@@ -1,21 +1,16 @@
-"""Datasets, the real MNIST on-disk format, and the batch order shared by every strategy."""
+"""Datasets and the batch order shared by every strategy (image sets read by torchvision:
+`test_vision.py`)."""
 
 from __future__ import annotations
 
-import gzip
 import itertools
-import struct
-from pathlib import Path
 
 import pytest
 import torch
 from helpers import (
-    TINY,
-    TINY_SGD,
     assert_same_training,
     metrics,
     reference_run,
-    run_train,
     strategy_runs,
     summary,
     tokens_run,
@@ -27,64 +22,10 @@ from src.data import (
     Split,
     SplitSamples,
     ValBatches,
-    augment_image,
-    mnist,
-    read_idx,
     synthetic_classification,
     tokens,
     train_batches,
 )
-
-
-def write_idx(path: Path, array: torch.Tensor, compress: bool) -> None:
-    """Write `array` (uint8) in the IDX format MNIST ships in."""
-    header = struct.pack(">HBB", 0, 0x08, array.dim()) + struct.pack(
-        f">{array.dim()}I", *array.shape
-    )
-    payload = header + array.numpy().tobytes()
-    path.write_bytes(gzip.compress(payload) if compress else payload)
-
-
-def write_tiny_mnist(root: Path, samples: int = 200, compress: bool = True) -> None:
-    raw = root / "MNIST" / "raw"
-    raw.mkdir(parents=True)
-    generator = torch.Generator().manual_seed(0)
-    images = torch.randint(0, 256, (samples, 28, 28), generator=generator, dtype=torch.uint8)
-    labels = torch.randint(0, 10, (samples,), generator=generator, dtype=torch.uint8)
-    suffix = ".gz" if compress else ""
-    write_idx(raw / f"train-images-idx3-ubyte{suffix}", images, compress)
-    write_idx(raw / f"train-labels-idx1-ubyte{suffix}", labels, compress)
-
-
-@pytest.mark.parametrize("compress", [True, False])
-def test_read_mnist_from_its_on_disk_format(tmp_path, compress):
-    write_tiny_mnist(tmp_path, compress=compress)
-    data = mnist(seed=0, root=str(tmp_path), download=False, val_fraction=0.1)
-    assert data.input_shape == (1, 28, 28) and data.num_classes == 10
-    assert len(data.train) == 180 and len(data.val) == 20
-    labels = read_idx(next((tmp_path / "MNIST" / "raw").glob("train-labels*")))
-    assert sorted(torch.cat([data.train.targets, data.val.targets]).tolist()) == sorted(
-        labels.long().tolist()
-    )
-
-
-def test_missing_mnist_names_the_setting(tmp_path):
-    with pytest.raises(FileNotFoundError, match="data.root"):
-        mnist(seed=0, root=str(tmp_path), download=False, val_fraction=0.1)
-
-
-def test_convnet_trains_on_mnist_files_through_train_py(tmp_path):
-    write_tiny_mnist(tmp_path / "data")
-    tiny = [override for override in TINY if not override.startswith("data.")]
-    run_train(
-        *tiny,
-        "model=convnet",
-        "model.width=4",
-        "data=mnist",
-        f"data.root={tmp_path / 'data'}",
-        run_dir=tmp_path / "run",
-    )
-    assert summary(tmp_path / "run")["steps"] == 6
 
 
 def test_synthetic_data_is_a_function_of_the_seed():
@@ -164,15 +105,6 @@ def test_validation_through_the_loader_counts_each_sample_once_with_equal_forwar
     assert sorted(torch.cat(counted).tolist()) == list(range(61))
 
 
-def test_augmentation_is_a_function_of_seed_epoch_and_index():
-    image = torch.arange(2 * 8 * 8, dtype=torch.float).reshape(2, 8, 8)
-    sample = (image, torch.tensor(1))
-    first = augment_image(0, sample, 1, 5)[0]
-    assert torch.equal(first, augment_image(0, sample, 1, 5)[0]) and first.shape == image.shape
-    others = [augment_image(0, sample, epoch, 5)[0] for epoch in range(2, 12)]
-    assert any(not torch.equal(first, other) for other in others)
-
-
 @pytest.mark.equivalence
 def test_token_file_trains_alike_for_any_worker_count_and_strategy(tmp_path):
     """`single` reading in-process, and `single`, `ddp` x2 and `fsdp` x2 reading with 2 workers
@@ -187,20 +119,3 @@ def test_token_file_trains_alike_for_any_worker_count_and_strategy(tmp_path):
     rows = [row for row in metrics(run_dir) if "train/loss" in row]
     assert len(rows) == 6 and all(row["train/data_wait_ms"] >= 0 for row in rows)
     assert summary(run_dir)["data_wait_ms"] >= 0
-
-
-@pytest.mark.equivalence
-def test_augmented_images_train_alike_for_any_worker_count_and_strategy(tmp_path):
-    """Augmentation drawn from (seed, epoch, index): `single` with no workers and `ddp` x2 with 2
-    workers each see the same augmented batches, so they train the same weights."""
-    images = (
-        *TINY_SGD,
-        "model=convnet",
-        "model.width=4",
-        "data.image_shape=[1,8,8]",
-        "data.augment=true",
-    )
-    run_train(*images, "data.num_workers=0", run_dir=tmp_path / "single")
-    ddp = ("parallel=ddp", "parallel.devices=2")
-    run_train(*images, *ddp, "data.num_workers=2", run_dir=tmp_path / "ddp")
-    assert_same_training(tmp_path / "single", tmp_path / "ddp")

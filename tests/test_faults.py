@@ -1,18 +1,32 @@
-"""Faults during training: a diverging loss stops the run (or its steps are skipped), and W&B
-failing never stops training."""
+"""Faults during training: a diverging loss stops the run (or its steps are skipped), W&B
+failing never stops training, and a killed process of a multi-process job ends it, resumably."""
 
 from __future__ import annotations
 
 import contextlib
 import http.server
+import signal
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 
 import pytest
 import torch
-from helpers import TINY, checkpoint, run_train, summary, train_losses, wandb_history
+from helpers import (
+    TINY,
+    TINY_SGD,
+    assert_same_training,
+    checkpoint,
+    processes_of_job,
+    reference_run,
+    run_train,
+    summary,
+    train_losses,
+    wait_until,
+    wandb_history,
+)
 
 # SGD at lr=1000 blows the loss up to NaN at step 4 (deterministically, from the seed).
 DIVERGING = (
@@ -119,3 +133,42 @@ def test_wandb_server_that_cannot_take_the_run_means_an_offline_run_within_secon
     if server == "unreachable":  # no online attempt: the offline run is the only run file
         history = [row for row in wandb_history(tmp_path) if "train/loss" in row]
         assert [row["_step"] for row in history] == list(range(1, 7))
+
+
+# A ddp x2 run checkpointing at step 2, in which rank 1 kills a process of its job in step 3.
+FAULTY_DDP = (
+    *TINY_SGD,
+    "parallel=ddp",
+    "parallel.devices=2",
+    "trainer.checkpoint_every=2",
+    "model._target_=tests.faulty_models.FaultyMLP",
+)
+
+
+@pytest.mark.parametrize("fault", ["kill_server", "kill_launcher"])
+def test_a_killed_rank_server_or_launcher_ends_the_job_and_the_same_command_resumes_it(
+    tmp_path, fault
+):
+    """The rank server's death ends the job at once, with one line that names it and the last
+    checkpoint; the launcher's (SIGKILL: nothing of it can speak) takes every other process of
+    the job with it. Either way nothing is left running and the resumed run ends with the
+    uninterrupted run's weights."""
+    marker = uuid.uuid4().hex
+    env = {"FAIL_RANK": "1", "FAIL_AT_STEP": "3", "FAULT": fault, "DDP_TEST_JOB": marker}
+    result = run_train(*FAULTY_DDP, run_dir=tmp_path, check=False, env=env)
+
+    assert wait_until(lambda: not processes_of_job(marker), within_s=10), processes_of_job(marker)
+    output = result.stdout + result.stderr
+    if fault == "kill_server":
+        assert result.returncode == 1, output
+        (line,) = [line for line in output.splitlines() if "[ERROR]" in line]
+        assert "the rank server (pid " in line and "was killed by SIGKILL" in line, line
+        assert line.endswith(
+            f"the last checkpoint is {tmp_path}/checkpoints/step-000002; resume with:"
+        )
+        assert "ChildFailedError" not in output and "Error executing job" not in output
+    else:
+        assert result.returncode == -signal.SIGKILL, output
+    assert checkpoint(tmp_path)["step"] == 2
+    run_train(*FAULTY_DDP, "trainer.resume=auto", run_dir=tmp_path)
+    assert_same_training(reference_run(*TINY_SGD), tmp_path)

@@ -3,6 +3,7 @@ of real training steps, the choice, and bad input."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 from helpers import ROOT, run_train
 from hydra import initialize_config_dir
 
+import src.plan
 from src.memory_check import measured_peak_mb
 from src.plan import MB, Plan, choose, plan_all, resolve_auto
 
@@ -23,23 +25,51 @@ TINY_GPT = (
     "trainer.batch_size=16",
     "logger=none",
 )
+# torchvision's ResNet-18 with the CIFAR stem on 32x32 images, 4 wide: BatchNorm buffers,
+# residual branches, in-place ReLUs.
+TINY_RESNET = (
+    *("model=resnet", "model.width=4", "model.cifar_stem=true"),
+    *("data.image_shape=[3,32,32]", "data.num_samples=64", "trainer.batch_size=8"),
+    "logger=none",
+)
+NEEDS_TORCHVISION = pytest.mark.skipif(
+    importlib.util.find_spec("torchvision") is None, reason="model=resnet needs torchvision"
+)
+RESNET_CASES = {
+    "resnet-single": ("parallel=single",),
+    "resnet-ddp": ("parallel=ddp", "parallel.devices=2"),
+    "resnet-fsdp": ("parallel=fsdp", "parallel.devices=2"),
+    "resnet-model-parallel": ("parallel=model_parallel",),
+}
 
 
 @pytest.mark.parametrize(
     "overrides",
     [
-        (*TINY_MLP, "parallel=dp", "parallel.devices=2"),
-        (*TINY_GPT, "parallel=single", "trainer.activation_checkpointing=true"),
-        (*TINY_GPT, "parallel=model_parallel", "parallel.microbatches=2", "trainer.accumulate=2"),
-        (*TINY_GPT, "parallel=ddp", "parallel.devices=1", "trainer.precision=bf16"),
-        (*TINY_MLP, "parallel=ddp", "parallel.devices=2"),  # ranks started by `launch`
-    ],
-    ids=[
-        "mlp-dp",
-        "gpt-single-checkpointing",
-        "gpt-pipeline-accumulate",
-        "gpt-ddp-bf16",
-        "mlp-ddp",
+        pytest.param((*TINY_MLP, "parallel=dp", "parallel.devices=2"), id="mlp-dp"),
+        pytest.param(
+            (*TINY_GPT, "parallel=single", "trainer.activation_checkpointing=true"),
+            id="gpt-single-checkpointing",
+        ),
+        pytest.param(
+            (
+                *TINY_GPT,
+                "parallel=model_parallel",
+                "parallel.microbatches=2",
+                "trainer.accumulate=2",
+            ),
+            id="gpt-pipeline-accumulate",
+        ),
+        pytest.param(
+            (*TINY_GPT, "parallel=ddp", "parallel.devices=1", "trainer.precision=bf16"),
+            id="gpt-ddp-bf16",
+        ),
+        # ranks started by `launch`
+        pytest.param((*TINY_MLP, "parallel=ddp", "parallel.devices=2"), id="mlp-ddp"),
+        *[
+            pytest.param((*TINY_RESNET, *case), id=name, marks=NEEDS_TORCHVISION)
+            for name, case in RESNET_CASES.items()
+        ],
     ],
 )
 def test_predicted_peak_within_10_percent_of_measured(compose_config, overrides):
@@ -143,3 +173,33 @@ def test_gpu_plan_shows_dp_output_device_and_each_stage(compose_config):
     assert output_device.peak > max(replica.peak for replica in replicas)
     assert [device.label for device in stages.device_plans] == ["cuda:0", "cuda:1", "cuda:2"]
     assert sum(d.parameters for d in stages.device_plans) < 1.01 * output_device.parameters
+
+
+def test_plan_py_plans_every_strategy_that_runs_and_recommends_one():
+    result = subprocess.run(
+        [sys.executable, "plan.py", *TINY_MLP, "parallel.devices=2", "trainer.accelerator=cpu"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    *table, last = result.stdout.strip().splitlines()
+    rows = {line.split()[0] for line in table[2:] if not line.startswith(" ")}
+    assert {"ddp", "dp", "dp_criterion", "fsdp", "model_parallel"} <= rows
+    assert "cannot run: hybrid x2, single x2 (plan one with parallel=<name> to see why)" in table
+    assert last.startswith("recommended: parallel=") and "the fastest of those that fit" in last
+    assert "planned fsdp on 2 device(s) (4/7" in result.stderr  # progress, as it goes
+
+
+def test_equal_shares_are_traced_once(compose_config, monkeypatch):
+    """ddp and fsdp give each of 2 devices the same half batch through the whole model: one
+    trace serves both (fsdp then shards its state), with the plans as when traced apart."""
+    traced = []
+    trace_share = src.plan.trace_share
+    monkeypatch.setattr(src.plan, "trace_share", lambda *a: traced.append(a) or trace_share(*a))
+    cfg = compose_config(*TINY_MLP, "parallel=ddp")
+    fsdp = compose_config(*TINY_MLP, "parallel=fsdp").parallel
+    together = plan_all(cfg, [cfg.parallel, fsdp])
+    assert len(traced) == 1
+    apart = [plan_all(cfg, [parallel])[0] for parallel in (cfg.parallel, fsdp)]
+    assert [p.device_plans for p in together] == [p.device_plans for p in apart]

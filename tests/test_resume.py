@@ -27,6 +27,7 @@ from helpers import (
     TrainRun,
     assert_same_training,
     checkpoint,
+    kill_and_resume,
     metrics,
     rank_pids,
     reference_run,
@@ -100,25 +101,6 @@ def test_run_reading_with_workers_resumes_at_the_samplers_position(tmp_path):
 
     run_train(*with_workers, run_dir=run_dir)
     assert_same_training(reference, run_dir)
-
-
-def kill_and_resume(tmp_path: Path, *overrides: str, reference: Path) -> None:
-    """SIGKILL a run once step 6 is logged, resume it, and compare it with `reference`."""
-    run = TrainRun(*overrides, run_dir=tmp_path, one_page=True)
-    run.wait_for("step 6/60")
-    run.process.kill()  # SIGKILL: no handler, no clean-up
-    returncode = run.finish().returncode
-    assert returncode == -signal.SIGKILL
-    assert not (tmp_path / "summary.json").exists()
-    saved_step = checkpoint(tmp_path)["step"]
-    assert 5 <= saved_step < 60
-
-    result = run_train(*overrides, "trainer.resume=auto", run_dir=tmp_path)
-
-    resumed_from = tmp_path / "checkpoints" / f"step-{saved_step:06d}"
-    assert f"resuming from {resumed_from} at step {saved_step}" in result.stdout
-    assert_same_training(reference, tmp_path)  # every step's loss, and the final weights
-    assert checkpoint(tmp_path)["step"] == 60
 
 
 @pytest.mark.timeout(300)

@@ -9,6 +9,7 @@ Before any work (in the launching process):
                                                        started, this process among them (set by
                                                        build_strategy); None: it runs alone
     strategy.check_batch(micro_batch)                  the global micro-batch splits as needed
+    strategy.check_accumulate(accumulate)              micro-steps per optimizer step work here
     strategy.check_visible_gpus()                      enough GPUs for the job, or for this rank
     strategy.check_model(model, inputs)                the model (built on the meta device) fits,
                                                        given a batch of meta inputs; pipelines
@@ -209,6 +210,10 @@ class Strategy:
                 f"the micro-batch (trainer.batch_size / trainer.accumulate) is {micro_batch}; "
                 "raise trainer.batch_size"
             )
+
+    def check_accumulate(self, accumulate: int) -> None:
+        """Raise ConfigError when `trainer.accumulate` micro-steps per optimizer step cannot run
+        this way."""
 
     def check_visible_gpus(self) -> None:
         """Raise ConfigError when too few GPUs are visible: all of `parallel.devices` to a job

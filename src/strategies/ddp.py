@@ -16,7 +16,7 @@ from typing import Any
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from src.config import DDPConfig
+from src.config import ConfigError, DDPConfig
 from src.strategies.base import DeviceShare, ModelSizes, ring_bytes
 from src.strategies.distributed import Distributed
 
@@ -42,6 +42,16 @@ class DDP(Distributed):
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module
+
+    def check_accumulate(self, accumulate: int) -> None:
+        # torch's reducer fails an internal assert on the backward after no_sync() when the
+        # graph is static (torch 2.14.1, also in plain DDP), after the job has started.
+        if self.cfg.static_graph and accumulate > 1:
+            raise ConfigError(
+                f"parallel.static_graph=true cannot run with trainer.accumulate={accumulate}: "
+                "torch's DDP fails on the micro-steps that skip the gradient sync; set "
+                "parallel.static_graph=false or trainer.accumulate=1"
+            )
 
     def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if enabled else model.no_sync()
