@@ -479,12 +479,16 @@ def launch_config(processes_per_node: int, nodes: int, parallel: Any, error_dir:
 
 
 def this_node(master_addr: str) -> tuple[str | None, bool | None]:
-    """This node's address towards the first node (`master_addr`), and whether it is that node,
-    found from the route to it instead of from the host name, which nodes may share (containers,
-    network namespaces) and which may resolve to a loopback address. On a loopback master_addr
-    (nodes on one host) torch's own guess stands: one launcher hosts, the others join."""
+    """This node's address towards the first node (`master_addr`), and whether this node hosts
+    the rendezvous: True where the address is this node's own but torch's guess, which goes by
+    the host name, misses it (nodes that share a host name, as containers and network namespaces
+    do, or whose name resolves to a loopback address); None, torch's guess, otherwise. With its
+    own guess torch lets a second launcher on the host join instead, as on a loopback
+    master_addr (nodes on one host)."""
     import ipaddress
     import socket
+
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
     try:
         address = socket.gethostbyname(master_addr)
@@ -495,7 +499,7 @@ def this_node(master_addr: str) -> tuple[str | None, bool | None]:
             own = probe.getsockname()[0]
     except OSError:  # no address or no route: the rendezvous will say so in its own words
         return None, None
-    return own, own == address
+    return own, (own == address and not _matches_machine_hostname(address)) or None
 
 
 @contextlib.contextmanager
