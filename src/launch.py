@@ -446,12 +446,15 @@ def launch_config(processes_per_node: int, nodes: int, parallel: Any, error_dir:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
+    rendezvous: dict[str, Any] = {"timeout": int(parallel.timeout_s)}
+    node_address = None
     if nodes == 1 and parallel.master_port == 0:
         endpoint, run_id = "localhost:0", uuid.uuid4().hex
     else:
         # Every node's launcher must name the same rendezvous.
         endpoint = f"{parallel.master_addr}:{parallel.master_port}"
         run_id = f"train-{endpoint}"
+        node_address, rendezvous["is_host"] = this_node(parallel.master_addr)
     log.info(
         "launching %d processes per node on %d node(s), rendezvous at %s",
         processes_per_node,
@@ -465,7 +468,8 @@ def launch_config(processes_per_node: int, nodes: int, parallel: Any, error_dir:
         run_id=run_id,
         rdzv_backend="c10d",
         rdzv_endpoint=endpoint,
-        rdzv_configs={"timeout": int(parallel.timeout_s)},
+        rdzv_configs=rendezvous,
+        local_addr=node_address,
         max_restarts=0,
         start_method="forkserver",  # see `start_rank_server`
         logs_specs=DefaultLogsSpecs(log_dir=error_dir),
@@ -475,6 +479,30 @@ def launch_config(processes_per_node: int, nodes: int, parallel: Any, error_dir:
         shutdown_timeout=max(1, int(parallel.timeout_s)),
         signals_to_handle=AGENT_HANDLED_SIGNALS,
     )
+
+
+def this_node(master_addr: str) -> tuple[str | None, bool | None]:
+    """This node's address towards the first node (`master_addr`), and whether this node hosts
+    the rendezvous: True where the address is this node's own but torch's guess, which goes by
+    the host name, misses it (nodes that share a host name, as containers and network namespaces
+    do, or whose name resolves to a loopback address); None, torch's guess, otherwise. With its
+    own guess torch lets a second launcher on the host join instead, as on a loopback
+    master_addr (nodes on one host)."""
+    import ipaddress
+    import socket
+
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    try:
+        address = socket.gethostbyname(master_addr)
+        if ipaddress.ip_address(address).is_loopback:
+            return None, None
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, 9))  # UDP: picks the route, sends nothing
+            own = probe.getsockname()[0]
+    except OSError:  # no address or no route: the rendezvous will say so in its own words
+        return None, None
+    return own, (own == address and not _matches_machine_hostname(address)) or None
 
 
 @contextlib.contextmanager

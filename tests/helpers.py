@@ -109,7 +109,8 @@ class TrainRun:
 
     With `one_page=True`, stdout and stderr share a pipe of one page that `wait_for` reads line by
     line: once the test stops reading, the run can get at most a page of log lines (a few dozen
-    steps) ahead and cannot finish first, so signal tests need no sleeps and have no races."""
+    steps) ahead and cannot finish first, so signal tests need no sleeps and have no races.
+    `prefix` goes before the command (`ip netns exec <host>`, `torchrun ...`)."""
 
     def __init__(
         self,
@@ -118,13 +119,14 @@ class TrainRun:
         sweep_dir: Path | None = None,
         env: dict[str, str] | None = None,
         one_page: bool = False,
+        prefix: tuple[str, ...] = (),
     ):
         command = (
             [*train_command(*overrides), f"hydra.run.dir={run_dir}"]
             if sweep_dir is None
             else [*train_command("-m", *overrides), f"hydra.sweep.dir={sweep_dir}"]
         )
-        self.command = command
+        self.command = command = [*prefix, *command]
         stdout = stderr = subprocess.PIPE
         if one_page:
             read_end, stdout = os.pipe()
