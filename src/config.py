@@ -323,6 +323,10 @@ class StagesConfig:
     micro-batches (idle share (S-1)/(M+S-1) for S stages)."""
     split_points: list[int] | None = None
     """Block indices where stages 1.. start, e.g. [2]; None balances stages by parameter count."""
+    deferred_batchnorm: bool = False
+    """torchgpipe's deferred BatchNorm: with microbatches=M>1 each micro-batch is still
+    normalised by itself, but the running statistics are updated once a step, from the whole
+    batch's statistics, instead of once per micro-batch."""
 
 
 @dataclass

@@ -67,6 +67,12 @@ def check_settings(cfg: DictConfig, ranks: Ranks | None) -> Strategy:
         and not torch.cuda.is_bf16_supported(including_emulation=False)
     ):
         raise ConfigError("trainer.precision=bf16 but this GPU has no bf16 support; use fp32")
+    if trainer.activation_checkpointing and cfg.parallel.get("deferred_batchnorm"):
+        raise ConfigError(
+            "parallel.deferred_batchnorm=true cannot run with trainer.activation_checkpointing="
+            "true: the recomputed forward passes would update the running statistics again; set "
+            "one of them to false"
+        )
     strategy = build_strategy(cfg.parallel, device_type, trainer.precision, ranks)
     strategy.check_visible_gpus()
     strategy.check_batch(trainer.batch_size // trainer.accumulate)

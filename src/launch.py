@@ -246,8 +246,9 @@ def start_rank_server() -> int | None:
 
 def rank_server_pid() -> int | None:
     """The running forkserver's pid: Python keeps it in a private attribute (checked on the
-    interpreter the project tests, `tests/test_ddp.py`). None if a Python stores it elsewhere:
-    then a rank started after its server died is not caught at once (`end_with_launcher`)."""
+    interpreter the project tests, `tests/test_torch_internals.py`). None if a Python stores it
+    elsewhere: then a rank started after its server died is not caught at once
+    (`end_with_launcher`)."""
     from multiprocessing import forkserver
 
     return getattr(forkserver._forkserver, "_forkserver_pid", None)  # noqa: SLF001

@@ -146,6 +146,22 @@ ROWS = [
         id="hybrid-static-graph-accumulate",
     ),
     pytest.param(
+        ["parallel=hybrid", "parallel.deferred_batchnorm=true", "parallel.sync_batchnorm=true"],
+        CHECK,
+        "parallel.deferred_batchnorm=true and parallel.sync_batchnorm=true both replace BatchNorm",
+        id="hybrid-deferred-and-synced-batchnorm",
+    ),
+    pytest.param(
+        [
+            "parallel=model_parallel",
+            "parallel.deferred_batchnorm=true",
+            "trainer.activation_checkpointing=true",
+        ],
+        CHECK,
+        "parallel.deferred_batchnorm=true cannot run with trainer.activation_checkpointing=true",
+        id="deferred-batchnorm-with-activation-checkpointing",
+    ),
+    pytest.param(
         ["parallel=ddp", "trainer.accelerator=cpu", "parallel.backend=mpi"],
         CHECK,
         "parallel.backend must be gloo, nccl or null (nccl on CUDA, gloo on CPU), got 'mpi'",

@@ -3,7 +3,8 @@
 `single` normalises by the whole batch. ddp, fsdp and hybrid with `parallel.sync_batchnorm=true`
 do the same (SyncBatchNorm); without it each rank normalises by its own share. dp updates the
 running statistics from replica 0's chunk only (as torch.nn.DataParallel does), and a pipeline
-from each micro-batch in turn."""
+from each micro-batch in turn, or once a step from the whole batch with
+`parallel.deferred_batchnorm=true`."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from odd_models import BatchNormMLP
 from src.config import PipelineConfig
 from src.objective import loss_sum
 from src.strategies import build_strategy
+from src.strategies.deferred_batchnorm import defer_batchnorm
 from src.strategies.pipeline import Pipeline
 
 BATCHNORM = (*TINY_SGD, "model._target_=tests.odd_models.BatchNormMLP")
@@ -59,3 +61,30 @@ def test_a_pipeline_updates_running_statistics_once_per_micro_batch():
     actual = pipelined.model[0][2].running_mean
     torch.testing.assert_close(actual, running_mean_after(model, list(inputs.split(4))))
     assert PipelineConfig().microbatches == 1  # the default: whole-batch statistics, as single
+
+
+def test_deferred_batchnorm_records_the_whole_batchs_statistics_once_a_step():
+    """torchgpipe's semantics: each micro-batch is normalised by itself (the outputs and
+    gradients of the plain pipeline), and the running statistics get one update, `single`'s
+    from the whole batch."""
+    torch.manual_seed(0)
+    model, inputs = BatchNormMLP(**SIZES), torch.randn(12, 8)
+    targets = torch.randint(0, 3, (12,))
+    plain, deferred = copy.deepcopy(model), defer_batchnorm(copy.deepcopy(model), 3)
+    losses = []
+    for module in (plain, deferred):
+        loss = Pipeline(module, [torch.device("cpu")] * 2, microbatches=3)(
+            inputs, targets, loss_sum
+        )
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0])
+    for name, parameter in deferred.named_parameters():
+        torch.testing.assert_close(parameter.grad, plain.get_parameter(name).grad)
+    batchnorm = deferred[0][2]
+    single = copy.deepcopy(model).train()
+    with torch.no_grad():
+        single(inputs)
+    for key, value in single[0][2].state_dict().items():
+        torch.testing.assert_close(batchnorm.state_dict()[key], value, rtol=0, atol=1e-5)
+    assert list(deferred.state_dict()) == list(model.state_dict())

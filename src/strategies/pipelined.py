@@ -16,6 +16,7 @@ from torch import nn
 
 from src.batches import Tree
 from src.strategies.base import ConfigError, DeviceShare, LossFn, ModelSizes, Strategy
+from src.strategies.deferred_batchnorm import defer_batchnorm
 from src.strategies.pipeline import (
     Pipeline,
     balanced_split_points,
@@ -37,6 +38,11 @@ class Pipelined(Strategy):
         super().__init__(cfg, device_type)
         if cfg.microbatches < 1:
             raise ConfigError(f"parallel.microbatches must be at least 1, got {cfg.microbatches}")
+        if cfg.deferred_batchnorm and getattr(cfg, "sync_batchnorm", False):
+            raise ConfigError(
+                "parallel.deferred_batchnorm=true and parallel.sync_batchnorm=true both replace "
+                "BatchNorm; choose one"
+            )
         self.check_split_points(cfg.split_points)
         self.split_points = cfg.split_points  # until check_model has looked at the model
         self.layout: dict[str, Any] = {}
@@ -126,6 +132,8 @@ class Pipelined(Strategy):
 
     def pipeline(self, model: nn.Module) -> Pipeline:
         """`model` cut into this process's stages, its layout logged and kept for `report`."""
+        if self.cfg.deferred_batchnorm:
+            model = defer_batchnorm(model, self.cfg.microbatches)
         pipeline = Pipeline(model, self.devices, self.cfg.microbatches, self.split_points)
         self.layout = pipeline.describe()
         log_layout(self.layout)
