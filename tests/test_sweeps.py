@@ -159,7 +159,8 @@ def test_slurm_preset_sizes_each_job_from_its_parallel_settings():
     two_nodes = ("parallel.nodes=2",)  # srun gives the rendezvous: no master_port needed
     assert resources("parallel=ddp", "parallel.devices=4", *two_nodes) == (2, 4, 4)
     assert resources("parallel=single", "parallel.devices=2") == (1, 1, None)  # only says why not
-    cpu_partition = ("hydra.launcher.gpus_per_node=0", "trainer.accelerator=auto")
+    cpu_partition = ("hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0")
+    cpu_partition += ("trainer.accelerator=auto",)
     assert resources("parallel=ddp", "parallel.devices=2", *cpu_partition) == (1, 2, None)
 
 
