@@ -130,6 +130,9 @@ def template_speed(steps: int, *overrides: str, workload: tuple[str, ...] = WORK
         return train(cfg, Path(run_dir), check_config(cfg, Path(run_dir)))["samples_per_sec"]
 
 
+# SGD at a constant rate from the first step: the workloads compared with a plain SGD loop.
+SGD_CONSTANT = ("optimizer=sgd", "optimizer.schedule=constant", "optimizer.warmup_steps=0")
+
 # The `single` comparison's workload (issue 29): MLP 784-1024-1024-10, batch 256, SGD.
 SINGLE_WORKLOAD = (
     *(setting for setting in WORKLOAD if not setting.startswith(("model.", "data.", "optimizer"))),
@@ -137,9 +140,7 @@ SINGLE_WORKLOAD = (
     "model.depth=2",
     "data.input_dim=784",
     "data.num_samples=32768",
-    "optimizer=sgd",
-    "optimizer.schedule=constant",
-    "optimizer.warmup_steps=0",
+    *SGD_CONSTANT,
 )
 
 
@@ -276,9 +277,7 @@ RESNET_WORKLOAD = (
     "data.image_shape=[3,32,32]",
     "data.num_samples=2048",
     f"trainer.batch_size={RESNET_BATCH_SIZE}",
-    "optimizer=sgd",
-    "optimizer.schedule=constant",
-    "optimizer.warmup_steps=0",
+    *SGD_CONSTANT,
     "logger=none",
 )
 
