@@ -112,6 +112,23 @@ class Cluster:
         logs = [(self.folder / f"{name}.log").read_text()[-2000:] for name in DAEMONS]
         raise RuntimeError("the SLURM node did not come up:\n" + "\n".join(logs))
 
+    def states_until_gone(self, job: str) -> set[str]:
+        """The states squeue gives `job` until it has left the queue."""
+        seen: set[str] = set()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while state := self.queue_state(job):
+            seen.add(state)
+            assert time.monotonic() < deadline, f"job {job} still queued: {seen}"
+            time.sleep(0.2)
+        return seen
+
+    def queue_state(self, job: str) -> str:
+        """squeue's state of `job`; empty once it has ended (or been forgotten)."""
+        try:
+            return self.run("squeue", "--noheader", "--format=%T", f"--jobs={job}").strip()
+        except subprocess.CalledProcessError:  # "Invalid job id": purged
+            return ""
+
     def stop(self, daemon: str) -> None:
         """Stop a daemon by the pid in its pid file, and wait until it has gone."""
         pid_file = self.folder / f"{daemon}.pid"
