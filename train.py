@@ -38,7 +38,7 @@ def main(cfg: DictConfig) -> float:
         composing = False
     start_rank_server_early(cfg.parallel)  # its imports overlap the next line's
     # Imported here so that --help and config errors stay fast.
-    from src.job import resume_command, run
+    from src.job import resume_hint, run
     from src.stopping import Interrupted, ProcessDied, RunStopped
 
     # Expected failures get one message and an exit code instead of a traceback. In a multirun,
@@ -46,7 +46,7 @@ def main(cfg: DictConfig) -> float:
     try:
         return run(cfg)
     except (Interrupted, ProcessDied) as stop:
-        log.error("%s; resume with:\n  %s", stop, resume_command())
+        log.error("%s; %s", stop, resume_hint())
         sys.exit(stop.exit_code)
     except (ConfigError, RunStopped) as error:
         log.error("%s", error)

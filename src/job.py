@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoint import saved_checkpoints
@@ -143,9 +144,21 @@ def train_worker(
     return train(cfg, Path(run_dir), check_settings(cfg, ranks), stop=stop)
 
 
-def resume_command() -> str:
-    """The command line that continues this Hydra job's run from its last checkpoint."""
+def resume_hint() -> str:
+    """How to continue this Hydra job's run from its last checkpoint: the command line of a
+    single run; for a job of a sweep, the sweep's own command (`src.sweep` resumes its jobs; on
+    SLURM, a requeued job resumes by itself)."""
     hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        return (
+            "it resumes when its sweep runs again (the same -m command with "
+            f"hydra.sweep.dir={hydra_cfg.sweep.dir})"
+        )
+    return f"resume with:\n  {resume_command(hydra_cfg)}"
+
+
+def resume_command(hydra_cfg: DictConfig) -> str:
+    """The command line that continues this single run from its last checkpoint."""
     overrides = [o for o in hydra_cfg.overrides.task if not o.startswith("trainer.resume=")]
     return shlex.join(
         [

@@ -13,6 +13,30 @@ from src.config import register_configs
 
 torch.set_num_threads(1)  # as in every process the tests start (helpers.QUIET_AND_FRUGAL says why)
 
+# The files whose tests take longest (mostly waiting on SLURM, signals and several processes),
+# handed to pytest-xdist's workers first (`--dist loadfile`, without its reordering by test
+# count), so that no worker is left running one of them alone at the end.
+SLOWEST_FIRST = (
+    "test_slurm.py",
+    "test_resume.py",
+    "test_ddp.py",
+    "test_checkpoints.py",
+    "test_speed.py",
+    "test_two_nodes.py",
+    "test_vision.py",
+    "test_fsdp.py",
+    "test_faults.py",
+    "test_plan.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return SLOWEST_FIRST.index(name) if name in SLOWEST_FIRST else len(SLOWEST_FIRST)
+
+    items.sort(key=rank)  # stable: each file's tests keep their order
+
 
 @pytest.fixture(scope="session")
 def compose_config() -> Callable[..., DictConfig]:

@@ -12,7 +12,16 @@ import copy
 
 import pytest
 import torch
-from helpers import TINY_SGD, assert_same_training, parallel_config, reference_run, run_train
+from helpers import (
+    TINY_SGD,
+    assert_same_losses,
+    assert_same_training,
+    checkpoint,
+    parallel_config,
+    reference_run,
+    run_train,
+    summary,
+)
 from odd_models import BatchNormMLP
 
 from src.config import PipelineConfig
@@ -88,3 +97,23 @@ def test_deferred_batchnorm_records_the_whole_batchs_statistics_once_a_step():
     for key, value in single[0][2].state_dict().items():
         torch.testing.assert_close(batchnorm.state_dict()[key], value, rtol=0, atol=1e-5)
     assert list(deferred.state_dict()) == list(model.state_dict())
+
+
+def test_a_deferred_batchnorm_pipeline_trains_as_single_accumulating_its_micro_batches(tmp_path):
+    """Through train.py: a pipeline of 2 micro-batches with deferred BatchNorm normalises each
+    micro-batch by itself, so its losses and trained weights are single's with
+    trainer.accumulate=2 (the same halves of each batch, one after the other); its running
+    statistics get one update a step, where single's accumulating steps give two."""
+    deferred = ("parallel.microbatches=2", "parallel.deferred_batchnorm=true")
+    run_train(*BATCHNORM, "parallel=model_parallel", *deferred, run_dir=tmp_path)
+    reference = reference_run(*BATCHNORM, "trainer.accumulate=2")
+
+    assert_same_losses(reference, tmp_path)
+    pipelined, accumulated = checkpoint(tmp_path)["model"], checkpoint(reference)["model"]
+    assert list(pipelined) == list(accumulated)
+    trained = [key for key in accumulated if not key.startswith("0.2.")]  # all but BatchNorm's
+    for key in [*trained, "0.2.weight", "0.2.bias"]:
+        torch.testing.assert_close(pipelined[key], accumulated[key], rtol=0, atol=1e-5)
+    steps = summary(tmp_path)["steps"]
+    assert pipelined["0.2.num_batches_tracked"] == steps
+    assert accumulated["0.2.num_batches_tracked"] == 2 * steps

@@ -148,6 +148,7 @@ def test_requeued_ddp_job_checkpoints_on_every_rank_and_resumes(slurm: Cluster, 
     stopped = re.findall(r"\[rank(\d)\].*stopped by SIGTERM after step (\d+)", log)
     assert len(stopped) == 2 and stopped[0][1] == stopped[1][1], stopped
     step = int(stopped[0][1])
+    assert "resume with" not in log and "it resumes when its sweep runs again" in log
     assert f"resuming from {job_dir / 'checkpoints' / f'step-{step:06d}'} at step {step}" in log
     # Against ddp's own uninterrupted run: over 300 steps ddp's sums drift 1e-5 from single's.
     uninterrupted = tmp_path / "uninterrupted"
