@@ -112,13 +112,16 @@ def keep_kernels_apart_by_aten_capability() -> None:
     built without it (unless TORCHINDUCTOR_CACHE_DIR names a folder of the user's). Its cache
     keys leave the variable out, while its compiler flags follow it: on torch 2.14.1 a kernel
     cached vectorised by a run with the CPU's own kernels failed to build under `default`
-    (`at::vec` not declared)."""
+    (`at::vec` not declared). A folder this function named is named again: a process started
+    under another ATEN_CPU_CAPABILITY inherits its parent's."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     capability = os.environ.get("ATEN_CPU_CAPABILITY")
     shared = default_cache_dir()  # torch names it in the environment once it has used it
-    if capability and os.environ.get("TORCHINDUCTOR_CACHE_DIR", shared) == shared:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{shared}-aten-{capability}"
+    named = os.environ.get("TORCHINDUCTOR_CACHE_DIR", shared)
+    if named == shared or named.startswith(f"{shared}-aten-"):
+        own = f"{shared}-aten-{capability}" if capability else shared
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = own
 
 
 @functools.cache

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 
 import pytest
 import torch
@@ -22,7 +23,12 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from src.models import MLP, Transformer
 from src.objective import Classification
-from src.performance import prepare_blocks, table_peak_tflops, throughput_figures
+from src.performance import (
+    keep_kernels_apart_by_aten_capability,
+    prepare_blocks,
+    table_peak_tflops,
+    throughput_figures,
+)
 from src.report import Row, markdown_table
 
 # SGD with clipping and accumulation: the scaler must unscale before clipping, and scale every
@@ -180,6 +186,31 @@ def test_compiled_blocks_under_baseline_kernels_train_like_eager_ones(tmp_path):
     baseline = {"ATEN_CPU_CAPABILITY": "default"}
     run_train(*SGD, "trainer.compile=true", run_dir=tmp_path, env=baseline)
     assert_same_training(reference_run(*SGD), tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("capability", "inherited", "expected"),
+    [
+        ("default", None, "{shared}-aten-default"),
+        ("default", "{shared}-aten-avx2", "{shared}-aten-default"),  # a parent under avx2
+        (None, "{shared}-aten-avx2", "{shared}"),
+        ("default", "/data/my-inductor-cache", "/data/my-inductor-cache"),  # the user's own
+    ],
+)
+def test_each_aten_capability_compiles_into_its_own_inductor_cache(
+    monkeypatch, capability, inherited, expected
+):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    shared = default_cache_dir()
+    settings = {"ATEN_CPU_CAPABILITY": capability, "TORCHINDUCTOR_CACHE_DIR": inherited}
+    for name, value in settings.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value.format(shared=shared))
+    keep_kernels_apart_by_aten_capability()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == expected.format(shared=shared)
 
 
 def test_profile_writes_a_chrome_trace_to_the_run_folder_and_w_and_b(tmp_path):
