@@ -118,6 +118,12 @@ STOPPED_AND_RESUMED = (
 )
 
 
+def start_sweep(slurm: Cluster, tmp_path: Path, *overrides: str) -> tuple[TrainRun, Path]:
+    """A sweep through the SLURM launcher, started (not waited for), and its folder."""
+    sweep_dir = tmp_path / "sweep"
+    return TrainRun(*ON_SLURM, *overrides, sweep_dir=sweep_dir, env=slurm.env), sweep_dir
+
+
 def assert_resumed_as_if_uninterrupted(job_dir: Path, reference: Path, max_steps: int) -> None:
     """The job's run ended where an uninterrupted run does, its metrics.jsonl has every
     step once, and its summary says it completed."""
@@ -132,11 +138,7 @@ def test_requeued_ddp_job_checkpoints_on_every_rank_and_resumes(slurm: Cluster, 
     after the same step, checkpointed; the job runs again and resumes from that checkpoint
     without trainer.resume=auto, and the sweep waits for it."""
     steps = ("trainer.max_steps=300", *STOPPED_AND_RESUMED)
-    sweep_dir = tmp_path / "sweep"
-    sweep = TrainRun(
-        *ON_SLURM, "parallel=ddp", "parallel.devices=2", *steps,
-        sweep_dir=sweep_dir, env=slurm.env,
-    )  # fmt: skip
+    sweep, sweep_dir = start_sweep(slurm, tmp_path, "parallel=ddp", "parallel.devices=2", *steps)
     job_dir = sweep_dir / "0"
     wait_for_step(job_dir, 10, sweep)
     (job_id,) = job_ids(sweep_dir)
@@ -169,11 +171,8 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm: Cluster, tmp_
     computes), and its next run is done in a few seconds, long before its own signal."""
     paced = ("model._target_=tests.odd_models.PacedMLP", "trainer.max_steps=1650")
     steps = (*paced, *STOPPED_AND_RESUMED, "trainer.log_every=1")
-    sweep_dir = tmp_path / "sweep"
-    sweep = TrainRun(
-        *ON_SLURM, "hydra.launcher.timeout_min=1", "hydra.launcher.signal=USR2@5", *steps,
-        sweep_dir=sweep_dir, env=slurm.env,
-    )  # fmt: skip
+    limit = ("hydra.launcher.timeout_min=1", "hydra.launcher.signal=USR2@5")
+    sweep, sweep_dir = start_sweep(slurm, tmp_path, *limit, *steps)
     job_dir = sweep_dir / "0"
     wait_for_step(job_dir, 1, sweep)
     slurm.restart_controller()
