@@ -5,7 +5,7 @@ or only the one named by a `parallel=<name>` override), the predicted peak memor
 split into parameters, gradients, optimizer state and activations, the bytes sent per step, and
 whether it fits plan.device_memory_gb, then one line recommending the fastest predicted one that
 fits, and why. Nothing runs on a device: the real model and batch are traced on fake tensors
-(src/plan.py); progress goes to stderr.
+(src/planning/planner.py); progress goes to stderr.
 
     python plan.py parallel.devices=8                          # every strategy on 8 devices
     python plan.py model=gpt data=synthetic_tokens task=language_model parallel=fsdp
@@ -24,14 +24,14 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException, OverrideParseException
 
-from src.config import ConfigError, composition_error_line, register_configs
-from src.process_exit import exit_without_teardown
+from src.config.schema import ConfigError, composition_error_line, register_configs
+from src.launch.torch_private import exit_without_teardown
 
 CONF = Path(__file__).resolve().parent / "conf"
 
 
 def main(overrides: list[str]) -> int:
-    from src.plan import (
+    from src.planning.planner import (
         candidate_parallels,
         format_table,
         measured_speed,

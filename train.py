@@ -18,9 +18,9 @@ import hydra
 from hydra.errors import ConfigCompositionException, OverrideParseException
 from omegaconf import DictConfig
 
-from src.config import ConfigError, composition_error_line, register_configs
-from src.launch import follow_rank0_run_dir, start_rank_server_early
-from src.process_exit import exit_without_teardown
+from src.config.schema import ConfigError, composition_error_line, register_configs
+from src.launch.launcher import follow_rank0_run_dir, start_rank_server_early
+from src.launch.torch_private import exit_without_teardown
 
 log = logging.getLogger(__name__)
 # Hydra lets its errors through to the caller, instead of reporting them itself (several lines,
@@ -38,8 +38,8 @@ def main(cfg: DictConfig) -> float:
         composing = False
     start_rank_server_early(cfg.parallel)  # its imports overlap the next line's
     # Imported here so that --help and config errors stay fast.
-    from src.job import resume_hint, run
-    from src.stopping import Interrupted, ProcessDied, RunStopped
+    from src.launch.job import resume_hint, run
+    from src.runtime.stopping import Interrupted, ProcessDied, RunStopped
 
     # Expected failures get one message and an exit code instead of a traceback. In a multirun,
     # `sweep.run_job` records how each job ended and the sweep goes on; a signal still stops it.
@@ -73,7 +73,7 @@ def composition_errors_in_one_line() -> Iterator[None]:
 
 
 if __name__ == "__main__":
-    with exit_without_teardown():  # a second less per run: see src/process_exit.py
+    with exit_without_teardown():  # a second less per run: see src/launch/torch_private.py
         register_configs()
         follow_rank0_run_dir()  # ranks started by torchrun/srun share rank 0's run directory
         with composition_errors_in_one_line():

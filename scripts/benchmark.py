@@ -30,7 +30,7 @@ out of both.
                     / in the training process (data.num_workers=2 / 0)
     plan            the planner's predicted peak memory per device (`python plan.py`) against
                     the peak MemTracker measures over two real training steps in each process
-                    (src/memory_check.py), for mlp and gpt under every strategy, resnet under
+                    (src/launch/memory_check.py), for mlp and gpt under every strategy, resnet under
                     four, on CPU
     compile         `parallel=single` on a small transformer, trainer.compile=true / eager
                     (compiling happens in the warm-up steps, which are not timed)
@@ -75,12 +75,12 @@ from torch.utils.data import DataLoader, TensorDataset
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from src.config import register_configs  # noqa: E402
-from src.data import Data, build_data  # noqa: E402
-from src.experiment import check_config, train  # noqa: E402
-from src.job import train_worker  # noqa: E402
-from src.launch import launch  # noqa: E402
-from src.performance import prepare_blocks  # noqa: E402
+from src.components.blocks import prepare_blocks  # noqa: E402
+from src.components.data import Data, build_data  # noqa: E402
+from src.config.schema import register_configs  # noqa: E402
+from src.launch.job import train_worker  # noqa: E402
+from src.launch.launcher import launch  # noqa: E402
+from src.training.experiment import check_config, train  # noqa: E402
 
 WARMUP_STEPS = 20
 BATCH_SIZE = 256
@@ -490,8 +490,8 @@ PLAN_CASES = {
 
 def plan_accuracy() -> None:
     """Predicted against measured peak tensor memory per process (MB), every model x strategy."""
-    from src.memory_check import measured_peak_mb
-    from src.plan import MB, plan_all
+    from src.launch.memory_check import measured_peak_mb
+    from src.planning.planner import MB, plan_all
 
     print(f"{'model':<6}{'strategy':<24}{'predicted MB':>13}{'measured MB':>13}{'ratio':>8}")
     for model, model_overrides in PLAN_MODELS.items():

@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 from slurm_cluster import Cluster, start_cluster, stop_cluster
 
-from src.config import register_configs
+from src.config.schema import register_configs
 
 torch.set_num_threads(1)  # as in every process the tests start (helpers.QUIET_AND_FRUGAL says why)
 

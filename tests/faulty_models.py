@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from src.models import MLP
+from src.components.models import MLP
 
 
 class FaultyMLP(MLP):

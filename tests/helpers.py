@@ -321,7 +321,7 @@ def summary(run_dir: Path) -> dict[str, Any]:
 def checkpoint(run_dir: Path) -> dict[str, Any]:
     """The run's newest checkpoint, whole and in the full format (single's keys), whichever
     format it was written in."""
-    from src.checkpoint import load_checkpoint, saved_checkpoints
+    from src.checkpoint.store import load_checkpoint, saved_checkpoints
 
     return load_checkpoint(saved_checkpoints(run_dir)[-1])
 
@@ -329,10 +329,10 @@ def checkpoint(run_dir: Path) -> dict[str, Any]:
 def evaluate_checkpoint(run_dir: Path) -> list[float]:
     """The task's validation figures ([val loss, val accuracy] for classification) of the run's
     checkpointed model, evaluated whole in this process on the data its config names."""
-    from src.config import ParallelConfig
-    from src.data import build_data
-    from src.loop import evaluate
-    from src.strategies import build_strategy
+    from src.components.data import build_data
+    from src.config.schema import ParallelConfig
+    from src.parallel import build_strategy
+    from src.training.loop import evaluate
 
     state = checkpoint(run_dir)
     cfg = OmegaConf.create(state["config"])
@@ -465,7 +465,7 @@ def parallel_config(option: str, **settings: Any) -> Any:
     the shipped `conf/` (in this process), for building a strategy directly."""
     from hydra import compose, initialize_config_dir
 
-    from src.config import register_configs
+    from src.config.schema import register_configs
 
     register_configs()
     changed = [f"parallel.{key}={json.dumps(value)}" for key, value in settings.items()]

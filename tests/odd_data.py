@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from src.data import Data, Split, synthetic_classification
+from src.components.data import Data, Split, synthetic_classification
 
 
 def halves_and_values(seed: int, **settings: Any) -> Data:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from src.models import MLP, Transformer
+from src.components.models import MLP, Transformer
 
 
 def unpack(value: Any) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -16,8 +16,8 @@ import torch
 from helpers import TINY, needs_gpus, pretend_gpus, reference_run, run_train
 from hydra.errors import ConfigCompositionException, OverrideParseException
 
-from src.config import ConfigError, composition_error_line
-from src.experiment import check_config
+from src.config.schema import ConfigError, composition_error_line
+from src.training.experiment import check_config
 
 HYDRA, CHECK = "hydra", "check"
 ODD = "tests.odd_models"
@@ -48,10 +48,10 @@ ROWS = [
         id="model",
     ),
     pytest.param(
-        ["parallel._target_=src.strategies.nosuch.Nosuch"],
+        ["parallel._target_=src.parallel.nosuch.Nosuch"],
         CHECK,
-        "parallel._target_=src.strategies.nosuch.Nosuch names no class: No module named "
-        "'src.strategies.nosuch'",
+        "parallel._target_=src.parallel.nosuch.Nosuch names no class: No module named "
+        "'src.parallel.nosuch'",
         id="strategy-class",
     ),
     pytest.param(["parallel.devices=0"], CHECK, "parallel.devices must be at least 1", id="dev0"),
@@ -329,7 +329,7 @@ ROWS = [
         ["trainer.resume={finished}", "model.hidden=64", "trainer.max_steps=12"],
         CHECK,
         "holds a different model (0.1.bias: [32] there, [64] here); it was trained with "
-        "src.models.MLP model.hidden=32 model.depth=3",
+        "src.components.models.MLP model.hidden=32 model.depth=3",
         id="resume-other-model",
     ),
     pytest.param(

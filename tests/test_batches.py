@@ -14,10 +14,10 @@ from odd_models import DictInDictOutMLP
 from odd_tasks import LabelAndValue
 from torch.utils._pytree import tree_flatten
 
-from src.config import ConfigError
-from src.data import SplitSamples, ValBatches, train_batches
-from src.experiment import check_config
-from src.strategies.pipeline import Pipeline
+from src.components.data import SplitSamples, ValBatches, train_batches
+from src.config.schema import ConfigError
+from src.parallel.mechanisms.stage_pipeline import Pipeline
+from src.training.experiment import check_config
 
 DICTS = (
     *TINY_SGD,

@@ -24,11 +24,11 @@ from helpers import (
 )
 from odd_models import BatchNormMLP
 
-from src.config import PipelineConfig
-from src.objective import loss_sum
-from src.strategies import build_strategy
-from src.strategies.deferred_batchnorm import defer_batchnorm
-from src.strategies.pipeline import Pipeline
+from src.components.tasks import loss_sum
+from src.config.schema import PipelineConfig
+from src.parallel import build_strategy
+from src.parallel.mechanisms.deferred_batchnorm import defer_batchnorm
+from src.parallel.mechanisms.stage_pipeline import Pipeline
 
 BATCHNORM = (*TINY_SGD, "model._target_=tests.odd_models.BatchNormMLP")
 SIZES = {"input_shape": (8,), "num_classes": 3, "hidden": 6, "depth": 2}

@@ -24,8 +24,8 @@ from helpers import (
     summary,
 )
 
-from src.checkpoint import load_checkpoint
-from src.models import MLP
+from src.checkpoint.store import load_checkpoint
+from src.components.models import MLP
 
 # SGD (weights move every step; see test_fsdp.py), a checkpoint at step 3 of 6.
 SGD = (*TINY, "optimizer=sgd", "optimizer.warmup_steps=0", "trainer.checkpoint_every=3")
@@ -125,7 +125,14 @@ def test_a_requeued_run_that_had_finished_ends_successfully(tmp_path):
 def test_export_writes_single_s_plain_state_dict_from_a_sharded_checkpoint(tmp_path):
     target = tmp_path / "model.pt"
     exported = subprocess.run(
-        [sys.executable, "-m", "src.checkpoint", "export", str(finished_run(*FSDP2)), str(target)],
+        [
+            sys.executable,
+            "-m",
+            "src.checkpoint.store",
+            "export",
+            str(finished_run(*FSDP2)),
+            str(target),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

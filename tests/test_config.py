@@ -10,10 +10,10 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ValidationError
 
-from src.config import SCHEMAS, ConfigError
-from src.data import build_data
-from src.optim import build_optimizer
-from src.strategies import build_strategy
+from src.components.data import build_data
+from src.components.optimizer import build_optimizer
+from src.config.schema import SCHEMAS, ConfigError
+from src.parallel import build_strategy
 
 GROUPS = ("model", "data", "parallel", "trainer", "optimizer", "logger")
 
@@ -22,8 +22,8 @@ def test_default_config_has_every_group(compose_config):
     cfg = compose_config()
     assert all(group in cfg for group in GROUPS)
     assert (cfg.model._target_, cfg.data._target_, cfg.parallel.name) == (
-        "src.models.MLP",
-        "src.data.synthetic_classification",
+        "src.components.models.MLP",
+        "src.components.data.synthetic_classification",
         "single",
     )
 
@@ -91,8 +91,8 @@ def test_models_build_from_config_and_run_forward(compose_config, model, data, i
 
 
 def test_no_option_repeats_its_schemas_defaults():
-    """Each default has one source, its schema in src/config.py: an option's YAML sets only the
-    keys it changes (or that name the choice)."""
+    """Each default has one source, its schema in src/config/schema.py: an option's YAML sets only
+    the keys it changes (or that name the choice)."""
     for path in sorted((ROOT / "conf").glob("*/*.yaml")):
         options = OmegaConf.to_container(OmegaConf.load(path))
         schemas = [d for d in options.get("defaults", []) if str(d).startswith("/schema/")]

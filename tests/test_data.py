@@ -17,7 +17,7 @@ from helpers import (
     write_tokens,
 )
 
-from src.data import (
+from src.components.data import (
     Loading,
     Split,
     SplitSamples,

@@ -39,18 +39,18 @@ from helpers import (
     wait_until,
 )
 
-import src.strategies.ddp
-from src.config import ConfigError
-from src.experiment import check_config
-from src.launch import (
-    Ranks,
+import src.parallel.ddp
+from src.components.models import MLP
+from src.config.schema import ConfigError
+from src.launch.launcher import (
     adopt_slurm_environment,
     first_node,
     launch,
     start_rank_server,
 )
-from src.models import MLP
-from src.strategies import build_strategy
+from src.parallel import build_strategy
+from src.runtime.ranks import Ranks
+from src.training.experiment import check_config
 
 DDP = ("parallel=ddp", "parallel.devices=2")
 
@@ -374,7 +374,7 @@ class TorchDDP2_13(torch.nn.Module):
 @pytest.mark.parametrize("torch_ddp", [TorchDDPBefore2_13, TorchDDP2_13])
 @pytest.mark.parametrize("broadcast", [True, False])
 def test_ddp_passes_only_arguments_the_installed_torch_knows(monkeypatch, torch_ddp, broadcast):
-    monkeypatch.setattr(src.strategies.ddp, "DistributedDataParallel", torch_ddp)
+    monkeypatch.setattr(src.parallel.ddp, "DistributedDataParallel", torch_ddp)
     strategy = build_strategy(parallel_config("ddp", broadcast_buffers=broadcast), "cpu")
     replica = strategy.replicate(MLP(input_shape=(4,), num_classes=2, hidden=4, depth=1), None)
     assert replica.syncs_buffers is broadcast
@@ -456,8 +456,8 @@ EARLY_SERVER = """
 import sys
 from multiprocessing import forkserver
 from hydra import compose, initialize_config_dir
-from src.config import register_configs
-from src.launch import start_rank_server_early
+from src.config.schema import register_configs
+from src.launch.launcher import start_rank_server_early
 
 register_configs()
 with initialize_config_dir(config_dir=sys.argv[1], version_base="1.3"):

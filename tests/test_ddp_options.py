@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from helpers import TINY_SGD, assert_same_training, parallel_config, reference_run, run_train
 
-import src.strategies.ddp
-from src.models import MLP
-from src.strategies import build_strategy
+import src.parallel.ddp
+from src.components.models import MLP
+from src.parallel import build_strategy
 
 UNUSED = ("model._target_=tests.odd_models.UnusedParameterMLP",)
 DDP = ("parallel=ddp", "parallel.devices=2")
@@ -27,14 +27,14 @@ class RecordingDDP:
 
 @pytest.mark.parametrize("option", ["ddp", "hybrid"])
 def test_each_option_reaches_distributed_data_parallel(monkeypatch, option):
-    monkeypatch.setattr(src.strategies.ddp, "DistributedDataParallel", RecordingDDP)
+    monkeypatch.setattr(src.parallel.ddp, "DistributedDataParallel", RecordingDDP)
     strategy = build_strategy(parallel_config(option, **OPTIONS), "cpu")
     replica = strategy.replicate(MLP(input_shape=(4,), num_classes=2, hidden=4, depth=1), None)
     assert OPTIONS.items() <= replica.options.items()
 
 
 def test_torchs_bucket_size_is_kept_unless_set(monkeypatch):
-    monkeypatch.setattr(src.strategies.ddp, "DistributedDataParallel", RecordingDDP)
+    monkeypatch.setattr(src.parallel.ddp, "DistributedDataParallel", RecordingDDP)
     replica = build_strategy(parallel_config("ddp"), "cpu").replicate(MLP((4,), 2, 4, 1), None)
     assert "bucket_cap_mb" not in replica.options
 

@@ -22,12 +22,12 @@ from helpers import (
 )
 from torch import nn
 
-from src.models import MLP, Transformer
-from src.objective import loss_sum
-from src.report import Row, markdown_table
-from src.strategies import build_strategy
-from src.strategies.dp_criterion import parallel_criterion
-from src.strategies.replicas import DataParallel, gather
+from src.components.models import MLP, Transformer
+from src.components.tasks import loss_sum
+from src.observe.report import Row, markdown_table
+from src.parallel import build_strategy
+from src.parallel.dp_criterion import parallel_criterion
+from src.parallel.mechanisms.replicas import DataParallel, gather
 
 CPU = torch.device("cpu")
 UNEVEN = (*TINY_SGD, "trainer.batch_size=25")  # 13+12 on 2 devices, 9+9+7 on 3

@@ -23,10 +23,10 @@ from helpers import (
     summary,
 )
 
-from src.config import ConfigError
-from src.launch import Ranks
-from src.models import MLP
-from src.strategies import build_strategy
+from src.components.models import MLP
+from src.config.schema import ConfigError
+from src.parallel import build_strategy
+from src.runtime.ranks import Ranks
 
 HYBRID = ("parallel=hybrid", "parallel.devices=4", "parallel.stages=2")
 # Accumulation too, so that DDP's no_sync runs over the pipeline: 2 micro-steps of 12 samples,

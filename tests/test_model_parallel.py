@@ -23,11 +23,11 @@ from helpers import (
 from odd_models import FloatBoundaryMLP, StructuredMLP
 from omegaconf import DictConfig
 
-from src.models import MLP
-from src.objective import loss_sum
-from src.strategies import build_strategy
-from src.strategies.base import ConfigError
-from src.strategies.pipeline import (
+from src.components.models import MLP
+from src.components.tasks import loss_sum
+from src.parallel import build_strategy
+from src.parallel.base import ConfigError
+from src.parallel.mechanisms.stage_pipeline import (
     Pipeline,
     balanced_split_points,
     bubble_fraction,

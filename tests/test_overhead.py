@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from src.data import build_data
-from src.experiment import check_config, train
+from src.components.data import build_data
+from src.training.experiment import check_config, train
 
 # Tiny, so that the test is quick; the count does not depend on the sizes.
 WORKLOAD = (

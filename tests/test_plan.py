@@ -1,5 +1,5 @@
-"""The planner (`src/plan.py`, `plan.py`) and `parallel=auto`: predicted peaks against the peaks
-of real training steps, the choice, and bad input."""
+"""The planner (`src/planning/planner.py`, `plan.py`) and `parallel=auto`: predicted peaks against
+the peaks of real training steps, the choice, and bad input."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 from helpers import ROOT, run_train
 from hydra import initialize_config_dir
 
-import src.plan
-from src.memory_check import measured_peak_mb
-from src.plan import MB, DeviceSpeed, Plan, choose, plan_all, resolve_auto
+import src.planning.planner
+from src.launch.memory_check import measured_peak_mb
+from src.planning.planner import MB, DeviceSpeed, Plan, choose, plan_all, resolve_auto
 
 TINY_MLP = ("model.hidden=64", "model.depth=3", "trainer.batch_size=64", "logger=none")
 TINY_GPT = (
@@ -195,8 +195,10 @@ def test_equal_shares_are_traced_once(compose_config, monkeypatch):
     """ddp and fsdp give each of 2 devices the same half batch through the whole model: one
     trace serves both (fsdp then shards its state), with the plans as when traced apart."""
     traced = []
-    trace_share = src.plan.trace_share
-    monkeypatch.setattr(src.plan, "trace_share", lambda *a: traced.append(a) or trace_share(*a))
+    trace_share = src.planning.planner.trace_share
+    monkeypatch.setattr(
+        src.planning.planner, "trace_share", lambda *a: traced.append(a) or trace_share(*a)
+    )
     cfg = compose_config(*TINY_MLP, "parallel=ddp")
     fsdp = compose_config(*TINY_MLP, "parallel=fsdp").parallel
     together = plan_all(cfg, [cfg.parallel, fsdp])
@@ -236,7 +238,7 @@ def test_auto_on_cpu_ranks_by_the_measured_speed(compose_config, monkeypatch, sp
     """On CPU a process's devices share its cores: model_parallel's two stages in one process
     cost all of the model's FLOPs at the process's threads, ddp's two processes each half of
     them at one thread each, plus the gradient all-reduce over the link."""
-    monkeypatch.setattr(src.plan, "usable_cores", lambda: 2)
+    monkeypatch.setattr(src.planning.planner, "usable_cores", lambda: 2)
     cfg = compose_config(*TINY_MLP, "parallel=ddp", "trainer.accelerator=cpu")
     pipeline = compose_config(*TINY_MLP, "parallel=model_parallel").parallel
     ddp, stages = plan_all(cfg, [cfg.parallel, pipeline], speed=speed)

@@ -36,9 +36,9 @@ from helpers import (
     write_tokens,
 )
 
-from src.checkpoint import CheckpointWriter, resume_path, saved_checkpoints
-from src.config import ParallelConfig
-from src.strategies.base import Strategy
+from src.checkpoint.store import CheckpointWriter, resume_path, saved_checkpoints
+from src.config.schema import ParallelConfig
+from src.parallel.base import Strategy
 
 # 60 steps, each logged (TINY), a checkpoint every 5: step 6's log line means step 5 is saved.
 RESUMABLE = (*TINY_SGD, "trainer.max_steps=60", "trainer.checkpoint_every=5")
@@ -286,8 +286,8 @@ def test_more_steps_on_resume_keep_or_stretch_the_schedule_as_asked(tmp_path, sc
 WRITE_HALF_THEN_HANG = """
 import io, sys, torch
 from pathlib import Path
-from src.checkpoint import CheckpointWriter
-from src.strategies.base import Strategy
+from src.checkpoint.store import CheckpointWriter
+from src.parallel.base import Strategy
 
 real_save = torch.save
 
@@ -304,7 +304,7 @@ save(CheckpointWriter(Path(sys.argv[1]), Strategy(ParallelConfig(), "cpu"), "ful
 """
 
 SAVE = """
-from src.config import ParallelConfig
+from src.config.schema import ParallelConfig
 
 def save(writer, step):
     model = torch.nn.Linear(10, 10)

@@ -16,11 +16,11 @@ import pytest
 import torch
 from helpers import TINY
 
-import src.experiment
-from src.experiment import train
-from src.loop import Throughput
-from src.report import write_report
-from src.strategies import build_strategy
+import src.training.experiment
+from src.observe.report import write_report
+from src.parallel import build_strategy
+from src.training.experiment import train
+from src.training.loop import Throughput
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -51,7 +51,9 @@ def test_one_time_costs_of_logging_are_not_timed(compose_config, tmp_path, monke
     clock = [0.0]
     real_perf_counter = time.perf_counter
     monkeypatch.setattr(time, "perf_counter", lambda: real_perf_counter() + clock[0])
-    monkeypatch.setattr(src.experiment, "build_tracker", lambda *args: FirstLogTakes100s(clock))
+    monkeypatch.setattr(
+        src.training.experiment, "build_tracker", lambda *args: FirstLogTakes100s(clock)
+    )
     cfg = compose_config(*TINY, "trainer.log_every=2", "trainer.timing_warmup_steps=2")
     strategy = build_strategy(cfg.parallel, "cpu", "fp32")
 

@@ -22,7 +22,7 @@ from helpers import (
 )
 from omegaconf import OmegaConf
 
-from src.models import MLP, Transformer
+from src.components.models import MLP, Transformer
 
 SUMMARY_KEYS = {
     "strategy",

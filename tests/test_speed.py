@@ -21,15 +21,11 @@ from helpers import (
 from torch._dynamo.utils import counters
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from src.models import MLP, Transformer
-from src.objective import Classification
-from src.performance import (
-    keep_kernels_apart_by_aten_capability,
-    prepare_blocks,
-    table_peak_tflops,
-    throughput_figures,
-)
-from src.report import Row, markdown_table
+from src.components.blocks import keep_kernels_apart_by_aten_capability, prepare_blocks
+from src.components.models import MLP, Transformer
+from src.components.tasks import Classification
+from src.observe.performance import table_peak_tflops, throughput_figures
+from src.observe.report import Row, markdown_table
 
 # SGD with clipping and accumulation: the scaler must unscale before clipping, and scale every
 # micro-step's loss alike.

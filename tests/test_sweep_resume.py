@@ -1,4 +1,5 @@
-"""A sweep killed mid-job, run again with the same command and `hydra.sweep.dir` (src/sweep.py)."""
+"""A sweep killed mid-job, run again with the same command and `hydra.sweep.dir`
+(src/launch/sweep.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ SWEEP = (
     *[o for o in TINY_SGD if not o.startswith("trainer.max_steps=")],
     "trainer.max_steps=40",
     "trainer.checkpoint_every=5",
-    "model._target_=tests.faulty_models.FaultyMLP,src.models.MLP",
+    "model._target_=tests.faulty_models.FaultyMLP,src.components.models.MLP",
 )
 FAIL_IN_STEP_2 = {"FAULT": "raise", "FAIL_AT_STEP": "2", "FAIL_RANK": "0", "RANK": "0"}
 NO_FAULT = {**FAIL_IN_STEP_2, "FAIL_AT_STEP": "1000"}

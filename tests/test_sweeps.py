@@ -24,7 +24,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from hydra_plugins.parallel_training.slurm_launcher import SlurmLauncher, slurm_resources
-from src.config import register_configs
+from src.config.schema import register_configs
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -104,7 +104,7 @@ def test_sweep_reports_every_job_and_groups_its_wandb_runs(tmp_path):
     (killed / "status.json").unlink()
     (killed / "summary.json").unlink()
     rebuilt = subprocess.run(
-        [sys.executable, "-m", "src.report", str(sweep_dir)],
+        [sys.executable, "-m", "src.observe.report", str(sweep_dir)],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -19,10 +19,10 @@ from helpers import (
     summary,
 )
 
-from src.config import ConfigError
-from src.models import GPT
-from src.objective import Regression, Segmentation
-from src.strategies.pipeline import check_tied_parameters
+from src.components.models import GPT
+from src.components.tasks import Regression, Segmentation
+from src.config.schema import ConfigError
+from src.parallel.mechanisms.stage_pipeline import check_tied_parameters
 
 SEGMENTATION = (
     *TINY_SGD,

@@ -14,7 +14,8 @@ import pytest
 from helpers import ROOT
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
-from src.launch import end_with_launcher, name_rendezvous_events_cheaply, start_rank_server
+from src.launch.launcher import end_with_launcher, start_rank_server
+from src.launch.torch_private import name_rendezvous_events_cheaply
 
 
 def parent_pid(queue: multiprocessing.Queue) -> None:
@@ -106,7 +107,7 @@ registered = []
 register = atexit.register
 atexit.register = lambda f, *a, **k: (registered.append(f"{f.__module__}.{f.__qualname__}"),
                                       register(f, *a, **k))[1]
-from src.process_exit import exit_without_teardown
+from src.launch.torch_private import exit_without_teardown
 
 def report():
     print("registered", *registered)

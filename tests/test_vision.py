@@ -29,11 +29,11 @@ from vision_files import (  # noqa: E402
     write_mnist,
 )
 
-from src import vision  # noqa: E402
-from src.augment import augment_image  # noqa: E402
-from src.config import ConfigError  # noqa: E402
-from src.experiment import check_config  # noqa: E402
-from src.resnet import ResNet  # noqa: E402
+from src.components import vision  # noqa: E402
+from src.components.augment import augment_image  # noqa: E402
+from src.components.resnet import ResNet  # noqa: E402
+from src.config.schema import ConfigError  # noqa: E402
+from src.training.experiment import check_config  # noqa: E402
 
 NOT_DATA_OR_MODEL = tuple(o for o in TINY_SGD if not o.startswith(("data.", "model.")))
 

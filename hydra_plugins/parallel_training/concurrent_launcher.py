@@ -1,8 +1,9 @@
 """The launcher behind `hydra/launcher=concurrent`: several jobs of a multirun at once on this
-machine, each on devices of its own (see src/concurrent_jobs.py).
+machine, each on devices of its own (see src/launch/concurrent_jobs.py).
 
 (Hydra takes launchers only from the `hydra_plugins` package, hence this file's place; Hydra
-loads it at every start, outside `sys.modules`, so the work happens in src/concurrent_jobs.py.)
+loads it at every start, outside `sys.modules`, so the work happens in
+src/launch/concurrent_jobs.py.)
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class ConcurrentLauncher(Launcher):
     def launch(
         self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
     ) -> Sequence[JobReturn]:
-        from src.concurrent_jobs import launch
+        from src.launch.concurrent_jobs import launch
 
         return launch(
             self.n_jobs,

@@ -13,18 +13,18 @@ each job on its own, sized from that job's config:
     tasks_per_node the strategy's processes per node: one per GPU for ddp, 1 for single, dp and
                    model_parallel, which drive all their GPUs from one process
 
-In each task, the ranks come from SLURM's environment (`src.launch.adopt_slurm_environment`, as
-under a plain `srun train.py`), so a ddp job joins the ranks SLURM started instead of launching
-its own. All jobs are submitted, then waited for, so they run as the cluster allows; a job that
-sbatch refuses ends the sweep with sbatch's reason (exit 2), and cancels the jobs submitted before
-it. A combination that cannot run gets a one-task allocation without GPUs, only to record itself
-as skipped.
+In each task, the ranks come from SLURM's environment
+(`src.launch.launcher.adopt_slurm_environment`, as under a plain `srun train.py`), so a ddp job
+joins the ranks SLURM started instead of launching its own. All jobs are submitted, then waited for,
+so they run as the cluster allows; a job that sbatch refuses ends the sweep with sbatch's reason
+(exit 2), and cancels the jobs submitted before it. A combination that cannot run gets a one-task
+allocation without GPUs, only to record itself as skipped.
 
 Time limits and pre-emption: SLURM sends `hydra.launcher.signal` (USR2, 120 s before the limit)
 to every task. It stops the run as SIGTERM does, every rank after the same step, checkpointed;
 then the job requeues itself and, run again, resumes from that checkpoint (a job of a sweep
-resumes its own run folder, `src.sweep`). SIGTERM (scontrol requeue, pre-emption, scancel, the
-limit itself) stops it the same way, and SLURM decides whether it runs again. A stopped task
+resumes its own run folder, `src.launch.sweep`). SIGTERM (scontrol requeue, pre-emption, scancel,
+the limit itself) stops it the same way, and SLURM decides whether it runs again. A stopped task
 leaves no result, so the sweep waits for the job's next run.
 """
 
@@ -63,8 +63,8 @@ ConfigStore.instance().store(group="schema/hydra/launcher", name="slurm", node=S
 
 def slurm_resources(cfg: DictConfig) -> dict[str, int | None]:
     """The allocation one job needs: `nodes`, `tasks_per_node`, `gpus_per_node`."""
-    from src.strategies import build_strategy
-    from src.strategies.base import ConfigError
+    from src.parallel import build_strategy
+    from src.parallel.base import ConfigError
 
     try:
         # Built for CPU only to ask for its process layout: the submitting host may have no GPU.
@@ -95,8 +95,8 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
         # Noted from now on, instead of submitit's handler: importing torch takes seconds.
         received = []
         signal.signal(requeue_signal, lambda signum, frame: received.append(signum))
-        from src.launch import adopt_slurm_environment
-        from src.stopping import stopping_also_on
+        from src.launch.launcher import adopt_slurm_environment
+        from src.runtime.stopping import stopping_also_on
 
         adopt_slurm_environment()
         try:
@@ -113,7 +113,7 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
     def launch(
         self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
     ) -> Sequence[JobReturn]:
-        from src.slurm_jobs import SubmissionRefused, job_result, watch_job_states
+        from src.launch.slurm_jobs import SubmissionRefused, job_result, watch_job_states
 
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -136,8 +136,8 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
         return [job_result(*submitted) for submitted in zip(jobs, job_overrides, strict=True)]
 
     def submit(self, job_cfg: DictConfig, overrides: Sequence[str], job_num: int) -> Any:
-        """Submit one job, sized from its own config (`src.slurm_jobs.submit`)."""
-        from src.slurm_jobs import submit
+        """Submit one job, sized from its own config (`src.launch.slurm_jobs.submit`)."""
+        from src.launch.slurm_jobs import submit
 
         launcher = copy.copy(self)
         launcher.params = {**self.params, **slurm_resources(job_cfg)}

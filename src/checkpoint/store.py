@@ -1,0 +1,384 @@
+"""Checkpoints: step-named folders that are complete or absent, read back to resume or export.
+
+    checkpoints/step-000060/     one checkpoint, after optimizer step 60
+        checkpoint.pt            `full` format: one `torch.save`d dict (below)
+      or
+        .metadata, __*_*.distcp  `sharded` format: torch.distributed.checkpoint (DCP) files that
+        train_state.pt           every rank wrote in parallel (its own shards of `model` and
+                                 `optimizer`), and the rest of the dict, written by rank 0
+
+A full checkpoint is the dict `model` (the plain state_dict, single's keys, whatever the strategy),
+`optimizer` (single's format: state keyed by parameter index), `step` (optimizer steps done),
+`rng`, `config` (resolved), `wandb_run_id` and `loss_scaling` (fp16's GradScaler state: the
+scale it reached, and the steps it skipped); only tensors and plain values, so it loads with
+`weights_only=True`. A sharded one holds the same, its `optimizer` keyed by parameter name; read
+whole (`load_checkpoint`), it comes back in the full format.
+
+A checkpoint is written into `.staging-step-<N>/` and renamed to `step-<N>/` once every rank has
+written its part: a crash at any moment leaves the folder complete or absent. The newest complete
+one is what `trainer.resume=auto` takes (the one before it when that cannot be read);
+`trainer.keep_checkpoints` says how many are kept.
+
+    python -m src.checkpoint.store export <run dir or checkpoint> <file.pt>
+
+writes the model's plain state_dict (single's keys) of any checkpoint, for inference elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+import zipfile
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from src.config.schema import ConfigError
+from src.runtime.run_folder import checkpoints_dir
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+log = logging.getLogger(__name__)
+
+REQUIRED_KEYS = ("model", "optimizer", "step", "rng", "config")
+FULL_FILE = "checkpoint.pt"
+TRAIN_STATE_FILE = "train_state.pt"  # a sharded checkpoint's dict less model and optimizer
+DCP_METADATA = ".metadata"
+FORMATS = ("auto", "full", "sharded")
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return checkpoints_dir(run_dir) / f"step-{step:06d}"
+
+
+def saved_checkpoints(run_dir: Path) -> list[Path]:
+    """The run's complete checkpoints, oldest first (staging folders start with a dot)."""
+    folder = checkpoints_dir(run_dir)
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if p.name.startswith("step-") and p.is_dir()]
+    return sorted(found, key=lambda path: int(path.name.removeprefix("step-")))
+
+
+def fsync_dir(path: Path) -> None:
+    directory = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def save_file(state: dict[str, Any], path: Path) -> None:
+    """`torch.save`, flushed to disk."""
+    with path.open("wb") as file:
+        torch.save(state, file)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def prepare_staging(run_dir: Path, step: int) -> Path:
+    """An empty staging folder for step `step`'s checkpoint (a crashed try's leftovers go)."""
+    staging = checkpoints_dir(run_dir) / f".staging-{step_dir(run_dir, step).name}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def publish(staging: Path, final: Path, keep: int) -> None:
+    """Make the written `staging` folder the checkpoint `final` (one rename), then keep only the
+    newest `keep` checkpoints (0: all) and drop what crashed writes left behind."""
+    fsync_dir(staging)  # its files are synced already (`save_file`; DCP's writer by default)
+    folder = final.parent
+    if final.exists():  # a damaged checkpoint that resume skipped, now written again
+        replaced = folder / f".replaced-{final.name}"
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.replace(final, replaced)
+    os.replace(staging, final)
+    fsync_dir(folder)
+    kept = saved_checkpoints(folder.parent)
+    for old in kept[: -keep if keep else 0]:
+        shutil.rmtree(old)
+    for leftover in folder.glob(".*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def resolved_format(requested: str, strategy: Any) -> str:
+    """trainer.checkpoint_format, `auto` meaning the strategy's default."""
+    return strategy.default_checkpoint_format if requested == "auto" else requested
+
+
+class CheckpointWriter:
+    """Writes a run's checkpoints; every process calls `save` (and `wait`) at the same step.
+
+    `full`: the strategy gathers the state on the main process, which writes it. `sharded`:
+    every rank writes its own shards through DCP, none holds the whole model; with `use_async`,
+    DCP copies the state to host memory and writes it in a background thread while training
+    goes on (over a process group of its own, so its collectives never meet the training's), and
+    the checkpoint is published once written, at the next `save` or `wait`."""
+
+    def __init__(self, run_dir: Path, strategy: Any, fmt: str, keep: int, use_async: bool):
+        self.run_dir, self.strategy, self.keep = run_dir, strategy, keep
+        self.sharded = fmt == "sharded"
+        self.use_async = use_async and self.sharded
+        self.group = None
+        if self.use_async and dist.is_initialized():
+            self.group = dist.new_group(backend="gloo")
+        self.pending: tuple[Future, Path, Path] | None = None
+
+    def save(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]
+    ) -> Path:
+        """Checkpoint `model` and `optimizer` with `extra` (step, rng, config, wandb_run_id);
+        returns the folder it is (or, saved asynchronously, will be) published as."""
+        self.wait()
+        strategy, step = self.strategy, extra["step"]
+        final = step_dir(self.run_dir, step)
+        if not self.sharded:
+            state = {
+                "model": strategy.model_state_dict(model),
+                "optimizer": strategy.optimizer_state_dict(model, optimizer),
+                **extra,
+            }
+            if strategy.is_main:
+                staging = prepare_staging(self.run_dir, step)
+                save_file(state, staging / FULL_FILE)
+                publish(staging, final, self.keep)
+            strategy.barrier()
+            return final
+        import torch.distributed.checkpoint as dcp  # slow to import; only sharded ones need it
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+        state = strategy.sharded_state_dict(model, optimizer)
+        # Tensors every rank holds (FSDP's buffers, a replica's weights) are written by rank 0,
+        # in its order: the checkpoint then reads back in single's key order, not with the
+        # buffers another rank wrote listed last.
+        planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+        staging = checkpoints_dir(self.run_dir) / f".staging-{final.name}"
+        if strategy.is_main:
+            save_file(extra, prepare_staging(self.run_dir, step) / TRAIN_STATE_FILE)
+        strategy.barrier()  # the staging folder is ready for every rank's shards
+        if self.use_async:
+            future = dcp.async_save(
+                state, checkpoint_id=staging, process_group=self.group, planner=planner
+            )
+            self.pending = (future, staging, final)
+            return final
+        dcp.save(state, checkpoint_id=staging, planner=planner)
+        if strategy.is_main:
+            publish(staging, final, self.keep)
+        strategy.barrier()
+        return final
+
+    def close(self) -> None:
+        self.wait()
+
+    def wait(self) -> None:
+        """Finish an asynchronous save: once DCP's coordinator (rank 0) has written the metadata,
+        every rank has written its shards, and rank 0 publishes the checkpoint."""
+        if self.pending is None:
+            return
+        future, staging, final = self.pending
+        self.pending = None
+        future.result()
+        if self.strategy.is_main:
+            publish(staging, final, self.keep)
+
+
+def resume_path(resume: str | None, run_dir: Path, announce: bool = False) -> Path | None:
+    """The checkpoint `trainer.resume` names: None; `auto`, the run folder's newest checkpoint
+    that can be read, if there is one yet (so a job can be restarted with the same command); or a
+    path. With `announce`, says which damaged checkpoints `auto` passed over."""
+    if resume is None:
+        return None
+    if resume != "auto":
+        return Path(resume).expanduser()
+    for path in reversed(saved_checkpoints(run_dir)):
+        try:
+            check_intact(path)
+            return path
+        except ConfigError as damaged:
+            if announce:
+                log.warning("%s; resuming from the checkpoint before it", damaged)
+    return None
+
+
+def check_intact(path: Path) -> None:
+    """Raise ConfigError unless `path` reads as a checkpoint and, if sharded, every shard file
+    its metadata names is there at its full length (short of reading every byte)."""
+    load_checkpoint(path, mmap=True)
+    if is_sharded(path):
+        import torch.distributed.checkpoint as dcp
+
+        storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data
+        for info in storage.values():
+            shard = path / info.relative_path
+            if not shard.is_file() or shard.stat().st_size < info.offset + info.length:
+                raise ConfigError(f"trainer.resume: {path} is missing part of {shard.name}")
+
+
+def is_sharded(path: Path) -> bool:
+    return (path / DCP_METADATA).is_file()
+
+
+def load_checkpoint(path: Path, mmap: bool = False) -> dict[str, Any]:
+    """Read a checkpoint (a step folder, or a full checkpoint's file) in the full format; anything
+    missing or unreadable is a ConfigError.
+
+    `mmap=True` reads only the structure (shapes, step, config), for checks before any work: a
+    sharded checkpoint's model then holds meta tensors and its optimizer is None."""
+    if path.is_dir() and not is_sharded(path):
+        path = path / FULL_FILE
+    if path.is_dir():
+        state = read_torch_file(path / TRAIN_STATE_FILE, mmap=False)
+        state["model"], state["optimizer"] = (
+            (sharded_shapes(path), None) if mmap else read_sharded(path)
+        )
+    else:
+        state = read_torch_file(path, mmap)
+    if not isinstance(state, dict) or any(key not in state for key in REQUIRED_KEYS):
+        raise ConfigError(
+            f"trainer.resume: {path} is not a checkpoint written by train.py (it needs "
+            f"{', '.join(REQUIRED_KEYS)}); point trainer.resume at a run's checkpoints/step-* "
+            "folder"
+        )
+    return state
+
+
+def read_torch_file(path: Path, mmap: bool) -> Any:
+    if not path.is_file():
+        raise ConfigError(
+            f"trainer.resume: no checkpoint at {path}; give a checkpoint folder "
+            "(checkpoints/step-*), or trainer.resume=auto with hydra.run.dir=<the run folder to "
+            "continue>"
+        )
+    if not zipfile.is_zipfile(path):  # what torch.save writes; a truncated file is no zip
+        raise ConfigError(
+            f"trainer.resume: {path} is not a checkpoint, or it was cut short; point "
+            "trainer.resume at an intact checkpoint, or leave it unset to start afresh"
+        )
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as error:  # noqa: BLE001 - however it fails, the file is unusable
+        raise unreadable(path, error) from error
+
+
+def unreadable(path: Path, error: Exception) -> ConfigError:
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return ConfigError(
+        f"trainer.resume: {path} is not a readable checkpoint ({reason}); point "
+        "trainer.resume at an intact checkpoint, or leave it unset to start afresh"
+    )
+
+
+def sharded_shapes(path: Path) -> dict[str, torch.Tensor]:
+    """The model's tensors as meta tensors of their full shapes, from the DCP metadata."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as error:  # noqa: BLE001
+        raise unreadable(path / DCP_METADATA, error) from error
+    return {
+        key.removeprefix("model."): meta_tensor(item)
+        for key, item in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
+    }
+
+
+def meta_tensor(item: TensorStorageMetadata) -> torch.Tensor:
+    return torch.empty(item.size, dtype=item.properties.dtype, device="meta")
+
+
+def read_sharded(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A sharded checkpoint's model and optimizer, whole, in this process alone (no process
+    group); the optimizer state in single's format (keyed by parameter index)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    try:
+        # What `format_utils.dcp_to_torch_save` does: the state rebuilt from the metadata.
+        _load_state_dict(
+            state,
+            storage_reader=dcp.FileSystemReader(str(path)),
+            planner=_EmptyStateDictLoadPlanner(),
+            no_dist=True,
+        )
+    except Exception as error:  # noqa: BLE001
+        raise unreadable(path, error) from error
+    optimizer = state["optimizer"]
+    names = [name for group in optimizer["param_groups"] for name in group["params"]]
+    return state["model"], renamed(optimizer, {name: i for i, name in enumerate(names)})
+
+
+def renamed(state: dict[str, Any], new_key: dict) -> dict[str, Any]:
+    """An optimizer state dict with its parameter keys (names or indices) mapped by `new_key`."""
+    return {
+        "state": {new_key[key]: value for key, value in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [new_key[key] for key in group["params"]]}
+            for group in state["param_groups"]
+        ],
+    }
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def newest_checkpoint(source: Path) -> Path:
+    """`source` itself when it is a checkpoint, else the newest of the run folder `source`."""
+    if source.is_file() or (source / FULL_FILE).is_file() or is_sharded(source):
+        return source
+    saved = saved_checkpoints(source)
+    if not saved:
+        raise ConfigError(f"no checkpoint in {source}: give a run folder or a checkpoint folder")
+    return saved[-1]
+
+
+def export(source: Path, target: Path) -> None:
+    """Write the model's plain state_dict (single's keys) from the checkpoint `source`."""
+    state = load_checkpoint(newest_checkpoint(source))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state["model"], target)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m src.checkpoint.store")
+    commands = parser.add_subparsers(dest="command", required=True)
+    export_parser = commands.add_parser(
+        "export", help="write a checkpoint's model as a plain state_dict (single's keys)"
+    )
+    export_parser.add_argument("source", type=Path, help="a run folder or a checkpoint")
+    export_parser.add_argument("target", type=Path, help="the .pt file to write")
+    args = parser.parse_args(argv)
+    try:
+        export(args.source, args.target)
+    except ConfigError as error:
+        print(f"error: {str(error).removeprefix('trainer.resume: ')}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Activation checkpointing and torch.compile per block of a plain model, before any strategy
+wraps it."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch import nn
+from torch.distributed._composable import checkpoint
+
+
+def prepare_blocks(model: nn.Sequential, activation_checkpointing: bool, compile: bool) -> None:
+    """Activation checkpointing, then torch.compile, on every block of the plain model, in
+    place, before a strategy wraps it (torchtitan's order): the parameter names and state_dict
+    keys stay `single`'s, and each strategy's own units (DDP's hooks and buckets, FSDP's
+    per-block sharding, pipeline stages, dp's replicas) hold the prepared blocks.
+
+    Checkpointing is non-reentrant (`torch.distributed._composable.checkpoint`, hooks on the
+    block rather than a wrapper module): a block keeps only its input for backward and runs its
+    forward again there, trading that compute for the activations' memory. It works with DDP
+    without `static_graph`, with FSDP2 and with compiled blocks."""
+    if compile:
+        keep_kernels_apart_by_aten_capability()
+    for block in model:
+        if activation_checkpointing:
+            checkpoint(block)
+        if compile:
+            block.__class__ = compiled_class(type(block))
+
+
+def keep_kernels_apart_by_aten_capability() -> None:
+    """Under ATEN_CPU_CAPABILITY, inductor caches its kernels on disk apart from the ones it
+    built without it (unless TORCHINDUCTOR_CACHE_DIR names a folder of the user's). Its cache
+    keys leave the variable out, while its compiler flags follow it: on torch 2.14.1 a kernel
+    cached vectorised by a run with the CPU's own kernels failed to build under `default`
+    (`at::vec` not declared). A folder this function named is named again: a process started
+    under another ATEN_CPU_CAPABILITY inherits its parent's."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    shared = default_cache_dir()  # torch names it in the environment once it has used it
+    named = os.environ.get("TORCHINDUCTOR_CACHE_DIR", shared)
+    if named == shared or named.startswith(f"{shared}-aten-"):
+        own = f"{shared}-aten-{capability}" if capability else shared
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = own
+
+
+@functools.cache
+def compiled_class(block_class: type[nn.Module]) -> type[nn.Module]:
+    """`block_class` with its forward compiled, one subclass per class (FSDP2 swaps classes
+    alike), so that every block of a class shares one compiled function, and its graphs where
+    the shapes agree.
+
+    Not `nn.Module.compile()`: that compiles the module's `__call__`, and dynamo skips the frames
+    of torch.nn's own code there, so a block built of torch modules only (an MLP's Sequential of
+    Linear and ReLU) ran uncompiled. Not a compiled method set on the instance either: dp's
+    replicas copy a block's attributes, and a bound method would run the original block. A
+    class's forward binds to whichever copy calls it."""
+    forward = torch.compile(block_class.forward)
+    return type(f"Compiled{block_class.__name__}", (block_class,), {"forward": forward})

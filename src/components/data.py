@@ -1,0 +1,428 @@
+"""Datasets and the batch order every strategy shares.
+
+A builder returns `Data`: train and validation sets plus the shapes a model needs. A set is either
+a `Split` (in-memory tensors, indexed directly: no loader, no copies) or any map-style torch
+`Dataset` of (input, target) pairs, read through a `DataLoader`. Inputs and targets may each be a
+tensor or a tuple/dict of tensors (`src/components/batches.py`); both paths keep that structure.
+Data code knows nothing about parallelism: `train_order` takes a rank and a world size, and its
+sharding is chosen so that the union of the ranks' batches at step k is exactly the batch `single`
+sees at step k.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import signal
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader, Dataset
+
+from src.components import batches
+from src.components.batches import Tree
+from src.config.schema import data_builder_config
+
+Batch = tuple[Tree, Tree]
+"""(inputs, targets): each a tensor, or a tuple/dict of tensors."""
+
+
+@dataclass
+class Split:
+    """A set held in memory: inputs and targets (tensors, or tuples/dicts of them) with the
+    samples on dim 0."""
+
+    inputs: Tree
+    targets: Tree
+
+    def __len__(self) -> int:
+        return batches.batch_size(self.targets)
+
+    @property
+    def nbytes(self) -> int:
+        return batches.nbytes((self.inputs, self.targets))
+
+    @property
+    def device(self) -> torch.device:
+        return batches.tensors(self.targets)[0].device
+
+    def __getitem__(self, index: Any) -> Batch:
+        """The samples at `index` (an int, a slice or a tensor of indices)."""
+        return batches.take(self.inputs, index), batches.take(self.targets, index)
+
+    def to(self, device: torch.device) -> Split:
+        return Split(*batches.move((self.inputs, self.targets), device))
+
+
+@dataclass
+class Data:
+    train: Split | Dataset
+    val: Split | Dataset
+    input_shape: tuple[int, ...]
+    num_classes: int
+    """Classes, or the vocabulary size for token data."""
+
+    def to(self, device: torch.device) -> Data:
+        return Data(self.train.to(device), self.val.to(device), self.input_shape, self.num_classes)
+
+    @property
+    def in_memory(self) -> bool:
+        return isinstance(self.train, Split) and isinstance(self.val, Split)
+
+
+def first_samples(dataset: Split | Dataset, count: int) -> Batch:
+    """The first `count` samples of a set, batched (on the host) as a DataLoader batches them."""
+    if isinstance(dataset, Split):
+        return batches.move(dataset[:count], torch.device("cpu"))
+    return batches.collate([dataset[index] for index in range(count)])
+
+
+def meta_samples(dataset: Split | Dataset, count: int) -> Batch:
+    """Inputs and targets shaped like `count` samples of the set, on the meta device."""
+    return batches.meta_resized(first_samples(dataset, 1), count)
+
+
+def build_data(settings: DictConfig, seed: int) -> Data:
+    """The `Data` that the data settings' builder (`_target_`) returns."""
+    return instantiate(data_builder_config(settings), seed=seed)
+
+
+def _split(
+    inputs: torch.Tensor, targets: torch.Tensor, num_classes: int, val_fraction: float, seed: int
+) -> Data:
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"data.val_fraction must be between 0 and 1, got {val_fraction}")
+    order = torch.randperm(len(targets), generator=torch.Generator().manual_seed(seed))
+    num_val = max(1, int(len(targets) * val_fraction))
+    val, train = order[:num_val], order[num_val:]
+    return Data(
+        train=Split(inputs[train], targets[train]),
+        val=Split(inputs[val], targets[val]),
+        input_shape=tuple(inputs.shape[1:]),
+        num_classes=num_classes,
+    )
+
+
+def synthetic_classification(
+    seed: int,
+    input_dim: int,
+    num_classes: int,
+    num_samples: int,
+    val_fraction: float,
+    image_shape: list[int] | None = None,
+) -> Data:
+    """Gaussian inputs labelled by a random linear teacher: learnable, deterministic in the seed."""
+    shape = tuple(image_shape) if image_shape else (input_dim,)
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(num_samples, *shape, generator=generator)
+    teacher = torch.randn(inputs[0].numel(), num_classes, generator=generator)
+    targets = (inputs.flatten(1) @ teacher).argmax(1)
+    return _split(inputs, targets, num_classes, val_fraction, seed)
+
+
+def synthetic_tokens(
+    seed: int, vocab_size: int, seq_len: int, num_samples: int, val_fraction: float
+) -> Data:
+    """Sequences from a random, low-entropy bigram chain: next-token prediction is learnable."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = 4.0 * torch.randn(vocab_size, vocab_size, generator=generator)
+    transitions = logits.softmax(-1)
+    tokens = torch.empty(num_samples, seq_len + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(vocab_size, (num_samples,), generator=generator)
+    for t in range(seq_len):
+        next_token = torch.multinomial(transitions[tokens[:, t]], 1, generator=generator)
+        tokens[:, t + 1] = next_token[:, 0]
+    return _split(tokens[:, :-1], tokens[:, 1:], vocab_size, val_fraction, seed)
+
+
+class TokenWindows(Dataset):
+    """Windows of `seq_len + 1` tokens of a flat uint16 token file (nanoGPT's `train.bin`): window
+    i starts at token `first + i * seq_len`, so together they predict every next token once. The
+    file is a numpy memmap, opened in each process that reads it (a DataLoader worker too)."""
+
+    def __init__(self, path: Path, first: int, num_tokens: int, seq_len: int):
+        self.path, self.first, self.seq_len = path, first, seq_len
+        self.num_windows = (num_tokens - 1) // seq_len
+        self._tokens: np.memmap | None = None
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def __getitem__(self, index: int) -> Batch:
+        if self._tokens is None:
+            self._tokens = np.memmap(self.path, dtype=np.uint16, mode="r")
+        start = self.first + index * self.seq_len
+        window = torch.from_numpy(self._tokens[start : start + self.seq_len + 1].astype(np.int64))
+        return window[:-1], window[1:]
+
+    def __getstate__(self) -> dict:  # a memmap does not travel to workers; each opens its own
+        return {**self.__dict__, "_tokens": None}
+
+
+def tokens(seed: int, path: str, seq_len: int, vocab_size: int | None, val_fraction: float) -> Data:
+    """A flat uint16 token file: the first part trains, the last `val_fraction` validates. The
+    vocabulary is `vocab_size`, by default the file's largest token + 1."""
+    del seed  # the order comes from the seed in `train_order`; the windows are fixed
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(f"data.path={path}: no such token file")
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"data.val_fraction must be between 0 and 1, got {val_fraction}")
+    token_ids = np.memmap(file, dtype=np.uint16, mode="r")
+    largest = int(token_ids.max()) if len(token_ids) else -1
+    vocab_size = largest + 1 if vocab_size is None else vocab_size
+    if largest >= vocab_size:
+        raise ValueError(
+            f"data.vocab_size={vocab_size} but {path} holds token {largest}; raise it to at least "
+            f"{largest + 1} or leave it unset"
+        )
+    num_val = int(len(token_ids) * val_fraction)
+    train = TokenWindows(file, 0, len(token_ids) - num_val, seq_len)
+    val = TokenWindows(file, len(token_ids) - num_val, num_val, seq_len)
+    if len(val) == 0:
+        raise ValueError(
+            f"data.path={path} has {len(token_ids)} tokens: too few for one validation window "
+            f"of data.seq_len={seq_len} + 1; raise data.val_fraction or lower data.seq_len"
+        )
+    return Data(train, val, input_shape=(seq_len,), num_classes=vocab_size)
+
+
+def synthetic_segmentation(
+    seed: int,
+    num_classes: int,
+    image_shape: list[int],
+    num_samples: int,
+    val_fraction: float,
+    ignore_fraction: float,
+    ignore_index: int,
+) -> Data:
+    """Gaussian images whose pixels are labelled by a random linear teacher over each pixel's 3x3
+    neighbourhood (a convolution learns it); `ignore_fraction` of the pixels, chosen at random,
+    are labelled `ignore_index` instead. Targets: (samples, height, width) class ids."""
+    if not 0 <= ignore_fraction < 1:
+        raise ValueError(f"data.ignore_fraction must be in [0, 1), got {ignore_fraction}")
+    generator = torch.Generator().manual_seed(seed)
+    channels = image_shape[0]
+    inputs = torch.randn(num_samples, *image_shape, generator=generator)
+    teacher = torch.randn(num_classes, channels, 3, 3, generator=generator)
+    targets = torch.nn.functional.conv2d(inputs, teacher, padding=1).argmax(1)
+    ignored = torch.rand(targets.shape, generator=generator) < ignore_fraction
+    targets[ignored] = ignore_index
+    return _split(inputs, targets, num_classes, val_fraction, seed)
+
+
+def synthetic_regression(
+    seed: int, input_dim: int, output_dim: int, num_samples: int, val_fraction: float
+) -> Data:
+    """Gaussian inputs, targets from a random two-layer teacher plus a little noise:
+    (samples, output_dim) floats. `num_classes` is the output width a model must have."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(num_samples, input_dim, generator=generator)
+    hidden = torch.randn(input_dim, 4 * output_dim, generator=generator) / input_dim**0.5
+    teacher = torch.randn(4 * output_dim, output_dim, generator=generator) / (4 * output_dim) ** 0.5
+    noise = 0.1 * torch.randn(num_samples, output_dim, generator=generator)
+    targets = torch.tanh(inputs @ hidden) @ teacher + noise
+    return _split(inputs, targets, output_dim, val_fraction, seed)
+
+
+def batches_per_epoch(num_samples: int, batch_size: int) -> int:
+    return num_samples // batch_size
+
+
+def train_order(
+    num_samples: int,
+    batch_size: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    start_batch: int = 0,
+    device: torch.device | None = None,
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Endless (epoch, indices) of `batch_size // world_size` samples for `rank`.
+
+    Each epoch is one permutation drawn from (seed, epoch), as `DistributedSampler` draws it,
+    and rank r takes its positions r, r+W, r+2W, ...; so the ranks' k-th batches together are
+    exactly the permutation's k-th block of `batch_size`, the batch a single process sees.
+    Incomplete batches at the end of an epoch are dropped. Batch k is a function of (seed, k):
+    `start_batch` starts there (resuming a run) without drawing the batches before it.
+    """
+    local = batch_size // world_size
+    per_epoch = batches_per_epoch(num_samples, batch_size)
+    if per_epoch == 0:
+        raise ValueError(
+            f"the training set has {num_samples} samples, fewer than one global batch of "
+            f"{batch_size}: lower trainer.batch_size or use more data"
+        )
+    epoch, skip = divmod(start_batch, per_epoch)
+    while True:
+        generator = torch.Generator().manual_seed(seed + epoch)
+        indices = torch.randperm(num_samples, generator=generator)[rank::world_size]
+        indices = indices.to(device) if device is not None else indices
+        for b in range(skip, per_epoch):
+            yield epoch, indices[b * local : (b + 1) * local]
+        epoch, skip = epoch + 1, 0
+
+
+def val_order(num_samples: int, batch_size: int, rank: int, world_size: int) -> list[torch.Tensor]:
+    """Rank r's validation batches: every W-th sample in a fixed order, none twice, and as many
+    batches as the rank with the most samples has (an empty batch where this rank has none)."""
+    local = max(1, batch_size // world_size)
+    indices = torch.arange(num_samples)[rank::world_size]
+    most_per_rank = math.ceil(num_samples / world_size)
+    return [indices[start : start + local] for start in range(0, most_per_rank, local)]
+
+
+@dataclass(frozen=True)
+class Loading:
+    """How a `Dataset` (not an in-memory `Split`) is read; see `LoaderConfig`."""
+
+    num_workers: int = 0
+    pin_memory: bool = False
+    persistent_workers: bool = True
+    prefetch_factor: int = 2
+    augment: Callable[[Batch, int, int], Batch] | None = None
+    """Applied to (sample, epoch, index) of training samples; None: none."""
+
+    def loader(self, dataset: Dataset, batch_sampler: Iterable) -> DataLoader:
+        workers = self.num_workers > 0
+        return DataLoader(
+            dataset,
+            batch_sampler=batch_sampler,
+            collate_fn=batches.collate,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=workers and self.persistent_workers,
+            prefetch_factor=self.prefetch_factor if workers else None,
+            worker_init_fn=leave_stop_signals_to_the_trainer if workers else None,
+        )
+
+
+def leave_stop_signals_to_the_trainer(worker_id: int) -> None:
+    """Ctrl-C signals the whole process group, and a scheduler's SIGTERM often every process of
+    the job: a worker that died of it would crash the training process ("DataLoader worker exited
+    unexpectedly") before it could stop after the step and save. The training process stops its
+    workers itself when it ends (and a worker whose parent is gone exits on its own)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+class EpochSamples(Dataset):
+    """A training set read by (epoch, index) keys, so that augmentation can draw from both."""
+
+    def __init__(self, dataset: Dataset, augment: Callable[[Batch, int, int], Batch] | None):
+        self.dataset, self.augment = dataset, augment
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]) -> Batch:
+        epoch, index = key
+        sample = self.dataset[index]
+        return sample if self.augment is None else self.augment(sample, epoch, index)
+
+
+class SplitSamples(Dataset):
+    """An in-memory split as a Dataset (for augmentation, which the direct path does not do)."""
+
+    def __init__(self, split: Split):
+        self.split = split.to(torch.device("cpu"))
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, index: int) -> Batch:
+        return self.split[index]
+
+
+def loading_for(
+    settings: Any, seed: int, device_type: str, processes_per_node: int, cores: int
+) -> Loading:
+    """`Loading` from the data settings (`LoaderConfig`). By default a CUDA run reads with up to
+    4 workers per process (leaving a core to each training process) into pinned memory, whose
+    host-to-device copies do not block; a CPU run reads in the training process, whose cores the
+    workers would take."""
+    cuda = device_type == "cuda"
+    workers = settings.num_workers
+    if workers is None:
+        workers = min(4, max(0, cores // processes_per_node - 1)) if cuda else 0
+    return Loading(
+        num_workers=workers,
+        pin_memory=cuda and settings.pin_memory,
+        persistent_workers=settings.persistent_workers,
+        prefetch_factor=settings.prefetch_factor,
+        augment=augmentation(seed) if settings.augment else None,
+    )
+
+
+def augmentation(seed: int) -> Callable[[Batch, int, int], Batch]:
+    """`data.augment=true`'s crop and flip (`src/components/augment.py`), drawn from (seed, epoch,
+    index)."""
+    from src.components.augment import augment_image  # torchvision, only for runs that augment
+
+    return functools.partial(augment_image, seed)
+
+
+def train_batches(
+    dataset: Split | Dataset,
+    batch_size: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    start_batch: int = 0,
+    loading: Loading = Loading(),
+) -> Iterator[Batch]:
+    """Endless training batches for `rank` in `train_order`. An in-memory split is indexed where
+    it lives (on a GPU: no copy per step); any other set, or an augmented one, goes through a
+    DataLoader whose batch sampler is that order."""
+    if isinstance(dataset, Split) and loading.augment is None:
+        order = train_order(
+            len(dataset), batch_size, seed, rank, world_size, start_batch, dataset.device
+        )
+        return (dataset[batch] for _, batch in order)
+    if isinstance(dataset, Split):
+        dataset = SplitSamples(dataset)
+    order = train_order(len(dataset), batch_size, seed, rank, world_size, start_batch)
+    keys = ([(epoch, index) for index in batch.tolist()] for epoch, batch in order)
+    return iter(loading.loader(EpochSamples(dataset, loading.augment), keys))
+
+
+class ValBatches:
+    """The validation set as (inputs, targets, counted) batches for `rank`, read again each time
+    it is iterated (a DataLoader's persistent workers stay up between evaluations).
+
+    Every rank yields as many batches as the rank with the most samples: where the ranks' forward
+    passes meet in collectives (fsdp gathers each block's parameters), they must run the same
+    number. A rank short of samples pads with the set's first sample, yielded with
+    `counted=False`: run through the model, left out of the figures.
+    """
+
+    def __init__(
+        self,
+        dataset: Split | Dataset,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        loading: Loading = Loading(),
+    ):
+        order = val_order(len(dataset), batch_size, rank, world_size)
+        self.counted = [len(batch) > 0 for batch in order]
+        padded = [batch if len(batch) else torch.zeros(1, dtype=torch.long) for batch in order]
+        self.dataset = dataset
+        if isinstance(dataset, Split):  # indexed where the split lives: no copies per batch
+            self.indices = [batch.to(dataset.device) for batch in padded]
+        else:
+            self.loader = loading.loader(dataset, [batch.tolist() for batch in padded])
+
+    def __iter__(self) -> Iterator[tuple[Tree, Tree, bool]]:
+        if isinstance(self.dataset, Split):
+            read = (self.dataset[batch] for batch in self.indices)
+        else:
+            read = iter(self.loader)
+        for (inputs, targets), counted in zip(read, self.counted, strict=True):
+            yield inputs, targets, counted

@@ -1,0 +1,143 @@
+"""Tasks: what the model is trained on and measured by (`task=` in the config), as sums.
+
+A task turns a batch's (outputs, targets) into one 1-D tensor of sums, [loss sum, metric sums...]
+(the first differentiable), and says how many targets the loss sum is over (`count`). Sums, not
+means: a strategy that runs a batch on several devices or micro-batches adds the parts, and
+dividing by the global count gives the exact global mean even when the parts differ in size.
+`figures` turns the totals over many batches into the named means the loop logs.
+
+A task of your own is any class with these three methods, named by `task._target_`; it may take
+outputs and targets that are tuples or dicts of tensors (`src/components/batches.py`). The built-in
+tasks take one tensor of each.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def not_one_tensor(outputs: Any, targets: Any) -> str | None:
+    """Why a built-in task cannot take these (None: each is one tensor)."""
+    for name, value in (("outputs", outputs), ("targets", targets)):
+        if not torch.is_tensor(value):
+            return (
+                f"the {name} must be one tensor, not a {type(value).__name__}; return one from "
+                f"the {'model' if name == 'outputs' else 'data'}, or name a task of your own that "
+                f"takes a {type(value).__name__} (task._target_)"
+            )
+    return None
+
+
+def loss_sum(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy over every target of (..., classes) logits and (...) class ids."""
+    return F.cross_entropy(outputs.flatten(0, -2).float(), targets.flatten(), reduction="sum")
+
+
+class Classification:
+    """Cross-entropy and accuracy. Outputs are (..., classes) logits, targets (...) class ids:
+    one label per sample (batch, classes), or per token (batch, seq, vocab)."""
+
+    def check(self, outputs: torch.Tensor, targets: torch.Tensor, num_classes: int) -> str | None:
+        """Why outputs of this shape cannot be scored against these targets (None: they can)."""
+        if problem := not_one_tensor(outputs, targets):
+            return problem
+        if outputs.dim() == 0 or outputs.shape[-1] < num_classes:
+            return f"its last dimension must be the data's {num_classes} classes"
+        if outputs.shape[:-1] != targets.shape:
+            return f"it must be {list(targets.shape)} (the targets' shape) + [classes]"
+        return None
+
+    def sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """[summed cross-entropy, correct predictions]."""
+        correct = (outputs.argmax(-1) == targets).sum(dtype=torch.float32)
+        return torch.stack([loss_sum(outputs, targets), correct])
+
+    def count(self, targets: torch.Tensor) -> int:
+        return targets.numel()
+
+    def figures(self, sums: list[float], count: float) -> dict[str, float]:
+        loss, correct = sums
+        return {"loss": loss / count, "accuracy": correct / count}
+
+
+class LanguageModel(Classification):
+    """Next-token cross-entropy and accuracy, (batch, seq, vocab) logits against the (batch, seq)
+    next tokens; perplexity is exp(mean loss)."""
+
+    def figures(self, sums: list[float], count: float) -> dict[str, float]:
+        figures = super().figures(sums, count)
+        return {**figures, "perplexity": math.exp(min(figures["loss"], 700.0))}  # no overflow
+
+
+class Segmentation:
+    """Per-pixel cross-entropy, pixel accuracy and mean IoU. Outputs are (batch, classes, H, W)
+    logits, targets (batch, H, W) class ids; pixels labelled `ignore_index` count nowhere.
+    Mean IoU comes from the confusion counts summed over every batch (not a mean of per-batch
+    IoUs), over the classes that occur in the targets or the predictions."""
+
+    def __init__(self, ignore_index: int = -100):
+        self.ignore_index = ignore_index
+
+    def check(self, outputs: torch.Tensor, targets: torch.Tensor, num_classes: int) -> str | None:
+        if problem := not_one_tensor(outputs, targets):
+            return problem
+        if outputs.dim() != targets.dim() + 1 or outputs.shape[1] != num_classes:
+            return f"it must be (batch, {num_classes} classes, ...) logits, one per target pixel"
+        return None
+
+    def sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """[summed cross-entropy, correct pixels, confusion counts (classes x classes, row: the
+        target, column: the prediction) flattened]."""
+        classes = outputs.shape[1]
+        loss = F.cross_entropy(
+            outputs.float(), targets, ignore_index=self.ignore_index, reduction="sum"
+        )
+        kept = targets != self.ignore_index
+        predicted = outputs.argmax(1)
+        # Ignored pixels go to one extra cell, dropped: shapes never depend on the values (no
+        # boolean indexing), so the sums also run on the meta device.
+        cell = torch.where(kept, targets * classes + predicted, classes * classes).flatten()
+        confusion = torch.zeros(classes * classes + 1, device=cell.device)
+        confusion.index_add_(0, cell, torch.ones_like(cell, dtype=confusion.dtype))
+        correct = ((predicted == targets) & kept).sum(dtype=torch.float32)
+        return torch.cat([loss[None], correct[None], confusion[:-1]])
+
+    def count(self, targets: torch.Tensor) -> torch.Tensor:
+        return (targets != self.ignore_index).sum()
+
+    def figures(self, sums: list[float], count: float) -> dict[str, float]:
+        loss, correct, *confusion = sums
+        classes = math.isqrt(len(confusion))
+        matrix = torch.tensor(confusion).view(classes, classes)
+        hits = matrix.diagonal()
+        union = matrix.sum(0) + matrix.sum(1) - hits
+        present = union > 0
+        mean_iou = (hits[present] / union[present]).mean().item() if present.any() else math.nan
+        return {"loss": loss / count, "pixel_accuracy": correct / count, "mean_iou": mean_iou}
+
+
+class Regression:
+    """Mean squared error (the loss) and mean absolute error over every target value; outputs
+    are shaped like the targets."""
+
+    def check(self, outputs: torch.Tensor, targets: torch.Tensor, num_classes: int) -> str | None:
+        if problem := not_one_tensor(outputs, targets):
+            return problem
+        if outputs.shape != targets.shape:
+            return f"it must be shaped like the targets, {list(targets.shape)}"
+        return None
+
+    def sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        error = outputs.float() - targets
+        return torch.stack([error.square().sum(), error.abs().sum()])
+
+    def count(self, targets: torch.Tensor) -> int:
+        return targets.numel()
+
+    def figures(self, sums: list[float], count: float) -> dict[str, float]:
+        squared, absolute = sums
+        return {"loss": squared / count, "mae": absolute / count}

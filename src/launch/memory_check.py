@@ -1,0 +1,84 @@
+"""Measured peak tensor memory of real training steps, to hold the planner's predictions to.
+
+Each process of the configured strategy builds its model, wraps it, and runs as many real
+training steps as the planner traces (two: the loop's own `forward_backward`, the real
+optimizer) under torch's `MemTracker`, which counts every tensor storage alive per device; the
+peak is the second step's, when the optimizer state exists. On CPU a device is a process (its
+replicas or stages share its memory), as in `peak_memory_mb`. Used by
+`scripts/benchmark.py --only plan` and the tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from src.components.blocks import prepare_blocks
+from src.components.data import build_data, first_samples
+from src.components.optimizer import build_optimizer
+from src.components.precision import LossScaling, autocast
+from src.launch.launcher import launch
+from src.parallel import build_strategy
+from src.planning.planner import TRACED_STEPS, StepMemTracker, meta_model_and_inputs
+from src.runtime.ranks import Ranks
+from src.runtime.stopping import StopOnSignal
+from src.training.loop import forward_backward
+
+
+def measured_peak_mb(cfg: DictConfig) -> dict[str, float]:
+    """The largest per-process peak of tensor memory over two training steps of `cfg`'s
+    strategy, in MB, by MemTracker's categories and `Total` (processes started here for
+    multi-process strategies; their rank 0's)."""
+    strategy = build_strategy(cfg.parallel, "cpu", cfg.trainer.precision)
+    if strategy.processes_per_node == 1:
+        return step_peak_mb(OmegaConf.to_container(cfg, resolve=True))
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    logging_config = {"version": 1, "disable_existing_loggers": False}
+    return launch(
+        step_peak_mb, (resolved,), strategy.processes_per_node, 1, cfg.parallel, logging_config
+    )
+
+
+def step_peak_mb(
+    resolved_cfg: dict[str, Any], ranks: Ranks | None = None, stop: StopOnSignal | None = None
+) -> dict[str, float]:
+    """This process's peak tensor memory (MB) over `TRACED_STEPS` training steps; as one of
+    `ranks` when `launch` started it (two steps end before any stop request matters)."""
+    cfg = OmegaConf.create(resolved_cfg)
+    trainer = cfg.trainer
+    strategy = build_strategy(cfg.parallel, "cpu", trainer.precision, ranks)
+    data = build_data(cfg.data, cfg.seed)
+    strategy.check_model(*meta_model_and_inputs(cfg, data, 2))
+    strategy.setup()
+    micro_batch = trainer.batch_size // trainer.accumulate // strategy.world_size
+    task = instantiate(cfg.task)
+    torch.manual_seed(cfg.seed)
+    # Sliced here, copied while tracked: a slice of an in-memory set made under the tracker
+    # would count the whole set's storage.
+    batch = first_samples(data.train, micro_batch)
+    tracker = StepMemTracker()
+    try:
+        with tracker:
+            model = instantiate(
+                cfg.model, input_shape=data.input_shape, num_classes=data.num_classes
+            )
+            prepare_blocks(model, trainer.activation_checkpointing, False)
+            model = strategy.wrap(model)
+            optimizer = build_optimizer(cfg.optimizer, strategy.unwrap(model).parameters())
+            scaling = LossScaling(strategy.grad_scaler(trainer.precision == "fp16", 2.0**16))
+            for _ in range(TRACED_STEPS):
+                batches = iter([tuple(t.clone() for t in batch)] * trainer.accumulate)
+                precision = autocast("cpu", trainer.precision)
+                forward_backward(
+                    model, strategy, task, batches, precision, trainer.accumulate, scaling
+                )
+                scaling.step(optimizer)
+                optimizer.zero_grad(set_to_none=True)
+    finally:
+        strategy.teardown()
+    peaks = tracker.get_tracker_snapshot("peak").values()
+    peak = max(peaks, key=lambda snapshot: snapshot["Total"])
+    return {str(kind): size / 2**20 for kind, size in peak.items()}

@@ -1,0 +1,92 @@
+"""Every place where the template relies on torch or Python beyond their published APIs, each
+behind one function with a plain fallback, so that an upgrade that changes them costs speed, not
+correctness. `tests/test_torch_internals.py` fails when what they rely on changes.
+
+- `exit_without_teardown`: a finished command ends with `os._exit` after the exit handlers.
+- `rank_server_pid`: the forkserver's pid, from multiprocessing's private attribute.
+- `name_rendezvous_events_cheaply`: swaps torch's stack-walking `get_method_name` in
+  `dynamic_rendezvous` for a `sys._getframe` lookup giving the same names.
+
+Ending a finished process without the interpreter's teardown of its modules: a training process
+has imported torch, torch._dynamo (every `torch.optim` optimizer does),
+sympy, Hydra and W&B. When it exits, Python frees all of their modules object by object, which
+can take longer than a short run's training (measured in docs/performance.md). A sweep of short
+jobs, and every test, pays it per process.
+
+By then nothing the process owes anyone is left in that teardown: Python has already waited for
+its non-daemon threads and run the exit handlers (W&B's, multiprocessing's, ...) when the last
+of them, registered first by `exit_without_teardown`, flushes the logs and standard streams and
+ends the process with its exit status. Processes forked by multiprocessing (the ranks, loader
+workers) end this way already. An exit the process did not reach on its own terms (an uncaught
+exception, a message given to `sys.exit`) keeps Python's usual path and report.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import inspect
+import logging
+import os
+import sys
+from collections.abc import Iterator
+
+_exit_status: list[int] = []  # set once the block has ended with an exit status of its own
+
+
+def _end_at_once() -> None:
+    if not _exit_status:
+        return
+    logging.shutdown()  # its own exit handler may be one that runs after this one
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe or stream
+            stream.flush()
+    os._exit(_exit_status[0])
+
+
+@contextlib.contextmanager
+def exit_without_teardown() -> Iterator[None]:
+    """Around a command's whole run: once it returns or calls `sys.exit(code)`, the process ends
+    after the exit handlers, skipping the teardown of its modules."""
+    atexit.register(_end_at_once)  # exit handlers run last-registered first: this one last
+    try:
+        yield
+    except SystemExit as exit:
+        if exit.code is None or isinstance(exit.code, int):
+            _exit_status.append(exit.code or 0)
+        raise
+    _exit_status.append(0)
+
+
+def rank_server_pid() -> int | None:
+    """The running forkserver's pid: Python keeps it in a private attribute (checked on the
+    interpreter the project tests, `tests/test_torch_internals.py`). None if a Python stores it
+    elsewhere: then a rank started after its server died is not caught at once
+    (`end_with_launcher`)."""
+    from multiprocessing import forkserver
+
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)  # noqa: SLF001
+
+
+def name_rendezvous_events_cheaply() -> None:
+    """torch's c10d rendezvous names each event it records after the method that recorded it,
+    found with `inspect.stack()`, twice an event: that reads the source file of every frame on the
+    stack, a large part of each multi-process launch on a few CPU cores
+    (`scripts/benchmark.py --only startup` measures it). The name is that of the frame `depth` calls
+    up, which `sys._getframe` gives without reading anything: the same names, at once."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    torchs = getattr(dynamic_rendezvous, "get_method_name", None)
+    torchs = getattr(torchs, "__wrapped__", torchs)  # named cheaply already
+    if torchs is None or list(inspect.signature(torchs).parameters) != ["depth"]:
+        return  # torch names its events otherwise now: leave it to it
+
+    @functools.wraps(torchs)  # keeps torch's as __wrapped__
+    def get_method_name(depth: int = 2) -> str:
+        try:
+            return sys._getframe(depth).f_code.co_name  # noqa: SLF001 - inspect.stack's frames
+        except ValueError:  # the stack is not that deep
+            return "no_method_name"
+
+    dynamic_rendezvous.get_method_name = get_method_name

@@ -1,0 +1,38 @@
+"""One module per `parallel=` option; `build_strategy` imports only the one asked for."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from src.config.schema import ParallelConfig
+from src.parallel.base import ConfigError, Strategy
+
+if TYPE_CHECKING:
+    from src.runtime.ranks import Ranks
+
+
+def build_strategy(
+    cfg: ParallelConfig, device_type: str, precision: str = "fp32", ranks: Ranks | None = None
+) -> Strategy:
+    """The strategy class that `parallel._target_` names, given `cfg` (its settings are checked;
+    nothing is started yet). `precision` is `trainer.precision`, for strategies that keep
+    parameters in it (fsdp); `ranks`, the ranks torchrun, srun or `launch` started, this process
+    among them (None: it is the only one), for `setup` to join."""
+    strategy = strategy_class(cfg._target_)(cfg, device_type)
+    strategy.precision = precision
+    strategy.ranks = ranks
+    return strategy
+
+
+def strategy_class(target: str) -> type[Strategy]:
+    """The class at `target` (`module.Class`). Not Hydra's `instantiate`, which would spread the
+    settings into keyword arguments: a strategy keeps them whole, as `self.cfg`."""
+    module_name, _, class_name = target.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ConfigError(f"parallel._target_={target} names no class: {error}") from None
+    if not (isinstance(found, type) and issubclass(found, Strategy)):
+        raise ConfigError(f"parallel._target_={target} is not a Strategy (see src/parallel/)")
+    return found

@@ -1,0 +1,354 @@
+"""The interface between the shared training loop and a way of spreading work over devices.
+
+The loop (`src/training/loop.py`) calls only what is below and never asks which strategy it holds.
+
+Before any work (in the launching process):
+    strategy = Strategy(cfg.parallel, device_type)   checks the settings, touches no device
+    strategy.precision                                 trainer.precision (set by build_strategy)
+    strategy.ranks                                     the ranks torchrun, srun or `launch`
+                                                       started, this process among them (set by
+                                                       build_strategy); None: it runs alone
+    strategy.check_batch(micro_batch)                  the global micro-batch splits as needed
+    strategy.check_accumulate(accumulate)              micro-steps per optimizer step work here
+    strategy.check_visible_gpus()                      enough GPUs for the job, or for this rank
+    strategy.check_model(model, inputs)                the model (built on the meta device) fits,
+                                                       given a batch of meta inputs; pipelines
+                                                       choose their stage boundaries here (every
+                                                       training process gets its strategy from
+                                                       these checks, see `check_config`)
+    strategy.processes_per_node                        how many local processes the job needs;
+                                                       more than 1 makes `train.py` launch them
+In each training process:
+    strategy.setup()                   process group, this process's devices, threads
+    model = strategy.wrap(model)       place / replicate / split a plain `nn.Sequential`
+    strategy.unwrap(model)             the plain model again (its parameters and state_dict keys
+                                       are the same as `single`'s); the optimizer is built on it
+    rank, world_size                   this process's data-parallel rank and the number of
+                                       data-parallel processes; the loader feeds each process
+                                       `global batch / world_size` samples
+    is_main                            the one process that logs and writes files
+Per micro-step:
+    with strategy.grad_sync(model, enabled):         False on accumulation steps that do not
+        out = strategy.apply(model, x, y, fn)        step the optimizer (DDP's no_sync)
+        (out[0] / count).backward()                  fn gives [loss sum, correct predictions]
+    `x` and `y` are tensors or tuples/lists/dicts of tensors (`src/components/batches.py`); the
+    model takes `x` as one argument, `fn` the outputs and `y` as they are.
+    `apply` runs the forward pass however the strategy likes (scattered, pipelined, ...), calls
+    `fn(outputs, targets)` where the outputs are, and returns the sum of `fn`'s results over the
+    parts as one tensor. `fn` always returns sums (see `src/components/tasks.py`), so dividing by
+    the number of targets gives the exact mean over the batch, whatever the split.
+Checkpoints (every process calls these; the main one writes the file):
+    strategy.model_state_dict(model)                 the full state_dict, single's keys
+    strategy.optimizer_state_dict(model, optimizer)  the full optimizer state, single's format
+    strategy.load_optimizer_state_dict(model, optimizer, state)   the inverse, on resume
+    A full checkpoint's model weights are loaded into the plain model before `wrap`.
+    strategy.sharded_checkpoints                     whether it writes and reads `sharded` ones:
+    strategy.sharded_state_dict(model, optimizer)    this process's part (DCP's state_dict APIs)
+    strategy.load_sharded(model, optimizer, path)    read it back, into the wrapped model, any
+                                                     number of processes having written it
+    strategy.default_checkpoint_format               what trainer.checkpoint_format=auto means
+Once, before training:
+    strategy.grad_scaler(enabled, init_scale)   fp16's GradScaler (one that knows how the
+                                 gradients are split, where they are)
+Now and then:
+    strategy.all_reduce_sum(t)   sum over data-parallel processes (on log, eval and checkpoint
+                                 steps; every step with trainer.skip_nonfinite)
+    strategy.barrier()
+    strategy.synchronize()       wait for queued device work (timing)
+    strategy.local_peak_memory_mb()   (labels, megabytes) for this process's devices
+    strategy.peak_memory_mb()    the same for every device the job used (all processes)
+    strategy.report()            strategy-specific figures for summary.json (e.g. bubble)
+    strategy.teardown()
+For the planner (`src/planning/planner.py`), after check_batch and check_model, touching no device:
+    strategy.device_shares(sizes, micro_batch)   what each device holds and runs in a step
+    strategy.step_traffic(sizes, micro_batch, accumulate)   bytes sent per step, by transfer
+    strategy.idle_fraction()                     share of the step a device waits (bubble)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from src.components.batches import Tree
+from src.config.schema import Accelerator, ConfigError, ParallelConfig
+
+if TYPE_CHECKING:
+    from src.runtime.ranks import Ranks
+
+LossFn = Callable[[Tree, Tree], torch.Tensor]
+"""A task's `sums`: (outputs, targets) -> a 1-D tensor of sums."""
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """What the planner knows of the model before tracing it (bytes, from the meta device)."""
+
+    block_parameter_bytes: list[int]
+    """Each block's parameters (one shared by several blocks counted at the first)."""
+    input_bytes: int
+    """One sample's inputs."""
+    block_output_bytes: list[int]
+    """One sample's output of each block."""
+    shared_blocks: list[list[int]]
+    """The blocks grouped by shared parameters (each block alone when it shares none)."""
+
+    @property
+    def parameter_bytes(self) -> int:
+        return sum(self.block_parameter_bytes)
+
+    def blocks_bytes(self, start: int, end: int) -> int:
+        return sum(self.block_parameter_bytes[start:end])
+
+
+@dataclass(frozen=True)
+class DeviceShare:
+    """One device's part of a training step, as the planner traces it."""
+
+    label: str
+    samples: int
+    """Samples per micro-step through this device's blocks."""
+    blocks: tuple[int, int] | None = None
+    """The blocks it runs, [start, end); None: all."""
+    parts: int = 1
+    """The samples run in this many parts (replicas, pipeline micro-batches), all kept for
+    backward."""
+    gather: bool = False
+    """The parts' outputs are concatenated before the loss (DataParallel's gather)."""
+    state_shards: int = 1
+    """Parameters, gradients and optimizer state split this many ways (FSDP)."""
+    replica_only: bool = False
+    """It holds a copy of the parameters but no gradients or optimizer state of its own."""
+    extra_bytes: dict[str, int] = field(default_factory=dict)
+    """What the strategy adds, by category (parameters, gradients, optimizer, activations)."""
+    devices: int = 1
+    """The devices whose work this share stands for: on CPU one process runs all of a dp's
+    replicas or a pipeline's stages, which on GPUs run side by side."""
+
+
+def tied_block_groups(model: nn.Sequential) -> list[list[int]]:
+    """Blocks that share a parameter, grouped (each block alone when it shares none)."""
+    groups: list[tuple[set[int], list[int]]] = []
+    for index, block in enumerate(model):
+        params = {id(p) for p in block.parameters()}
+        sharing = [g for g in groups if g[0] & params]
+        groups = [g for g in groups if g not in sharing]
+        merged_ids = params.union(*(g[0] for g in sharing))
+        groups.append((merged_ids, sorted([i for g in sharing for i in g[1]] + [index])))
+    return [blocks for _, blocks in groups]
+
+
+def ring_bytes(size: int, ranks: int) -> int:
+    """Bytes each rank sends in a ring all-reduce of `size` bytes."""
+    return 2 * (ranks - 1) * size // ranks
+
+
+def resolve_device_type(accelerator: Accelerator) -> str:
+    """'auto' becomes cuda when a GPU is visible, else cpu."""
+    if accelerator == Accelerator.cuda and not torch.cuda.is_available():
+        raise ConfigError("trainer.accelerator=cuda but no GPU is visible; use auto or cpu")
+    if accelerator == Accelerator.auto:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return Accelerator(accelerator).value
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS reports one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def process_peak_memory_mb() -> float:
+    """Peak resident memory of this process (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+class Strategy:
+    """Defaults for a strategy that runs in one process; subclasses override what differs."""
+
+    processes_per_node: int = 1
+    rank: int = 0
+    world_size: int = 1
+    is_main: bool = True
+    precision: str = "fp32"
+    ranks: Ranks | None = None
+    # One file that single loads; sharded (DCP) needs a plain, DDP or FSDP2 module.
+    sharded_checkpoints: bool = False
+    default_checkpoint_format: str = "full"
+    spans_nodes: bool = False  # its processes may run on several nodes (parallel.nodes)
+
+    def __init__(self, cfg: ParallelConfig, device_type: str):
+        self.cfg = cfg
+        self.device_type = device_type
+        if cfg.devices < 1:
+            raise ConfigError(f"parallel.devices must be at least 1, got {cfg.devices}")
+        if cfg.nodes < 1:
+            raise ConfigError(f"parallel.nodes must be at least 1, got {cfg.nodes}")
+        if cfg.nodes > 1 and not self.spans_nodes:
+            raise ConfigError(
+                f"parallel={cfg.name} runs in one process, on one node; set parallel.nodes=1, or "
+                "use ddp, fsdp or hybrid"
+            )
+        self.devices: list[torch.device] = []
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+    def check_batch(self, micro_batch: int) -> None:
+        """Raise ConfigError when a global micro-batch of this size cannot be split here."""
+        if micro_batch < 1:
+            raise ConfigError(
+                f"the micro-batch (trainer.batch_size / trainer.accumulate) is {micro_batch}; "
+                "raise trainer.batch_size"
+            )
+
+    def check_accumulate(self, accumulate: int) -> None:
+        """Raise ConfigError when `trainer.accumulate` micro-steps per optimizer step cannot run
+        this way."""
+
+    def check_visible_gpus(self) -> None:
+        """Raise ConfigError when too few GPUs are visible: all of `parallel.devices` to a job
+        started here, one process's share to each of the `ranks` torchrun or srun started (under
+        `srun --gpus-per-task`, a rank sees its own GPUs only)."""
+        if self.device_type != "cuda":
+            return
+        visible = torch.cuda.device_count()
+        per_process = self.cfg.devices // self.processes_per_node
+        if self.ranks is None and self.cfg.devices > visible:
+            raise ConfigError(
+                f"parallel.devices={self.cfg.devices} but only {visible} GPU(s) are visible; "
+                "lower parallel.devices"
+            )
+        if per_process > visible:
+            raise ConfigError(
+                f"each process of parallel={self.name} drives {per_process} GPU(s) but this one "
+                f"sees {visible}; give each task {per_process} GPU(s) (srun --gpus-per-task)"
+            )
+
+    def check_model(self, model: nn.Module, inputs: Tree) -> None:
+        """Raise ConfigError when `model` (built on the meta device: shapes, no memory) cannot be
+        placed this way, e.g. more stages than blocks; `inputs` are meta tensors shaped like a
+        batch, for a forward pass on the meta device."""
+
+    def setup(self) -> None:
+        self.devices = self.local_devices()
+
+    def local_devices(self) -> list[torch.device]:
+        """The devices this process drives: the first `parallel.devices` of its kind."""
+        if self.device_type == "cuda":
+            return [torch.device("cuda", i) for i in range(self.cfg.devices)]
+        return [torch.device("cpu")] * self.cfg.devices
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
+        raise NotImplementedError
+
+    def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def grad_scaler(self, enabled: bool, init_scale: float) -> torch.amp.GradScaler:
+        """Every process holds whole gradients (replicas' are equal after their all-reduce), so
+        each one finds the same inf/NaN and skips the same steps."""
+        return torch.amp.GradScaler(self.device_type, init_scale=init_scale, enabled=enabled)
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return self.unwrap(model).state_dict()
+
+    def optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        optimizer.load_state_dict(state)
+
+    def sharded_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, Any]:
+        """`model` and `optimizer` keyed by parameter name, each process holding its own shards
+        (a replica's tensors are whole; DCP writes them once)."""
+        # DCP is imported where used: importing it costs a run's start-up about a fifth of
+        # `import torch`, and only sharded checkpoints need it.
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        # DCP's APIs for a plain, DDP or FSDP2 model: parameter names as keys, own shards each.
+        options = StateDictOptions()
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+        """Load a sharded checkpoint into the wrapped `model` and its `optimizer`: DCP reads each
+        process's shards of the tensors it is given, however many processes wrote them."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        state = self.sharded_state_dict(model, optimizer)  # the shapes and shards to fill
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=StateDictOptions(),
+        )
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def barrier(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        for device in set(self.devices):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+    def peak_memory_mb(self) -> tuple[list[str], list[float]]:
+        return self.local_peak_memory_mb()
+
+    def local_peak_memory_mb(self) -> tuple[list[str], list[float]]:
+        """One entry per CUDA device; on CPU, one per process (replicas share its memory)."""
+        if self.device_type == "cuda":
+            devices = sorted(set(self.devices), key=lambda d: d.index)
+            return (
+                [str(d) for d in devices],
+                [torch.cuda.max_memory_allocated(d) / 2**20 for d in devices],
+            )
+        return [f"cpu:rank{self.rank}"], [process_peak_memory_mb()]
+
+    def report(self) -> dict[str, Any]:
+        return {}
+
+    def teardown(self) -> None:
+        pass
+
+    def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
+        """What each device holds and runs in a step of `micro_batch` samples (all of them)."""
+        return [DeviceShare(f"{self.device_type}:0", micro_batch)]
+
+    def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
+        """Bytes sent per optimizer step (`accumulate` micro-steps), by transfer: what each rank
+        sends for collectives, what crosses all stage boundaries for pipelines, what the output
+        device exchanges for dp."""
+        return {}
+
+    def idle_fraction(self) -> float:
+        """Share of a step each device waits for others (a pipeline's bubble)."""
+        return 0.0
+

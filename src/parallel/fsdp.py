@@ -1,0 +1,170 @@
+"""`parallel=fsdp`: fully sharded data parallel (PyTorch's FSDP2), one process per device.
+
+Launched and fed like ddp: each rank trains on `global batch / world size` samples, starting from
+rank 0's weights. Unlike ddp, no rank holds the whole model. Every block of the `nn.Sequential`
+(blocks that share a parameter together; then the root, for what is left) is sharded: each parameter
+is split along its first dimension into `world size` pieces (DTensors), and so are its gradient and
+optimizer state. A block's full parameters are all-gathered just before its forward pass and again
+before its backward pass, and freed after; its gradients are reduce-scattered (averaged), so each
+rank gets the gradient of its own shard and steps the optimizer on it. Parameters, gradients and
+optimizer state take 1/world size of the memory per device, for a second all-gather per block per
+step (ddp: one all-reduce). On the accumulation micro-steps that do not step the optimizer,
+gradients stay whole on each rank until the last one reduce-scatters them (communication saved for
+memory, as in DDP's no_sync).
+
+With `trainer.precision=bf16` the gathered parameters are bf16 (half the all-gather traffic and
+the memory of the unsharded block) while the shards, the gradient reduction and the optimizer
+stay fp32; fp16 alike, its gradients unscaled by a scaler that checks every rank's shard.
+The loop's autocast still runs on top: it leaves bf16 matmuls as they are and casts to
+fp32 where it always does (softmax, norms, the loss), so the two agree.
+
+Checkpoints are sharded by default (`trainer.checkpoint_format=auto`): every rank writes its own
+shards through torch.distributed.checkpoint and reads back its own, resharded to however many
+ranks resume, so no rank holds the whole model (it is still built whole in each process's host
+memory before `wrap` shards it). `full` gathers them on rank 0 into single's
+format instead (full state_dict; the optimizer state keyed by parameter index); resuming from one,
+the weights are loaded before sharding and the optimizer state is split on loading, so the whole
+model then passes through each process's host memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+from src.checkpoint.store import renamed
+from src.components.precision import AUTOCAST_DTYPES
+from src.parallel.base import DeviceShare, ModelSizes, tied_block_groups
+from src.parallel.distributed import Distributed
+
+# Full tensors, gathered onto rank 0's CPU (the other ranks get nothing back).
+GATHERED_ON_MAIN = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# Every rank passes the full state (each one read the checkpoint) and keeps its own shards.
+SPLIT_FROM_FULL = StateDictOptions(full_state_dict=True)
+
+
+class FSDP(Distributed):
+    sharded_checkpoints = True
+    default_checkpoint_format = "sharded"  # no rank can hold the whole model
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        model = self.with_batchnorm_synced(model)
+        copy_from_rank0(model, self.device)
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        policy = MixedPrecisionPolicy()
+        if self.precision in AUTOCAST_DTYPES:
+            policy = MixedPrecisionPolicy(
+                param_dtype=AUTOCAST_DTYPES[self.precision], reduce_dtype=torch.float32
+            )
+        for unit in sharding_units(model):
+            fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=policy)
+        return fully_shard(model, mesh=mesh, mp_policy=policy)
+
+    def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
+        """Rank 0's device: its share of the batch, its shard of the model's state, and the
+        working set of gathered parameters: the unit running and the next one, prefetched."""
+        gathered = 2 * self.gathered_bytes(max(unit_bytes(sizes)))
+        share = DeviceShare(
+            f"{self.device_type}:0",
+            micro_batch // self.world_size,
+            state_shards=self.world_size,
+            extra_bytes={"parameters": gathered},
+        )
+        return [share]
+
+    def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
+        """Every unit is gathered for forward and again for backward, its gradients
+        reduce-scattered once per step (each rank sends (N - 1) / N of each)."""
+        others = (self.world_size - 1) / self.world_size
+        gathered = self.gathered_bytes(sizes.parameter_bytes)
+        return {
+            "parameter all-gather": int(2 * accumulate * others * gathered),
+            "gradient reduce-scatter": int(others * sizes.parameter_bytes),
+        }
+
+    def gathered_bytes(self, fp32_bytes: int) -> int:
+        """Parameters as gathered: in the autocast dtype under bf16/fp16 (half of fp32)."""
+        return fp32_bytes // 2 if self.precision in AUTOCAST_DTYPES else fp32_bytes
+
+    def grad_scaler(self, enabled: bool, init_scale: float) -> torch.amp.GradScaler:
+        """Each rank holds a shard of every gradient: ShardedGradScaler all-reduces the inf/NaN
+        check, so that every rank skips the step when any shard overflowed."""
+        return ShardedGradScaler(self.device_type, init_scale=init_scale, enabled=enabled)
+
+    def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        return gradient_sync(model, enabled)
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return get_model_state_dict(model, options=GATHERED_ON_MAIN)
+
+    def optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, Any]:
+        state = get_optimizer_state_dict(model, optimizer, options=GATHERED_ON_MAIN)
+        if not self.is_main:
+            return {}
+        index = {name: i for i, name in enumerate(parameter_names(model, optimizer))}
+        return renamed(state, index)
+
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        names = dict(enumerate(parameter_names(model, optimizer)))
+        set_optimizer_state_dict(model, optimizer, renamed(state, names), options=SPLIT_FROM_FULL)
+
+
+def copy_from_rank0(model: nn.Module, device: torch.device) -> None:
+    """Give every rank rank 0's parameters and buffers, as DDP does when it wraps a model: one
+    whose initialisation does not come only from the seeded RNG would otherwise start from
+    different weights on each rank. One tensor at a time through `device` (the backend's), so
+    the device never holds more than one of them whole."""
+    with torch.no_grad():
+        for tensor in itertools.chain(model.parameters(), model.buffers()):
+            on_device = tensor.to(device)  # the tensor itself when it is there already
+            dist.broadcast(on_device, src=0)
+            if on_device is not tensor:
+                tensor.copy_(on_device)
+
+
+def unit_bytes(sizes: ModelSizes) -> list[int]:
+    """The parameter bytes of each sharding unit (blocks sharing a parameter together)."""
+    return [sum(sizes.block_parameter_bytes[b] for b in blocks) for blocks in sizes.shared_blocks]
+
+
+def sharding_units(model: nn.Sequential) -> list[list[nn.Module]]:
+    """The blocks grouped into FSDP units: each block on its own, except that blocks sharing a
+    parameter (tied embeddings) form one unit, since one unit alone can shard and gather it."""
+    blocks = list(model)
+    return [[blocks[index] for index in group] for group in tied_block_groups(model)]
+
+
+@contextlib.contextmanager
+def gradient_sync(model: FSDPModule, enabled: bool) -> Iterator[None]:
+    """Off: gradients accumulate unsharded on each rank, reduce-scattered on a later micro-step."""
+    model.set_requires_gradient_sync(enabled)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The name of each of the optimizer's parameters, in the order that `state_dict` numbers
+    them (`single`'s checkpoints key the optimizer state by that number)."""
+    name_of = {param: name for name, param in model.named_parameters()}
+    return [name_of[param] for group in optimizer.param_groups for param in group["params"]]

@@ -1,0 +1,248 @@
+"""A block stack cut into stages on their own devices, run over micro-batches in GPipe order.
+
+`Pipeline` wraps a plain `nn.Sequential` without copying it: each stage is a slice that shares
+the original blocks, so the parameters and state_dict keys stay those of `single`. Its forward
+takes the targets and the loss function too, so that the loss is computed on the last stage
+where the outputs are; `model_parallel` calls it directly and `hybrid` wraps it in DDP
+(`device_ids=None`), which passes the arguments through.
+
+The inputs and targets, and what a block hands to the next stage, may be a tensor or a tuple,
+list or dict of tensors (nested too, `src/components/batches.py`): each is split into micro-batches
+leaf by leaf, and each micro-batch's structure moves to the next stage's device as it is. Anything
+else (a Python number, a string, ...) cannot be moved; `unmovable_boundaries` finds such block
+boundaries with a forward pass on the meta device before any work, so that the strategy refuses
+split points there and keeps the automatic split away from them (`pipelined.py`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Collection, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from src.components.batches import Tree, batch_size, move, split
+from src.parallel.base import ConfigError, DeviceShare, LossFn, ModelSizes
+
+log = logging.getLogger(__name__)
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """Share of stage time spent idle in a GPipe schedule: (S - 1) / (M + S - 1)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def gpipe_ticks(stages: int, microbatches: int) -> Iterator[list[tuple[int, int]]]:
+    """(stage, micro-batch) pairs per clock tick: at tick t, stage s runs micro-batch t - s.
+
+    Within a tick the last stage comes first: its input copy is queued on the previous stage's
+    device before that stage's next micro-batch, so on GPUs the copy does not wait behind it.
+    """
+    for tick in range(microbatches + stages - 1):
+        yield [
+            (stage, tick - stage)
+            for stage in reversed(range(stages))
+            if 0 <= tick - stage < microbatches
+        ]
+
+
+def balanced_split_points(
+    block_sizes: Sequence[int], stages: int, cuttable: Collection[int] | None = None
+) -> list[int] | None:
+    """Where stages 1.. start, for the contiguous partition with the smallest largest stage,
+    cutting only before the blocks in `cuttable` (None: any); None when no partition exists.
+
+    Dynamic programming over (stages used, blocks covered); ties go to the earliest cut.
+    """
+    blocks = len(block_sizes)
+    prefix = [0, *itertools.accumulate(block_sizes)]
+    # largest[s][i]: the best largest-stage size when the first i blocks form s stages.
+    largest = [[float("inf")] * (blocks + 1) for _ in range(stages + 1)]
+    cut = [[0] * (blocks + 1) for _ in range(stages + 1)]
+    largest[0][0] = 0
+    for s in range(1, stages + 1):
+        for i in range(s, blocks + 1):
+            for j in range(s - 1, i):
+                if s > 1 and cuttable is not None and j not in cuttable:
+                    continue
+                candidate = max(largest[s - 1][j], prefix[i] - prefix[j])
+                if candidate < largest[s][i]:
+                    largest[s][i], cut[s][i] = candidate, j
+    if largest[stages][blocks] == float("inf"):
+        return None
+    points, end = [], blocks
+    for s in range(stages, 1, -1):
+        end = cut[s][end]
+        points.append(end)
+    return points[::-1]
+
+
+def movable(value: Any) -> bool:
+    """Whether `value` can go to another device: a tensor, or tuples, lists and dicts of them."""
+    leaves, _ = tree_flatten(value)
+    return all(torch.is_tensor(leaf) for leaf in leaves)
+
+
+def meta_block_outputs(model: nn.Sequential, inputs: Tree) -> list[Any] | None:
+    """What each block of `model` (built on the meta device) returns for `inputs` (meta), or
+    None when the blocks cannot run on the meta device (then nothing is known in advance)."""
+    outputs, value = [], inputs
+    try:
+        with torch.no_grad():
+            for block in model:
+                value = block(value)
+                outputs.append(value)
+    except Exception:  # noqa: BLE001 - e.g. no meta kernel, or a block that reads the values
+        log.debug("the blocks cannot run on the meta device", exc_info=True)
+        return None
+    return outputs
+
+
+def describe_value(value: Any) -> str:
+    """'a tuple holding a float', 'a str', ...: what a block hands on that cannot be moved."""
+    leaves, _ = tree_flatten(value)
+    odd = next(type(leaf).__name__ for leaf in leaves if not torch.is_tensor(leaf))
+    if len(leaves) == 1 and leaves[0] is value:
+        return f"a {odd}"
+    return f"a {type(value).__name__} holding a {odd}"
+
+
+def unmovable_boundaries(model: nn.Sequential, inputs: Tree) -> dict[int, Any]:
+    """{block index: what the block before it returns} where that cannot be handed to another
+    device, found by running `model` (built on the meta device) on `inputs` (meta); empty when
+    the blocks cannot run there."""
+    outputs = meta_block_outputs(model, inputs) or []
+    return {i + 1: value for i, value in enumerate(outputs[:-1]) if not movable(value)}
+
+
+def check_tied_parameters(
+    model: nn.Sequential, split_points: Sequence[int], device_type: str
+) -> None:
+    """Refuse a parameter shared by blocks on two stages on GPUs: moving each stage to its device
+    would untie it. On CPU every stage is the same device, the pair stays one Parameter and its
+    gradients sum, as `single`'s do."""
+    if device_type == "cpu":
+        return
+    bounds = [0, *split_points, len(model)]
+    seen: dict[int, int] = {}
+    for stage, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        for block in range(start, end):
+            for parameter in model[block].parameters():
+                first = seen.setdefault(id(parameter), stage)
+                if first != stage:
+                    raise ConfigError(
+                        f"the model shares a parameter between stage {first} and stage {stage} "
+                        f"(block {block}), which would be untied on separate GPUs; set "
+                        "model.tie_weights=false, or use ddp or fsdp"
+                    )
+
+
+def parameter_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+class Pipeline(nn.Module):
+    """`model` cut at `split_points` (balanced by parameter count when None), stage i on
+    `devices[i]`; forward returns the sum of `fn` over `microbatches` micro-batches."""
+
+    def __init__(
+        self,
+        model: nn.Sequential,
+        devices: Sequence[torch.device],
+        microbatches: int,
+        split_points: Sequence[int] | None = None,
+    ):
+        super().__init__()
+        if split_points is None:  # every block boundary taken to be cuttable
+            split_points = balanced_split_points([parameter_count(b) for b in model], len(devices))
+        # The strategy has checked its settings (`pipelined.py`); this guards the module's use.
+        bounds = [0, *(split_points or []), len(model)]
+        if len(bounds) != len(devices) + 1 or any(b <= a for a, b in itertools.pairwise(bounds)):
+            raise ValueError(
+                f"{len(model)} blocks cannot be cut into {len(devices)} stages at {split_points}"
+            )
+        self.model = model
+        self.devices = list(devices)
+        self.microbatches = microbatches
+        self.split_points = list(split_points)
+        blocks = list(model)
+        # A plain list, not registered: the blocks are registered once, through `self.model`.
+        self.stages = [
+            nn.Sequential(*blocks[a:b]).to(device)
+            for (a, b), device in zip(itertools.pairwise(bounds), devices, strict=True)
+        ]
+
+    def forward(self, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
+        # Uneven micro-batches are exact: `fn` returns sums. An eval batch smaller than M gets
+        # fewer micro-batches rather than empty ones.
+        chunks = min(self.microbatches, batch_size(inputs))
+        activations = split(move(inputs, self.devices[0]), chunks)
+        micro_targets = split(move(targets, self.devices[-1]), chunks)
+        total = None
+        last = len(self.stages) - 1
+        for tick in gpipe_ticks(len(self.stages), chunks):
+            for stage, micro in tick:
+                x = move(activations[micro], self.devices[stage])
+                activations[micro] = self.stages[stage](x)
+                if stage == last:
+                    part = fn(activations[micro], micro_targets[micro])
+                    total = part if total is None else total + part
+        return total
+
+    def describe(self) -> dict[str, Any]:
+        """The layout and schedule, for the log and summary.json."""
+        return {
+            "stages": len(self.stages),
+            "split_points": self.split_points,
+            "stage_parameters": [parameter_count(stage) for stage in self.stages],
+            "stage_devices": [str(d) for d in self.devices],
+            "microbatches": self.microbatches,
+            "bubble_fraction": bubble_fraction(len(self.stages), self.microbatches),
+        }
+
+
+def stage_shares(
+    device_type: str,
+    split_points: Sequence[int],
+    sizes: ModelSizes,
+    samples: int,
+    microbatches: int,
+    gradient_buckets: bool,
+) -> list[DeviceShare]:
+    """One share per stage on GPUs; on CPU one for the process holding all of them. With
+    `gradient_buckets` (DDP over pipelines), a second copy of each stage's gradients."""
+    bounds = [0, *split_points, len(sizes.block_parameter_bytes)]
+    stages = list(itertools.pairwise(bounds)) if device_type == "cuda" else [(0, bounds[-1])]
+    return [
+        DeviceShare(
+            f"{device_type}:{index}",
+            samples,
+            blocks=(start, end),
+            parts=min(microbatches, samples),
+            extra_bytes={"gradients": sizes.blocks_bytes(start, end) if gradient_buckets else 0},
+            devices=1 if device_type == "cuda" else len(split_points) + 1,
+        )
+        for index, (start, end) in enumerate(stages)
+    ]
+
+
+def boundary_bytes(split_points: Sequence[int], sizes: ModelSizes, samples: int) -> int:
+    """Activations sent forward across every stage boundary and their gradients sent back."""
+    return sum(2 * samples * sizes.block_output_bytes[point - 1] for point in split_points)
+
+
+def log_layout(layout: dict[str, Any]) -> None:
+    log.info(
+        "pipeline: %d stages on %s, split before blocks %s, parameters per stage %s; "
+        "%d micro-batch(es), bubble (idle) fraction %.1f%%",
+        layout["stages"],
+        ", ".join(layout["stage_devices"]),
+        layout["split_points"],
+        layout["stage_parameters"],
+        layout["microbatches"],
+        100 * layout["bubble_fraction"],
+    )

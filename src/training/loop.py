@@ -1,0 +1,698 @@
+"""The training loop every strategy shares, readable top to bottom.
+
+It knows the optimizer, the accumulation count and `strategy.is_main`; how the model is placed,
+split or replicated, and where the loss is computed, belong to the strategy (`strategies/base.py`).
+Nothing here waits on the devices except on logging, eval and checkpoint steps (and on every step
+with `trainer.skip_nonfinite`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import Dataset
+
+from src.checkpoint.store import CheckpointWriter, resolved_format, rng_state
+from src.components.data import Data, Split, ValBatches, loading_for, train_batches
+from src.components.optimizer import lr_schedule
+from src.components.precision import LossScaling, autocast
+from src.config.schema import TrainerConfig, plain_config
+from src.observe.performance import step_profiler
+from src.parallel.base import Strategy, usable_cores
+from src.runtime.run_folder import metrics_file
+from src.runtime.stopping import Interrupted, NonFiniteWatch, StopOnSignal, agree_to_stop
+
+log = logging.getLogger(__name__)
+PROFILE_TRACE = "profile_trace.json"
+
+
+class Throughput:
+    """Steady-state speed, from the logging windows after warm-up.
+
+    A window's time runs from the end of the previous logging step's bookkeeping to the
+    synchronization at its own logging step: warm-up steps, logging, eval and checkpoints are
+    left out, and with them the one-time costs their first calls pay (in the first job of an
+    in-process sweep, W&B's first log, say). Step time is the median over the windows, so that a
+    window disturbed by something else on the machine does not count; `step_time_spread`
+    ((slowest - fastest) / median) says how much the windows disagree. `data_wait_ms` is the
+    mean time per step after warm-up that the loop waited for input (a loader's workers start
+    in the first step)."""
+
+    def __init__(self, warmup_steps: int, samples_per_step: int):
+        self.warmup_steps = warmup_steps
+        self.samples_per_step = samples_per_step
+        self.steps_done = 0  # by this process: a resumed run warms up again
+        now = time.perf_counter()
+        self.started = now
+        self.window_start, self.window_steps = now, 0  # the logging window, for progress lines
+        self.timed_start = now if warmup_steps == 0 else None  # its part after warm-up
+        self.timed_steps = 0
+        self.window_ms: list[float] = []  # ms per step of each window's timed part
+        self.window_wait_s = 0.0  # input waited for in the logging window
+        self.timed_wait_s, self.all_timed_steps = 0.0, 0  # ... and in all steps after warm-up
+
+    def step_done(self, strategy: Strategy, data_wait_s: float = 0.0) -> None:
+        """A step is done, of which `data_wait_s` went on waiting for its input."""
+        self.steps_done += 1
+        self.window_steps += 1
+        self.window_wait_s += data_wait_s
+        if self.timed_start is not None:
+            self.timed_steps += 1
+            self.all_timed_steps += 1
+            self.timed_wait_s += data_wait_s
+        elif self.steps_done == self.warmup_steps:
+            strategy.synchronize()
+            self.timed_start = time.perf_counter()
+
+    def window_data_wait_ms(self) -> float:
+        """Input waited for per step in the logging window (before `close_window`)."""
+        return 1000 * self.window_wait_s / self.window_steps
+
+    def close_window(self) -> float:
+        """End a logging window (the caller has synchronized); returns its ms per step."""
+        self.window_wait_s = 0.0
+        now = time.perf_counter()
+        ms = 1000 * (now - self.window_start) / self.window_steps
+        if self.timed_steps:
+            self.window_ms.append(1000 * (now - self.timed_start) / self.timed_steps)
+            self.timed_start, self.timed_steps = now, 0
+        self.window_start, self.window_steps = now, 0
+        return ms
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent inside (logging, eval, checkpoints) counts in no step."""
+        paused_at = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - paused_at
+            self.window_start += elapsed
+            if self.timed_start is not None:
+                self.timed_start += elapsed
+
+    def summary(self) -> dict[str, float]:
+        if not self.window_ms:
+            nan = float("nan")
+            return {
+                "samples_per_sec": nan,
+                "step_time_ms": nan,
+                "step_time_spread": nan,
+                "data_wait_ms": nan,
+            }
+        step_ms = statistics.median(self.window_ms)
+        return {
+            "samples_per_sec": self.samples_per_step * 1000 / step_ms,
+            "step_time_ms": step_ms,
+            "step_time_spread": (max(self.window_ms) - min(self.window_ms)) / step_ms,
+            "data_wait_ms": 1000 * self.timed_wait_s / self.all_timed_steps,
+        }
+
+
+def evaluate(
+    model: torch.nn.Module,
+    strategy: Strategy,
+    task: Any,
+    val: Split | Dataset | ValBatches,
+    batch_size: int,
+    autocast: Any,
+) -> dict[str, float]:
+    """The task's figures (mean loss, ...) over the whole validation set (all ranks together);
+    `val` is the set, or this rank's `ValBatches` of it (which `batch_size` made)."""
+    if not isinstance(val, ValBatches):
+        val = ValBatches(val, batch_size, strategy.rank, strategy.world_size)
+    model.eval()
+    sums, count = None, 0
+    with torch.no_grad(), autocast:
+        for inputs, targets, counted in val:
+            part = strategy.apply(model, inputs, targets, task.sums).float()
+            if counted:
+                count = count + task.count(targets)
+            else:  # padding: zeros of the right length, for a rank with no samples of its own
+                part = part * 0
+            sums = part if sums is None else sums + part  # summed on the device: one wait
+    model.train()
+    return reduced_figures(strategy, task, sums, count)
+
+
+def reduced_figures(
+    strategy: Strategy, task: Any, sums: torch.Tensor, count: int | torch.Tensor
+) -> dict[str, float]:
+    """`task.figures` of `sums` over `count` targets, both summed over all processes."""
+    counts = torch.as_tensor(count, dtype=sums.dtype, device=sums.device).reshape(1)
+    *totals, total = strategy.all_reduce_sum(torch.cat([sums, counts])).tolist()
+    return task.figures(totals, total)
+
+
+def summary_val_figures(figures: dict[str, float]) -> dict[str, float]:
+    """The last evaluation's figures as summary keys: `final_val_loss`, then `val_<name>` (the
+    headline figures: `val_accuracy`, `val_perplexity`, ...)."""
+    return {
+        ("final_val_loss" if name == "loss" else f"val_{name}"): v for name, v in figures.items()
+    }
+
+
+def progress_line(
+    step: int,
+    max_steps: int,
+    loss: float,
+    samples_per_sec: float,
+    data_wait_ms: float,
+    eta_s: float,
+) -> str:
+    filled = round(20 * step / max_steps)
+    bar = "#" * filled + "." * (20 - filled)
+    return (
+        f"[{bar}] step {step}/{max_steps} | loss {loss:.4f} | "
+        f"{samples_per_sec:,.0f} samples/s | data wait {data_wait_ms:.1f} ms | eta {eta_s:.0f}s"
+    )
+
+
+@contextlib.contextmanager
+def open_history(tracker: Any, path: Path, start_step: int, is_main: bool) -> Iterator[History]:
+    """The run's `History`: the tracker, and `metrics.jsonl` (main process only) opened to append
+    the rows after `start_step`.
+
+    Rows past `start_step` come from a run that died after its last checkpoint (or an earlier run
+    in this folder); they are dropped first, so the file reads as one uninterrupted run."""
+    if not is_main:
+        yield History(tracker, None)
+        return
+    if path.exists():
+        kept = [line for line in path.read_text().splitlines() if history_step(line) <= start_step]
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        os.replace(tmp, path)
+    with path.open("a") as file:
+        yield History(tracker, file)
+
+
+def history_step(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError):  # a line cut short by a crash
+        return math.inf
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    strategy: Strategy,
+    task: Any,
+    batches: Iterator,
+    autocast: Any,
+    accumulate: int,
+    scaling: LossScaling,
+) -> tuple[torch.Tensor, int | torch.Tensor]:
+    """Gradients of one optimizer step, accumulated over `accumulate` micro-batches (of the mean
+    loss as `scaling` scales it). Returns this process's task sums over the step's targets
+    (detached, still on the device) and the number of those targets (`task.count`)."""
+    micro_batches = [next(batches) for _ in range(accumulate)]
+    targets_seen = sum(task.count(targets) for _, targets in micro_batches)
+    mean_divisor = step_divisor(strategy, targets_seen)
+    step_sums = None
+    for micro_step, (inputs, targets) in enumerate(micro_batches):
+        with strategy.grad_sync(model, enabled=micro_step == accumulate - 1):
+            with autocast:
+                sums = strategy.apply(model, inputs, targets, task.sums)
+            scaling.scale(sums).backward(mean_loss_gradient(sums, mean_divisor))
+        sums = sums.detach()
+        step_sums = sums if step_sums is None else step_sums + sums
+    return step_sums, targets_seen
+
+
+def mean_loss_gradient(sums: torch.Tensor, divisor: int | torch.Tensor) -> torch.Tensor:
+    """The gradient `sums.backward` takes to backpropagate the mean loss, sums[0] / divisor,
+    and nothing of the other sums: [1 / divisor, 0, ...]. Given to backward whole, it spares
+    the select and the division that `(sums[0] / divisor).backward()` runs, and their backward
+    ops, every micro-step; a divisor known from the shapes (an int) reuses one tensor."""
+    if torch.is_tensor(divisor):
+        return first_unit(len(sums), sums.dtype, sums.device) / divisor
+    return divided_first_unit(len(sums), sums.dtype, sums.device, divisor)
+
+
+@functools.lru_cache(maxsize=16)
+def first_unit(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    unit = torch.zeros(size, dtype=dtype, device=device)
+    unit[0] = 1
+    return unit
+
+
+@functools.lru_cache(maxsize=16)
+def divided_first_unit(
+    size: int, dtype: torch.dtype, device: torch.device, divisor: int
+) -> torch.Tensor:
+    return first_unit(size, dtype, device) / divisor  # as the division's backward computes it
+
+
+class TimedBatches:
+    """An iterator of batches that adds up the time its `next` waited: input the loop waited
+    for (a DataLoader's workers falling behind, or reading in the training process). In-memory
+    batches cost an index, nothing to wait on."""
+
+    def __init__(self, batches: Iterator):
+        self.batches = batches
+        self.wait_s = 0.0  # since the last `take_wait`
+
+    def __iter__(self) -> TimedBatches:
+        return self
+
+    def __next__(self) -> Any:
+        started = time.perf_counter()
+        batch = next(self.batches)
+        self.wait_s += time.perf_counter() - started
+        return batch
+
+    def take_wait(self) -> float:
+        """Seconds waited since the last call."""
+        waited, self.wait_s = self.wait_s, 0.0
+        return waited
+
+
+def step_divisor(strategy: Strategy, targets_seen: int | torch.Tensor) -> int | torch.Tensor:
+    """What this process divides its loss sum by so that the gradients (which data-parallel
+    strategies average over their processes) are those of the step's global mean loss.
+
+    A count known from the shapes (an int) is the same on every process: its own will do. A count
+    that depends on the targets (a tensor: pixels not ignored, say) differs between processes, so
+    its sum over all of them is taken, one collective a step, before any backward pass."""
+    if isinstance(targets_seen, int):
+        return targets_seen
+    total = strategy.all_reduce_sum(targets_seen.detach().float().clone())
+    return total.clamp(min=1) / strategy.world_size
+
+
+def finite_everywhere(strategy: Strategy, step_loss: torch.Tensor) -> bool:
+    """Whether every process's loss is finite; all processes get the same answer. It waits on
+    the device every step, which is why skipping non-finite steps is opt-in."""
+    return torch.isfinite(strategy.all_reduce_sum(step_loss.clone())).item()  # may sum in place
+
+
+def window_means(
+    strategy: Strategy, task: Any, step_sums: list[torch.Tensor], targets: int | torch.Tensor
+) -> dict[str, float]:
+    """The task's training figures over the targets of the steps since the last log (their
+    `forward_backward` sums), over all processes; {} when every step of the window was skipped
+    (see trainer.skip_nonfinite). Summed here, not per step: one device op per step saved."""
+    if not step_sums:
+        return {}
+    return reduced_figures(strategy, task, torch.stack(step_sums).sum(0), targets)
+
+
+def trainer_settings(trainer: DictConfig) -> TrainerConfig:
+    """The trainer settings as a typed object, for a config composed with its schema or rebuilt
+    from a plain dict (a launched rank's). Plain attributes: an OmegaConf lookup takes
+    microseconds, and the loop makes several a step."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainerConfig), trainer))
+
+
+def due(every: int, step: int) -> bool:
+    """Whether a cadence of `every` steps (0: never) falls on `step`."""
+    return every > 0 and step % every == 0
+
+
+class History:
+    """Where figures go: the tracker, and `metrics.jsonl` (main process only, see
+    `open_history`)."""
+
+    def __init__(self, tracker: Any, file: TextIO | None):
+        self.tracker, self.file = tracker, file
+
+    def record(self, metrics: dict[str, float], step: int) -> None:
+        self.tracker.log(metrics, step=step)
+        if self.file:
+            self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+            self.file.flush()
+
+
+class Progress:
+    """The training figures, every `trainer.log_every` steps and at the last: summed over the
+    steps since the previous log, recorded, and shown as a progress line."""
+
+    def __init__(self, trainer: TrainerConfig, strategy: Strategy, task: Any, speed: Throughput):
+        self.trainer, self.strategy, self.task, self.speed = trainer, strategy, task, speed
+        self.window_sums: list[torch.Tensor] = []  # each step's sums since the last log
+        self.targets = 0
+        self.figures: dict[str, float] = {"loss": math.nan}
+
+    def due(self, step: int) -> bool:
+        return due(self.trainer.log_every, step)
+
+    def add(self, step_sums: torch.Tensor, targets: int | torch.Tensor) -> None:
+        self.window_sums.append(step_sums)
+        self.targets += targets
+
+    def maybe_log(self, step: int, lr: float, history: History, force: bool) -> None:
+        if not (force or self.due(step)):
+            return
+        figures = window_means(self.strategy, self.task, self.window_sums, self.targets)
+        self.figures = figures or {name: math.nan for name in self.figures}
+        self.window_sums, self.targets = [], 0
+        data_wait_ms = self.speed.window_data_wait_ms()
+        step_ms = self.speed.close_window()
+        samples_per_sec = self.trainer.batch_size * 1000 / step_ms
+        with self.speed.paused():
+            memory = dict(zip(*self.strategy.local_peak_memory_mb(), strict=True))
+            metrics = {
+                **{f"memory/{device}_peak_mb": mb for device, mb in memory.items()},
+                **{f"train/{name}": value for name, value in self.figures.items()},
+                "train/lr": lr,
+                "train/step_time_ms": step_ms,
+                "train/samples_per_sec": samples_per_sec,
+                "train/data_wait_ms": data_wait_ms,
+            }
+            history.record(metrics, step)
+            if self.strategy.is_main:
+                eta_s = (self.trainer.max_steps - step) * step_ms / 1000
+                log.info(
+                    progress_line(
+                        step,
+                        self.trainer.max_steps,
+                        self.figures["loss"],
+                        samples_per_sec,
+                        data_wait_ms,
+                        eta_s,
+                    )
+                )
+
+
+class Evaluation:
+    """The validation figures, every `trainer.eval_every` steps and at the last."""
+
+    def __init__(
+        self,
+        trainer: TrainerConfig,
+        strategy: Strategy,
+        task: Any,
+        val: ValBatches,
+        speed: Throughput,
+    ):
+        self.trainer, self.strategy, self.task, self.speed = trainer, strategy, task, speed
+        self.val = val
+        self.figures: dict[str, float] = {"loss": math.nan}
+
+    def due(self, step: int) -> bool:
+        return due(self.trainer.eval_every, step)
+
+    def maybe_run(
+        self, step: int, model: torch.nn.Module, precision: Any, history: History, force: bool
+    ) -> None:
+        if not (force or self.due(step)):
+            return
+        with self.speed.paused():
+            self.figures = evaluate(
+                model, self.strategy, self.task, self.val, self.trainer.eval_batch_size, precision
+            )
+            history.record({f"val/{name}": value for name, value in self.figures.items()}, step)
+            if self.strategy.is_main:
+                shown = " | ".join(f"val {name} {v:.4g}" for name, v in self.figures.items())
+                log.info("step %d | %s", step, shown)
+
+
+class Checkpointing:
+    """A checkpoint every `trainer.checkpoint_every` steps, and whenever forced (the last step, a
+    stop); a forced one is complete on disk before `maybe_save` returns."""
+
+    def __init__(
+        self,
+        writer: CheckpointWriter,
+        every: int,
+        extra: dict[str, Any],
+        speed: Throughput,
+        start_step: int,
+        scaling: LossScaling,
+    ):
+        self.writer, self.every, self.extra, self.speed = writer, every, extra, speed
+        self.scaling = scaling  # fp16's loss scale goes on where the checkpoint left it
+        self.last_step = start_step or None  # the newest checkpoint's step
+        self.blocked_s: list[float] = []  # how long each checkpoint held training up
+
+    def due(self, step: int) -> bool:
+        return due(self.every, step)
+
+    def maybe_save(
+        self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, force: bool
+    ) -> Path | None:
+        """The folder the checkpoint is (or, saved asynchronously, will be) published as."""
+        if not (force or self.due(step)):
+            return None
+        with self.speed.paused():
+            started = time.perf_counter()
+            extra = {
+                "step": step,
+                "rng": rng_state(),
+                "loss_scaling": self.scaling.state_dict(),
+                **self.extra,
+            }
+            saved_to = self.writer.save(model, optimizer, extra)
+            self.blocked_s.append(time.perf_counter() - started)
+            if force:
+                self.writer.wait()
+        self.last_step = step
+        return saved_to
+
+
+class Stepper:
+    """One optimizer step: gradients over the step's micro-batches, then (unless the loss is
+    non-finite and `trainer.skip_nonfinite` skips it) clipping and the update."""
+
+    def __init__(
+        self,
+        trainer: TrainerConfig,
+        strategy: Strategy,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        task: Any,
+        loss_scaling_state: dict[str, Any] | None,
+    ):
+        self.trainer, self.strategy, self.task = trainer, strategy, task
+        self.model, self.optimizer = model, optimizer
+        self.params = list(strategy.unwrap(model).parameters())
+        self.precision = autocast(strategy.device_type, trainer.precision)
+        self.scaling = LossScaling(
+            strategy.grad_scaler(trainer.precision == "fp16", trainer.loss_scale_init)
+        )
+        if loss_scaling_state:
+            self.scaling.load_state_dict(loss_scaling_state)
+        self.nonfinite = NonFiniteWatch()
+        self.skipped_steps = 0
+
+    def train_step(
+        self, step: int, lr: float, batches: Iterator
+    ) -> tuple[torch.Tensor, int | torch.Tensor] | None:
+        """The step's task sums and target count (see `forward_backward`); None if skipped."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        step_sums, targets = forward_backward(
+            self.model,
+            self.strategy,
+            self.task,
+            batches,
+            self.precision,
+            self.trainer.accumulate,
+            self.scaling,
+        )
+        stepped = not self.trainer.skip_nonfinite or finite_everywhere(self.strategy, step_sums[0])
+        if stepped:
+            self.nonfinite.observe(step, step_sums)
+            if self.trainer.grad_clip > 0:
+                self.scaling.unscale(self.optimizer)
+                torch.nn.utils.clip_grad_norm_(self.params, self.trainer.grad_clip)
+            self.scaling.step(self.optimizer)
+        else:
+            self.skipped_steps += 1
+            if self.strategy.is_main:
+                log.warning("step %d: non-finite loss, optimizer step skipped", step)
+        self.optimizer.zero_grad(set_to_none=True)
+        return (step_sums, targets) if stepped else None
+
+
+@dataclass
+class LoopParts:
+    """What the training loop works with, built for one run by `loop_parts`."""
+
+    trainer: TrainerConfig
+    batches: TimedBatches
+    lr_at: Callable[[int], float]
+    speed: Throughput
+    stepper: Stepper
+    progress: Progress
+    evaluation: Evaluation
+    checkpointing: Checkpointing
+
+    def agreed_stop(self, strategy: Strategy, stop: StopOnSignal, step: int) -> int | None:
+        """The signal all processes agreed to stop for after `step` (see `agree_to_stop`), or
+        None to go on; None at the last step too, which ends the run anyway."""
+        last = step == self.trainer.max_steps
+        # Several processes stop together, after a step they synchronize at anyway; one
+        # process on its own stops after the current step.
+        in_sync = (
+            last
+            or self.progress.due(step)
+            or self.evaluation.due(step)
+            or self.checkpointing.due(step)
+        )
+        stop_signal = agree_to_stop(
+            strategy, self.stepper.nonfinite, stop, step, in_sync, self.checkpointing.last_step
+        )
+        return None if last else stop_signal
+
+
+def loop_parts(
+    cfg: DictConfig,
+    strategy: Strategy,
+    data: Data,
+    start_step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_scaling_state: dict[str, Any] | None,
+    tracker: Any,
+    run_dir: Path,
+) -> LoopParts:
+    """The loop's parts for this process (see `fit`): its batches of `data` from `start_step` on,
+    the stepper of `model` and `optimizer`, and checkpoints into `run_dir`."""
+    trainer = trainer_settings(cfg.trainer)
+    task = instantiate(cfg.task)
+    batches, val = input_batches(cfg, trainer, strategy, data, start_step)
+    lr_at = lr_schedule(cfg.optimizer, trainer.max_steps)
+    speed = Throughput(trainer.timing_warmup_steps, trainer.batch_size)
+    stepper = Stepper(trainer, strategy, model, optimizer, task, loss_scaling_state)
+    progress = Progress(trainer, strategy, task, speed)
+    evaluation = Evaluation(trainer, strategy, task, val, speed)
+    checkpointing = checkpointing_for(
+        cfg, trainer, strategy, run_dir, tracker, speed, start_step, stepper.scaling
+    )
+    return LoopParts(trainer, batches, lr_at, speed, stepper, progress, evaluation, checkpointing)
+
+
+def fit(
+    cfg: DictConfig,
+    strategy: Strategy,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: Data,
+    tracker: Any,
+    run_dir: Path,
+    start_step: int = 0,
+    stop: StopOnSignal | None = None,
+    loss_scaling_state: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Train from `start_step` (a resumed checkpoint's step, else 0) to `trainer.max_steps`,
+    with fp16's loss scale where `loss_scaling_state` (the checkpoint's) left it; returns the
+    final figures. Ends early with `Interrupted` after SIGINT/SIGTERM (`stop`: the
+    handler this process holds; None installs one), checkpointed: one process after the current
+    step, several together after their next log, eval or checkpoint step; with `NonFiniteLoss`
+    before a NaN/inf loss reaches a log or checkpoint."""
+    loop = loop_parts(
+        cfg, strategy, data, start_step, model, optimizer, loss_scaling_state, tracker, run_dir
+    )
+    with (
+        open_history(tracker, metrics_file(run_dir), start_step, strategy.is_main) as history,
+        contextlib.nullcontext(stop) if stop else StopOnSignal() as stop,
+        profiling(loop.trainer, strategy, run_dir, tracker) as profiler,
+        contextlib.closing(loop.checkpointing.writer),  # publishes a save in flight, even on error
+    ):
+        model.train()
+        for step in range(start_step + 1, loop.trainer.max_steps + 1):
+            lr = loop.lr_at(step - 1)
+            if stepped := loop.stepper.train_step(step, lr, loop.batches):
+                loop.progress.add(*stepped)
+            loop.speed.step_done(strategy, loop.batches.take_wait())
+            profiler.step()
+
+            last = step == loop.trainer.max_steps
+            stop_signal = loop.agreed_stop(strategy, stop, step)
+            stopping = stop_signal is not None
+            loop.progress.maybe_log(step, lr, history, force=last)
+            loop.evaluation.maybe_run(step, model, loop.stepper.precision, history, force=last)
+            saved_to = loop.checkpointing.maybe_save(step, model, optimizer, force=last or stopping)
+            if stopping:
+                raise Interrupted.by(stop_signal, step, saved_to)
+    return final_figures(strategy, loop)
+
+
+@contextlib.contextmanager
+def profiling(trainer: TrainerConfig, strategy: Strategy, run_dir: Path, tracker: Any) -> Iterator:
+    """`trainer.profile`'s profiler, on the main process (a no-op otherwise); the trace it writes
+    as it closes goes to the tracker too, unless training failed."""
+    enabled = trainer.profile and strategy.is_main
+    trace = run_dir / PROFILE_TRACE
+    with step_profiler(enabled, trainer.profile_steps, strategy.device_type, trace) as profiler:
+        yield profiler
+    if enabled:
+        tracker.save(trace)
+
+
+def input_batches(
+    cfg: DictConfig, trainer: TrainerConfig, strategy: Strategy, data: Data, start_step: int
+) -> tuple[TimedBatches, ValBatches]:
+    """This process's training batches from `start_step` on, and its validation batches."""
+    loading = loading_for(
+        cfg.data, cfg.seed, strategy.device_type, strategy.processes_per_node, usable_cores()
+    )
+    train = train_batches(
+        data.train,
+        trainer.batch_size // trainer.accumulate,
+        cfg.seed,
+        strategy.rank,
+        strategy.world_size,
+        start_batch=start_step * trainer.accumulate,
+        loading=loading,
+    )
+    val = ValBatches(data.val, trainer.eval_batch_size, strategy.rank, strategy.world_size, loading)
+    return TimedBatches(train), val
+
+
+def checkpointing_for(
+    cfg: DictConfig,
+    trainer: TrainerConfig,
+    strategy: Strategy,
+    run_dir: Path,
+    tracker: Any,
+    speed: Throughput,
+    start_step: int,
+    scaling: LossScaling,
+) -> Checkpointing:
+    writer = CheckpointWriter(
+        run_dir,
+        strategy,
+        resolved_format(trainer.checkpoint_format, strategy),
+        trainer.keep_checkpoints,
+        trainer.async_checkpoint,
+    )
+    # Saved with every checkpoint, besides model, optimizer, step and RNG.
+    extra = {
+        "config": plain_config(cfg),
+        "wandb_run_id": tracker.run_id,
+    }
+    return Checkpointing(writer, trainer.checkpoint_every, extra, speed, start_step, scaling)
+
+
+def final_figures(strategy: Strategy, loop: LoopParts) -> dict[str, Any]:
+    memory_devices, memory_mb = strategy.peak_memory_mb()
+    return {
+        "steps": loop.trainer.max_steps,
+        **{f"final_train_{name}": value for name, value in loop.progress.figures.items()},
+        **summary_val_figures(loop.evaluation.figures),
+        "skipped_steps": loop.stepper.skipped_steps,
+        "scaler_skipped_steps": loop.stepper.scaling.skipped_steps,
+        **loop.speed.summary(),
+        "peak_memory_mb": memory_mb,
+        "memory_devices": memory_devices,
+        "wall_time_s": time.perf_counter() - loop.speed.started,
+        # What a checkpoint costs the training (trainer.async_checkpoint: staging only).
+        "checkpoint_blocked_s": statistics.median(loop.checkpointing.blocked_s),
+    }
