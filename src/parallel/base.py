@@ -3,11 +3,12 @@
 The loop (`src/training/loop.py`) calls only what is below and never asks which strategy it holds.
 
 Before any work (in the launching process):
-    strategy = Strategy(cfg.parallel, device_type)   checks the settings, touches no device
-    strategy.precision                                 trainer.precision (set by build_strategy)
-    strategy.ranks                                     the ranks torchrun, srun or `launch`
-                                                       started, this process among them (set by
-                                                       build_strategy); None: it runs alone
+    strategy = Strategy(cfg.parallel, device_type, precision, ranks)
+                                                       checks the settings, touches no device;
+                                                       precision: trainer.precision; ranks: the
+                                                       ranks torchrun, srun or `launch` started,
+                                                       this process among them (None: it runs
+                                                       alone)
     strategy.check_batch(micro_batch)                  the global micro-batch splits as needed
     strategy.check_accumulate(accumulate)              micro-steps per optimizer step work here
     strategy.check_visible_gpus()                      enough GPUs for the job, or for this rank
@@ -73,16 +74,14 @@ import resource
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from src.components.batches import Tree
 from src.config.schema import Accelerator, ConfigError, ParallelConfig
-
-if TYPE_CHECKING:
-    from src.runtime.ranks import Ranks
+from src.runtime.ranks import Ranks
 
 LossFn = Callable[[Tree, Tree], torch.Tensor]
 """A task's `sums`: (outputs, targets) -> a 1-D tensor of sums."""
@@ -178,16 +177,22 @@ class Strategy:
     rank: int = 0
     world_size: int = 1
     is_main: bool = True
-    precision: str = "fp32"
-    ranks: Ranks | None = None
     # One file that single loads; sharded (DCP) needs a plain, DDP or FSDP2 module.
     sharded_checkpoints: bool = False
     default_checkpoint_format: str = "full"
     spans_nodes: bool = False  # its processes may run on several nodes (parallel.nodes)
 
-    def __init__(self, cfg: ParallelConfig, device_type: str):
+    def __init__(
+        self,
+        cfg: ParallelConfig,
+        device_type: str,
+        precision: str = "fp32",
+        ranks: Ranks | None = None,
+    ):
         self.cfg = cfg
         self.device_type = device_type
+        self.precision = precision  # trainer.precision, for strategies that keep parameters in it
+        self.ranks = ranks  # the ranks torchrun, srun or `launch` started; None: this one alone
         if cfg.devices < 1:
             raise ConfigError(f"parallel.devices must be at least 1, got {cfg.devices}")
         if cfg.nodes < 1:
