@@ -1,14 +1,19 @@
 """The Trainer owns the run: its parts are built once, a checkpoint holds model, optimizer and
-exactly the train state it gives, and a new Trainer takes that state back."""
+exactly the train state it gives, and a new Trainer takes that state back. The strategies it
+holds have what the trainer, checkpointing and the planner call."""
 
 from __future__ import annotations
 
 import ast
 import inspect
 
+import pytest
+from helpers import STRATEGIES, parallel_config
 from hydra.utils import instantiate
 
-from src.checkpoint.store import load_checkpoint, saved_checkpoints
+from src.checkpoint.store import CheckpointedStrategy, load_checkpoint, saved_checkpoints
+from src.parallel import build_strategy
+from src.parallel.base import PlannedStrategy, TrainingStrategy
 from src.training.experiment import check_config
 from src.training.trainer import Trainer
 
@@ -71,3 +76,15 @@ def test_train_takes_no_parameter_but_the_trainer_and_calls_backward_through_one
         if isinstance(node, ast.Call)
     }
     assert "forward_backward" in called
+
+
+@pytest.mark.parametrize("option", STRATEGIES)
+def test_every_strategy_is_what_the_trainer_checkpointing_and_planner_call(option):
+    """Each `parallel=` option, built with every input its constructor takes, has the members
+    of the three Protocols its callers hold it by."""
+    devices = {"single": 1, "hybrid": 4}.get(option, 2)
+    settings = {"devices": devices, **({"stages": 2} if option == "hybrid" else {})}
+    strategy = build_strategy(parallel_config(option, **settings), "cpu", "bf16", None)
+    assert strategy.precision == "bf16" and strategy.ranks is None
+    for protocol in (TrainingStrategy, CheckpointedStrategy, PlannedStrategy):
+        assert isinstance(strategy, protocol), protocol.__name__

@@ -1,6 +1,9 @@
 """The interface between the shared training loop and a way of spreading work over devices.
 
-The loop (`src/training/loop.py`) calls only what is below and never asks which strategy it holds.
+The trainer (`src/training/`) calls only what is below and never asks which strategy it holds.
+Three Protocols name each caller's part: `TrainingStrategy` (the trainer and its loop),
+`CheckpointedStrategy` (`src/checkpoint/store.py`) and `PlannedStrategy` (the planner); `Strategy`
+implements all three, with defaults for a strategy of one process.
 
 Before any work (in the launching process):
     strategy = Strategy(cfg.parallel, device_type, precision, ranks)
@@ -74,7 +77,7 @@ import resource
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -168,6 +171,74 @@ def process_peak_memory_mb() -> float:
     """Peak resident memory of this process (Linux reports KiB, macOS bytes)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+@runtime_checkable
+class TrainingStrategy(Protocol):
+    """What the trainer and its loop call on a strategy (each `Strategy` is one)."""
+
+    name: str
+    device_type: str
+    devices: list[torch.device]
+    processes_per_node: int
+    rank: int
+    world_size: int
+    is_main: bool
+
+    def setup(self) -> None: ...
+
+    def wrap(self, model: nn.Module) -> nn.Module: ...
+
+    def unwrap(self, model: nn.Module) -> nn.Module: ...
+
+    def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor: ...
+
+    def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager: ...
+
+    def grad_scaler(self, enabled: bool, init_scale: float) -> torch.amp.GradScaler: ...
+
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None: ...
+
+    def load_sharded(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str
+    ) -> None: ...
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def synchronize(self) -> None: ...
+
+    def peak_memory_mb(self) -> tuple[list[str], list[float]]: ...
+
+    def local_peak_memory_mb(self) -> tuple[list[str], list[float]]: ...
+
+    def report(self) -> dict[str, Any]: ...
+
+    def teardown(self) -> None: ...
+
+
+@runtime_checkable
+class PlannedStrategy(Protocol):
+    """What the planner (`src/planning/planner.py`) calls, touching no device."""
+
+    name: str
+    device_type: str
+    processes_per_node: int
+
+    def check_batch(self, micro_batch: int) -> None: ...
+
+    def check_accumulate(self, accumulate: int) -> None: ...
+
+    def check_model(self, model: nn.Module, inputs: Tree) -> None: ...
+
+    def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]: ...
+
+    def step_traffic(
+        self, sizes: ModelSizes, micro_batch: int, accumulate: int
+    ) -> dict[str, int]: ...
+
+    def idle_fraction(self) -> float: ...
 
 
 class Strategy:
@@ -356,4 +427,3 @@ class Strategy:
     def idle_fraction(self) -> float:
         """Share of a step each device waits for others (a pipeline's bubble)."""
         return 0.0
-

@@ -50,7 +50,7 @@ from src.parallel import build_strategy
 from src.parallel.base import (
     DeviceShare,
     ModelSizes,
-    Strategy,
+    PlannedStrategy,
     resolve_device_type,
     tied_block_groups,
     usable_cores,
@@ -374,7 +374,9 @@ def socket_bytes_per_s(size: int) -> float:
             return size / best_time_s(send_and_read, repeats=3)
 
 
-def step_time_s(plan: Plan, strategy: Strategy, speed: DeviceSpeed, cores: int) -> float:
+def step_time_s(
+    plan: Plan, strategy: PlannedStrategy, speed: DeviceSpeed, cores: int
+) -> float:
     """A rough time per step: compute, plus the step's traffic, not overlapped.
 
     GPUs run side by side: the busiest device's FLOPs, stretched by a pipeline's idle share.

@@ -29,8 +29,10 @@ from torch.utils.data import Dataset
 from src.checkpoint.store import CheckpointWriter
 from src.components.data import Split, ValBatches
 from src.components.precision import LossScaling, autocast
+from src.components.tasks import Task
 from src.config.schema import TrainerConfig
-from src.parallel.base import Strategy
+from src.observe.tracking import Tracker
+from src.parallel.base import TrainingStrategy
 from src.runtime.stopping import NonFiniteWatch
 
 log = logging.getLogger(__name__)
@@ -61,7 +63,7 @@ class Throughput:
         self.window_wait_s = 0.0  # input waited for in the logging window
         self.timed_wait_s, self.all_timed_steps = 0.0, 0  # ... and in all steps after warm-up
 
-    def step_done(self, strategy: Strategy, data_wait_s: float = 0.0) -> None:
+    def step_done(self, strategy: TrainingStrategy, data_wait_s: float = 0.0) -> None:
         """A step is done, of which `data_wait_s` went on waiting for its input."""
         self.steps_done += 1
         self.window_steps += 1
@@ -121,8 +123,8 @@ class Throughput:
 
 def evaluate(
     model: torch.nn.Module,
-    strategy: Strategy,
-    task: Any,
+    strategy: TrainingStrategy,
+    task: Task,
     val: Split | Dataset | ValBatches,
     batch_size: int,
     autocast: Any,
@@ -146,7 +148,7 @@ def evaluate(
 
 
 def reduced_figures(
-    strategy: Strategy, task: Any, sums: torch.Tensor, count: int | torch.Tensor
+    strategy: TrainingStrategy, task: Task, sums: torch.Tensor, count: int | torch.Tensor
 ) -> dict[str, float]:
     """`task.figures` of `sums` over `count` targets, both summed over all processes."""
     counts = torch.as_tensor(count, dtype=sums.dtype, device=sums.device).reshape(1)
@@ -179,7 +181,7 @@ def progress_line(
 
 
 @contextlib.contextmanager
-def open_history(tracker: Any, path: Path, start_step: int, is_main: bool) -> Iterator[History]:
+def open_history(tracker: Tracker, path: Path, start_step: int, is_main: bool) -> Iterator[History]:
     """The run's `History`: the tracker, and `metrics.jsonl` (main process only) opened to append
     the rows after `start_step`.
 
@@ -206,8 +208,8 @@ def history_step(line: str) -> float:
 
 def forward_backward(
     model: torch.nn.Module,
-    strategy: Strategy,
-    task: Any,
+    strategy: TrainingStrategy,
+    task: Task,
     batches: Iterator,
     autocast: Any,
     accumulate: int,
@@ -278,7 +280,9 @@ class TimedBatches:
         return waited
 
 
-def step_divisor(strategy: Strategy, targets_seen: int | torch.Tensor) -> int | torch.Tensor:
+def step_divisor(
+    strategy: TrainingStrategy, targets_seen: int | torch.Tensor
+) -> int | torch.Tensor:
     """What this process divides its loss sum by so that the gradients (which data-parallel
     strategies average over their processes) are those of the step's global mean loss.
 
@@ -291,14 +295,17 @@ def step_divisor(strategy: Strategy, targets_seen: int | torch.Tensor) -> int | 
     return total.clamp(min=1) / strategy.world_size
 
 
-def finite_everywhere(strategy: Strategy, step_loss: torch.Tensor) -> bool:
+def finite_everywhere(strategy: TrainingStrategy, step_loss: torch.Tensor) -> bool:
     """Whether every process's loss is finite; all processes get the same answer. It waits on
     the device every step, which is why skipping non-finite steps is opt-in."""
     return torch.isfinite(strategy.all_reduce_sum(step_loss.clone())).item()  # may sum in place
 
 
 def window_means(
-    strategy: Strategy, task: Any, step_sums: list[torch.Tensor], targets: int | torch.Tensor
+    strategy: TrainingStrategy,
+    task: Task,
+    step_sums: list[torch.Tensor],
+    targets: int | torch.Tensor,
 ) -> dict[str, float]:
     """The task's training figures over the targets of the steps since the last log (their
     `forward_backward` sums), over all processes; {} when every step of the window was skipped
@@ -324,7 +331,7 @@ class History:
     """Where figures go: the tracker, and `metrics.jsonl` (main process only, see
     `open_history`)."""
 
-    def __init__(self, tracker: Any, file: TextIO | None):
+    def __init__(self, tracker: Tracker, file: TextIO | None):
         self.tracker, self.file = tracker, file
 
     def record(self, metrics: dict[str, float], step: int) -> None:
@@ -338,7 +345,9 @@ class Progress:
     """The training figures, every `trainer.log_every` steps and at the last: summed over the
     steps since the previous log, recorded, and shown as a progress line."""
 
-    def __init__(self, trainer: TrainerConfig, strategy: Strategy, task: Any, speed: Throughput):
+    def __init__(
+        self, trainer: TrainerConfig, strategy: TrainingStrategy, task: Task, speed: Throughput
+    ):
         self.trainer, self.strategy, self.task, self.speed = trainer, strategy, task, speed
         self.window_sums: list[torch.Tensor] = []  # each step's sums since the last log
         self.targets = 0
@@ -391,8 +400,8 @@ class Evaluation:
     def __init__(
         self,
         trainer: TrainerConfig,
-        strategy: Strategy,
-        task: Any,
+        strategy: TrainingStrategy,
+        task: Task,
         val: ValBatches,
         speed: Throughput,
     ):
@@ -462,7 +471,7 @@ class Stepper:
     def __init__(
         self,
         trainer: TrainerConfig,
-        strategy: Strategy,
+        strategy: TrainingStrategy,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
     ):

@@ -45,7 +45,7 @@ from src.observe.performance import (
     step_profiler,
     throughput_figures,
 )
-from src.observe.tracking import build_tracker
+from src.observe.tracking import Tracker, build_tracker
 from src.parallel.base import Strategy, usable_cores
 from src.runtime.run_folder import metrics_file, profile_trace
 from src.runtime.stopping import Interrupted, StopOnSignal, agree_to_stop
@@ -107,7 +107,7 @@ class Trainer:
         self.task = self.blueprint.task
         self.step = 0  # the last step trained
         self.tracker_id: str | None = None  # the W&B run to continue
-        self.tracker: Any = None
+        self.tracker: Tracker | None = None
         self.finished = False
 
     def __enter__(self) -> Trainer:
@@ -330,7 +330,9 @@ def reset_peak_memory(strategy: Strategy) -> None:
 
 
 @contextlib.contextmanager
-def profiling(trainer: TrainerConfig, strategy: Strategy, run_dir: Path, tracker: Any) -> Iterator:
+def profiling(
+    trainer: TrainerConfig, strategy: Strategy, run_dir: Path, tracker: Tracker
+) -> Iterator:
     """`trainer.profile`'s profiler, on the main process (a no-op otherwise); the trace it writes
     as it closes goes to the tracker too, unless training failed."""
     enabled = trainer.profile and strategy.is_main
