@@ -51,7 +51,6 @@ REQUIRED_KEYS = ("model", "optimizer", "step", "rng", "config")
 FULL_FILE = "checkpoint.pt"
 TRAIN_STATE_FILE = "train_state.pt"  # a sharded checkpoint's dict less model and optimizer
 DCP_METADATA = ".metadata"
-FORMATS = ("auto", "full", "sharded")
 
 
 @runtime_checkable

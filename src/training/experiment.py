@@ -29,7 +29,6 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from src.checkpoint.store import (
-    FORMATS,
     load_checkpoint,
     resolved_format,
     resume_path,
@@ -37,7 +36,7 @@ from src.checkpoint.store import (
 from src.components.batches import Tree, describe
 from src.components.data import Data, build_data, first_samples, meta_samples
 from src.components.optimizer import build_optimizer, lr_schedule, schedule_length
-from src.config.schema import ConfigError
+from src.config.schema import ConfigError, TrainerConfig, typed
 from src.observe.tracking import check_tracker
 from src.parallel import build_strategy
 from src.parallel.base import Strategy, resolve_device_type
@@ -52,7 +51,7 @@ def check_settings(cfg: DictConfig, ranks: Ranks | None) -> Strategy:
     """The checks of the settings themselves (no data, no model); returns the unstarted
     strategy. `ranks`: the ranks torchrun or srun started, this process among them, if any."""
     trainer = cfg.trainer
-    check_trainer(trainer)
+    typed(TrainerConfig, trainer)  # its ranges
     device_type = resolve_device_type(trainer.accelerator)
     if (
         trainer.precision == "bf16"
@@ -190,46 +189,6 @@ def check_model_output(
         ) from error
 
 
-def check_trainer(trainer: DictConfig) -> None:
-    for key in (
-        "max_steps",
-        "batch_size",
-        "accumulate",
-        "log_every",
-        "eval_batch_size",
-        "profile_steps",
-    ):
-        if trainer[key] < 1:
-            raise ConfigError(f"trainer.{key} must be at least 1, got {trainer[key]}")
-    for key in ("eval_every", "checkpoint_every", "grad_clip", "timing_warmup_steps"):
-        if trainer[key] < 0:
-            raise ConfigError(f"trainer.{key} must be 0 or more, got {trainer[key]}")
-    if trainer.batch_size % trainer.accumulate:
-        raise ConfigError(
-            f"trainer.batch_size={trainer.batch_size} does not divide into "
-            f"trainer.accumulate={trainer.accumulate} micro-batches; make the batch a multiple of "
-            "trainer.accumulate"
-        )
-    if trainer.peak_tflops is not None and trainer.peak_tflops <= 0:
-        raise ConfigError(f"trainer.peak_tflops must be above 0, got {trainer.peak_tflops}")
-    if trainer.loss_scale_init <= 0:
-        raise ConfigError(f"trainer.loss_scale_init must be above 0, got {trainer.loss_scale_init}")
-    if trainer.keep_checkpoints < 0:
-        raise ConfigError(
-            f"trainer.keep_checkpoints must be 0 (keep all) or more, got {trainer.keep_checkpoints}"
-        )
-    if trainer.checkpoint_format not in FORMATS:
-        raise ConfigError(
-            f"trainer.checkpoint_format must be one of {', '.join(FORMATS)}, got "
-            f"{trainer.checkpoint_format!r}"
-        )
-    if trainer.matmul_precision not in MATMUL_PRECISIONS:
-        raise ConfigError(
-            f"trainer.matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}, got "
-            f"{trainer.matmul_precision!r}"
-        )
-
-
 def check_checkpoint_format(trainer: DictConfig, strategy: Strategy) -> None:
     checkpoint_format = resolved_format(trainer.checkpoint_format, strategy)
     if checkpoint_format == "sharded" and not strategy.sharded_checkpoints:
@@ -242,9 +201,6 @@ def check_checkpoint_format(trainer: DictConfig, strategy: Strategy) -> None:
             "trainer.async_checkpoint=true writes sharded checkpoints only; set "
             "trainer.checkpoint_format=sharded"
         )
-
-
-MATMUL_PRECISIONS = ("auto", "highest", "high", "medium")
 
 
 def set_numerics(trainer: DictConfig, device_type: str) -> str:

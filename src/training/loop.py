@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset
 
 from src.checkpoint.store import CheckpointWriter
@@ -315,13 +314,6 @@ def window_means(
     return reduced_figures(strategy, task, torch.stack(step_sums).sum(0), targets)
 
 
-def trainer_settings(trainer: DictConfig) -> TrainerConfig:
-    """The trainer settings as a typed object, for a config composed with its schema or rebuilt
-    from a plain dict (a launched rank's). Plain attributes: an OmegaConf lookup takes
-    microseconds, and the loop makes several a step."""
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainerConfig), trainer))
-
-
 def due(every: int, step: int) -> bool:
     """Whether a cadence of `every` steps (0: never) falls on `step`."""
     return every > 0 and step % every == 0
@@ -429,18 +421,16 @@ class Evaluation:
 
 class Checkpointing:
     """A checkpoint every `trainer.checkpoint_every` steps, and whenever forced (the last step, a
-    stop); a forced one is complete on disk before `maybe_save` returns. `train_state` gives what
-    the checkpoint holds besides model and optimizer (`Trainer.state_dict`)."""
+    stop); a forced one is complete on disk before `maybe_save` returns."""
 
     def __init__(
         self,
         writer: CheckpointWriter,
         every: int,
-        train_state: Callable[[], dict[str, Any]],
         speed: Throughput,
         start_step: int,
     ):
-        self.writer, self.every, self.train_state, self.speed = writer, every, train_state, speed
+        self.writer, self.every, self.speed = writer, every, speed
         self.last_step = start_step or None  # the newest checkpoint's step
         self.blocked_s: list[float] = []  # how long each checkpoint held training up
 
@@ -448,14 +438,20 @@ class Checkpointing:
         return due(self.every, step)
 
     def maybe_save(
-        self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, force: bool
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_state: Callable[[], dict[str, Any]],
+        force: bool,
     ) -> Path | None:
-        """The folder the checkpoint is (or, saved asynchronously, will be) published as."""
+        """The folder the checkpoint is (or, saved asynchronously, will be) published as;
+        `train_state` gives what it holds besides model and optimizer (`Trainer.state_dict`)."""
         if not (force or self.due(step)):
             return None
         with self.speed.paused():
             started = time.perf_counter()
-            saved_to = self.writer.save(model, optimizer, self.train_state())
+            saved_to = self.writer.save(model, optimizer, train_state())
             self.blocked_s.append(time.perf_counter() - started)
             if force:
                 self.writer.wait()

@@ -38,7 +38,7 @@ from src.checkpoint.store import (
 from src.components.blocks import prepare_blocks
 from src.components.data import Data, ValBatches, loading_for, train_batches
 from src.components.optimizer import build_optimizer, lr_schedule
-from src.config.schema import TrainerConfig, plain_config
+from src.config.schema import TrainerConfig, plain_config, typed
 from src.observe.performance import (
     device_peak_tflops,
     step_flops,
@@ -68,7 +68,6 @@ from src.training.loop import (
     forward_backward,
     open_history,
     summary_val_figures,
-    trainer_settings,
 )
 
 log = logging.getLogger(__name__)
@@ -102,7 +101,7 @@ class Trainer:
     ):
         self.cfg, self.run_dir, self.strategy, self.stop = cfg, run_dir, strategy, stop
         self.blueprint = blueprint or build_blueprint(cfg, run_dir, strategy)
-        self.settings: TrainerConfig = trainer_settings(cfg.trainer)
+        self.settings: TrainerConfig = typed(TrainerConfig, cfg.trainer)
         self.resolved = plain_config(cfg)
         self.task = self.blueprint.task
         self.step = 0  # the last step trained
@@ -157,9 +156,7 @@ class Trainer:
             settings.keep_checkpoints,
             settings.async_checkpoint,
         )
-        self.checkpointing = Checkpointing(
-            writer, settings.checkpoint_every, self.state_dict, self.speed, self.step
-        )
+        self.checkpointing = Checkpointing(writer, settings.checkpoint_every, self.speed, self.step)
 
     def build_model_and_optimizer(
         self,
@@ -248,7 +245,7 @@ class Trainer:
                 self.progress.maybe_log(step, lr, history, force=last)
                 self.evaluation.maybe_run(step, model, stepper.precision, history, force=last)
                 saved_to = self.checkpointing.maybe_save(
-                    step, model, self.optimizer, force=last or stopping
+                    step, model, self.optimizer, self.state_dict, force=last or stopping
                 )
                 if stopping:
                     raise Interrupted.by(stop_signal, step, saved_to)
