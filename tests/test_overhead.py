@@ -15,7 +15,8 @@ from hydra.utils import instantiate
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from src.components.data import build_data
-from src.training.experiment import check_config, train
+from src.training.experiment import check_config
+from src.training.trainer import train
 
 # Tiny, so that the test is quick; the count does not depend on the sizes.
 WORKLOAD = (

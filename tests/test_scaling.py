@@ -16,11 +16,11 @@ import pytest
 import torch
 from helpers import TINY
 
-import src.training.experiment
+import src.training.trainer
 from src.observe.report import write_report
 from src.parallel import build_strategy
-from src.training.experiment import train
 from src.training.loop import Throughput
+from src.training.trainer import train
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -52,7 +52,7 @@ def test_one_time_costs_of_logging_are_not_timed(compose_config, tmp_path, monke
     real_perf_counter = time.perf_counter
     monkeypatch.setattr(time, "perf_counter", lambda: real_perf_counter() + clock[0])
     monkeypatch.setattr(
-        src.training.experiment, "build_tracker", lambda *args: FirstLogTakes100s(clock)
+        src.training.trainer, "build_tracker", lambda *args: FirstLogTakes100s(clock)
     )
     cfg = compose_config(*TINY, "trainer.log_every=2", "trainer.timing_warmup_steps=2")
     strategy = build_strategy(cfg.parallel, "cpu", "fp32")

@@ -34,7 +34,7 @@ import sys
 import zipfile
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -51,7 +51,27 @@ REQUIRED_KEYS = ("model", "optimizer", "step", "rng", "config")
 FULL_FILE = "checkpoint.pt"
 TRAIN_STATE_FILE = "train_state.pt"  # a sharded checkpoint's dict less model and optimizer
 DCP_METADATA = ".metadata"
-FORMATS = ("auto", "full", "sharded")
+
+
+@runtime_checkable
+class CheckpointedStrategy(Protocol):
+    """What checkpointing calls on a strategy (`src/parallel/base.py` implements it)."""
+
+    is_main: bool
+    sharded_checkpoints: bool
+    default_checkpoint_format: str
+
+    def model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]: ...
+
+    def optimizer_state_dict(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, Any]: ...
+
+    def sharded_state_dict(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, Any]: ...
+
+    def barrier(self) -> None: ...
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -109,7 +129,7 @@ def publish(staging: Path, final: Path, keep: int) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-def resolved_format(requested: str, strategy: Any) -> str:
+def resolved_format(requested: str, strategy: CheckpointedStrategy) -> str:
     """trainer.checkpoint_format, `auto` meaning the strategy's default."""
     return strategy.default_checkpoint_format if requested == "auto" else requested
 
@@ -123,7 +143,14 @@ class CheckpointWriter:
     goes on (over a process group of its own, so its collectives never meet the training's), and
     the checkpoint is published once written, at the next `save` or `wait`."""
 
-    def __init__(self, run_dir: Path, strategy: Any, fmt: str, keep: int, use_async: bool):
+    def __init__(
+        self,
+        run_dir: Path,
+        strategy: CheckpointedStrategy,
+        fmt: str,
+        keep: int,
+        use_async: bool,
+    ):
         self.run_dir, self.strategy, self.keep = run_dir, strategy, keep
         self.sharded = fmt == "sharded"
         self.use_async = use_async and self.sharded

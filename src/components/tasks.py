@@ -14,10 +14,27 @@ tasks take one tensor of each.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+
+
+class Task(Protocol):
+    """What the loop and the strategies call on a task (`task._target_`): sums, so that means are
+    exact across any split of the batch."""
+
+    def sums(self, outputs: Any, targets: Any) -> torch.Tensor:
+        """A 1-D tensor of sums over the targets, the loss's first."""
+        ...
+
+    def count(self, targets: Any) -> int | torch.Tensor:
+        """How many targets the sums are over."""
+        ...
+
+    def figures(self, sums: list[float], count: float) -> dict[str, float]:
+        """Named means from sums (over all processes) and their count."""
+        ...
 
 
 def not_one_tensor(outputs: Any, targets: Any) -> str | None:

@@ -48,6 +48,13 @@ def choices(name: str, values: str) -> type[Choice]:
     return Choice(name, values, module=__name__)
 
 
+
+def typed(schema: type, node: Any) -> Any:
+    """`node` (a composed config group, or a plain dict such as a launched rank's) as an object
+    of its `schema` dataclass, which checks its ranges in `__post_init__`. Plain attributes: an
+    OmegaConf lookup takes microseconds, and the loop makes several a step."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
+
 # ----------------------------------------------------------------------------------------- model
 # A model is any `nn.Sequential` built by `_target_(input_shape=..., num_classes=..., **sizes)`;
 # the block order is what model-parallel strategies split into stages.
@@ -366,6 +373,9 @@ class HybridConfig(StagesConfig, DDPConfig):
 
 Precision = choices("Precision", "fp32 bf16 fp16")
 Accelerator = choices("Accelerator", "auto cpu cuda")
+CheckpointFormat = choices("CheckpointFormat", "auto full sharded")
+# Not a Choice: its refusal names the values in a message of its own (a ConfigError).
+MATMUL_PRECISIONS = ("auto", "highest", "high", "medium")
 
 
 @dataclass
@@ -388,7 +398,7 @@ class TrainerConfig:
     """Max global gradient norm; 0 turns clipping off."""
     checkpoint_every: int = 0
     """0 checkpoints only at the end (and when stopped)."""
-    checkpoint_format: str = "auto"
+    checkpoint_format: CheckpointFormat = CheckpointFormat.auto
     """full (one file, gathered on the main process), sharded (torch.distributed.checkpoint:
     every rank writes its own shards; single, ddp and fsdp) or auto: sharded for fsdp, else
     full. Either resumes under any strategy and number of processes."""
@@ -429,6 +439,44 @@ class TrainerConfig:
     """Skip optimizer steps whose loss is NaN/inf instead of stopping the run. Checks every step,
     which waits on the device once per step (on GPUs this costs overlap)."""
 
+
+    def __post_init__(self) -> None:
+        """Each setting's range, checked where it is defined (by `typed`, before any work)."""
+        for key in (
+            "max_steps",
+            "batch_size",
+            "accumulate",
+            "log_every",
+            "eval_batch_size",
+            "profile_steps",
+        ):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"trainer.{key} must be at least 1, got {getattr(self, key)}")
+        for key in ("eval_every", "checkpoint_every", "grad_clip", "timing_warmup_steps"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"trainer.{key} must be 0 or more, got {getattr(self, key)}")
+        if self.batch_size % self.accumulate:
+            raise ConfigError(
+                f"trainer.batch_size={self.batch_size} does not divide into "
+                f"trainer.accumulate={self.accumulate} micro-batches; make the batch a multiple "
+                "of trainer.accumulate"
+            )
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ConfigError(f"trainer.peak_tflops must be above 0, got {self.peak_tflops}")
+        if self.loss_scale_init <= 0:
+            raise ConfigError(
+                f"trainer.loss_scale_init must be above 0, got {self.loss_scale_init}"
+            )
+        if self.keep_checkpoints < 0:
+            raise ConfigError(
+                "trainer.keep_checkpoints must be 0 (keep all) or more, got "
+                f"{self.keep_checkpoints}"
+            )
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ConfigError(
+                f"trainer.matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}, got "
+                f"{self.matmul_precision!r}"
+            )
 
 # ------------------------------------------------------------------------------------- optimizer
 
@@ -513,7 +561,7 @@ class PlanConfig:
 
     device_memory_gb: float = 80.0
     """Memory of one device (GPU; on CPU, what one process may use)."""
-    accelerator: str = "auto"
+    accelerator: Accelerator = Accelerator.auto
     """The devices planned for: cpu (a row per process), cuda (a row per GPU: dp's output device
     and each pipeline stage apart; no GPU needed to plan), or auto: trainer.accelerator's."""
     strategies: list[str] | None = None
@@ -526,6 +574,15 @@ class PlanConfig:
     link_gb_per_s: float = 50.0
     """Bytes per second (GB/s) one device sends to another, for the same."""
 
+
+    def __post_init__(self) -> None:
+        """Each setting's range (checked by `typed`, before any tracing)."""
+        if self.device_memory_gb <= 0:
+            raise ConfigError(f"plan.device_memory_gb must be above 0, got {self.device_memory_gb}")
+        if any(count < 1 for count in self.devices or []):
+            raise ConfigError(f"plan.devices must all be at least 1, got {list(self.devices)}")
+        if self.link_gb_per_s <= 0 or self.device_tflops <= 0:
+            raise ConfigError("plan.link_gb_per_s and plan.device_tflops must be above 0")
 
 # ---------------------------------------------------------------------------------------- config
 

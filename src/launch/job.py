@@ -39,8 +39,8 @@ from src.training.experiment import (
     check_settings,
     finish_finished_run,
     finished,
-    train,
 )
+from src.training.trainer import Trainer, train
 
 log = logging.getLogger(__name__)
 # Its records go to train.log only (conf/config.yaml), not to the console.
@@ -75,7 +75,8 @@ def run(cfg: DictConfig, ranks: Ranks | None) -> dict[str, Any]:
         return run_as_rank(ranks, train, cfg, run_dir, strategy, blueprint, outcomes=(RunStopped,))
     if processes == 1:
         log_config(cfg)
-        return train(cfg, run_dir, strategy, blueprint)
+        with Trainer(cfg, run_dir, strategy, blueprint) as trainer:
+            return trainer.train()
     configure_logging(job_logging, "launcher")
     log_config(cfg)
     resolved = plain_config(cfg)

@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from src.config.schema import ConfigError
 
@@ -25,6 +25,22 @@ SERVER_MODES = ("online", "shared")
 # How long to wait for the W&B server to answer at all before logging offline instead. W&B itself
 # retries an unreachable server until `logger.init_timeout_s` (over a minute in all).
 REACH_TIMEOUT_S = 5.0
+
+
+class Tracker(Protocol):
+    """Where a run's figures go (W&B, or nothing): what the trainer calls."""
+
+    run_id: str | None  # the run a resumed run continues
+
+    def log(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def log_table(self, key: str, columns: list[str], rows: list[list[Any]]) -> None: ...
+
+    def log_image(self, key: str, path: Path) -> None: ...
+
+    def save(self, path: Path) -> None: ...
+
+    def finish(self, summary: dict[str, Any] | None = None, exit_code: int = 0) -> None: ...
 
 
 def check_tracker(cfg: Any) -> None:
@@ -172,7 +188,7 @@ def unreachable(url: str, timeout_s: float) -> str | None:
 
 def build_tracker(
     cfg: Any, run_dir: str, config: dict[str, Any], is_main: bool, resume_id: str | None = None
-) -> WandbTracker | NullTracker:
+) -> Tracker:
     if not is_main or cfg.name == "none":
         return NullTracker()
     try:

@@ -19,10 +19,7 @@ def build_strategy(
     nothing is started yet). `precision` is `trainer.precision`, for strategies that keep
     parameters in it (fsdp); `ranks`, the ranks torchrun, srun or `launch` started, this process
     among them (None: it is the only one), for `setup` to join."""
-    strategy = strategy_class(cfg._target_)(cfg, device_type)
-    strategy.precision = precision
-    strategy.ranks = ranks
-    return strategy
+    return strategy_class(cfg._target_)(cfg, device_type, precision, ranks)
 
 
 def strategy_class(target: str) -> type[Strategy]:

@@ -1,13 +1,17 @@
 """The interface between the shared training loop and a way of spreading work over devices.
 
-The loop (`src/training/loop.py`) calls only what is below and never asks which strategy it holds.
+The trainer (`src/training/`) calls only what is below and never asks which strategy it holds.
+Three Protocols name each caller's part: `TrainingStrategy` (the trainer and its loop),
+`CheckpointedStrategy` (`src/checkpoint/store.py`) and `PlannedStrategy` (the planner); `Strategy`
+implements all three, with defaults for a strategy of one process.
 
 Before any work (in the launching process):
-    strategy = Strategy(cfg.parallel, device_type)   checks the settings, touches no device
-    strategy.precision                                 trainer.precision (set by build_strategy)
-    strategy.ranks                                     the ranks torchrun, srun or `launch`
-                                                       started, this process among them (set by
-                                                       build_strategy); None: it runs alone
+    strategy = Strategy(cfg.parallel, device_type, precision, ranks)
+                                                       checks the settings, touches no device;
+                                                       precision: trainer.precision; ranks: the
+                                                       ranks torchrun, srun or `launch` started,
+                                                       this process among them (None: it runs
+                                                       alone)
     strategy.check_batch(micro_batch)                  the global micro-batch splits as needed
     strategy.check_accumulate(accumulate)              micro-steps per optimizer step work here
     strategy.check_visible_gpus()                      enough GPUs for the job, or for this rank
@@ -73,16 +77,14 @@ import resource
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from src.components.batches import Tree
 from src.config.schema import Accelerator, ConfigError, ParallelConfig
-
-if TYPE_CHECKING:
-    from src.runtime.ranks import Ranks
+from src.runtime.ranks import Ranks
 
 LossFn = Callable[[Tree, Tree], torch.Tensor]
 """A task's `sums`: (outputs, targets) -> a 1-D tensor of sums."""
@@ -171,6 +173,74 @@ def process_peak_memory_mb() -> float:
     return peak / (2**20 if sys.platform == "darwin" else 2**10)
 
 
+@runtime_checkable
+class TrainingStrategy(Protocol):
+    """What the trainer and its loop call on a strategy (each `Strategy` is one)."""
+
+    name: str
+    device_type: str
+    devices: list[torch.device]
+    processes_per_node: int
+    rank: int
+    world_size: int
+    is_main: bool
+
+    def setup(self) -> None: ...
+
+    def wrap(self, model: nn.Module) -> nn.Module: ...
+
+    def unwrap(self, model: nn.Module) -> nn.Module: ...
+
+    def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor: ...
+
+    def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager: ...
+
+    def grad_scaler(self, enabled: bool, init_scale: float) -> torch.amp.GradScaler: ...
+
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None: ...
+
+    def load_sharded(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str
+    ) -> None: ...
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def synchronize(self) -> None: ...
+
+    def peak_memory_mb(self) -> tuple[list[str], list[float]]: ...
+
+    def local_peak_memory_mb(self) -> tuple[list[str], list[float]]: ...
+
+    def report(self) -> dict[str, Any]: ...
+
+    def teardown(self) -> None: ...
+
+
+@runtime_checkable
+class PlannedStrategy(Protocol):
+    """What the planner (`src/planning/planner.py`) calls, touching no device."""
+
+    name: str
+    device_type: str
+    processes_per_node: int
+
+    def check_batch(self, micro_batch: int) -> None: ...
+
+    def check_accumulate(self, accumulate: int) -> None: ...
+
+    def check_model(self, model: nn.Module, inputs: Tree) -> None: ...
+
+    def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]: ...
+
+    def step_traffic(
+        self, sizes: ModelSizes, micro_batch: int, accumulate: int
+    ) -> dict[str, int]: ...
+
+    def idle_fraction(self) -> float: ...
+
+
 class Strategy:
     """Defaults for a strategy that runs in one process; subclasses override what differs."""
 
@@ -178,16 +248,22 @@ class Strategy:
     rank: int = 0
     world_size: int = 1
     is_main: bool = True
-    precision: str = "fp32"
-    ranks: Ranks | None = None
     # One file that single loads; sharded (DCP) needs a plain, DDP or FSDP2 module.
     sharded_checkpoints: bool = False
     default_checkpoint_format: str = "full"
     spans_nodes: bool = False  # its processes may run on several nodes (parallel.nodes)
 
-    def __init__(self, cfg: ParallelConfig, device_type: str):
+    def __init__(
+        self,
+        cfg: ParallelConfig,
+        device_type: str,
+        precision: str = "fp32",
+        ranks: Ranks | None = None,
+    ):
         self.cfg = cfg
         self.device_type = device_type
+        self.precision = precision  # trainer.precision, for strategies that keep parameters in it
+        self.ranks = ranks  # the ranks torchrun, srun or `launch` started; None: this one alone
         if cfg.devices < 1:
             raise ConfigError(f"parallel.devices must be at least 1, got {cfg.devices}")
         if cfg.nodes < 1:
@@ -351,4 +427,3 @@ class Strategy:
     def idle_fraction(self) -> float:
         """Share of a step each device waits for others (a pipeline's bubble)."""
         return 0.0
-

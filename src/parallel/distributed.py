@@ -41,8 +41,10 @@ def rank_threads(threads_per_rank: int | None, local_processes: int) -> tuple[in
 class Distributed(Strategy):
     spans_nodes = True
 
-    def __init__(self, cfg, device_type: str):
-        super().__init__(cfg, device_type)
+    def __init__(
+        self, cfg, device_type: str, precision: str = "fp32", ranks: Ranks | None = None
+    ):
+        super().__init__(cfg, device_type, precision, ranks)
         if cfg.backend not in (None, "gloo", "nccl"):
             raise ConfigError(
                 f"parallel.backend must be gloo, nccl or null (nccl on CUDA, gloo on CPU), got "

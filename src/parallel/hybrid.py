@@ -17,12 +17,15 @@ from src.config.schema import ConfigError
 from src.parallel.base import ModelSizes, ring_bytes
 from src.parallel.ddp import DDP
 from src.parallel.pipelined import Pipelined
+from src.runtime.ranks import Ranks
 
 
 class Hybrid(Pipelined, DDP):
     stages_setting = "parallel.stages"
 
-    def __init__(self, cfg, device_type: str):
+    def __init__(
+        self, cfg, device_type: str, precision: str = "fp32", ranks: Ranks | None = None
+    ):
         if cfg.stages < 1:
             raise ConfigError(f"parallel.stages must be at least 1, got {cfg.stages}")
         if cfg.devices % cfg.stages:
@@ -31,7 +34,7 @@ class Hybrid(Pipelined, DDP):
                 f"parallel.stages={cfg.stages} devices each; make parallel.devices a multiple of "
                 "parallel.stages"
             )
-        super().__init__(cfg, device_type)
+        super().__init__(cfg, device_type, precision, ranks)
         self.processes_per_node = cfg.devices // cfg.stages
         self.world_size = self.processes_per_node * cfg.nodes
         if self.world_size == 1:

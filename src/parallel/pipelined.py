@@ -29,13 +29,16 @@ from src.parallel.mechanisms.stage_pipeline import (
     stage_shares,
     unmovable_boundaries,
 )
+from src.runtime.ranks import Ranks
 
 
 class Pipelined(Strategy):
     stages_setting = "parallel.devices"  # the setting that gives the stages per pipeline
 
-    def __init__(self, cfg, device_type: str):
-        super().__init__(cfg, device_type)
+    def __init__(
+        self, cfg, device_type: str, precision: str = "fp32", ranks: Ranks | None = None
+    ):
+        super().__init__(cfg, device_type, precision, ranks)
         if cfg.microbatches < 1:
             raise ConfigError(f"parallel.microbatches must be at least 1, got {cfg.microbatches}")
         if cfg.deferred_batchnorm and getattr(cfg, "sync_batchnorm", False):

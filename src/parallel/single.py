@@ -7,13 +7,16 @@ from torch import nn
 
 from src.components.batches import Tree, move
 from src.parallel.base import ConfigError, LossFn, Strategy
+from src.runtime.ranks import Ranks
 
 
 class Single(Strategy):
     sharded_checkpoints = True
 
-    def __init__(self, cfg, device_type: str):
-        super().__init__(cfg, device_type)
+    def __init__(
+        self, cfg, device_type: str, precision: str = "fp32", ranks: Ranks | None = None
+    ):
+        super().__init__(cfg, device_type, precision, ranks)
         if cfg.devices != 1:
             raise ConfigError(
                 f"parallel=single uses one device, got parallel.devices={cfg.devices}; "

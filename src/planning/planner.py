@@ -45,12 +45,12 @@ from src.components.blocks import prepare_blocks
 from src.components.data import Data, build_data, first_samples
 from src.components.optimizer import build_optimizer
 from src.components.precision import autocast
-from src.config.schema import AUTO, ConfigError
+from src.config.schema import AUTO, Accelerator, ConfigError, PlanConfig, typed
 from src.parallel import build_strategy
 from src.parallel.base import (
     DeviceShare,
     ModelSizes,
-    Strategy,
+    PlannedStrategy,
     resolve_device_type,
     tied_block_groups,
     usable_cores,
@@ -130,19 +130,12 @@ class Plan:
 
 def check_plan_settings(plan: DictConfig) -> None:
     """Refuse plan settings that cannot work, in one line, before any tracing."""
-    if plan.device_memory_gb <= 0:
-        raise ConfigError(f"plan.device_memory_gb must be above 0, got {plan.device_memory_gb}")
+    typed(PlanConfig, plan)  # its ranges
     unknown = [name for name in plan.strategies or [] if name not in STRATEGIES]
     if unknown:
         raise ConfigError(
             f"plan.strategies: unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}"
         )
-    if any(count < 1 for count in plan.devices or []):
-        raise ConfigError(f"plan.devices must all be at least 1, got {list(plan.devices)}")
-    if plan.accelerator not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"plan.accelerator must be auto, cpu or cuda, got {plan.accelerator!r}")
-    if plan.link_gb_per_s <= 0 or plan.device_tflops <= 0:
-        raise ConfigError("plan.link_gb_per_s and plan.device_tflops must be above 0")
 
 
 def candidate_parallels(cfg: DictConfig, every: bool = False) -> list[DictConfig]:
@@ -240,8 +233,8 @@ def plan_one(
 
 def planned_device_type(cfg: DictConfig) -> str:
     """cpu or cuda: `plan.accelerator`, or where the run would train."""
-    if cfg.plan.accelerator in ("cpu", "cuda"):
-        return cfg.plan.accelerator
+    if cfg.plan.accelerator != Accelerator.auto:
+        return cfg.plan.accelerator.value
     return resolve_device_type(cfg.trainer.accelerator)
 
 
@@ -374,7 +367,9 @@ def socket_bytes_per_s(size: int) -> float:
             return size / best_time_s(send_and_read, repeats=3)
 
 
-def step_time_s(plan: Plan, strategy: Strategy, speed: DeviceSpeed, cores: int) -> float:
+def step_time_s(
+    plan: Plan, strategy: PlannedStrategy, speed: DeviceSpeed, cores: int
+) -> float:
     """A rough time per step: compute, plus the step's traffic, not overlapped.
 
     GPUs run side by side: the busiest device's FLOPs, stretched by a pipeline's idle share.

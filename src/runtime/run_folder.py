@@ -9,6 +9,7 @@ SUMMARY = "summary.json"  # the finished run's figures (`training/experiment.py`
 METRICS = "metrics.jsonl"  # one line per logged step, appended across resumes
 STATUS = "status.json"  # a sweep job's outcome: ok / skipped / failed (`launch/sweep.py`)
 CHECKPOINTS = "checkpoints"  # one folder per saved step
+PROFILE_TRACE = "profile_trace.json"  # trainer.profile's trace
 HYDRA = ".hydra"  # Hydra's record of the job: config.yaml and overrides.yaml
 
 
@@ -26,6 +27,10 @@ def status_file(run_dir: Path) -> Path:
 
 def checkpoints_dir(run_dir: Path) -> Path:
     return run_dir / CHECKPOINTS
+
+
+def profile_trace(run_dir: Path) -> Path:
+    return run_dir / PROFILE_TRACE
 
 
 def hydra_file(run_dir: Path, name: str) -> Path:

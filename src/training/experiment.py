@@ -1,10 +1,12 @@
-"""One process's part of an experiment: check the config, build, train, report.
+"""One process's part of an experiment before and after it trains: check the config, build on
+the meta device, resume, report.
 
-The builder runs twice per process, once on the meta device (`build_blueprint`: data, task and a
-model of shapes only, so that whatever can fail on bad input fails before any process, device
-or tracker is touched), then for real (`build_for_real`: the model, its wrapping, optimizer and
-checkpoint), and counts the step's FLOPs on the meta model. A launcher runs only the first
-(`check_config`: the settings' checks, then that). Which process runs what is `src/launch/job.py`'s.
+The builder runs twice per process, once on the meta device here (`build_blueprint`: data, task
+and a model of shapes only, so that whatever can fail on bad input fails before any process,
+device or tracker is touched), then for real (`Trainer.build`, `trainer.py`: the model, its
+wrapping, optimizer and checkpoint), reusing the first's data and task. A launcher runs only the
+first (`check_config`: the settings' checks, then that). Which process runs what is
+`src/launch/job.py`'s.
 """
 
 from __future__ import annotations
@@ -27,30 +29,20 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from src.checkpoint.store import (
-    FORMATS,
-    is_sharded,
     load_checkpoint,
     resolved_format,
     resume_path,
-    set_rng_state,
 )
 from src.components.batches import Tree, describe
-from src.components.blocks import prepare_blocks
 from src.components.data import Data, build_data, first_samples, meta_samples
 from src.components.optimizer import build_optimizer, lr_schedule, schedule_length
-from src.config.schema import ConfigError, plain_config
-from src.observe.performance import (
-    device_peak_tflops,
-    step_flops,
-    throughput_figures,
-)
-from src.observe.tracking import build_tracker, check_tracker
+from src.config.schema import ConfigError, TrainerConfig, typed
+from src.observe.tracking import check_tracker
 from src.parallel import build_strategy
-from src.parallel.base import Strategy, resolve_device_type, usable_cores
+from src.parallel.base import Strategy, resolve_device_type
 from src.runtime.ranks import Ranks
 from src.runtime.run_folder import metrics_file, summary_file
-from src.runtime.stopping import StopOnSignal
-from src.training.loop import fit, history_step
+from src.training.loop import history_step
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +51,7 @@ def check_settings(cfg: DictConfig, ranks: Ranks | None) -> Strategy:
     """The checks of the settings themselves (no data, no model); returns the unstarted
     strategy. `ranks`: the ranks torchrun or srun started, this process among them, if any."""
     trainer = cfg.trainer
-    check_trainer(trainer)
+    typed(TrainerConfig, trainer)  # its ranges
     device_type = resolve_device_type(trainer.accelerator)
     if (
         trainer.precision == "bf16"
@@ -197,46 +189,6 @@ def check_model_output(
         ) from error
 
 
-def check_trainer(trainer: DictConfig) -> None:
-    for key in (
-        "max_steps",
-        "batch_size",
-        "accumulate",
-        "log_every",
-        "eval_batch_size",
-        "profile_steps",
-    ):
-        if trainer[key] < 1:
-            raise ConfigError(f"trainer.{key} must be at least 1, got {trainer[key]}")
-    for key in ("eval_every", "checkpoint_every", "grad_clip", "timing_warmup_steps"):
-        if trainer[key] < 0:
-            raise ConfigError(f"trainer.{key} must be 0 or more, got {trainer[key]}")
-    if trainer.batch_size % trainer.accumulate:
-        raise ConfigError(
-            f"trainer.batch_size={trainer.batch_size} does not divide into "
-            f"trainer.accumulate={trainer.accumulate} micro-batches; make the batch a multiple of "
-            "trainer.accumulate"
-        )
-    if trainer.peak_tflops is not None and trainer.peak_tflops <= 0:
-        raise ConfigError(f"trainer.peak_tflops must be above 0, got {trainer.peak_tflops}")
-    if trainer.loss_scale_init <= 0:
-        raise ConfigError(f"trainer.loss_scale_init must be above 0, got {trainer.loss_scale_init}")
-    if trainer.keep_checkpoints < 0:
-        raise ConfigError(
-            f"trainer.keep_checkpoints must be 0 (keep all) or more, got {trainer.keep_checkpoints}"
-        )
-    if trainer.checkpoint_format not in FORMATS:
-        raise ConfigError(
-            f"trainer.checkpoint_format must be one of {', '.join(FORMATS)}, got "
-            f"{trainer.checkpoint_format!r}"
-        )
-    if trainer.matmul_precision not in MATMUL_PRECISIONS:
-        raise ConfigError(
-            f"trainer.matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}, got "
-            f"{trainer.matmul_precision!r}"
-        )
-
-
 def check_checkpoint_format(trainer: DictConfig, strategy: Strategy) -> None:
     checkpoint_format = resolved_format(trainer.checkpoint_format, strategy)
     if checkpoint_format == "sharded" and not strategy.sharded_checkpoints:
@@ -249,9 +201,6 @@ def check_checkpoint_format(trainer: DictConfig, strategy: Strategy) -> None:
             "trainer.async_checkpoint=true writes sharded checkpoints only; set "
             "trainer.checkpoint_format=sharded"
         )
-
-
-MATMUL_PRECISIONS = ("auto", "highest", "high", "medium")
 
 
 def set_numerics(trainer: DictConfig, device_type: str) -> str:
@@ -392,190 +341,10 @@ def finish_finished_run(
     return summary
 
 
-def train(
-    cfg: DictConfig,
-    run_dir: Path,
-    strategy: Strategy,
-    blueprint: Blueprint | None = None,
-    stop: StopOnSignal | None = None,
-) -> dict[str, Any]:
-    """Train in this process (one of several, for multi-process strategies): the up-front build
-    on the meta device (unless `blueprint` is that build, done already), then the real one, and
-    the loop. `stop`: the stop handler this process holds, if any (see `fit`)."""
-    blueprint = blueprint or build_blueprint(cfg, run_dir, strategy)
-    strategy.setup()
-    # A multirun runs its jobs in one process: each job's peak memory must count from its start.
-    # torch's reset does not initialise CUDA itself and fails with "Invalid device argument" on
-    # a process that has not touched the GPU yet (seen with parallel=single on an H200).
-    cuda_devices = {device for device in strategy.devices if device.type == "cuda"}
-    if cuda_devices:
-        torch.cuda.init()
-    for device in cuda_devices:
-        torch.cuda.reset_peak_memory_stats(device)
-    try:
-        return build_and_fit(cfg, run_dir, strategy, blueprint, stop)
-    finally:
-        strategy.teardown()
-
-
-def build_and_fit(
-    cfg: DictConfig,
-    run_dir: Path,
-    strategy: Strategy,
-    blueprint: Blueprint,
-    stop: StopOnSignal | None,
-) -> dict[str, Any]:
-    """Build the model for real and its optimizer and tracker, restore a checkpoint if asked,
-    train, report."""
-    matmul_precision = set_numerics(cfg.trainer, strategy.device_type)
-    flops_per_step = step_flops(
-        blueprint.meta_model, blueprint.task, blueprint.data, cfg.trainer.batch_size
-    )
-    data = blueprint.data
-    if not cfg.data.augment:  # augmented samples are made on the host, by the loader
-        data = keep_on_device(data, strategy.devices[0])
-    model, optimizer, start_step, wandb_run_id, loss_scaling_state = build_for_real(
-        cfg, run_dir, strategy, blueprint
-    )
-    resolved = plain_config(cfg)
-    tracker = build_tracker(cfg.logger, str(run_dir), resolved, strategy.is_main, wandb_run_id)
-    summary, exit_code = None, 1
-    try:
-        results = fit(
-            cfg,
-            strategy,
-            model,
-            optimizer,
-            data,
-            tracker,
-            run_dir,
-            start_step,
-            stop,
-            loss_scaling_state,
-        )
-        summary = run_summary(cfg, strategy, results, flops_per_step, matmul_precision)
-        exit_code = 0
-    finally:
-        tracker.finish(summary, exit_code)
-    if strategy.is_main:
-        write_summary(summary, run_dir)
-    return summary
-
-
-def run_summary(
-    cfg: DictConfig,
-    strategy: Strategy,
-    results: dict[str, Any],
-    flops_per_step: int | None,
-    matmul_precision: str,
-) -> dict[str, Any]:
-    """summary.json's figures: what ran, `fit`'s results, and the speed and resources behind
-    them."""
-    return {
-        "strategy": strategy.name,
-        **({"chosen_by": cfg.parallel.chosen_by} if cfg.parallel.chosen_by else {}),
-        "devices": cfg.parallel.devices,
-        "world_size": strategy.world_size,
-        "global_batch": cfg.trainer.batch_size,
-        "matmul_precision": matmul_precision,
-        **results,
-        **speed_figures(cfg.trainer, strategy, flops_per_step, results, matmul_precision),
-        **cpu_share(strategy),
-        **strategy.report(),
-    }
-
-
 def write_summary(summary: dict[str, Any], run_dir: Path) -> None:
     """summary.json in the run folder, and the summary in the log."""
     summary_file(run_dir).write_text(json.dumps(summary, indent=2) + "\n")
     log.info(format_summary(summary, run_dir))
-
-
-def build_for_real(
-    cfg: DictConfig, run_dir: Path, strategy: Strategy, blueprint: Blueprint
-) -> tuple[nn.Module, torch.optim.Optimizer, int, str | None, dict[str, Any] | None]:
-    """The model (seeded, so every strategy starts from single's weights), wrapped by the
-    strategy, and its optimizer, both restored from the checkpoint to resume from; with the step
-    to start after, the W&B run to continue and fp16's loss scaling state."""
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg, blueprint.data)
-    size_lazy_modules(model, blueprint.data)
-    state, in_shards = checkpoint_to_load(blueprint, strategy)
-    if state is not None and not in_shards:
-        model.load_state_dict(state["model"])
-    prepare_blocks(model, cfg.trainer.activation_checkpointing, cfg.trainer.compile)
-    model = strategy.wrap(model)
-    optimizer = build_optimizer(cfg.optimizer, strategy.unwrap(model).parameters())
-    if state is None:
-        if cfg.trainer.resume and strategy.is_main:
-            log.info("trainer.resume=auto: no checkpoint in %s yet, starting afresh", run_dir)
-        return model, optimizer, 0, None, None
-    if in_shards:
-        strategy.load_sharded(model, optimizer, str(blueprint.checkpoint))
-    else:
-        strategy.load_optimizer_state_dict(model, optimizer, state["optimizer"])
-    set_rng_state(state["rng"])
-    if strategy.is_main:
-        log_resumed_schedule(cfg, state, blueprint.checkpoint)
-    loss_scaling_state = state.get("loss_scaling")  # older checkpoints have none
-    return model, optimizer, state["step"], state["wandb_run_id"], loss_scaling_state
-
-
-def checkpoint_to_load(blueprint: Blueprint, strategy: Strategy) -> tuple[dict | None, bool]:
-    """The checkpoint's state, and whether its tensors go straight into the wrapped model, each
-    rank reading its own shards (a sharded checkpoint, for a strategy that can). A full one (or a
-    sharded one for a strategy that cannot, then read whole here) is loaded before `wrap`."""
-    if blueprint.checkpoint is None:
-        return None, False
-    in_shards = is_sharded(blueprint.checkpoint)
-    if in_shards and not strategy.sharded_checkpoints:
-        return load_checkpoint(blueprint.checkpoint), False
-    return blueprint.saved, in_shards
-
-
-def speed_figures(
-    trainer: DictConfig,
-    strategy: Strategy,
-    flops_per_step: int | None,
-    results: dict[str, Any],
-    matmul_precision: str,
-) -> dict[str, float]:
-    """TFLOP/s of all devices together, and MFU where the devices' peak is known."""
-    peak = device_peak_tflops(
-        trainer.peak_tflops, strategy.devices[0], trainer.precision, matmul_precision
-    )
-    devices = len(strategy.devices) * strategy.world_size
-    return throughput_figures(flops_per_step, results["step_time_ms"], devices, peak)
-
-
-DEVICE_DATA_FRACTION = 0.1
-
-
-def keep_on_device(data: Data, device: torch.device) -> Data:
-    """On a GPU, an in-memory dataset that needs at most a tenth of its memory lives there: each
-    batch is then an index on the device, with no host-to-device copy per step (a pageable copy
-    of 3 MB or more blocks the host until the GPU's queue drains). Larger sets stay on the host
-    and are copied batch by batch. Sets read through a DataLoader stay where they are."""
-    if device.type != "cuda" or not data.in_memory:
-        return data
-    budget = DEVICE_DATA_FRACTION * torch.cuda.get_device_properties(device).total_memory
-    if data.train.nbytes + data.val.nbytes > budget:
-        log.info("the dataset stays in host memory; batches are copied to %s each step", device)
-        return data
-    return data.to(device)
-
-
-def cpu_share(strategy: Strategy) -> dict[str, Any]:
-    """This node's processes, each one's intra-op threads, and the cores they may use: with more
-    threads than cores the processes compete for them, and the scaling report says so."""
-    share = {
-        "processes_per_node": strategy.processes_per_node,
-        "threads_per_process": torch.get_num_threads(),
-        "cores": usable_cores(),
-    }
-    if hasattr(os, "sched_getaffinity"):  # which cores: a concurrent sweep gives each job its own
-        share["cpu_affinity"] = sorted(os.sched_getaffinity(0))
-    return share
 
 
 def size_lazy_modules(model: nn.Module, data: Data) -> None:

@@ -1,7 +1,9 @@
-"""The training loop every strategy shares, readable top to bottom.
+"""The parts of the training loop (`Trainer.train`, `trainer.py`): one step's gradients
+(`forward_backward`) and update (`Stepper`), and the parts that each decide when they are due:
+progress, evaluation, checkpointing.
 
-It knows the optimizer, the accumulation count and `strategy.is_main`; how the model is placed,
-split or replicated, and where the loss is computed, belong to the strategy (`strategies/base.py`).
+They know the optimizer, the accumulation count and `strategy.is_main`; how the model is placed,
+split or replicated, and where the loss is computed, belong to the strategy (`parallel/base.py`).
 Nothing here waits on the devices except on logging, eval and checkpoint steps (and on every step
 with `trainer.skip_nonfinite`).
 """
@@ -17,27 +19,22 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
-from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset
 
-from src.checkpoint.store import CheckpointWriter, resolved_format, rng_state
-from src.components.data import Data, Split, ValBatches, loading_for, train_batches
-from src.components.optimizer import lr_schedule
+from src.checkpoint.store import CheckpointWriter
+from src.components.data import Split, ValBatches
 from src.components.precision import LossScaling, autocast
-from src.config.schema import TrainerConfig, plain_config
-from src.observe.performance import step_profiler
-from src.parallel.base import Strategy, usable_cores
-from src.runtime.run_folder import metrics_file
-from src.runtime.stopping import Interrupted, NonFiniteWatch, StopOnSignal, agree_to_stop
+from src.components.tasks import Task
+from src.config.schema import TrainerConfig
+from src.observe.tracking import Tracker
+from src.parallel.base import TrainingStrategy
+from src.runtime.stopping import NonFiniteWatch
 
 log = logging.getLogger(__name__)
-PROFILE_TRACE = "profile_trace.json"
 
 
 class Throughput:
@@ -65,7 +62,7 @@ class Throughput:
         self.window_wait_s = 0.0  # input waited for in the logging window
         self.timed_wait_s, self.all_timed_steps = 0.0, 0  # ... and in all steps after warm-up
 
-    def step_done(self, strategy: Strategy, data_wait_s: float = 0.0) -> None:
+    def step_done(self, strategy: TrainingStrategy, data_wait_s: float = 0.0) -> None:
         """A step is done, of which `data_wait_s` went on waiting for its input."""
         self.steps_done += 1
         self.window_steps += 1
@@ -125,8 +122,8 @@ class Throughput:
 
 def evaluate(
     model: torch.nn.Module,
-    strategy: Strategy,
-    task: Any,
+    strategy: TrainingStrategy,
+    task: Task,
     val: Split | Dataset | ValBatches,
     batch_size: int,
     autocast: Any,
@@ -150,7 +147,7 @@ def evaluate(
 
 
 def reduced_figures(
-    strategy: Strategy, task: Any, sums: torch.Tensor, count: int | torch.Tensor
+    strategy: TrainingStrategy, task: Task, sums: torch.Tensor, count: int | torch.Tensor
 ) -> dict[str, float]:
     """`task.figures` of `sums` over `count` targets, both summed over all processes."""
     counts = torch.as_tensor(count, dtype=sums.dtype, device=sums.device).reshape(1)
@@ -183,7 +180,7 @@ def progress_line(
 
 
 @contextlib.contextmanager
-def open_history(tracker: Any, path: Path, start_step: int, is_main: bool) -> Iterator[History]:
+def open_history(tracker: Tracker, path: Path, start_step: int, is_main: bool) -> Iterator[History]:
     """The run's `History`: the tracker, and `metrics.jsonl` (main process only) opened to append
     the rows after `start_step`.
 
@@ -210,8 +207,8 @@ def history_step(line: str) -> float:
 
 def forward_backward(
     model: torch.nn.Module,
-    strategy: Strategy,
-    task: Any,
+    strategy: TrainingStrategy,
+    task: Task,
     batches: Iterator,
     autocast: Any,
     accumulate: int,
@@ -282,7 +279,9 @@ class TimedBatches:
         return waited
 
 
-def step_divisor(strategy: Strategy, targets_seen: int | torch.Tensor) -> int | torch.Tensor:
+def step_divisor(
+    strategy: TrainingStrategy, targets_seen: int | torch.Tensor
+) -> int | torch.Tensor:
     """What this process divides its loss sum by so that the gradients (which data-parallel
     strategies average over their processes) are those of the step's global mean loss.
 
@@ -295,14 +294,17 @@ def step_divisor(strategy: Strategy, targets_seen: int | torch.Tensor) -> int | 
     return total.clamp(min=1) / strategy.world_size
 
 
-def finite_everywhere(strategy: Strategy, step_loss: torch.Tensor) -> bool:
+def finite_everywhere(strategy: TrainingStrategy, step_loss: torch.Tensor) -> bool:
     """Whether every process's loss is finite; all processes get the same answer. It waits on
     the device every step, which is why skipping non-finite steps is opt-in."""
     return torch.isfinite(strategy.all_reduce_sum(step_loss.clone())).item()  # may sum in place
 
 
 def window_means(
-    strategy: Strategy, task: Any, step_sums: list[torch.Tensor], targets: int | torch.Tensor
+    strategy: TrainingStrategy,
+    task: Task,
+    step_sums: list[torch.Tensor],
+    targets: int | torch.Tensor,
 ) -> dict[str, float]:
     """The task's training figures over the targets of the steps since the last log (their
     `forward_backward` sums), over all processes; {} when every step of the window was skipped
@@ -310,13 +312,6 @@ def window_means(
     if not step_sums:
         return {}
     return reduced_figures(strategy, task, torch.stack(step_sums).sum(0), targets)
-
-
-def trainer_settings(trainer: DictConfig) -> TrainerConfig:
-    """The trainer settings as a typed object, for a config composed with its schema or rebuilt
-    from a plain dict (a launched rank's). Plain attributes: an OmegaConf lookup takes
-    microseconds, and the loop makes several a step."""
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainerConfig), trainer))
 
 
 def due(every: int, step: int) -> bool:
@@ -328,7 +323,7 @@ class History:
     """Where figures go: the tracker, and `metrics.jsonl` (main process only, see
     `open_history`)."""
 
-    def __init__(self, tracker: Any, file: TextIO | None):
+    def __init__(self, tracker: Tracker, file: TextIO | None):
         self.tracker, self.file = tracker, file
 
     def record(self, metrics: dict[str, float], step: int) -> None:
@@ -342,7 +337,9 @@ class Progress:
     """The training figures, every `trainer.log_every` steps and at the last: summed over the
     steps since the previous log, recorded, and shown as a progress line."""
 
-    def __init__(self, trainer: TrainerConfig, strategy: Strategy, task: Any, speed: Throughput):
+    def __init__(
+        self, trainer: TrainerConfig, strategy: TrainingStrategy, task: Task, speed: Throughput
+    ):
         self.trainer, self.strategy, self.task, self.speed = trainer, strategy, task, speed
         self.window_sums: list[torch.Tensor] = []  # each step's sums since the last log
         self.targets = 0
@@ -395,8 +392,8 @@ class Evaluation:
     def __init__(
         self,
         trainer: TrainerConfig,
-        strategy: Strategy,
-        task: Any,
+        strategy: TrainingStrategy,
+        task: Task,
         val: ValBatches,
         speed: Throughput,
     ):
@@ -430,13 +427,10 @@ class Checkpointing:
         self,
         writer: CheckpointWriter,
         every: int,
-        extra: dict[str, Any],
         speed: Throughput,
         start_step: int,
-        scaling: LossScaling,
     ):
-        self.writer, self.every, self.extra, self.speed = writer, every, extra, speed
-        self.scaling = scaling  # fp16's loss scale goes on where the checkpoint left it
+        self.writer, self.every, self.speed = writer, every, speed
         self.last_step = start_step or None  # the newest checkpoint's step
         self.blocked_s: list[float] = []  # how long each checkpoint held training up
 
@@ -444,20 +438,20 @@ class Checkpointing:
         return due(self.every, step)
 
     def maybe_save(
-        self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, force: bool
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_state: Callable[[], dict[str, Any]],
+        force: bool,
     ) -> Path | None:
-        """The folder the checkpoint is (or, saved asynchronously, will be) published as."""
+        """The folder the checkpoint is (or, saved asynchronously, will be) published as;
+        `train_state` gives what it holds besides model and optimizer (`Trainer.state_dict`)."""
         if not (force or self.due(step)):
             return None
         with self.speed.paused():
             started = time.perf_counter()
-            extra = {
-                "step": step,
-                "rng": rng_state(),
-                "loss_scaling": self.scaling.state_dict(),
-                **self.extra,
-            }
-            saved_to = self.writer.save(model, optimizer, extra)
+            saved_to = self.writer.save(model, optimizer, train_state())
             self.blocked_s.append(time.perf_counter() - started)
             if force:
                 self.writer.wait()
@@ -466,45 +460,30 @@ class Checkpointing:
 
 
 class Stepper:
-    """One optimizer step: gradients over the step's micro-batches, then (unless the loss is
-    non-finite and `trainer.skip_nonfinite` skips it) clipping and the update."""
+    """An optimizer step after the gradients of `forward_backward`: unless the loss is non-finite
+    and `trainer.skip_nonfinite` skips it, clipping and the update. Holds what the step runs
+    under: autocast, fp16's loss scaling and the watch for non-finite losses."""
 
     def __init__(
         self,
         trainer: TrainerConfig,
-        strategy: Strategy,
+        strategy: TrainingStrategy,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        task: Any,
-        loss_scaling_state: dict[str, Any] | None,
     ):
-        self.trainer, self.strategy, self.task = trainer, strategy, task
-        self.model, self.optimizer = model, optimizer
+        self.trainer, self.strategy, self.optimizer = trainer, strategy, optimizer
         self.params = list(strategy.unwrap(model).parameters())
         self.precision = autocast(strategy.device_type, trainer.precision)
         self.scaling = LossScaling(
             strategy.grad_scaler(trainer.precision == "fp16", trainer.loss_scale_init)
         )
-        if loss_scaling_state:
-            self.scaling.load_state_dict(loss_scaling_state)
         self.nonfinite = NonFiniteWatch()
         self.skipped_steps = 0
 
-    def train_step(
-        self, step: int, lr: float, batches: Iterator
-    ) -> tuple[torch.Tensor, int | torch.Tensor] | None:
-        """The step's task sums and target count (see `forward_backward`); None if skipped."""
+    def update(self, step: int, lr: float, step_sums: torch.Tensor) -> bool:
+        """The optimizer step at `lr` after the step's gradients; False if it was skipped."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        step_sums, targets = forward_backward(
-            self.model,
-            self.strategy,
-            self.task,
-            batches,
-            self.precision,
-            self.trainer.accumulate,
-            self.scaling,
-        )
         stepped = not self.trainer.skip_nonfinite or finite_everywhere(self.strategy, step_sums[0])
         if stepped:
             self.nonfinite.observe(step, step_sums)
@@ -517,182 +496,4 @@ class Stepper:
             if self.strategy.is_main:
                 log.warning("step %d: non-finite loss, optimizer step skipped", step)
         self.optimizer.zero_grad(set_to_none=True)
-        return (step_sums, targets) if stepped else None
-
-
-@dataclass
-class LoopParts:
-    """What the training loop works with, built for one run by `loop_parts`."""
-
-    trainer: TrainerConfig
-    batches: TimedBatches
-    lr_at: Callable[[int], float]
-    speed: Throughput
-    stepper: Stepper
-    progress: Progress
-    evaluation: Evaluation
-    checkpointing: Checkpointing
-
-    def agreed_stop(self, strategy: Strategy, stop: StopOnSignal, step: int) -> int | None:
-        """The signal all processes agreed to stop for after `step` (see `agree_to_stop`), or
-        None to go on; None at the last step too, which ends the run anyway."""
-        last = step == self.trainer.max_steps
-        # Several processes stop together, after a step they synchronize at anyway; one
-        # process on its own stops after the current step.
-        in_sync = (
-            last
-            or self.progress.due(step)
-            or self.evaluation.due(step)
-            or self.checkpointing.due(step)
-        )
-        stop_signal = agree_to_stop(
-            strategy, self.stepper.nonfinite, stop, step, in_sync, self.checkpointing.last_step
-        )
-        return None if last else stop_signal
-
-
-def loop_parts(
-    cfg: DictConfig,
-    strategy: Strategy,
-    data: Data,
-    start_step: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loss_scaling_state: dict[str, Any] | None,
-    tracker: Any,
-    run_dir: Path,
-) -> LoopParts:
-    """The loop's parts for this process (see `fit`): its batches of `data` from `start_step` on,
-    the stepper of `model` and `optimizer`, and checkpoints into `run_dir`."""
-    trainer = trainer_settings(cfg.trainer)
-    task = instantiate(cfg.task)
-    batches, val = input_batches(cfg, trainer, strategy, data, start_step)
-    lr_at = lr_schedule(cfg.optimizer, trainer.max_steps)
-    speed = Throughput(trainer.timing_warmup_steps, trainer.batch_size)
-    stepper = Stepper(trainer, strategy, model, optimizer, task, loss_scaling_state)
-    progress = Progress(trainer, strategy, task, speed)
-    evaluation = Evaluation(trainer, strategy, task, val, speed)
-    checkpointing = checkpointing_for(
-        cfg, trainer, strategy, run_dir, tracker, speed, start_step, stepper.scaling
-    )
-    return LoopParts(trainer, batches, lr_at, speed, stepper, progress, evaluation, checkpointing)
-
-
-def fit(
-    cfg: DictConfig,
-    strategy: Strategy,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    data: Data,
-    tracker: Any,
-    run_dir: Path,
-    start_step: int = 0,
-    stop: StopOnSignal | None = None,
-    loss_scaling_state: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Train from `start_step` (a resumed checkpoint's step, else 0) to `trainer.max_steps`,
-    with fp16's loss scale where `loss_scaling_state` (the checkpoint's) left it; returns the
-    final figures. Ends early with `Interrupted` after SIGINT/SIGTERM (`stop`: the
-    handler this process holds; None installs one), checkpointed: one process after the current
-    step, several together after their next log, eval or checkpoint step; with `NonFiniteLoss`
-    before a NaN/inf loss reaches a log or checkpoint."""
-    loop = loop_parts(
-        cfg, strategy, data, start_step, model, optimizer, loss_scaling_state, tracker, run_dir
-    )
-    with (
-        open_history(tracker, metrics_file(run_dir), start_step, strategy.is_main) as history,
-        contextlib.nullcontext(stop) if stop else StopOnSignal() as stop,
-        profiling(loop.trainer, strategy, run_dir, tracker) as profiler,
-        contextlib.closing(loop.checkpointing.writer),  # publishes a save in flight, even on error
-    ):
-        model.train()
-        for step in range(start_step + 1, loop.trainer.max_steps + 1):
-            lr = loop.lr_at(step - 1)
-            if stepped := loop.stepper.train_step(step, lr, loop.batches):
-                loop.progress.add(*stepped)
-            loop.speed.step_done(strategy, loop.batches.take_wait())
-            profiler.step()
-
-            last = step == loop.trainer.max_steps
-            stop_signal = loop.agreed_stop(strategy, stop, step)
-            stopping = stop_signal is not None
-            loop.progress.maybe_log(step, lr, history, force=last)
-            loop.evaluation.maybe_run(step, model, loop.stepper.precision, history, force=last)
-            saved_to = loop.checkpointing.maybe_save(step, model, optimizer, force=last or stopping)
-            if stopping:
-                raise Interrupted.by(stop_signal, step, saved_to)
-    return final_figures(strategy, loop)
-
-
-@contextlib.contextmanager
-def profiling(trainer: TrainerConfig, strategy: Strategy, run_dir: Path, tracker: Any) -> Iterator:
-    """`trainer.profile`'s profiler, on the main process (a no-op otherwise); the trace it writes
-    as it closes goes to the tracker too, unless training failed."""
-    enabled = trainer.profile and strategy.is_main
-    trace = run_dir / PROFILE_TRACE
-    with step_profiler(enabled, trainer.profile_steps, strategy.device_type, trace) as profiler:
-        yield profiler
-    if enabled:
-        tracker.save(trace)
-
-
-def input_batches(
-    cfg: DictConfig, trainer: TrainerConfig, strategy: Strategy, data: Data, start_step: int
-) -> tuple[TimedBatches, ValBatches]:
-    """This process's training batches from `start_step` on, and its validation batches."""
-    loading = loading_for(
-        cfg.data, cfg.seed, strategy.device_type, strategy.processes_per_node, usable_cores()
-    )
-    train = train_batches(
-        data.train,
-        trainer.batch_size // trainer.accumulate,
-        cfg.seed,
-        strategy.rank,
-        strategy.world_size,
-        start_batch=start_step * trainer.accumulate,
-        loading=loading,
-    )
-    val = ValBatches(data.val, trainer.eval_batch_size, strategy.rank, strategy.world_size, loading)
-    return TimedBatches(train), val
-
-
-def checkpointing_for(
-    cfg: DictConfig,
-    trainer: TrainerConfig,
-    strategy: Strategy,
-    run_dir: Path,
-    tracker: Any,
-    speed: Throughput,
-    start_step: int,
-    scaling: LossScaling,
-) -> Checkpointing:
-    writer = CheckpointWriter(
-        run_dir,
-        strategy,
-        resolved_format(trainer.checkpoint_format, strategy),
-        trainer.keep_checkpoints,
-        trainer.async_checkpoint,
-    )
-    # Saved with every checkpoint, besides model, optimizer, step and RNG.
-    extra = {
-        "config": plain_config(cfg),
-        "wandb_run_id": tracker.run_id,
-    }
-    return Checkpointing(writer, trainer.checkpoint_every, extra, speed, start_step, scaling)
-
-
-def final_figures(strategy: Strategy, loop: LoopParts) -> dict[str, Any]:
-    memory_devices, memory_mb = strategy.peak_memory_mb()
-    return {
-        "steps": loop.trainer.max_steps,
-        **{f"final_train_{name}": value for name, value in loop.progress.figures.items()},
-        **summary_val_figures(loop.evaluation.figures),
-        "skipped_steps": loop.stepper.skipped_steps,
-        "scaler_skipped_steps": loop.stepper.scaling.skipped_steps,
-        **loop.speed.summary(),
-        "peak_memory_mb": memory_mb,
-        "memory_devices": memory_devices,
-        "wall_time_s": time.perf_counter() - loop.speed.started,
-        # What a checkpoint costs the training (trainer.async_checkpoint: staging only).
-        "checkpoint_blocked_s": statistics.median(loop.checkpointing.blocked_s),
-    }
+        return stepped

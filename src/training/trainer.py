@@ -1,0 +1,417 @@
+"""One process's run, owned by one object: `Trainer`.
+
+`with Trainer(cfg, run_dir, strategy, blueprint) as trainer: trainer.train()`. Entering builds
+every part once, from the up-front build on the meta device (`experiment.build_blueprint`, whose
+data and task it reuses): the model for real (seeded, wrapped by the strategy), its optimizer,
+the train state restored from the checkpoint to resume from, the tracker, the batches, and the
+parts that decide when they are due (progress, evaluation, checkpointing). `train` is the loop,
+read top to bottom; leaving ends the tracker and the strategy's processes.
+
+A checkpoint holds model, optimizer and one train state, `Trainer.state_dict()`: the step (the
+data position too: batches are a function of seed and step), the RNG, fp16's loss scale, the
+tracker's run id and the config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import statistics
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from src.checkpoint.store import (
+    CheckpointWriter,
+    is_sharded,
+    load_checkpoint,
+    resolved_format,
+    rng_state,
+    set_rng_state,
+)
+from src.components.blocks import prepare_blocks
+from src.components.data import Data, ValBatches, loading_for, train_batches
+from src.components.optimizer import build_optimizer, lr_schedule
+from src.config.schema import TrainerConfig, plain_config, typed
+from src.observe.performance import (
+    device_peak_tflops,
+    step_flops,
+    step_profiler,
+    throughput_figures,
+)
+from src.observe.tracking import Tracker, build_tracker
+from src.parallel.base import Strategy, usable_cores
+from src.runtime.run_folder import metrics_file, profile_trace
+from src.runtime.stopping import Interrupted, StopOnSignal, agree_to_stop
+from src.training.experiment import (
+    Blueprint,
+    build_blueprint,
+    build_model,
+    log_resumed_schedule,
+    set_numerics,
+    size_lazy_modules,
+    write_summary,
+)
+from src.training.loop import (
+    Checkpointing,
+    Evaluation,
+    Progress,
+    Stepper,
+    Throughput,
+    TimedBatches,
+    forward_backward,
+    open_history,
+    summary_val_figures,
+)
+
+log = logging.getLogger(__name__)
+
+
+def train(
+    cfg: DictConfig,
+    run_dir: Path,
+    strategy: Strategy,
+    blueprint: Blueprint | None = None,
+    stop: StopOnSignal | None = None,
+) -> dict[str, Any]:
+    """Train in this process (one of several, for multi-process strategies); the summary."""
+    with Trainer(cfg, run_dir, strategy, blueprint, stop) as trainer:
+        return trainer.train()
+
+
+class Trainer:
+    """The run of one process: its parts, built once on entering, and its train state.
+
+    `blueprint`: the up-front build on the meta device, if done already (else done here).
+    `stop`: the stop handler this process holds, if any (None: `train` installs one)."""
+
+    def __init__(
+        self,
+        cfg: DictConfig,
+        run_dir: Path,
+        strategy: Strategy,
+        blueprint: Blueprint | None = None,
+        stop: StopOnSignal | None = None,
+    ):
+        self.cfg, self.run_dir, self.strategy, self.stop = cfg, run_dir, strategy, stop
+        self.blueprint = blueprint or build_blueprint(cfg, run_dir, strategy)
+        self.settings: TrainerConfig = typed(TrainerConfig, cfg.trainer)
+        self.resolved = plain_config(cfg)
+        self.task = self.blueprint.task
+        self.step = 0  # the last step trained
+        self.tracker_id: str | None = None  # the W&B run to continue
+        self.tracker: Tracker | None = None
+        self.finished = False
+
+    def __enter__(self) -> Trainer:
+        self.strategy.setup()
+        try:
+            reset_peak_memory(self.strategy)
+            self.build()
+        except BaseException:
+            self.strategy.teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            if self.tracker is not None and not self.finished:
+                self.tracker.finish(None, 1)
+        finally:
+            self.strategy.teardown()
+
+    def build(self) -> None:
+        """Every part of the run, restored from the checkpoint to resume from."""
+        cfg, strategy, blueprint = self.cfg, self.strategy, self.blueprint
+        self.matmul_precision = set_numerics(cfg.trainer, strategy.device_type)
+        self.flops_per_step = step_flops(
+            blueprint.meta_model, self.task, blueprint.data, cfg.trainer.batch_size
+        )
+        data = blueprint.data
+        if not cfg.data.augment:  # augmented samples are made on the host, by the loader
+            data = keep_on_device(data, strategy.devices[0])
+        self.model, self.optimizer, state = self.build_model_and_optimizer()
+        self.stepper = Stepper(self.settings, strategy, self.model, self.optimizer)
+        if state is not None:
+            self.load_state_dict(state)
+        self.tracker = build_tracker(
+            cfg.logger, str(self.run_dir), self.resolved, strategy.is_main, self.tracker_id
+        )
+        settings = self.settings
+        self.batches, self.val = input_batches(cfg, settings, strategy, data, self.step)
+        self.lr_at = lr_schedule(cfg.optimizer, settings.max_steps)
+        self.speed = Throughput(settings.timing_warmup_steps, settings.batch_size)
+        self.progress = Progress(settings, strategy, self.task, self.speed)
+        self.evaluation = Evaluation(settings, strategy, self.task, self.val, self.speed)
+        writer = CheckpointWriter(
+            self.run_dir,
+            strategy,
+            resolved_format(settings.checkpoint_format, strategy),
+            settings.keep_checkpoints,
+            settings.async_checkpoint,
+        )
+        self.checkpointing = Checkpointing(writer, settings.checkpoint_every, self.speed, self.step)
+
+    def build_model_and_optimizer(
+        self,
+    ) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any] | None]:
+        """The model (seeded, so every strategy starts from single's weights), wrapped by the
+        strategy, and its optimizer, both restored from the checkpoint to resume from; with that
+        checkpoint's train state (None when starting afresh)."""
+        cfg, strategy, blueprint = self.cfg, self.strategy, self.blueprint
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg, blueprint.data)
+        size_lazy_modules(model, blueprint.data)
+        state, in_shards = checkpoint_to_load(blueprint, strategy)
+        if state is not None and not in_shards:
+            model.load_state_dict(state["model"])
+        prepare_blocks(model, cfg.trainer.activation_checkpointing, cfg.trainer.compile)
+        model = strategy.wrap(model)
+        optimizer = build_optimizer(cfg.optimizer, strategy.unwrap(model).parameters())
+        if state is None:
+            if cfg.trainer.resume and strategy.is_main:
+                run_dir = self.run_dir
+                log.info("trainer.resume=auto: no checkpoint in %s yet, starting afresh", run_dir)
+            return model, optimizer, None
+        if in_shards:
+            strategy.load_sharded(model, optimizer, str(blueprint.checkpoint))
+        else:
+            strategy.load_optimizer_state_dict(model, optimizer, state["optimizer"])
+        return model, optimizer, state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The train state a checkpoint holds besides model and optimizer."""
+        return {
+            "step": self.step,
+            "rng": rng_state(),
+            "loss_scaling": self.stepper.scaling.state_dict(),
+            "config": self.resolved,
+            "wandb_run_id": self.tracker.run_id,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from a checkpoint's train state (`state_dict`'s keys)."""
+        self.step = state["step"]
+        set_rng_state(state["rng"])
+        if self.strategy.is_main:
+            log_resumed_schedule(self.cfg, state, self.blueprint.checkpoint)
+        if state.get("loss_scaling"):  # older checkpoints have none
+            self.stepper.scaling.load_state_dict(state["loss_scaling"])
+        self.tracker_id = state["wandb_run_id"]
+
+    def train(self) -> dict[str, Any]:
+        """Train from the step after the train state's to `trainer.max_steps`; returns the
+        summary (also in summary.json). Ends early with `Interrupted` after SIGINT/SIGTERM,
+        checkpointed: one process after the current step, several together after their next log,
+        eval or checkpoint step; with `NonFiniteLoss` before a NaN/inf loss reaches a log or
+        checkpoint."""
+        strategy, stepper, settings = self.strategy, self.stepper, self.settings
+        model, start_step = self.model, self.step
+        with (
+            open_history(
+                self.tracker, metrics_file(self.run_dir), start_step, strategy.is_main
+            ) as history,
+            contextlib.nullcontext(self.stop) if self.stop else StopOnSignal() as stop,
+            profiling(settings, strategy, self.run_dir, self.tracker) as profiler,
+            contextlib.closing(self.checkpointing.writer),  # publishes a save in flight
+        ):
+            model.train()
+            for step in range(start_step + 1, settings.max_steps + 1):
+                self.step = step
+                lr = self.lr_at(step - 1)
+                step_sums, targets = forward_backward(
+                    model,
+                    strategy,
+                    self.task,
+                    self.batches,
+                    stepper.precision,
+                    settings.accumulate,
+                    stepper.scaling,
+                )
+                if stepper.update(step, lr, step_sums):
+                    self.progress.add(step_sums, targets)
+                self.speed.step_done(strategy, self.batches.take_wait())
+                profiler.step()
+
+                last = step == settings.max_steps
+                stop_signal = self.agreed_stop(stop, step)
+                stopping = stop_signal is not None
+                self.progress.maybe_log(step, lr, history, force=last)
+                self.evaluation.maybe_run(step, model, stepper.precision, history, force=last)
+                saved_to = self.checkpointing.maybe_save(
+                    step, model, self.optimizer, self.state_dict, force=last or stopping
+                )
+                if stopping:
+                    raise Interrupted.by(stop_signal, step, saved_to)
+        summary = self.summary(self.final_figures())
+        self.finished = True
+        self.tracker.finish(summary, 0)
+        if strategy.is_main:
+            write_summary(summary, self.run_dir)
+        return summary
+
+    def agreed_stop(self, stop: StopOnSignal, step: int) -> int | None:
+        """The signal all processes agreed to stop for after `step` (see `agree_to_stop`), or
+        None to go on; None at the last step too, which ends the run anyway."""
+        last = step == self.settings.max_steps
+        # Several processes stop together, after a step they synchronize at anyway; one
+        # process on its own stops after the current step.
+        in_sync = (
+            last
+            or self.progress.due(step)
+            or self.evaluation.due(step)
+            or self.checkpointing.due(step)
+        )
+        stop_signal = agree_to_stop(
+            self.strategy,
+            self.stepper.nonfinite,
+            stop,
+            step,
+            in_sync,
+            self.checkpointing.last_step,
+        )
+        return None if last else stop_signal
+
+    def final_figures(self) -> dict[str, Any]:
+        memory_devices, memory_mb = self.strategy.peak_memory_mb()
+        return {
+            "steps": self.settings.max_steps,
+            **{f"final_train_{name}": value for name, value in self.progress.figures.items()},
+            **summary_val_figures(self.evaluation.figures),
+            "skipped_steps": self.stepper.skipped_steps,
+            "scaler_skipped_steps": self.stepper.scaling.skipped_steps,
+            **self.speed.summary(),
+            "peak_memory_mb": memory_mb,
+            "memory_devices": memory_devices,
+            "wall_time_s": time.perf_counter() - self.speed.started,
+            # What a checkpoint costs the training (trainer.async_checkpoint: staging only).
+            "checkpoint_blocked_s": statistics.median(self.checkpointing.blocked_s),
+        }
+
+    def summary(self, results: dict[str, Any]) -> dict[str, Any]:
+        """summary.json's figures: what ran, the loop's results, and the speed and resources
+        behind them."""
+        cfg, strategy = self.cfg, self.strategy
+        return {
+            "strategy": strategy.name,
+            **({"chosen_by": cfg.parallel.chosen_by} if cfg.parallel.chosen_by else {}),
+            "devices": cfg.parallel.devices,
+            "world_size": strategy.world_size,
+            "global_batch": cfg.trainer.batch_size,
+            "matmul_precision": self.matmul_precision,
+            **results,
+            **speed_figures(
+                cfg.trainer, strategy, self.flops_per_step, results, self.matmul_precision
+            ),
+            **cpu_share(strategy),
+            **strategy.report(),
+        }
+
+
+def reset_peak_memory(strategy: Strategy) -> None:
+    """A multirun runs its jobs in one process: each job's peak memory must count from its
+    start. torch's reset does not initialise CUDA itself and fails with "Invalid device
+    argument" on a process that has not touched the GPU yet (seen with parallel=single on an
+    H200)."""
+    cuda_devices = {device for device in strategy.devices if device.type == "cuda"}
+    if cuda_devices:
+        torch.cuda.init()
+    for device in cuda_devices:
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+@contextlib.contextmanager
+def profiling(
+    trainer: TrainerConfig, strategy: Strategy, run_dir: Path, tracker: Tracker
+) -> Iterator:
+    """`trainer.profile`'s profiler, on the main process (a no-op otherwise); the trace it writes
+    as it closes goes to the tracker too, unless training failed."""
+    enabled = trainer.profile and strategy.is_main
+    trace = profile_trace(run_dir)
+    with step_profiler(enabled, trainer.profile_steps, strategy.device_type, trace) as profiler:
+        yield profiler
+    if enabled:
+        tracker.save(trace)
+
+
+def input_batches(
+    cfg: DictConfig, trainer: TrainerConfig, strategy: Strategy, data: Data, start_step: int
+) -> tuple[TimedBatches, ValBatches]:
+    """This process's training batches from `start_step` on, and its validation batches."""
+    loading = loading_for(
+        cfg.data, cfg.seed, strategy.device_type, strategy.processes_per_node, usable_cores()
+    )
+    train = train_batches(
+        data.train,
+        trainer.batch_size // trainer.accumulate,
+        cfg.seed,
+        strategy.rank,
+        strategy.world_size,
+        start_batch=start_step * trainer.accumulate,
+        loading=loading,
+    )
+    val = ValBatches(data.val, trainer.eval_batch_size, strategy.rank, strategy.world_size, loading)
+    return TimedBatches(train), val
+
+
+def checkpoint_to_load(blueprint: Blueprint, strategy: Strategy) -> tuple[dict | None, bool]:
+    """The checkpoint's state, and whether its tensors go straight into the wrapped model, each
+    rank reading its own shards (a sharded checkpoint, for a strategy that can). A full one (or a
+    sharded one for a strategy that cannot, then read whole here) is loaded before `wrap`."""
+    if blueprint.checkpoint is None:
+        return None, False
+    in_shards = is_sharded(blueprint.checkpoint)
+    if in_shards and not strategy.sharded_checkpoints:
+        return load_checkpoint(blueprint.checkpoint), False
+    return blueprint.saved, in_shards
+
+
+def speed_figures(
+    trainer: DictConfig,
+    strategy: Strategy,
+    flops_per_step: int | None,
+    results: dict[str, Any],
+    matmul_precision: str,
+) -> dict[str, float]:
+    """TFLOP/s of all devices together, and MFU where the devices' peak is known."""
+    peak = device_peak_tflops(
+        trainer.peak_tflops, strategy.devices[0], trainer.precision, matmul_precision
+    )
+    devices = len(strategy.devices) * strategy.world_size
+    return throughput_figures(flops_per_step, results["step_time_ms"], devices, peak)
+
+
+DEVICE_DATA_FRACTION = 0.1
+
+
+def keep_on_device(data: Data, device: torch.device) -> Data:
+    """On a GPU, an in-memory dataset that needs at most a tenth of its memory lives there: each
+    batch is then an index on the device, with no host-to-device copy per step (a pageable copy
+    of 3 MB or more blocks the host until the GPU's queue drains). Larger sets stay on the host
+    and are copied batch by batch. Sets read through a DataLoader stay where they are."""
+    if device.type != "cuda" or not data.in_memory:
+        return data
+    budget = DEVICE_DATA_FRACTION * torch.cuda.get_device_properties(device).total_memory
+    if data.train.nbytes + data.val.nbytes > budget:
+        log.info("the dataset stays in host memory; batches are copied to %s each step", device)
+        return data
+    return data.to(device)
+
+
+def cpu_share(strategy: Strategy) -> dict[str, Any]:
+    """This node's processes, each one's intra-op threads, and the cores they may use: with more
+    threads than cores the processes compete for them, and the scaling report says so."""
+    share = {
+        "processes_per_node": strategy.processes_per_node,
+        "threads_per_process": torch.get_num_threads(),
+        "cores": usable_cores(),
+    }
+    if hasattr(os, "sched_getaffinity"):  # which cores: a concurrent sweep gives each job its own
+        share["cpu_affinity"] = sorted(os.sched_getaffinity(0))
+    return share
