@@ -360,6 +360,22 @@ class HybridConfig(StagesConfig, DDPConfig):
     node; `microbatches` is per process."""
 
 
+@dataclass
+class MeshConfig(DistributedConfig):
+    """An N-D layout on one DeviceMesh (src/strategies/mesh.py): degrees whose product is the
+    number of processes (parallel.devices x parallel.nodes); -1 takes the ranks the others leave."""
+
+    dp_replicate: int = 1
+    """Data-parallel replicas (ddp; hsdp with dp_shard > 1)."""
+    dp_shard: int = 1
+    """Data-parallel shards (FSDP2): parameters, gradients and optimizer state split this many
+    ways."""
+    tp: int = 1
+    """Tensor-parallel ranks each Linear pair of the model's plan is split over."""
+    pp: int = 1
+    """Pipeline stages, one process each."""
+
+
 # --------------------------------------------------------------------------------------- trainer
 
 
@@ -572,6 +588,7 @@ SCHEMAS = {
         "ddp": DDPConfig,
         "pipeline": PipelineConfig,
         "hybrid": HybridConfig,
+        "mesh": MeshConfig,
     },
     "trainer": {"default": TrainerConfig},
     "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig},

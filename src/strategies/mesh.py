@@ -1,0 +1,148 @@
+"""`parallel=tp`, `fsdp_tp`, ...: an N-D layout of degrees (src/strategies/layout.py) on one
+DeviceMesh, adapted to the loop's Strategy interface.
+
+One process per rank, launched like ddp. `wrap` applies, in torchtitan's order, tensor parallel
+(`apply_tp`) and then FSDP2 over the data-parallel dimensions (`apply_fsdp`: dp_shard shards,
+dp_replicate replicates, both HSDP). Data-parallel rank d of D reads `global batch / D` samples;
+the tp ranks of one data-parallel index read the same ones and compute the same loss, which only
+the data-parallel ranks sum.
+
+Checkpoints are `full`, in single's format: every process gathers the DTensors whole, the
+tensor-parallel row regrouping undone (`tensor_parallel.single_layout`); rank 0 writes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from src.config import ConfigError
+from src.strategies.base import Tree
+from src.strategies.distributed import Distributed
+from src.strategies.fsdp import copy_from_rank0, gradient_sync, parameter_names, sharding_units
+from src.strategies.layout import DIMENSIONS, Layout
+from src.strategies.tensor_parallel import apply_tp, single_layout, tp_layout, tp_plan
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """FSDP2 over `mesh` (1-D: shards; 2-D (replicate, shard): HSDP), each block a unit."""
+    for unit in sharding_units(model):
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole value of a (possibly distributed) tensor, on the CPU (a collective for a
+    DTensor: every rank calls it)."""
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
+
+
+def like(parameter: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """`full` distributed as `parameter` is (this rank's shard of it)."""
+    if not isinstance(parameter, DTensor):
+        return full.to(parameter.device)
+    full = full.to(parameter.device_mesh.device_type)
+    return distribute_tensor(full, parameter.device_mesh, parameter.placements)
+
+
+class Mesh(Distributed):
+    def __init__(self, cfg, device_type: str):
+        super().__init__(cfg, device_type)
+        degrees = {name: getattr(cfg, name) for name in DIMENSIONS}
+        self.layout = Layout.of(self.world_size, **degrees)
+        if self.layout.pp > 1:
+            raise ConfigError("parallel.pp > 1 is not built yet; use parallel=model_parallel")
+        self.world_size = self.layout.dp  # the loop's world: the data-parallel ranks
+        self.process_rank = 0
+        self.row_orders: dict[str, torch.Tensor] = {}
+
+    @property
+    def is_main(self) -> bool:
+        return self.process_rank == 0
+
+    def processes_from_settings(self) -> str:
+        return f"data-parallel degree {self.layout.dp} of layout {self.layout.label()}"
+
+    def check_model(self, model: nn.Module, inputs: Tree) -> None:
+        if self.layout.tp > 1:
+            tp_plan(model, self.layout.tp)
+
+    def setup(self) -> None:
+        super().setup()
+        self.process_rank = self.rank
+        self.rank = self.layout.dp_rank(self.process_rank)
+        self.mesh = self.layout.build_mesh(self.device.type)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        copy_from_rank0(model, self.device)
+        model = model.to(self.device)
+        if self.layout.tp > 1:
+            self.row_orders = apply_tp(model, self.mesh["tp"])
+        if self.layout.dp > 1:
+            model = apply_fsdp(model, self.mesh["dp_replicate", "dp_shard"])
+        return model
+
+    def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        if self.layout.dp > 1:
+            return gradient_sync(model, enabled)
+        return contextlib.nullcontext()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel ranks only: the tp ranks of one hold the same value."""
+        reduced = tensor.detach().to(self.device, copy=True)
+        if self.layout.dp > 1:
+            dist.all_reduce(reduced, group=self.mesh["dp"].get_group())
+        return reduced.to(tensor.device)
+
+    def local_peak_memory_mb(self) -> tuple[list[str], list[float]]:
+        labels, megabytes = super().local_peak_memory_mb()
+        if self.device_type == "cpu":  # one process per rank: label it by its process rank
+            labels = [f"cpu:rank{self.process_rank}"]
+        return labels, megabytes
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return {
+            name: single_layout(name, full_tensor(value), self.row_orders)
+            for name, value in model.state_dict().items()
+        }
+
+    def optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, Any]:
+        """Single's format: state by parameter index, each tensor whole, in single's layout."""
+        names = parameter_names(model, optimizer)
+        state = optimizer.state_dict()
+        state["state"] = {
+            index: {
+                key: single_layout(names[index], full_tensor(value), self.row_orders)
+                if isinstance(value, torch.Tensor) and value.dim() > 0
+                else value
+                for key, value in entries.items()
+            }
+            for index, entries in state["state"].items()
+        }
+        return state
+
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        names = parameter_names(model, optimizer)
+        parameters = dict(model.named_parameters())
+        state = {**state}
+        state["state"] = {
+            index: {
+                key: like(parameters[names[index]], tp_layout(names[index], value, self.row_orders))
+                if isinstance(value, torch.Tensor) and value.dim() > 0
+                else value
+                for key, value in entries.items()
+            }
+            for index, entries in state["state"].items()
+        }
+        optimizer.load_state_dict(state)

@@ -1,0 +1,138 @@
+"""N-D layouts on one DeviceMesh (`parallel=tp`, `fsdp_tp`, ...) through the real `train.py`:
+gloo processes on CPU, each layout against `single` under SGD in fp32."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import (
+    TINY,
+    TINY_SGD,
+    TINY_TRANSFORMER_SGD,
+    assert_same_training,
+    checkpoint,
+    parallel_config,
+    run_train,
+    summary,
+    sweep_runs,
+)
+
+from src.config import ConfigError
+from src.models import GPT, ConvNet, Transformer
+from src.strategies import build_strategy
+from src.strategies.layout import Layout
+
+TINY_GPT_SGD = (
+    *(override for override in TINY_SGD if not override.startswith("model.")),
+    "model=gpt",
+    "data=synthetic_tokens",
+    "data.seq_len=8",
+    "data.vocab_size=16",
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=32",
+)
+WORKLOADS = {
+    # Accumulation too: two micro-steps per optimizer step.
+    "mlp": (*TINY_SGD, "trainer.accumulate=2"),
+    "transformer": TINY_TRANSFORMER_SGD,
+    "gpt": TINY_GPT_SGD,  # tied embedding and head, replicated over the tp ranks
+}
+
+
+def layout_runs(workload: str, *layouts: str) -> dict[str, str]:
+    """`single` and each of `layouts` (`parallel=...` overrides, joined by spaces when several)
+    on a workload, in one sweep (`sweep_runs`)."""
+    return sweep_runs(*WORKLOADS[workload], f"parallel=single,{','.join(layouts)}")
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_tensor_parallel_trains_exactly_like_single(workload):
+    runs = layout_runs(workload, "tp")
+    assert_same_training(runs["parallel=single"], runs["parallel=tp"])
+    result = summary(runs["parallel=tp"])
+    assert result["strategy"] == "tp" and result["world_size"] == 1  # one data-parallel share
+    assert result["memory_devices"] == ["cpu:rank0", "cpu:rank1"]
+
+
+def test_a_tp_checkpoint_is_single_s_state_dict():
+    """The fused qkv rows, regrouped per rank while training, are back in single's order."""
+    state = checkpoint(layout_runs("transformer", "tp")["parallel=tp"])
+    Transformer(input_shape=(8,), num_classes=16, hidden=32, depth=2, heads=2).load_state_dict(
+        state["model"]
+    )
+    assert list(state["optimizer"]["param_groups"][0]["params"]) == list(range(len(state["model"])))
+
+
+@pytest.mark.parametrize(
+    "model, tp, message",
+    [
+        (
+            ConvNet(input_shape=(1, 16, 16), num_classes=10, width=8, depth=2, hidden=16),
+            2,
+            "parallel.tp=2: no tensor-parallel plan for ConvNet (plans: MLP, Transformer, GPT",
+        ),
+        (
+            GPT(input_shape=(8,), num_classes=16, n_layer=1, n_head=3, n_embd=24),
+            2,
+            "parallel.tp=2 does not divide the model's 3 block 1's attention heads",
+        ),
+    ],
+    ids=["no-plan", "heads"],
+)
+def test_a_model_tp_cannot_split_is_refused(model, tp, message):
+    strategy = build_strategy(parallel_config("tp", devices=tp), "cpu")
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        strategy.check_model(model, None)
+
+
+def test_train_py_refuses_tp_for_a_model_without_a_plan_in_one_line(tmp_path):
+    result = run_train(
+        *TINY,
+        "model=convnet",
+        "data.image_shape=[1,8,8]",
+        "parallel=tp",
+        run_dir=tmp_path,
+        check=False,
+    )
+    assert result.returncode == 2
+    errors = [line for line in result.stdout.splitlines() if "[ERROR]" in line]
+    assert len(errors) == 1 and "no tensor-parallel plan for ConvNet" in errors[0]
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    "world_size, degrees, expected",
+    [
+        (4, {"dp_shard": -1, "tp": 2}, Layout(dp_shard=2, tp=2)),
+        (8, {"dp_replicate": 2, "tp": 2, "pp": -1}, Layout(pp=2, dp_replicate=2, tp=2)),
+        (2, {"tp": -1}, Layout(tp=2)),
+    ],
+)
+def test_degrees_of_minus_one_take_the_remaining_ranks(world_size, degrees, expected):
+    assert Layout.of(world_size, **degrees) == expected
+
+
+@pytest.mark.parametrize(
+    "world_size, degrees, message",
+    [
+        (
+            4,
+            {"dp_shard": 2, "tp": 3},
+            "the degrees multiply to 6 (dp_shard 2 x tp 3) but the job has 4 processes",
+        ),
+        (6, {"dp_shard": -1, "tp": 4}, "leave no whole number of ranks for parallel.dp_shard"),
+        (4, {"dp_shard": -1, "tp": -1}, "at most one may be -1"),
+        (4, {"tp": 0}, "parallel.tp=0: each degree must be at least 1"),
+    ],
+)
+def test_degrees_that_do_not_multiply_out_are_refused(world_size, degrees, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        Layout.of(world_size, **degrees)
+
+
+def test_the_ranks_sharing_a_data_parallel_index_are_the_tp_and_pp_peers():
+    layout = Layout(pp=2, dp_replicate=1, dp_shard=2, tp=2)
+    assert [layout.dp_rank(rank) for rank in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert layout.coordinates(7) == {"pp": 1, "dp_replicate": 0, "dp_shard": 1, "tp": 1}
+    assert layout.label() == "fsdp2xtp2xpp2"
