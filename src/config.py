@@ -374,6 +374,12 @@ class MeshConfig(DistributedConfig):
     """Tensor-parallel ranks each Linear pair of the model's plan is split over."""
     pp: int = 1
     """Pipeline stages, one process each."""
+    sequence_parallel: bool = False
+    """With tp: the norms and the residual stream between blocks split along the sequence, each
+    block's all-reduce a reduce-scatter and an all-gather (activation memory / tp)."""
+    loss_parallel: bool = False
+    """With tp: the vocabulary head's logits stay split over the tp ranks into the cross-entropy
+    (no rank holds all of them; an untied head)."""
 
 
 # --------------------------------------------------------------------------------------- trainer

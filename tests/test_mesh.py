@@ -3,7 +3,11 @@ gloo processes on CPU, each layout against `single` under SGD in fp32."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
+import torch
 from helpers import (
     TINY,
     TINY_SGD,
@@ -11,15 +15,19 @@ from helpers import (
     assert_same_training,
     checkpoint,
     parallel_config,
+    reference_run,
     run_train,
     summary,
     sweep_runs,
 )
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import SequenceParallel
 
 from src.config import ConfigError
-from src.models import GPT, ConvNet, Transformer
+from src.models import GPT, MLP, ConvNet, Transformer
 from src.strategies import build_strategy
 from src.strategies.layout import Layout
+from src.strategies.tensor_parallel import tp_plan
 
 TINY_GPT_SGD = (
     *(override for override in TINY_SGD if not override.startswith("model.")),
@@ -39,14 +47,14 @@ WORKLOADS = {
 }
 
 
-def layout_runs(workload: str, *layouts: str) -> dict[str, str]:
+def layout_runs(workload: str, *layouts: str) -> dict[str, Path]:
     """`single` and each of `layouts` (`parallel=...` overrides, joined by spaces when several)
     on a workload, in one sweep (`sweep_runs`)."""
     return sweep_runs(*WORKLOADS[workload], f"parallel=single,{','.join(layouts)}")
 
 
 @pytest.mark.equivalence
-@pytest.mark.parametrize("workload", WORKLOADS)
+@pytest.mark.parametrize("workload", ["mlp", "gpt"])
 def test_tensor_parallel_trains_exactly_like_single(workload):
     runs = layout_runs(workload, "tp")
     assert_same_training(runs["parallel=single"], runs["parallel=tp"])
@@ -55,9 +63,46 @@ def test_tensor_parallel_trains_exactly_like_single(workload):
     assert result["memory_devices"] == ["cpu:rank0", "cpu:rank1"]
 
 
+# The transformer under tp with each of sequence_parallel and loss_parallel on and off: one sweep.
+SP_LP_SWEEP = (
+    *WORKLOADS["transformer"],
+    "parallel=tp",
+    "parallel.sequence_parallel=false,true",
+    "parallel.loss_parallel=false,true",
+)
+
+
+def sp_lp_run(sp: bool, lp: bool) -> Path:
+    """The sweep's run with these two settings (Hydra writes a swept bool as `True`)."""
+    wanted = {f"parallel.sequence_parallel={sp}", f"parallel.loss_parallel={lp}"}
+    runs = sweep_runs(*SP_LP_SWEEP)
+    (run_dir,) = [run_dir for key, run_dir in runs.items() if set(key.split()) == wanted]
+    return run_dir
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("sp, lp", [(False, False), (True, False), (False, True), (True, True)])
+def test_sequence_and_loss_parallel_change_nothing_in_the_numbers(sp, lp):
+    run_dir = sp_lp_run(sp, lp)
+    assert_same_training(reference_run(*WORKLOADS["transformer"]), run_dir)
+
+
+def test_sequence_and_loss_parallel_split_the_norms_and_the_logits():
+    """What the two options add to the transformer's plan (the sweep above: that it changes
+    nothing in the numbers)."""
+    model = Transformer(input_shape=(8,), num_classes=16, hidden=32, depth=1, heads=2)
+    plain = tp_plan(model, 2)
+    both = tp_plan(model, 2, sequence_parallel=True, loss_parallel=True)
+    assert "1.norm1" not in plain and "2.1" not in plain
+    assert isinstance(both["1.norm1"], SequenceParallel) and isinstance(
+        both["2.0"], SequenceParallel
+    )
+    assert both["2.1"].output_layouts == (Shard(-1),) and not both["2.1"].use_local_output
+
+
 def test_a_tp_checkpoint_is_single_s_state_dict():
     """The fused qkv rows, regrouped per rank while training, are back in single's order."""
-    state = checkpoint(layout_runs("transformer", "tp")["parallel=tp"])
+    state = checkpoint(sp_lp_run(False, False))
     Transformer(input_shape=(8,), num_classes=16, hidden=32, depth=2, heads=2).load_state_dict(
         state["model"]
     )
@@ -65,25 +110,40 @@ def test_a_tp_checkpoint_is_single_s_state_dict():
 
 
 @pytest.mark.parametrize(
-    "model, tp, message",
+    "model, settings, message",
     [
         (
             ConvNet(input_shape=(1, 16, 16), num_classes=10, width=8, depth=2, hidden=16),
-            2,
+            {},
             "parallel.tp=2: no tensor-parallel plan for ConvNet (plans: MLP, Transformer, GPT",
         ),
         (
-            GPT(input_shape=(8,), num_classes=16, n_layer=1, n_head=3, n_embd=24),
-            2,
+            GPT(input_shape=(9,), num_classes=16, n_layer=1, n_head=3, n_embd=24),
+            {},
             "parallel.tp=2 does not divide the model's 3 block 1's attention heads",
         ),
+        (
+            GPT(input_shape=(9,), num_classes=16, n_layer=1, n_head=2, n_embd=16),
+            {"loss_parallel": True},
+            "parallel.loss_parallel splits the vocabulary head's weight, which this model ties",
+        ),
+        (
+            MLP(input_shape=(9,), num_classes=10, hidden=32, depth=3),
+            {"sequence_parallel": True},
+            "parallel.sequence_parallel and parallel.loss_parallel split a sequence of tokens",
+        ),
+        (
+            Transformer(input_shape=(9,), num_classes=16, hidden=16, depth=1, heads=2),
+            {"sequence_parallel": True},
+            "parallel.tp=2 does not divide the model's 9 tokens per sequence",
+        ),
     ],
-    ids=["no-plan", "heads"],
+    ids=["no-plan", "heads", "loss-parallel-tied", "sequence-parallel-mlp", "sequence-length"],
 )
-def test_a_model_tp_cannot_split_is_refused(model, tp, message):
-    strategy = build_strategy(parallel_config("tp", devices=tp), "cpu")
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-        strategy.check_model(model, None)
+def test_a_model_tp_cannot_split_is_refused(model, settings, message):
+    strategy = build_strategy(parallel_config("tp", **settings), "cpu")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        strategy.check_model(model, torch.zeros(2, 9, dtype=torch.long))
 
 
 def test_train_py_refuses_tp_for_a_model_without_a_plan_in_one_line(tmp_path):
@@ -127,7 +187,7 @@ def test_degrees_of_minus_one_take_the_remaining_ranks(world_size, degrees, expe
     ],
 )
 def test_degrees_that_do_not_multiply_out_are_refused(world_size, degrees, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         Layout.of(world_size, **degrees)
 
 

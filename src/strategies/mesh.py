@@ -21,14 +21,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor.parallel import loss_parallel
 
+from src.batches import move
 from src.config import ConfigError
-from src.strategies.base import Tree
+from src.strategies.base import LossFn, Tree
 from src.strategies.distributed import Distributed
 from src.strategies.fsdp import copy_from_rank0, gradient_sync, parameter_names, sharding_units
 from src.strategies.layout import DIMENSIONS, Layout
-from src.strategies.tensor_parallel import apply_tp, single_layout, tp_layout, tp_plan
+from src.strategies.tensor_parallel import (
+    apply_tp,
+    check_sequence,
+    single_layout,
+    tp_layout,
+    tp_plan,
+)
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
@@ -62,6 +70,7 @@ class Mesh(Distributed):
         self.world_size = self.layout.dp  # the loop's world: the data-parallel ranks
         self.process_rank = 0
         self.row_orders: dict[str, torch.Tensor] = {}
+        self.loss_kernels = contextlib.ExitStack()
 
     @property
     def is_main(self) -> bool:
@@ -72,22 +81,46 @@ class Mesh(Distributed):
 
     def check_model(self, model: nn.Module, inputs: Tree) -> None:
         if self.layout.tp > 1:
-            tp_plan(model, self.layout.tp)
+            tp_plan(model, self.layout.tp, self.cfg.sequence_parallel, self.cfg.loss_parallel)
+            if self.cfg.sequence_parallel:
+                check_sequence(inputs, self.layout.tp)
+        elif self.cfg.sequence_parallel or self.cfg.loss_parallel:
+            raise ConfigError(
+                "parallel.sequence_parallel and parallel.loss_parallel need tensor parallel; set "
+                "parallel.tp to 2 or more"
+            )
 
     def setup(self) -> None:
         super().setup()
         self.process_rank = self.rank
         self.rank = self.layout.dp_rank(self.process_rank)
         self.mesh = self.layout.build_mesh(self.device.type)
+        if self.cfg.loss_parallel:
+            # Its cross-entropy kernels for the forward in `apply` and the loop's backward.
+            self.loss_kernels.enter_context(loss_parallel())
 
     def wrap(self, model: nn.Module) -> nn.Module:
         copy_from_rank0(model, self.device)
         model = model.to(self.device)
         if self.layout.tp > 1:
-            self.row_orders = apply_tp(model, self.mesh["tp"])
+            self.row_orders = apply_tp(
+                model, self.mesh["tp"], self.cfg.sequence_parallel, self.cfg.loss_parallel
+            )
         if self.layout.dp > 1:
             model = apply_fsdp(model, self.mesh["dp_replicate", "dp_shard"])
         return model
+
+    def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
+        if not self.cfg.loss_parallel:
+            return super().apply(model, inputs, targets, fn)
+        # The logits are a DTensor split over the vocabulary; the targets, whole on every tp
+        # rank, become a replicated one beside them, and the sums whole tensors again.
+        targets = DTensor.from_local(move(targets, self.device), self.mesh["tp"], [Replicate()])
+        return fn(model(move(inputs, self.device)), targets).full_tensor()
+
+    def teardown(self) -> None:
+        self.loss_kernels.close()
+        super().teardown()
 
     def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         if self.layout.dp > 1:

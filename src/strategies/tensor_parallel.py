@@ -22,22 +22,28 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
 from src.config import ConfigError
-from src.models import GPT, MLP, CausalSelfAttention, Transformer, TransformerBlock
+from src.models import GPT, MLP, CausalSelfAttention, Transformer
 
 PLANNED = (MLP, Transformer, GPT)
 
 
-def tp_plan(model: nn.Module, tp: int) -> dict[str, ParallelStyle]:
+def tp_plan(
+    model: nn.Module, tp: int, sequence_parallel: bool = False, loss_parallel: bool = False
+) -> dict[str, ParallelStyle]:
     """Which submodule (by name) is split how, for `tp` ranks; ConfigError, in one line, for a
-    model without a plan or with sizes that do not divide by `tp`."""
+    model without a plan, with sizes that do not divide by `tp`, or that cannot run the option."""
     if not isinstance(model, PLANNED):
         raise ConfigError(
             f"parallel.tp={tp}: no tensor-parallel plan for {type(model).__name__} (plans: "
@@ -45,8 +51,13 @@ def tp_plan(model: nn.Module, tp: int) -> dict[str, ParallelStyle]:
             "tensor_parallel.py); use parallel.tp=1"
         )
     if isinstance(model, MLP):
+        if sequence_parallel or loss_parallel:
+            raise ConfigError(
+                "parallel.sequence_parallel and parallel.loss_parallel split a sequence of tokens "
+                "and a language model's vocabulary: use them with model=transformer or gpt"
+            )
         return linear_pairs_plan(model, tp)
-    return transformer_plan(model, tp)
+    return transformer_plan(model, tp, sequence_parallel, loss_parallel)
 
 
 def linear_pairs_plan(model: nn.Module, tp: int) -> dict[str, ParallelStyle]:
@@ -58,15 +69,52 @@ def linear_pairs_plan(model: nn.Module, tp: int) -> dict[str, ParallelStyle]:
     return plan
 
 
-def transformer_plan(model: nn.Module, tp: int) -> dict[str, ParallelStyle]:
+def transformer_plan(
+    model: nn.Sequential, tp: int, sequence_parallel: bool, loss_parallel: bool
+) -> dict[str, ParallelStyle]:
+    """Megatron's blocks. With `sequence_parallel` the residual stream between them is split
+    along the sequence (Shard(1)): the norms run on each rank's tokens, each block's input is
+    all-gathered and its output reduce-scattered (together the traffic of one all-reduce). With
+    `loss_parallel` the head's logits stay split over the vocabulary, into the loss."""
+    embedding, *blocks, head = (str(index) for index in range(len(model)))
+    if loss_parallel and model[-1][1].weight is model[0].token.weight:
+        raise ConfigError(
+            "parallel.loss_parallel splits the vocabulary head's weight, which this model ties to "
+            "the token embedding; set model.tie_weights=false"
+        )
+    between = Shard(1) if sequence_parallel else Replicate()
+    gather = PrepareModuleInput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+    )
     plan: dict[str, ParallelStyle] = {}
-    for name, block in model.named_children():
-        if isinstance(block, TransformerBlock):
-            check_divides(block.attention.heads, f"block {name}'s attention heads", tp)
-            for up, down in (("attention.qkv", "attention.proj"), ("mlp.0", "mlp.2")):
-                plan[f"{name}.{up}"] = ColwiseParallel()
-                plan[f"{name}.{down}"] = RowwiseParallel()
+    if sequence_parallel:
+        plan[embedding] = PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
+        )
+    for name in blocks:
+        check_divides(model[int(name)].attention.heads, f"block {name}'s attention heads", tp)
+        for norm, part, up, down in (
+            ("norm1", "attention", "qkv", "proj"),
+            ("norm2", "mlp", "0", "2"),
+        ):
+            if sequence_parallel:
+                plan[f"{name}.{norm}"], plan[f"{name}.{part}"] = SequenceParallel(), gather
+            plan[f"{name}.{part}.{up}"] = ColwiseParallel()
+            plan[f"{name}.{part}.{down}"] = RowwiseParallel(output_layouts=between)
+    if sequence_parallel:
+        plan[f"{head}.0"] = SequenceParallel()
+    if loss_parallel:
+        plan[f"{head}.1"] = ColwiseParallel(
+            input_layouts=between, output_layouts=Shard(-1), use_local_output=False
+        )
+    elif sequence_parallel:
+        plan[f"{head}.1"] = gather
     return plan
+
+
+def check_sequence(inputs: Tensor, tp: int) -> None:
+    """Sequence parallel splits each sequence of tokens (dimension 1) over the tp ranks."""
+    check_divides(inputs.shape[1], "tokens per sequence (data.seq_len)", tp)
 
 
 def check_divides(count: int, what: str, tp: int) -> None:
@@ -104,11 +152,13 @@ def tp_layout(name: str, tensor: Tensor, orders: dict[str, Tensor]) -> Tensor:
     return tensor[orders[name]] if name in orders else tensor
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh) -> dict[str, Tensor]:
+def apply_tp(
+    model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False, loss_parallel: bool = False
+) -> dict[str, Tensor]:
     """Split `model` in place over the 1-D `mesh` by its plan; returns the qkv row orders (for
     `single_layout`)."""
     tp = mesh.size()
-    plan = tp_plan(model, tp)
+    plan = tp_plan(model, tp, sequence_parallel, loss_parallel)
     orders = qkv_row_orders(model, tp)
     parameters = dict(model.named_parameters())
     for name, order in orders.items():
