@@ -373,7 +373,15 @@ class MeshConfig(DistributedConfig):
     tp: int = 1
     """Tensor-parallel ranks each Linear pair of the model's plan is split over."""
     pp: int = 1
-    """Pipeline stages, one process each."""
+    """Pipeline ranks, each holding `stages_per_rank` stages of the model's blocks."""
+    schedule: str = "1F1B"
+    """With pp: torch.distributed.pipelining's schedule, by name: GPipe, 1F1B, Interleaved1F1B,
+    LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV."""
+    microbatches: int = 2
+    """With pp: micro-batches each data-parallel share of a micro-step is cut into."""
+    stages_per_rank: int = 1
+    """With pp: stages (virtual stages) per pipeline rank; 2 or more for the looped schedules,
+    2 for the V-shaped ones."""
     sequence_parallel: bool = False
     """With tp: the norms and the residual stream between blocks split along the sequence, each
     block's all-reduce a reduce-scatter and an all-gather (activation memory / tp)."""

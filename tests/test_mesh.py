@@ -27,6 +27,7 @@ from src.config import ConfigError
 from src.models import GPT, MLP, ConvNet, Transformer
 from src.strategies import build_strategy
 from src.strategies.layout import Layout
+from src.strategies.pipeline_schedules import LOOPED, ONE_STAGE
 from src.strategies.tensor_parallel import tp_plan
 
 TINY_GPT_SGD = (
@@ -196,3 +197,54 @@ def test_the_ranks_sharing_a_data_parallel_index_are_the_tp_and_pp_peers():
     assert [layout.dp_rank(rank) for rank in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert layout.coordinates(7) == {"pp": 1, "dp_replicate": 0, "dp_shard": 1, "tp": 1}
     assert layout.label() == "fsdp2xtp2xpp2"
+
+
+# Every schedule on 2 processes, 4 micro-batches: the one-stage ones in one sweep, those with 2
+# stages per rank (the MLP's 4 blocks as 4 stages) in another.
+PP = (*WORKLOADS["mlp"], "parallel=pp", "parallel.microbatches=4")
+SCHEDULE_SWEEPS = {
+    1: (*PP, "parallel.stages_per_rank=1", "parallel.schedule=GPipe,1F1B"),
+    2: (
+        *PP,
+        "parallel.stages_per_rank=2",
+        "parallel.schedule=Interleaved1F1B,LoopedBFS,InterleavedZeroBubble",
+    ),
+}
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("schedule", [*ONE_STAGE, *LOOPED])
+def test_every_pipeline_schedule_trains_exactly_like_single(schedule):
+    stages_per_rank = 1 if schedule in ONE_STAGE else 2
+    run_dir = sweep_runs(*SCHEDULE_SWEEPS[stages_per_rank])[f"parallel.schedule={schedule}"]
+    assert_same_training(reference_run(*WORKLOADS["mlp"]), run_dir)
+    assert summary(run_dir)["memory_devices"] == ["cpu:rank0", "cpu:rank1"]
+
+
+@pytest.mark.parametrize(
+    "schedule, stages_per_rank, microbatches, message",
+    [
+        ("1F1B", 1, 1, "parallel.schedule=1F1B needs parallel.microbatches (1) >= the stages (2)"),
+        ("Interleaved1F1B", 2, 5, "needs parallel.microbatches (5) to be a multiple of its rounds"),
+        ("ZBVZeroBubble", 2, 4, "parallel.schedule=ZBVZeroBubble does not run here yet"),
+        ("DualPipeV", 2, 4, "parallel.schedule=DualPipeV does not run here yet"),
+        ("GPipe", 2, 4, "parallel.schedule=GPipe runs one stage per rank"),
+        ("Nosuch", 1, 4, "parallel.schedule=Nosuch is none of GPipe, 1F1B, Interleaved1F1B"),
+    ],
+)
+def test_a_schedule_that_cannot_run_its_settings_is_refused(
+    schedule, stages_per_rank, microbatches, message
+):
+    settings = {"schedule": schedule, "stages_per_rank": stages_per_rank}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        build_strategy(parallel_config("pp", microbatches=microbatches, **settings), "cpu")
+
+
+def test_a_model_pipeline_stages_cannot_hold_is_refused():
+    tied = GPT(input_shape=(8,), num_classes=16, n_layer=2, n_head=2, n_embd=16)
+    with pytest.raises(ConfigError, match=re.escape("blocks [0, 3] share a parameter")):
+        build_strategy(parallel_config("pp"), "cpu").check_model(tied, None)
+    short = MLP(input_shape=(8,), num_classes=10, hidden=8, depth=1)
+    interleaved = parallel_config("pp", schedule="Interleaved1F1B", stages_per_rank=2)
+    with pytest.raises(ConfigError, match="= 4 stages, but the model has only 2 blocks"):
+        build_strategy(interleaved, "cpu").check_model(short, None)

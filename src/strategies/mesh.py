@@ -30,6 +30,7 @@ from src.strategies.base import LossFn, Tree
 from src.strategies.distributed import Distributed
 from src.strategies.fsdp import copy_from_rank0, gradient_sync, parameter_names, sharding_units
 from src.strategies.layout import DIMENSIONS, Layout
+from src.strategies.pipeline_schedules import PipelineRun, check_schedule, stage_split
 from src.strategies.tensor_parallel import (
     apply_tp,
     check_sequence,
@@ -66,11 +67,17 @@ class Mesh(Distributed):
         degrees = {name: getattr(cfg, name) for name in DIMENSIONS}
         self.layout = Layout.of(self.world_size, **degrees)
         if self.layout.pp > 1:
-            raise ConfigError("parallel.pp > 1 is not built yet; use parallel=model_parallel")
+            if self.layout.pp != self.layout.world_size:
+                raise ConfigError(
+                    "parallel.pp > 1 together with tp or data parallel is not built yet; use "
+                    "parallel.pp alone, or parallel=hybrid (ddp over single-process pipelines)"
+                )
+            check_schedule(cfg.schedule, self.layout.pp, cfg.stages_per_rank, cfg.microbatches)
         self.world_size = self.layout.dp  # the loop's world: the data-parallel ranks
         self.process_rank = 0
         self.row_orders: dict[str, torch.Tensor] = {}
         self.loss_kernels = contextlib.ExitStack()
+        self.pipeline: PipelineRun | None = None
 
     @property
     def is_main(self) -> bool:
@@ -79,7 +86,19 @@ class Mesh(Distributed):
     def processes_from_settings(self) -> str:
         return f"data-parallel degree {self.layout.dp} of layout {self.layout.label()}"
 
+    def check_batch(self, micro_batch: int) -> None:
+        super().check_batch(micro_batch)
+        share = micro_batch // self.layout.dp
+        if self.layout.pp > 1 and share % self.cfg.microbatches:
+            raise ConfigError(
+                f"each data-parallel share of a micro-step ({share} samples) does not split into "
+                f"parallel.microbatches={self.cfg.microbatches}; change trainer.batch_size or "
+                "parallel.microbatches"
+            )
+
     def check_model(self, model: nn.Module, inputs: Tree) -> None:
+        if self.layout.pp > 1:
+            stage_split(model, self.layout.pp * self.cfg.stages_per_rank)
         if self.layout.tp > 1:
             tp_plan(model, self.layout.tp, self.cfg.sequence_parallel, self.cfg.loss_parallel)
             if self.cfg.sequence_parallel:
@@ -102,6 +121,8 @@ class Mesh(Distributed):
     def wrap(self, model: nn.Module) -> nn.Module:
         copy_from_rank0(model, self.device)
         model = model.to(self.device)
+        if self.layout.pp > 1:
+            self.pipeline = PipelineRun(self.cfg, self.mesh["pp"], self.device, model)
         if self.layout.tp > 1:
             self.row_orders = apply_tp(
                 model, self.mesh["tp"], self.cfg.sequence_parallel, self.cfg.loss_parallel
@@ -111,6 +132,8 @@ class Mesh(Distributed):
         return model
 
     def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
+        if self.pipeline is not None:
+            return self.pipeline.run(move(inputs, self.device), move(targets, self.device), fn)
         if not self.cfg.loss_parallel:
             return super().apply(model, inputs, targets, fn)
         # The logits are a DTensor split over the vocabulary; the targets, whole on every tp
@@ -141,10 +164,11 @@ class Mesh(Distributed):
         return labels, megabytes
 
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return {
+        state = {
             name: single_layout(name, full_tensor(value), self.row_orders)
             for name, value in model.state_dict().items()
         }
+        return self.pipeline.gathered(state) if self.pipeline else state
 
     def optimizer_state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
@@ -161,6 +185,8 @@ class Mesh(Distributed):
             }
             for index, entries in state["state"].items()
         }
+        if self.pipeline:  # each stage's rank holds the state of its own parameters only
+            state["state"] = self.pipeline.merged(state["state"])
         return state
 
     def load_optimizer_state_dict(
