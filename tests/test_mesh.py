@@ -101,6 +101,14 @@ def test_sequence_and_loss_parallel_split_the_norms_and_the_logits():
     assert both["2.1"].output_layouts == (Shard(-1),) and not both["2.1"].use_local_output
 
 
+@pytest.mark.equivalence
+def test_fsdp_2_by_tp_2_trains_exactly_like_single(tmp_path):
+    """The 2-D preset on 4 processes: FSDP2 over the data-parallel pair, tp within each."""
+    run_train(*WORKLOADS["mlp"], "parallel=fsdp_tp", run_dir=tmp_path)
+    assert_same_training(reference_run(*WORKLOADS["mlp"]), tmp_path)
+    assert summary(tmp_path)["world_size"] == 2  # two data-parallel shares of the batch
+
+
 def test_a_tp_checkpoint_is_single_s_state_dict():
     """The fused qkv rows, regrouped per rank while training, are back in single's order."""
     state = checkpoint(sp_lp_run(False, False))
