@@ -37,7 +37,7 @@ ROWS = [
         ["parallel=nosuch"],
         HYDRA,
         "Could not find 'parallel/nosuch'; choose one of auto, ddp, dp, dp_criterion, fsdp, "
-        "hybrid, model_parallel, single",
+        "fsdp_tp, hybrid, model_parallel, pp, single, tp",
         id="strategy",
     ),
     pytest.param(

@@ -105,10 +105,10 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(hidden, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, hidden = x.shape
+        batch, length, _ = x.shape
         q, k, v = self.qkv(x).view(batch, length, 3, self.heads, -1).transpose(1, 3).unbind(2)
         y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, length, hidden))
+        return self.proj(y.transpose(1, 2).reshape(batch, length, -1))
 
 
 class TransformerBlock(nn.Module):

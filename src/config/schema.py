@@ -368,6 +368,36 @@ class HybridConfig(StagesConfig, DDPConfig):
     node; `microbatches` is per process."""
 
 
+@dataclass
+class MeshConfig(DistributedConfig):
+    """An N-D layout on one DeviceMesh (src/parallel/mesh.py): degrees whose product is the
+    number of processes (parallel.devices x parallel.nodes); -1 takes the ranks the others leave."""
+
+    dp_replicate: int = 1
+    """Data-parallel replicas (ddp; hsdp with dp_shard > 1)."""
+    dp_shard: int = 1
+    """Data-parallel shards (FSDP2): parameters, gradients and optimizer state split this many
+    ways."""
+    tp: int = 1
+    """Tensor-parallel ranks each Linear pair of the model's plan is split over."""
+    pp: int = 1
+    """Pipeline ranks, each holding `stages_per_rank` stages of the model's blocks."""
+    schedule: str = "1F1B"
+    """With pp: torch.distributed.pipelining's schedule, by name: GPipe, 1F1B, Interleaved1F1B,
+    LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV."""
+    microbatches: int = 2
+    """With pp: micro-batches each data-parallel share of a micro-step is cut into."""
+    stages_per_rank: int = 1
+    """With pp: stages (virtual stages) per pipeline rank; 2 or more for the looped schedules,
+    2 for the V-shaped ones."""
+    sequence_parallel: bool = False
+    """With tp: the norms and the residual stream between blocks split along the sequence, each
+    block's all-reduce a reduce-scatter and an all-gather (activation memory / tp)."""
+    loss_parallel: bool = False
+    """With tp: the vocabulary head's logits stay split over the tp ranks into the cross-entropy
+    (no rank holds all of them; an untied head)."""
+
+
 # --------------------------------------------------------------------------------------- trainer
 
 
@@ -630,6 +660,7 @@ SCHEMAS = {
         "ddp": DDPConfig,
         "pipeline": PipelineConfig,
         "hybrid": HybridConfig,
+        "mesh": MeshConfig,
     },
     "trainer": {"default": TrainerConfig},
     "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig},

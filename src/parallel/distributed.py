@@ -128,7 +128,7 @@ class Distributed(Strategy):
 
     def peak_memory_mb(self) -> tuple[list[str], list[float]]:
         """Every rank's devices, in rank order."""
-        gathered: list = [None] * self.world_size
+        gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, self.local_peak_memory_mb())
         labels = [label for rank_labels, _ in gathered for label in rank_labels]
         megabytes = [mb for _, rank_mb in gathered for mb in rank_mb]

@@ -1,0 +1,207 @@
+"""`parallel=tp`, `fsdp_tp`, ...: an N-D layout of degrees (src/parallel/layout.py) on one
+DeviceMesh, adapted to the loop's Strategy interface.
+
+One process per rank, launched like ddp. `wrap` applies, in torchtitan's order, tensor parallel
+(`apply_tp`) and then FSDP2 over the data-parallel dimensions (`apply_fsdp`: dp_shard shards,
+dp_replicate replicates, both HSDP). Data-parallel rank d of D reads `global batch / D` samples;
+the tp ranks of one data-parallel index read the same ones and compute the same loss, which only
+the data-parallel ranks sum.
+
+Checkpoints are `full`, in single's format: every process gathers the DTensors whole, the
+tensor-parallel row regrouping undone (`tensor_parallel.single_layout`); rank 0 writes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from src.components.batches import move
+from src.config.schema import ConfigError
+from src.parallel.base import LossFn, Tree
+from src.parallel.distributed import Distributed
+from src.parallel.fsdp import copy_from_rank0, gradient_sync, parameter_names, sharding_units
+from src.parallel.layout import DIMENSIONS, Layout
+from src.parallel.pipeline_schedules import PipelineRun, check_schedule, stage_split
+from src.parallel.tensor_parallel import (
+    apply_tp,
+    check_sequence,
+    single_layout,
+    tp_layout,
+    tp_plan,
+)
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """FSDP2 over `mesh` (1-D: shards; 2-D (replicate, shard): HSDP), each block a unit."""
+    for unit in sharding_units(model):
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole value of a (possibly distributed) tensor, on the CPU (a collective for a
+    DTensor: every rank calls it)."""
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
+
+
+def like(parameter: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """`full` distributed as `parameter` is (this rank's shard of it)."""
+    if not isinstance(parameter, DTensor):
+        return full.to(parameter.device)
+    full = full.to(parameter.device_mesh.device_type)
+    return distribute_tensor(full, parameter.device_mesh, parameter.placements)
+
+
+class Mesh(Distributed):
+    def __init__(self, cfg, device_type: str):
+        super().__init__(cfg, device_type)
+        degrees = {name: getattr(cfg, name) for name in DIMENSIONS}
+        self.layout = Layout.of(self.world_size, **degrees)
+        if self.layout.pp > 1:
+            if self.layout.pp != self.layout.world_size:
+                raise ConfigError(
+                    "parallel.pp > 1 together with tp or data parallel is not built yet; use "
+                    "parallel.pp alone, or parallel=hybrid (ddp over single-process pipelines)"
+                )
+            check_schedule(cfg.schedule, self.layout.pp, cfg.stages_per_rank, cfg.microbatches)
+        self.world_size = self.layout.dp  # the loop's world: the data-parallel ranks
+        self.process_rank = 0
+        self.row_orders: dict[str, torch.Tensor] = {}
+        self.loss_kernels = contextlib.ExitStack()
+        self.pipeline: PipelineRun | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.process_rank == 0
+
+    def processes_from_settings(self) -> str:
+        return f"data-parallel degree {self.layout.dp} of layout {self.layout.label()}"
+
+    def check_batch(self, micro_batch: int) -> None:
+        super().check_batch(micro_batch)
+        share = micro_batch // self.layout.dp
+        if self.layout.pp > 1 and share % self.cfg.microbatches:
+            raise ConfigError(
+                f"each data-parallel share of a micro-step ({share} samples) does not split into "
+                f"parallel.microbatches={self.cfg.microbatches}; change trainer.batch_size or "
+                "parallel.microbatches"
+            )
+
+    def check_model(self, model: nn.Module, inputs: Tree) -> None:
+        if self.layout.pp > 1:
+            stage_split(model, self.layout.pp * self.cfg.stages_per_rank)
+        if self.layout.tp > 1:
+            tp_plan(model, self.layout.tp, self.cfg.sequence_parallel, self.cfg.loss_parallel)
+            if self.cfg.sequence_parallel:
+                check_sequence(inputs, self.layout.tp)
+        elif self.cfg.sequence_parallel or self.cfg.loss_parallel:
+            raise ConfigError(
+                "parallel.sequence_parallel and parallel.loss_parallel need tensor parallel; set "
+                "parallel.tp to 2 or more"
+            )
+
+    def setup(self) -> None:
+        super().setup()
+        self.process_rank = self.rank
+        self.rank = self.layout.dp_rank(self.process_rank)
+        self.mesh = self.layout.build_mesh(self.device.type)
+        if self.cfg.loss_parallel:
+            # Its cross-entropy kernels for the forward in `apply` and the loop's backward.
+            self.loss_kernels.enter_context(loss_parallel())
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        copy_from_rank0(model, self.device)
+        model = model.to(self.device)
+        if self.layout.pp > 1:
+            self.pipeline = PipelineRun(self.cfg, self.mesh["pp"], self.device, model)
+        if self.layout.tp > 1:
+            self.row_orders = apply_tp(
+                model, self.mesh["tp"], self.cfg.sequence_parallel, self.cfg.loss_parallel
+            )
+        if self.layout.dp > 1:
+            model = apply_fsdp(model, self.mesh["dp_replicate", "dp_shard"])
+        return model
+
+    def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
+        if self.pipeline is not None:
+            return self.pipeline.run(move(inputs, self.device), move(targets, self.device), fn)
+        if not self.cfg.loss_parallel:
+            return super().apply(model, inputs, targets, fn)
+        # The logits are a DTensor split over the vocabulary; the targets, whole on every tp
+        # rank, become a replicated one beside them, and the sums whole tensors again.
+        targets = DTensor.from_local(move(targets, self.device), self.mesh["tp"], [Replicate()])
+        return fn(model(move(inputs, self.device)), targets).full_tensor()
+
+    def teardown(self) -> None:
+        self.loss_kernels.close()
+        super().teardown()
+
+    def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        if self.layout.dp > 1:
+            return gradient_sync(model, enabled)
+        return contextlib.nullcontext()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel ranks only: the tp ranks of one hold the same value."""
+        reduced = tensor.detach().to(self.device, copy=True)
+        if self.layout.dp > 1:
+            dist.all_reduce(reduced, group=self.mesh["dp"].get_group())
+        return reduced.to(tensor.device)
+
+    def local_peak_memory_mb(self) -> tuple[list[str], list[float]]:
+        labels, megabytes = super().local_peak_memory_mb()
+        if self.device_type == "cpu":  # one process per rank: label it by its process rank
+            labels = [f"cpu:rank{self.process_rank}"]
+        return labels, megabytes
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        state = {
+            name: single_layout(name, full_tensor(value), self.row_orders)
+            for name, value in model.state_dict().items()
+        }
+        return self.pipeline.gathered(state) if self.pipeline else state
+
+    def optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, Any]:
+        """Single's format: state by parameter index, each tensor whole, in single's layout."""
+        names = parameter_names(model, optimizer)
+        state = optimizer.state_dict()
+        state["state"] = {
+            index: {
+                key: single_layout(names[index], full_tensor(value), self.row_orders)
+                if isinstance(value, torch.Tensor) and value.dim() > 0
+                else value
+                for key, value in entries.items()
+            }
+            for index, entries in state["state"].items()
+        }
+        if self.pipeline:  # each stage's rank holds the state of its own parameters only
+            state["state"] = self.pipeline.merged(state["state"])
+        return state
+
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        names = parameter_names(model, optimizer)
+        parameters = dict(model.named_parameters())
+        state = {**state}
+        state["state"] = {
+            index: {
+                key: like(parameters[names[index]], tp_layout(names[index], value, self.row_orders))
+                if isinstance(value, torch.Tensor) and value.dim() > 0
+                else value
+                for key, value in entries.items()
+            }
+            for index, entries in state["state"].items()
+        }
+        optimizer.load_state_dict(state)

@@ -1,0 +1,228 @@
+"""Pipeline parallel over processes with torch.distributed.pipelining: the stage split, the
+stages each rank holds, the schedules by name and their up-front checks, and `apply_pp`.
+
+The model's blocks are cut into pp x stages_per_rank stages by the balanced cutter that
+model_parallel uses (`pipeline.balanced_split_points`, by parameter count). A rank holds stages
+r, r + pp, ... (the looped schedules), or r and 2 pp - 1 - r (the V of ZBVZeroBubble and
+DualPipeV, whose first and last stages are both on rank 0). The schedules run each micro-batch's
+forward and backward themselves; the losses they see are the task's sums, so their gradients are
+of the summed loss (scale_grads=False: the default would divide them by the micro-batch count).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import _PipelineSchedule, get_schedule_class
+
+from src.config.schema import ConfigError
+from src.parallel.base import tied_block_groups
+from src.parallel.mechanisms.stage_pipeline import balanced_split_points, parameter_count
+
+ONE_STAGE = ("GPipe", "1F1B")  # one stage per rank
+LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")  # two stages per rank, in a V
+SCHEDULES = (*ONE_STAGE, *LOOPED, *V_SHAPED)
+
+
+def check_schedule(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> None:
+    """ConfigError, in one line, for a schedule that cannot run these settings (what torch would
+    otherwise find only once every rank has started)."""
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"parallel.schedule={schedule} is none of {', '.join(SCHEDULES)}")
+    if microbatches < 1 or stages_per_rank < 1:
+        raise ConfigError("parallel.microbatches and parallel.stages_per_rank must be at least 1")
+    stages = pp * stages_per_rank
+    if schedule in ONE_STAGE and stages_per_rank != 1:
+        raise ConfigError(
+            f"parallel.schedule={schedule} runs one stage per rank; set parallel.stages_per_rank=1"
+            f", or use {' or '.join(LOOPED)} for {stages_per_rank}"
+        )
+    if schedule == "1F1B" and microbatches < stages:
+        raise ConfigError(
+            f"parallel.schedule=1F1B needs parallel.microbatches ({microbatches}) >= the stages "
+            f"({stages})"
+        )
+    rounds = max(1, microbatches // pp)
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and microbatches % rounds:
+        raise ConfigError(
+            f"parallel.schedule={schedule} needs parallel.microbatches ({microbatches}) to be a "
+            f"multiple of its rounds (microbatches // pp = {rounds})"
+        )
+    if schedule in V_SHAPED:
+        # Seen with torch 2.14.1 over gloo: "can't steal_bwd_input if this stage doesn't have
+        # backward" in the first step; refused until a test shows them training like single.
+        raise ConfigError(
+            f"parallel.schedule={schedule} does not run here yet (torch 2.14.1's V schedules fail "
+            f"in their first step); use {', '.join(ONE_STAGE + LOOPED)}"
+        )
+    if schedule in V_SHAPED and stages_per_rank != 2:
+        raise ConfigError(
+            f"parallel.schedule={schedule} runs 2 stages per rank in a V; set "
+            "parallel.stages_per_rank=2"
+        )
+
+
+def stage_split(model: nn.Sequential, stages: int) -> list[int]:
+    """Where stages 1.. start (balanced by parameter count); ConfigError when the model has
+    fewer blocks than stages, or ties a parameter across two stages (each stage is another
+    process: the tie would be broken)."""
+    if len(model) < stages:
+        raise ConfigError(
+            f"parallel.pp x parallel.stages_per_rank = {stages} stages, but the model has only "
+            f"{len(model)} blocks; lower them"
+        )
+    points = balanced_split_points([parameter_count(block) for block in model], stages)
+    bounds = [0, *points, len(model)]
+    stage_of = {b: s for s in range(stages) for b in range(bounds[s], bounds[s + 1])}
+    for group in tied_block_groups(model):
+        if len({stage_of[block] for block in group}) > 1:
+            raise ConfigError(
+                f"blocks {group} share a parameter but fall on different pipeline stages (other "
+                "processes), which would untie it; set model.tie_weights=false"
+            )
+    return points
+
+
+def stage_ranks(schedule: str, pp: int, stages_per_rank: int) -> list[int]:
+    """The pp rank holding each stage."""
+    if schedule in V_SHAPED:
+        return [*range(pp), *reversed(range(pp))]
+    return [stage % pp for stage in range(pp * stages_per_rank)]
+
+
+def apply_pp(
+    model: nn.Sequential,
+    mesh: DeviceMesh,
+    device: torch.device,
+    schedule: str,
+    microbatches: int,
+    stages_per_rank: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> tuple[_PipelineSchedule, list[int]]:
+    """This rank's stages of `model` (its blocks shared, not copied) in the named schedule;
+    returns it and the pp rank that holds each block."""
+    pp, pp_rank = mesh.size(), mesh.get_local_rank()
+    stages = pp * stages_per_rank
+    bounds = [0, *stage_split(model, stages), len(model)]
+    owner = stage_ranks(schedule, pp, stages_per_rank)
+    group, blocks = mesh.get_group(), list(model)
+    pipeline_stages = [
+        PipelineStage(
+            nn.Sequential(*blocks[bounds[s] : bounds[s + 1]]), s, stages, device, group=group
+        )
+        for s in range(stages)
+        if owner[s] == pp_rank
+    ]
+    block_ranks = [owner[s] for s in range(stages) for _ in range(bounds[s], bounds[s + 1])]
+    kind = get_schedule_class(schedule)
+    runs = pipeline_stages[0] if schedule in ONE_STAGE else pipeline_stages
+    return kind(runs, microbatches, loss_fn=loss_fn, scale_grads=False), block_ranks
+
+
+class ScaleGradients(torch.autograd.Function):
+    """The loop's `sums.backward(gradient)` for a micro-step the schedule has already run
+    backward: it scales that micro-step's gradients (of the summed loss) by gradient[0], the
+    loop's 1 / divisor (times a GradScaler's scale), through `rescale`."""
+
+    @staticmethod
+    def forward(ctx, sums: torch.Tensor, rescale: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        ctx.rescale = rescale
+        return sums.clone()
+
+    @staticmethod
+    def backward(ctx, gradient: torch.Tensor) -> tuple[None, None]:
+        ctx.rescale(gradient[0])
+        return None, None
+
+
+def rescale_since(
+    parameters: list[nn.Parameter], before: list[torch.Tensor | None], factor: torch.Tensor
+) -> None:
+    """Scale what each gradient gained since `before` (earlier micro-steps' part stays)."""
+    for parameter, old in zip(parameters, before, strict=True):
+        if parameter.grad is None:
+            continue
+        if old is None:
+            parameter.grad.mul_(factor)
+        else:
+            parameter.grad.sub_(old).mul_(factor).add_(old)
+
+
+class PipelineRun:
+    """This rank's part of a pipeline, run a micro-step at a time for the loop's `apply`: the
+    first stage's rank feeds the inputs, the last stage's the targets; the task's sums, known
+    on the last, are broadcast to every pp rank (the main process, rank 0, logs them)."""
+
+    def __init__(self, cfg, mesh: DeviceMesh, device: torch.device, model: nn.Sequential):
+        self.group, self.rank, self.device = mesh.get_group(), mesh.get_local_rank(), device
+        self.schedule, self.block_ranks = apply_pp(
+            model, mesh, device, cfg.schedule, cfg.microbatches, cfg.stages_per_rank, self.loss
+        )
+        owner = stage_ranks(cfg.schedule, mesh.size(), cfg.stages_per_rank)
+        self.first, self.last = owner[0], owner[-1]
+        self.parameters = [
+            p
+            for b, rank in enumerate(self.block_ranks)
+            if rank == self.rank
+            for p in model[b].parameters()
+        ]
+        self.microbatches = cfg.microbatches
+        self.fn: Callable | None = None
+        self.captured: list[torch.Tensor] = []
+        self.sums_shape: tuple | None = None
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss of one micro-batch: the summed loss; all the sums are kept."""
+        sums = self.fn(outputs, targets)
+        self.captured.append(sums.detach())
+        return sums[0].clone()  # not a view: the split backward detaches the loss in place
+
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, fn: Callable) -> torch.Tensor:
+        self.fn, self.captured = fn, []
+        args = (inputs,) if self.rank == self.first else ()
+        target = targets if self.rank == self.last else None
+        if not torch.is_grad_enabled():
+            self.schedule.eval(*args, target=target)
+            return self.broadcast_sums()
+        before = [None if p.grad is None else p.grad.clone() for p in self.parameters]
+        self.schedule.step(*args, target=target)
+        sums = self.broadcast_sums().requires_grad_()
+        return ScaleGradients.apply(
+            sums, lambda factor: rescale_since(self.parameters, before, factor)
+        )
+
+    def broadcast_sums(self) -> torch.Tensor:
+        # The last M: on its first step a schedule may also call the loss on its shape pass.
+        last_m = self.captured[-self.microbatches :]
+        sums = torch.stack(last_m).sum(0) if self.rank == self.last else None
+        if self.sums_shape is None:
+            box = [(len(sums), sums.dtype) if sums is not None else None]
+            dist.broadcast_object_list(box, group=self.group, group_src=self.last)
+            self.sums_shape = box[0]
+        if sums is None:
+            length, dtype = self.sums_shape
+            sums = torch.zeros(length, dtype=dtype, device=self.device)
+        dist.broadcast(sums, group=self.group, group_src=self.last)
+        return sums
+
+    def gathered(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The state_dict with each block's tensors from the rank that trains it."""
+        for name, value in state.items():
+            on_device = value.to(self.device)
+            owner = self.block_ranks[int(name.split(".")[0])]
+            dist.broadcast(on_device, group=self.group, group_src=owner)
+            state[name] = on_device.cpu()
+        return state
+
+    def merged(self, state: dict[int, Any]) -> dict[int, Any]:
+        """The optimizer's per-parameter state of every rank (each holds its stages' own)."""
+        every: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(every, state, group=self.group)
+        return dict(sorted((index, entries) for part in every for index, entries in part.items()))

@@ -1,0 +1,258 @@
+"""N-D layouts on one DeviceMesh (`parallel=tp`, `fsdp_tp`, ...) through the real `train.py`:
+gloo processes on CPU, each layout against `single` under SGD in fp32."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import (
+    TINY,
+    TINY_SGD,
+    TINY_TRANSFORMER_SGD,
+    assert_same_training,
+    checkpoint,
+    parallel_config,
+    reference_run,
+    run_train,
+    summary,
+    sweep_runs,
+)
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import SequenceParallel
+
+from src.components.models import GPT, MLP, ConvNet, Transformer
+from src.config.schema import ConfigError
+from src.parallel import build_strategy
+from src.parallel.layout import Layout
+from src.parallel.pipeline_schedules import LOOPED, ONE_STAGE
+from src.parallel.tensor_parallel import tp_plan
+
+TINY_GPT_SGD = (
+    *(override for override in TINY_SGD if not override.startswith("model.")),
+    "model=gpt",
+    "data=synthetic_tokens",
+    "data.seq_len=8",
+    "data.vocab_size=16",
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=32",
+)
+WORKLOADS = {
+    # Accumulation too: two micro-steps per optimizer step.
+    "mlp": (*TINY_SGD, "trainer.accumulate=2"),
+    "transformer": TINY_TRANSFORMER_SGD,
+    "gpt": TINY_GPT_SGD,  # tied embedding and head, replicated over the tp ranks
+}
+
+
+def layout_runs(workload: str, *layouts: str) -> dict[str, Path]:
+    """`single` and each of `layouts` (`parallel=...` overrides, joined by spaces when several)
+    on a workload, in one sweep (`sweep_runs`)."""
+    return sweep_runs(*WORKLOADS[workload], f"parallel=single,{','.join(layouts)}")
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("workload", ["mlp", "gpt"])
+def test_tensor_parallel_trains_exactly_like_single(workload):
+    runs = layout_runs(workload, "tp")
+    assert_same_training(runs["parallel=single"], runs["parallel=tp"])
+    result = summary(runs["parallel=tp"])
+    assert result["strategy"] == "tp" and result["world_size"] == 1  # one data-parallel share
+    assert result["memory_devices"] == ["cpu:rank0", "cpu:rank1"]
+
+
+# The transformer under tp with each of sequence_parallel and loss_parallel on and off: one sweep.
+SP_LP_SWEEP = (
+    *WORKLOADS["transformer"],
+    "parallel=tp",
+    "parallel.sequence_parallel=false,true",
+    "parallel.loss_parallel=false,true",
+)
+
+
+def sp_lp_run(sp: bool, lp: bool) -> Path:
+    """The sweep's run with these two settings (Hydra writes a swept bool as `True`)."""
+    wanted = {f"parallel.sequence_parallel={sp}", f"parallel.loss_parallel={lp}"}
+    runs = sweep_runs(*SP_LP_SWEEP)
+    (run_dir,) = [run_dir for key, run_dir in runs.items() if set(key.split()) == wanted]
+    return run_dir
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("sp, lp", [(False, False), (True, False), (False, True), (True, True)])
+def test_sequence_and_loss_parallel_change_nothing_in_the_numbers(sp, lp):
+    run_dir = sp_lp_run(sp, lp)
+    assert_same_training(reference_run(*WORKLOADS["transformer"]), run_dir)
+
+
+def test_sequence_and_loss_parallel_split_the_norms_and_the_logits():
+    """What the two options add to the transformer's plan (the sweep above: that it changes
+    nothing in the numbers)."""
+    model = Transformer(input_shape=(8,), num_classes=16, hidden=32, depth=1, heads=2)
+    plain = tp_plan(model, 2)
+    both = tp_plan(model, 2, sequence_parallel=True, loss_parallel=True)
+    assert "1.norm1" not in plain and "2.1" not in plain
+    assert isinstance(both["1.norm1"], SequenceParallel) and isinstance(
+        both["2.0"], SequenceParallel
+    )
+    assert both["2.1"].output_layouts == (Shard(-1),) and not both["2.1"].use_local_output
+
+
+@pytest.mark.equivalence
+def test_fsdp_2_by_tp_2_trains_exactly_like_single(tmp_path):
+    """The 2-D preset on 4 processes: FSDP2 over the data-parallel pair, tp within each."""
+    run_train(*WORKLOADS["mlp"], "parallel=fsdp_tp", run_dir=tmp_path)
+    assert_same_training(reference_run(*WORKLOADS["mlp"]), tmp_path)
+    assert summary(tmp_path)["world_size"] == 2  # two data-parallel shares of the batch
+
+
+def test_a_tp_checkpoint_is_single_s_state_dict():
+    """The fused qkv rows, regrouped per rank while training, are back in single's order."""
+    state = checkpoint(sp_lp_run(False, False))
+    Transformer(input_shape=(8,), num_classes=16, hidden=32, depth=2, heads=2).load_state_dict(
+        state["model"]
+    )
+    assert list(state["optimizer"]["param_groups"][0]["params"]) == list(range(len(state["model"])))
+
+
+@pytest.mark.parametrize(
+    "model, settings, message",
+    [
+        (
+            ConvNet(input_shape=(1, 16, 16), num_classes=10, width=8, depth=2, hidden=16),
+            {},
+            "parallel.tp=2: no tensor-parallel plan for ConvNet (plans: MLP, Transformer, GPT",
+        ),
+        (
+            GPT(input_shape=(9,), num_classes=16, n_layer=1, n_head=3, n_embd=24),
+            {},
+            "parallel.tp=2 does not divide the model's 3 block 1's attention heads",
+        ),
+        (
+            GPT(input_shape=(9,), num_classes=16, n_layer=1, n_head=2, n_embd=16),
+            {"loss_parallel": True},
+            "parallel.loss_parallel splits the vocabulary head's weight, which this model ties",
+        ),
+        (
+            MLP(input_shape=(9,), num_classes=10, hidden=32, depth=3),
+            {"sequence_parallel": True},
+            "parallel.sequence_parallel and parallel.loss_parallel split a sequence of tokens",
+        ),
+        (
+            Transformer(input_shape=(9,), num_classes=16, hidden=16, depth=1, heads=2),
+            {"sequence_parallel": True},
+            "parallel.tp=2 does not divide the model's 9 tokens per sequence",
+        ),
+    ],
+    ids=["no-plan", "heads", "loss-parallel-tied", "sequence-parallel-mlp", "sequence-length"],
+)
+def test_a_model_tp_cannot_split_is_refused(model, settings, message):
+    strategy = build_strategy(parallel_config("tp", **settings), "cpu")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        strategy.check_model(model, torch.zeros(2, 9, dtype=torch.long))
+
+
+def test_train_py_refuses_tp_for_a_model_without_a_plan_in_one_line(tmp_path):
+    result = run_train(
+        *TINY,
+        "model=convnet",
+        "data.image_shape=[1,8,8]",
+        "parallel=tp",
+        run_dir=tmp_path,
+        check=False,
+    )
+    assert result.returncode == 2
+    errors = [line for line in result.stdout.splitlines() if "[ERROR]" in line]
+    assert len(errors) == 1 and "no tensor-parallel plan for ConvNet" in errors[0]
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    "world_size, degrees, expected",
+    [
+        (4, {"dp_shard": -1, "tp": 2}, Layout(dp_shard=2, tp=2)),
+        (8, {"dp_replicate": 2, "tp": 2, "pp": -1}, Layout(pp=2, dp_replicate=2, tp=2)),
+        (2, {"tp": -1}, Layout(tp=2)),
+    ],
+)
+def test_degrees_of_minus_one_take_the_remaining_ranks(world_size, degrees, expected):
+    assert Layout.of(world_size, **degrees) == expected
+
+
+@pytest.mark.parametrize(
+    "world_size, degrees, message",
+    [
+        (
+            4,
+            {"dp_shard": 2, "tp": 3},
+            "the degrees multiply to 6 (dp_shard 2 x tp 3) but the job has 4 processes",
+        ),
+        (6, {"dp_shard": -1, "tp": 4}, "leave no whole number of ranks for parallel.dp_shard"),
+        (4, {"dp_shard": -1, "tp": -1}, "at most one may be -1"),
+        (4, {"tp": 0}, "parallel.tp=0: each degree must be at least 1"),
+    ],
+)
+def test_degrees_that_do_not_multiply_out_are_refused(world_size, degrees, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        Layout.of(world_size, **degrees)
+
+
+def test_the_ranks_sharing_a_data_parallel_index_are_the_tp_and_pp_peers():
+    layout = Layout(pp=2, dp_replicate=1, dp_shard=2, tp=2)
+    assert [layout.dp_rank(rank) for rank in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert layout.coordinates(7) == {"pp": 1, "dp_replicate": 0, "dp_shard": 1, "tp": 1}
+    assert layout.label() == "fsdp2xtp2xpp2"
+
+
+# Every schedule on 2 processes, 4 micro-batches: the one-stage ones in one sweep, those with 2
+# stages per rank (the MLP's 4 blocks as 4 stages) in another.
+PP = (*WORKLOADS["mlp"], "parallel=pp", "parallel.microbatches=4")
+SCHEDULE_SWEEPS = {
+    1: (*PP, "parallel.stages_per_rank=1", "parallel.schedule=GPipe,1F1B"),
+    2: (
+        *PP,
+        "parallel.stages_per_rank=2",
+        "parallel.schedule=Interleaved1F1B,LoopedBFS,InterleavedZeroBubble",
+    ),
+}
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("schedule", [*ONE_STAGE, *LOOPED])
+def test_every_pipeline_schedule_trains_exactly_like_single(schedule):
+    stages_per_rank = 1 if schedule in ONE_STAGE else 2
+    run_dir = sweep_runs(*SCHEDULE_SWEEPS[stages_per_rank])[f"parallel.schedule={schedule}"]
+    assert_same_training(reference_run(*WORKLOADS["mlp"]), run_dir)
+    assert summary(run_dir)["memory_devices"] == ["cpu:rank0", "cpu:rank1"]
+
+
+@pytest.mark.parametrize(
+    "schedule, stages_per_rank, microbatches, message",
+    [
+        ("1F1B", 1, 1, "parallel.schedule=1F1B needs parallel.microbatches (1) >= the stages (2)"),
+        ("Interleaved1F1B", 2, 5, "needs parallel.microbatches (5) to be a multiple of its rounds"),
+        ("ZBVZeroBubble", 2, 4, "parallel.schedule=ZBVZeroBubble does not run here yet"),
+        ("DualPipeV", 2, 4, "parallel.schedule=DualPipeV does not run here yet"),
+        ("GPipe", 2, 4, "parallel.schedule=GPipe runs one stage per rank"),
+        ("Nosuch", 1, 4, "parallel.schedule=Nosuch is none of GPipe, 1F1B, Interleaved1F1B"),
+    ],
+)
+def test_a_schedule_that_cannot_run_its_settings_is_refused(
+    schedule, stages_per_rank, microbatches, message
+):
+    settings = {"schedule": schedule, "stages_per_rank": stages_per_rank}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        build_strategy(parallel_config("pp", microbatches=microbatches, **settings), "cpu")
+
+
+def test_a_model_pipeline_stages_cannot_hold_is_refused():
+    tied = GPT(input_shape=(8,), num_classes=16, n_layer=2, n_head=2, n_embd=16)
+    with pytest.raises(ConfigError, match=re.escape("blocks [0, 3] share a parameter")):
+        build_strategy(parallel_config("pp"), "cpu").check_model(tied, None)
+    short = MLP(input_shape=(8,), num_classes=10, hidden=8, depth=1)
+    interleaved = parallel_config("pp", schedule="Interleaved1F1B", stages_per_rank=2)
+    with pytest.raises(ConfigError, match="= 4 stages, but the model has only 2 blocks"):
+        build_strategy(interleaved, "cpu").check_model(short, None)
