@@ -38,6 +38,7 @@ from src.parallel.tensor_parallel import (
     tp_layout,
     tp_plan,
 )
+from src.runtime.ranks import Ranks
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
@@ -62,8 +63,10 @@ def like(parameter: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 
 
 class Mesh(Distributed):
-    def __init__(self, cfg, device_type: str):
-        super().__init__(cfg, device_type)
+    def __init__(
+        self, cfg, device_type: str, precision: str = "fp32", ranks: Ranks | None = None
+    ):
+        super().__init__(cfg, device_type, precision, ranks)
         degrees = {name: getattr(cfg, name) for name in DIMENSIONS}
         self.layout = Layout.of(self.world_size, **degrees)
         if self.layout.pp > 1:
