@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch._utils import ExceptionWrapper
 from torch.nn.parallel._functions import Gather
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
@@ -112,19 +112,6 @@ def gather(outputs: Sequence[Any], device: torch.device) -> Any:
 
 
 @contextlib.contextmanager
-def _dispatch_modes(modes: Sequence[Any]) -> Iterator[None]:
-    """The caller's torch dispatch modes (thread-local) in a worker thread too, so that a memory
-    tracker or FakeTensorMode around the step sees every replica's work."""
-    for mode in modes:
-        _push_mode(mode)
-    try:
-        yield
-    finally:
-        for _ in modes:
-            _pop_mode()
-
-
-@contextlib.contextmanager
 def _selected(device: torch.device, stream: torch.cuda.Stream | None) -> Iterator[None]:
     """Make `device` and the caller's stream on it current in a worker thread (CUDA only)."""
     if device.type != "cuda":
@@ -142,8 +129,7 @@ def parallel_apply(
 ) -> list[Any]:
     """`fns[i](*args[i], **kwargs[i])` on `devices[i]`, each in its own thread, results in order.
 
-    Grad mode, autocast (enabled, dtype) and dispatch modes are thread-local, so the workers copy
-    the caller's.
+    Grad mode and autocast (enabled, dtype) are thread-local, so the workers copy the caller's.
     An exception in a worker is re-raised here, with the worker's traceback in its message.
     """
     kwargs = kwargs or [{}] * len(fns)
@@ -153,12 +139,13 @@ def parallel_apply(
     autocast_dtype = torch.get_autocast_dtype(device_type)
     streams = [torch.cuda.current_stream(d) if d.type == "cuda" else None for d in devices]
     results: list[Any] = [None] * len(fns)
-    modes = _get_current_dispatch_mode_stack()
+    # Dispatch modes (MemTracker, FakeTensorMode) are thread-local and not thread-safe: under
+    # one, the replicas run one after another in this thread, where the mode is.
+    threaded = len(fns) > 1 and not _get_current_dispatch_mode_stack()
 
     def work(i: int) -> None:
         try:
             with (
-                _dispatch_modes(modes if len(fns) > 1 else []),
                 torch.set_grad_enabled(grad_enabled),
                 torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_enabled),
                 _selected(devices[i], streams[i]),
@@ -167,8 +154,9 @@ def parallel_apply(
         except Exception:  # noqa: BLE001 - handed to the caller's thread below
             results[i] = ExceptionWrapper(where=f"in replica {i} on device {devices[i]}")
 
-    if len(fns) == 1:
-        work(0)
+    if not threaded:
+        for i in range(len(fns)):
+            work(i)
     else:
         threads = [threading.Thread(target=work, args=(i,)) for i in range(len(fns))]
         for thread in threads:
