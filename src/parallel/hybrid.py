@@ -1,28 +1,30 @@
 """`parallel=hybrid`: DDP across processes, each process running the model as a pipeline.
 
+Composed of the two: ddp's processes (`DDP`: launching, logging, rank-0 writing, failures, the
+gradient all-reduce) and, in each, model_parallel's `StageCut` over `parallel.stages` devices.
 `parallel.devices / parallel.stages` processes per node; process p drives GPUs
 p * stages .. p * stages + stages - 1 (on CPU: `stages` CPU stages), where its copy of the model
 is cut into stages as in `model_parallel` (same split points, same micro-batching). DDP wraps
 each process's `Pipeline` as one multi-device module (`device_ids=None`) and averages its
-gradients across the processes, as `ddp` does for whole replicas. Launching, logging, rank-0
-writing and failures are `ddp`'s.
+gradients across the processes, as `ddp` does for whole replicas.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
+from src.components.batches import Tree
 from src.config.schema import ConfigError
-from src.parallel.base import ModelSizes, ring_bytes
+from src.parallel.base import DeviceShare, LossFn, ModelSizes, ring_bytes
 from src.parallel.ddp import DDP
-from src.parallel.pipelined import Pipelined
+from src.parallel.stage_cut import StageCut
 from src.runtime.ranks import Ranks
 
 
-class Hybrid(Pipelined, DDP):
-    stages_setting = "parallel.stages"
-
+class Hybrid(DDP):
     def __init__(
         self, cfg, device_type: str, precision: str = "fp32", ranks: Ranks | None = None
     ):
@@ -35,6 +37,7 @@ class Hybrid(Pipelined, DDP):
                 "parallel.stages"
             )
         super().__init__(cfg, device_type, precision, ranks)
+        self.stage_cut = StageCut(cfg, cfg.stages, "parallel.stages")
         self.processes_per_node = cfg.devices // cfg.stages
         self.world_size = self.processes_per_node * cfg.nodes
         if self.world_size == 1:
@@ -52,6 +55,14 @@ class Hybrid(Pipelined, DDP):
             f"parallel.nodes={cfg.nodes}"
         )
 
+    def check_batch(self, micro_batch: int) -> None:
+        super().check_batch(micro_batch)
+        batch = "the batch per process and micro-step (batch_size / accumulate / processes)"
+        self.stage_cut.check_samples(micro_batch // self.world_size, batch)
+
+    def check_model(self, model: nn.Module, inputs: Tree) -> None:
+        self.stage_cut.plan(model, inputs, self.device_type)
+
     def local_devices(self) -> list[torch.device]:
         if self.device_type == "cuda":
             # Modulo the visible GPUs: under `srun --gpus-per-task=<stages>` a rank sees its own.
@@ -62,16 +73,30 @@ class Hybrid(Pipelined, DDP):
     def wrap(self, model: nn.Module) -> nn.Module:
         # A module on several devices takes no device_ids; DDP then leaves the inputs where they
         # are and passes (inputs, targets, fn) on to the pipeline.
-        return self.replicate(self.pipeline(self.with_batchnorm_synced(model)), device_ids=None)
+        pipeline = self.stage_cut.pipeline(self.with_batchnorm_synced(model), self.devices)
+        return self.replicate(pipeline, device_ids=None)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module.model
 
-    def gradient_buckets(self) -> bool:
-        return not self.cfg.gradient_as_bucket_view
+    def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
+        return model(inputs, targets, fn)
+
+    def report(self) -> dict[str, Any]:
+        return self.stage_cut.layout
+
+    def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
+        """The first process's stages, on its share of the batch, each with DDP's buckets (a
+        second copy of its gradients) unless the gradients are views into them."""
+        samples, buckets = micro_batch // self.world_size, not self.cfg.gradient_as_bucket_view
+        return self.stage_cut.device_shares(self.device_type, sizes, samples, buckets)
 
     def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
+        samples = micro_batch // self.world_size
         return {
-            **super().step_traffic(sizes, micro_batch, accumulate),
+            **self.stage_cut.step_traffic(sizes, samples, accumulate),
             "gradient all-reduce": ring_bytes(sizes.parameter_bytes, self.world_size),
         }
+
+    def idle_fraction(self) -> float:
+        return self.stage_cut.idle_fraction()

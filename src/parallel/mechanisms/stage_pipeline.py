@@ -11,7 +11,7 @@ list or dict of tensors (nested too, `src/components/batches.py`): each is split
 leaf by leaf, and each micro-batch's structure moves to the next stage's device as it is. Anything
 else (a Python number, a string, ...) cannot be moved; `unmovable_boundaries` finds such block
 boundaries with a forward pass on the meta device before any work, so that the strategy refuses
-split points there and keeps the automatic split away from them (`pipelined.py`).
+split points there and keeps the automatic split away from them (`src/parallel/stage_cut.py`).
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ class Pipeline(nn.Module):
         super().__init__()
         if split_points is None:  # every block boundary taken to be cuttable
             split_points = balanced_split_points([parameter_count(b) for b in model], len(devices))
-        # The strategy has checked its settings (`pipelined.py`); this guards the module's use.
+        # The strategy has checked its settings (`stage_cut.py`); this guards the module's use.
         bounds = [0, *(split_points or []), len(model)]
         if len(bounds) != len(devices) + 1 or any(b <= a for a, b in itertools.pairwise(bounds)):
             raise ValueError(

@@ -1,8 +1,8 @@
-"""What `model_parallel` and `hybrid` share: a pipeline's settings checked before any work, the
-split points planned on the meta model, and the model run as a `Pipeline` (`pipeline.py`).
-
-The two differ in the setting that gives the stages per pipeline (`stages_setting`), in how many
-pipelines share the batch (`world_size`) and in what they wrap around the pipeline.
+"""What `model_parallel` and `hybrid` compose: a model cut into stages on one process's
+devices. `StageCut` checks the pipeline's settings before any work, plans the split points on the
+meta model, builds the `Pipeline` (`mechanisms/stage_pipeline.py`) and gives the planner its
+figures. `model_parallel` is a `StageCut` on the process's `parallel.devices` devices; `hybrid`
+is DDP over one on each process's `parallel.stages` devices.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
 from src.components.batches import Tree
-from src.parallel.base import ConfigError, DeviceShare, LossFn, ModelSizes, Strategy
+from src.config.schema import StagesConfig
+from src.parallel.base import ConfigError, DeviceShare, ModelSizes
 from src.parallel.mechanisms.deferred_batchnorm import defer_batchnorm
 from src.parallel.mechanisms.stage_pipeline import (
     Pipeline,
@@ -29,16 +29,13 @@ from src.parallel.mechanisms.stage_pipeline import (
     stage_shares,
     unmovable_boundaries,
 )
-from src.runtime.ranks import Ranks
 
 
-class Pipelined(Strategy):
-    stages_setting = "parallel.devices"  # the setting that gives the stages per pipeline
+class StageCut:
+    """`stages` stages (the value of the setting named `stages_setting`) over
+    `cfg.microbatches` micro-batches."""
 
-    def __init__(
-        self, cfg, device_type: str, precision: str = "fp32", ranks: Ranks | None = None
-    ):
-        super().__init__(cfg, device_type, precision, ranks)
+    def __init__(self, cfg: StagesConfig, stages: int, stages_setting: str):
         if cfg.microbatches < 1:
             raise ConfigError(f"parallel.microbatches must be at least 1, got {cfg.microbatches}")
         if cfg.deferred_batchnorm and getattr(cfg, "sync_batchnorm", False):
@@ -46,32 +43,24 @@ class Pipelined(Strategy):
                 "parallel.deferred_batchnorm=true and parallel.sync_batchnorm=true both replace "
                 "BatchNorm; choose one"
             )
+        self.cfg, self.stages, self.stages_setting = cfg, stages, stages_setting
         self.check_split_points(cfg.split_points)
-        self.split_points = cfg.split_points  # until check_model has looked at the model
+        self.split_points = cfg.split_points  # until `plan` has looked at the model
         self.layout: dict[str, Any] = {}
 
-    @property
-    def stages(self) -> int:
-        """Stages per pipeline: the value of `stages_setting`."""
-        return getattr(self.cfg, self.stages_setting.removeprefix("parallel."))
-
-    def check_batch(self, micro_batch: int) -> None:
-        super().check_batch(micro_batch)
-        samples, microbatches = micro_batch // self.world_size, self.cfg.microbatches
-        if samples < microbatches:
-            batch = (
-                "the batch per micro-step (batch_size / accumulate)"
-                if self.world_size == 1
-                else "the batch per process and micro-step (batch_size / accumulate / processes)"
-            )
+    def check_samples(self, samples: int, batch: str) -> None:
+        """ConfigError when `samples` (what one pipeline gets per micro-step, described by
+        `batch`) cannot be cut into the micro-batches."""
+        if samples < self.cfg.microbatches:
             raise ConfigError(
-                f"{batch} is {samples} samples, too few for parallel.microbatches={microbatches}; "
-                "lower parallel.microbatches or raise trainer.batch_size"
+                f"{batch} is {samples} samples, too few for parallel.microbatches="
+                f"{self.cfg.microbatches}; lower parallel.microbatches or raise trainer.batch_size"
             )
 
-    def check_model(self, model: nn.Module, inputs: Tree) -> None:
+    def plan(self, model: nn.Sequential, inputs: Tree, device_type: str) -> None:
+        """Settle the split points on `model` (meta) fed `inputs` (meta)."""
         self.split_points = self.plan_split_points(model, inputs)
-        check_tied_parameters(model, self.split_points, self.device_type)
+        check_tied_parameters(model, self.split_points, device_type)
 
     def check_split_points(
         self, split_points: Sequence[int] | None, blocks: int | None = None
@@ -133,39 +122,25 @@ class Pipelined(Strategy):
             )
         return points
 
-    def pipeline(self, model: nn.Module) -> Pipeline:
-        """`model` cut into this process's stages, its layout logged and kept for `report`."""
+    def pipeline(self, model: nn.Module, devices: list) -> Pipeline:
+        """`model` cut into stages on `devices`, its layout logged and kept for `report`."""
         if self.cfg.deferred_batchnorm:
             model = defer_batchnorm(model, self.cfg.microbatches)
-        pipeline = Pipeline(model, self.devices, self.cfg.microbatches, self.split_points)
+        pipeline = Pipeline(model, devices, self.cfg.microbatches, self.split_points)
         self.layout = pipeline.describe()
         log_layout(self.layout)
         return pipeline
 
-    def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
-        return model(inputs, targets, fn)
-
-    def report(self) -> dict[str, Any]:
-        return self.layout
-
-    def gradient_buckets(self) -> bool:
-        """Whether each stage keeps a second copy of its gradients (DDP's buckets)."""
-        return False
-
-    def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
-        """The first pipeline's stages, on its share of the batch."""
-        samples = micro_batch // self.world_size
+    def device_shares(
+        self, device_type: str, sizes: ModelSizes, samples: int, gradient_buckets: bool
+    ) -> list[DeviceShare]:
+        """The stages of a pipeline fed `samples` per micro-step; with `gradient_buckets` each
+        keeps a second copy of its gradients (DDP's buckets)."""
         return stage_shares(
-            self.device_type,
-            self.split_points,
-            sizes,
-            samples,
-            self.cfg.microbatches,
-            self.gradient_buckets(),
+            device_type, self.split_points, sizes, samples, self.cfg.microbatches, gradient_buckets
         )
 
-    def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
-        samples = micro_batch // self.world_size
+    def step_traffic(self, sizes: ModelSizes, samples: int, accumulate: int) -> dict[str, int]:
         return {"stage activations": accumulate * boundary_bytes(self.split_points, sizes, samples)}
 
     def idle_fraction(self) -> float:
