@@ -282,6 +282,16 @@ class RegressionConfig(TaskConfig):
 # -------------------------------------------------------------------------------------- parallel
 
 
+Backend = choices("Backend", "gloo nccl")
+
+
+def at_least_one(config: Any, *keys: str) -> None:
+    """ConfigError, in one line, for the first of the parallel settings `keys` below 1."""
+    for key in keys:
+        if getattr(config, key) < 1:
+            raise ConfigError(f"parallel.{key} must be at least 1, got {getattr(config, key)}")
+
+
 AUTO = "auto"  # parallel=auto: the planner (src/planning/planner.py) chooses the strategy
 
 
@@ -300,13 +310,18 @@ class ParallelConfig:
     chosen_by: str | None = None
     """Set by parallel=auto: why the planner chose this strategy (also in summary.json)."""
 
+    def __post_init__(self) -> None:
+        """Each setting's range, checked where it is defined (`build_strategy` makes the object,
+        before any work)."""
+        at_least_one(self, "devices", "nodes")
+
 
 @dataclass
 class DistributedConfig(ParallelConfig):
     """Settings shared by every strategy that runs one process per replica; trainer.batch_size
     is split over all the processes."""
 
-    backend: str | None = None
+    backend: Backend | None = None
     """None picks nccl on CUDA and gloo on CPU."""
     master_addr: str = "127.0.0.1"
     master_port: int = 0
@@ -320,6 +335,15 @@ class DistributedConfig(ParallelConfig):
     sync_batchnorm: bool = False
     """Make every BatchNorm a SyncBatchNorm: statistics over the global batch, as `single` has,
     instead of each rank's share (one all-reduce per BatchNorm layer per forward pass)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.timeout_s <= 0:
+            raise ConfigError(f"parallel.timeout_s must be positive, got {self.timeout_s}")
+        if self.threads_per_rank is not None and self.threads_per_rank < 1:
+            raise ConfigError(
+                f"parallel.threads_per_rank must be at least 1 or null, got {self.threads_per_rank}"
+            )
 
 
 @dataclass
@@ -335,6 +359,16 @@ class StagesConfig:
     """torchgpipe's deferred BatchNorm: with microbatches=M>1 each micro-batch is still
     normalised by itself, but the running statistics are updated once a step, from the whole
     batch's statistics, instead of once per micro-batch."""
+
+    def __post_init__(self) -> None:
+        # A mixin ahead of a ParallelConfig in every schema that has it, which checks the rest.
+        at_least_one(self, "microbatches")
+        if self.deferred_batchnorm and getattr(self, "sync_batchnorm", False):
+            raise ConfigError(
+                "parallel.deferred_batchnorm=true and parallel.sync_batchnorm=true both replace "
+                "BatchNorm; choose one"
+            )
+        super().__post_init__()
 
 
 @dataclass
@@ -367,6 +401,16 @@ class HybridConfig(StagesConfig, DDPConfig):
     """Pipeline stages per process: parallel.devices (a multiple of it) / stages processes per
     node; `microbatches` is per process."""
 
+    def __post_init__(self) -> None:
+        at_least_one(self, "stages")
+        if self.devices % self.stages:
+            raise ConfigError(
+                f"parallel.devices={self.devices} does not divide into processes of "
+                f"parallel.stages={self.stages} devices each; make parallel.devices a multiple of "
+                "parallel.stages"
+            )
+        super().__post_init__()
+
 
 @dataclass
 class MeshConfig(DistributedConfig):
@@ -397,6 +441,10 @@ class MeshConfig(DistributedConfig):
     """With tp: the vocabulary head's logits stay split over the tp ranks into the cross-entropy
     (no rank holds all of them; an untied head)."""
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        at_least_one(self, "microbatches", "stages_per_rank")
+
 
 # --------------------------------------------------------------------------------------- trainer
 
@@ -404,8 +452,7 @@ class MeshConfig(DistributedConfig):
 Precision = choices("Precision", "fp32 bf16 fp16")
 Accelerator = choices("Accelerator", "auto cpu cuda")
 CheckpointFormat = choices("CheckpointFormat", "auto full sharded")
-# Not a Choice: its refusal names the values in a message of its own (a ConfigError).
-MATMUL_PRECISIONS = ("auto", "highest", "high", "medium")
+MatmulPrecision = choices("MatmulPrecision", "auto highest high medium")
 
 
 @dataclass
@@ -441,7 +488,7 @@ class TrainerConfig:
     """cpu, cuda, or auto: cuda when a GPU is visible, else cpu."""
     deterministic: bool = False
     """torch.use_deterministic_algorithms(True) (slower on CUDA; turns cudnn.benchmark off)."""
-    matmul_precision: str = "auto"
+    matmul_precision: MatmulPrecision = MatmulPrecision.auto
     """float32 matmuls: highest (true fp32), high (TF32 on NVIDIA GPUs, ~8x faster) or medium;
     auto is high on CUDA and highest on CPU. Stated in the summary."""
     activation_checkpointing: bool = False
@@ -501,11 +548,6 @@ class TrainerConfig:
             raise ConfigError(
                 "trainer.keep_checkpoints must be 0 (keep all) or more, got "
                 f"{self.keep_checkpoints}"
-            )
-        if self.matmul_precision not in MATMUL_PRECISIONS:
-            raise ConfigError(
-                f"trainer.matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}, got "
-                f"{self.matmul_precision!r}"
             )
 
 # ------------------------------------------------------------------------------------- optimizer

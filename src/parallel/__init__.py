@@ -5,7 +5,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from src.config.schema import ParallelConfig
+from omegaconf import DictConfig
+
+from src.config.schema import ParallelConfig, typed
 from src.parallel.base import ConfigError, Strategy
 
 if TYPE_CHECKING:
@@ -13,13 +15,19 @@ if TYPE_CHECKING:
 
 
 def build_strategy(
-    cfg: ParallelConfig, device_type: str, precision: str = "fp32", ranks: Ranks | None = None
+    cfg: ParallelConfig | DictConfig,
+    device_type: str,
+    precision: str = "fp32",
+    ranks: Ranks | None = None,
 ) -> Strategy:
-    """The strategy class that `parallel._target_` names, given `cfg` (its settings are checked;
-    nothing is started yet). `precision` is `trainer.precision`, for strategies that keep
+    """The strategy class that `parallel._target_` names, given `cfg` as its schema's object
+    (which checks the ranges of its settings; the strategy checks how they go together; nothing
+    is started yet). `precision` is `trainer.precision`, for strategies that keep
     parameters in it (fsdp); `ranks`, the ranks torchrun, srun or `launch` started, this process
     among them (None: it is the only one), for `setup` to join."""
-    return strategy_class(cfg._target_)(cfg, device_type, precision, ranks)
+    kind = strategy_class(cfg._target_)
+    settings = cfg if isinstance(cfg, kind.settings_schema) else typed(kind.settings_schema, cfg)
+    return kind(settings, device_type, precision, ranks)
 
 
 def strategy_class(target: str) -> type[Strategy]:

@@ -252,6 +252,7 @@ class Strategy:
     sharded_checkpoints: bool = False
     default_checkpoint_format: str = "full"
     spans_nodes: bool = False  # its processes may run on several nodes (parallel.nodes)
+    settings_schema: type[ParallelConfig] = ParallelConfig  # what its `cfg` holds
 
     def __init__(
         self,
@@ -264,10 +265,6 @@ class Strategy:
         self.device_type = device_type
         self.precision = precision  # trainer.precision, for strategies that keep parameters in it
         self.ranks = ranks  # the ranks torchrun, srun or `launch` started; None: this one alone
-        if cfg.devices < 1:
-            raise ConfigError(f"parallel.devices must be at least 1, got {cfg.devices}")
-        if cfg.nodes < 1:
-            raise ConfigError(f"parallel.nodes must be at least 1, got {cfg.nodes}")
         if cfg.nodes > 1 and not self.spans_nodes:
             raise ConfigError(
                 f"parallel={cfg.name} runs in one process, on one node; set parallel.nodes=1, or "

@@ -22,6 +22,7 @@ from src.parallel.distributed import Distributed
 
 
 class DDP(Distributed):
+    settings_schema = DDPConfig
     sharded_checkpoints = True
     replica: DistributedDataParallel | None = None
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from src.components.batches import Tree, move
-from src.config.schema import ConfigError
+from src.config.schema import ConfigError, DistributedConfig
 from src.parallel.base import LossFn, Strategy, usable_cores
 from src.parallel.mechanisms.sync_batchnorm import convert_sync_batchnorm
 from src.runtime.ranks import Ranks
@@ -39,26 +39,16 @@ def rank_threads(threads_per_rank: int | None, local_processes: int) -> tuple[in
 
 
 class Distributed(Strategy):
+    settings_schema = DistributedConfig
     spans_nodes = True
 
     def __init__(
         self, cfg, device_type: str, precision: str = "fp32", ranks: Ranks | None = None
     ):
         super().__init__(cfg, device_type, precision, ranks)
-        if cfg.backend not in (None, "gloo", "nccl"):
-            raise ConfigError(
-                f"parallel.backend must be gloo, nccl or null (nccl on CUDA, gloo on CPU), got "
-                f"{cfg.backend!r}"
-            )
-        self.backend = cfg.backend or ("nccl" if device_type == "cuda" else "gloo")
+        self.backend = str(cfg.backend or ("nccl" if device_type == "cuda" else "gloo"))
         if self.backend == "nccl" and device_type != "cuda":
             raise ConfigError("parallel.backend=nccl needs CUDA devices; use gloo on CPU")
-        if cfg.timeout_s <= 0:
-            raise ConfigError(f"parallel.timeout_s must be positive, got {cfg.timeout_s}")
-        if cfg.threads_per_rank is not None and cfg.threads_per_rank < 1:
-            raise ConfigError(
-                f"parallel.threads_per_rank must be at least 1 or null, got {cfg.threads_per_rank}"
-            )
         self.processes_per_node = cfg.devices
         self.world_size = cfg.devices * cfg.nodes
         self.rank = 0

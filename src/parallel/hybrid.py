@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from src.components.batches import Tree
-from src.config.schema import ConfigError
+from src.config.schema import ConfigError, HybridConfig
 from src.parallel.base import DeviceShare, LossFn, ModelSizes, ring_bytes
 from src.parallel.ddp import DDP
 from src.parallel.stage_cut import StageCut
@@ -25,17 +25,10 @@ from src.runtime.ranks import Ranks
 
 
 class Hybrid(DDP):
+    settings_schema = HybridConfig
     def __init__(
         self, cfg, device_type: str, precision: str = "fp32", ranks: Ranks | None = None
     ):
-        if cfg.stages < 1:
-            raise ConfigError(f"parallel.stages must be at least 1, got {cfg.stages}")
-        if cfg.devices % cfg.stages:
-            raise ConfigError(
-                f"parallel.devices={cfg.devices} does not divide into processes of "
-                f"parallel.stages={cfg.stages} devices each; make parallel.devices a multiple of "
-                "parallel.stages"
-            )
         super().__init__(cfg, device_type, precision, ranks)
         self.stage_cut = StageCut(cfg, cfg.stages, "parallel.stages")
         self.processes_per_node = cfg.devices // cfg.stages

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from src.components.batches import move
-from src.config.schema import ConfigError
+from src.config.schema import ConfigError, MeshConfig
 from src.parallel.base import LossFn, Tree
 from src.parallel.distributed import Distributed
 from src.parallel.fsdp import copy_from_rank0, gradient_sync, parameter_names, sharding_units
@@ -63,6 +63,7 @@ def like(parameter: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 
 
 class Mesh(Distributed):
+    settings_schema = MeshConfig
     def __init__(
         self, cfg, device_type: str, precision: str = "fp32", ranks: Ranks | None = None
     ):

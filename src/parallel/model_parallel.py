@@ -11,12 +11,14 @@ import torch
 from torch import nn
 
 from src.components.batches import Tree
+from src.config.schema import PipelineConfig
 from src.parallel.base import DeviceShare, LossFn, ModelSizes, Strategy
 from src.parallel.stage_cut import StageCut
 from src.runtime.ranks import Ranks
 
 
 class ModelParallel(Strategy):
+    settings_schema = PipelineConfig
     def __init__(
         self, cfg, device_type: str, precision: str = "fp32", ranks: Ranks | None = None
     ):

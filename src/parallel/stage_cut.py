@@ -36,13 +36,6 @@ class StageCut:
     `cfg.microbatches` micro-batches."""
 
     def __init__(self, cfg: StagesConfig, stages: int, stages_setting: str):
-        if cfg.microbatches < 1:
-            raise ConfigError(f"parallel.microbatches must be at least 1, got {cfg.microbatches}")
-        if cfg.deferred_batchnorm and getattr(cfg, "sync_batchnorm", False):
-            raise ConfigError(
-                "parallel.deferred_batchnorm=true and parallel.sync_batchnorm=true both replace "
-                "BatchNorm; choose one"
-            )
         self.cfg, self.stages, self.stages_setting = cfg, stages, stages_setting
         self.check_split_points(cfg.split_points)
         self.split_points = cfg.split_points  # until `plan` has looked at the model
