@@ -77,3 +77,27 @@ def test_a_front_page_command_runs(command, tmp_path):
     else:
         run_train(*overrides, *([] if overrides else CHEAP), run_dir=tmp_path, check=True)
         assert (tmp_path / "summary.json").is_file()
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def anchors(markdown: str) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces as '-'."""
+    headings = re.findall(r"^#+ (.*)$", markdown, re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
+@pytest.mark.smoke
+def test_every_link_of_the_readme_and_docs_reaches_a_file_and_heading():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in LINK.findall(page.read_text()):
+            if target.startswith(("http://", "https://")):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists() or (anchor and anchor not in anchors(linked.read_text())):
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, broken
