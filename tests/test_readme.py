@@ -84,7 +84,8 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 def anchors(markdown: str) -> set[str]:
     """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces as '-'."""
-    headings = re.findall(r"^#+ (.*)$", markdown, re.MULTILINE)
+    prose = re.sub(r"^```.*?^```", "", markdown, flags=re.MULTILINE | re.DOTALL)  # no `# ...`
+    headings = re.findall(r"^#+ (.*)$", prose, re.MULTILINE)
     return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
 
 
