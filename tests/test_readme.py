@@ -54,9 +54,8 @@ def test_a_front_page_command_runs(command, tmp_path):
     with its run or sweep folder in tmp_path, and these additions to keep it cheap: the plain
     default run (the first command) trains `trainer.max_steps=2`, since tests/test_single.py
     trains and checks its full 300 steps; a sweep trains `trainer.max_steps=2` with
-    `logger=none` (half its time on a loaded machine), since what is checked here is that every
-    job runs and the table and plot are written, and tests/test_sweeps.py checks the report's
-    figures and its W&B run."""
+    `logger=none`, since what is checked here is that every job runs and the table and plot are
+    written, and tests/test_sweeps.py checks the report's figures and its W&B run."""
     entry_point, *overrides = command[1:]
     if entry_point == "plan.py":
         result = subprocess.run(
