@@ -80,7 +80,7 @@ from src.components.data import Data, build_data  # noqa: E402
 from src.config.schema import register_configs  # noqa: E402
 from src.launch.job import train_worker  # noqa: E402
 from src.launch.launcher import launch  # noqa: E402
-from src.training.experiment import check_config  # noqa: E402
+from src.training.build import check_config  # noqa: E402
 from src.training.trainer import train  # noqa: E402
 
 WARMUP_STEPS = 20

@@ -17,7 +17,7 @@ from helpers import TINY, needs_gpus, pretend_gpus, reference_run, run_train
 from hydra.errors import ConfigCompositionException, OverrideParseException
 
 from src.config.schema import ConfigError, composition_error_line
-from src.training.experiment import check_config
+from src.training.build import check_config
 
 HYDRA, CHECK = "hydra", "check"
 ODD = "tests.odd_models"

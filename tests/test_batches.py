@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 from src.components.data import SplitSamples, ValBatches, train_batches
 from src.config.schema import ConfigError
 from src.parallel.mechanisms.stage_pipeline import Pipeline
-from src.training.experiment import check_config
+from src.training.build import check_config
 
 DICTS = (
     *TINY_SGD,

@@ -50,7 +50,7 @@ from src.launch.launcher import (
 )
 from src.parallel import build_strategy
 from src.runtime.ranks import Ranks
-from src.training.experiment import check_config
+from src.training.build import check_config
 
 DDP = ("parallel=ddp", "parallel.devices=2")
 

@@ -109,7 +109,7 @@ def test_the_reading_finds_imports_of_modules_and_packages():
     """The ast reading finds the imports these tests judge, so that they can fail."""
     graph = project_graph()
     assert "src.runtime.ranks" in graph["src.launch.launcher"]
-    assert "src.parallel" in graph["src.training.experiment"]  # the package
+    assert "src.parallel" in graph["src.training.checks"]  # the package
     assert "src.components.batches" in graph["src.components.data"]  # from src.components import
 
 

@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from src.components.data import build_data
-from src.training.experiment import check_config
+from src.training.build import check_config
 from src.training.trainer import train
 
 # Tiny, so that the test is quick; the count does not depend on the sizes.

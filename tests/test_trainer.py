@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 from src.checkpoint.store import CheckpointedStrategy, load_checkpoint, saved_checkpoints
 from src.parallel import build_strategy
 from src.parallel.base import PlannedStrategy, TrainingStrategy
-from src.training.experiment import check_config
+from src.training.build import check_config
 from src.training.trainer import Trainer
 
 TINY = (

@@ -39,5 +39,5 @@ def test_offline_run_logs_history_config_and_summary(tmp_path):
 
 
 def test_wandb_is_not_imported_without_a_wandb_logger():
-    code = "import sys, src.training.experiment; assert 'wandb' not in sys.modules"
+    code = "import sys, src.training.build; assert 'wandb' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

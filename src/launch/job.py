@@ -4,7 +4,7 @@ one of the ranks that torchrun or srun started.
 `run(cfg)` is what `train.py` calls inside the Hydra job; `sweep.run_job` reads the ranks from
 the environment once, and records the outcome of a sweep's job. Every check that can fail on
 bad input runs before any process, device or tracker is touched: the launcher checks on the meta
-device (`experiment.build_blueprint`) before it starts a rank.
+device (`build.build_blueprint`) before it starts a rank.
 """
 
 from __future__ import annotations
@@ -34,12 +34,10 @@ from src.launch.sweep import run_job
 from src.parallel.base import Strategy
 from src.runtime.ranks import Ranks
 from src.runtime.stopping import Interrupted, ProcessDied, RunStopped, StopOnSignal
-from src.training.experiment import (
-    build_blueprint,
-    check_settings,
-    finish_finished_run,
-    finished,
-)
+from src.training.build import build_blueprint
+from src.training.checks import check_settings
+from src.training.resume import finished
+from src.training.summary import finish_finished_run
 from src.training.trainer import Trainer, train
 
 log = logging.getLogger(__name__)

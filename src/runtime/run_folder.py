@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-SUMMARY = "summary.json"  # the finished run's figures (`training/experiment.py`)
+SUMMARY = "summary.json"  # the finished run's figures (`training/summary.py`)
 METRICS = "metrics.jsonl"  # one line per logged step, appended across resumes
 STATUS = "status.json"  # a sweep job's outcome: ok / skipped / failed (`launch/sweep.py`)
 CHECKPOINTS = "checkpoints"  # one folder per saved step

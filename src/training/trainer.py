@@ -1,7 +1,7 @@
 """One process's run, owned by one object: `Trainer`.
 
 `with Trainer(cfg, run_dir, strategy, blueprint) as trainer: trainer.train()`. Entering builds
-every part once, from the up-front build on the meta device (`experiment.build_blueprint`, whose
+every part once, from the up-front build on the meta device (`build.build_blueprint`, whose
 data and task it reuses): the model for real (seeded, wrapped by the strategy), its optimizer,
 the train state restored from the checkpoint to resume from, the tracker, the batches, and the
 parts that decide when they are due (progress, evaluation, checkpointing). `train` is the loop,
@@ -49,14 +49,12 @@ from src.observe.tracking import Tracker, build_tracker
 from src.parallel.base import Strategy, usable_cores
 from src.runtime.run_folder import metrics_file, profile_trace
 from src.runtime.stopping import Interrupted, StopOnSignal, agree_to_stop
-from src.training.experiment import (
+from src.training.build import (
     Blueprint,
     build_blueprint,
     build_model,
-    log_resumed_schedule,
     set_numerics,
     size_lazy_modules,
-    write_summary,
 )
 from src.training.loop import (
     Checkpointing,
@@ -69,6 +67,8 @@ from src.training.loop import (
     open_history,
     summary_val_figures,
 )
+from src.training.resume import log_resumed_schedule
+from src.training.summary import write_summary
 
 log = logging.getLogger(__name__)
 

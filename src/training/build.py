@@ -1,0 +1,103 @@
+"""One process's build of an experiment, twice: on the meta device here (`build_blueprint`:
+data, task and a model of shapes only, so that whatever can fail on bad input fails before any
+process, device or tracker is touched), then for real (`Trainer.build`, `trainer.py`: the model,
+its wrapping, optimizer and checkpoint), reusing the first's data and task. A launcher runs only
+the first (`check_config`: the settings' checks, then that). Which process runs what is
+`src/launch/job.py`'s.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from torch import nn
+
+from src.checkpoint.store import load_checkpoint, resume_path
+from src.components.data import Data, build_data, first_samples
+from src.parallel.base import Strategy
+from src.runtime.ranks import Ranks
+from src.training.checks import blame, check_data, check_model, check_settings
+from src.training.resume import check_resumable
+
+
+@dataclass
+class Blueprint:
+    """What the up-front build on the meta device settled, for the real build to reuse."""
+
+    data: Data
+    task: Any
+    meta_model: nn.Module  # shapes only
+    checkpoint: Path | None  # to resume from
+    saved: dict[str, Any] | None  # its structure; a full checkpoint's tensors memory-mapped
+
+
+def build_blueprint(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> Blueprint:
+    """Build data, task and model (on the meta device: no memory, no compute) and check them:
+    whatever their builders reject fails here, as does a model output the task cannot take, a
+    model the strategy cannot place (which also settles a pipeline's stage split) and a
+    checkpoint that does not fit this run."""
+    with blame("data"):
+        data = build_data(cfg.data, cfg.seed)
+    check_data(cfg, data)
+    with blame("task"):
+        task = instantiate(cfg.task)
+    model = build_model(cfg, data, torch.device("meta"))
+    check_model(cfg, strategy, model, task, data)
+    checkpoint = resume_path(cfg.trainer.resume, run_dir, announce=True)
+    saved = load_checkpoint(checkpoint, mmap=True) if checkpoint is not None else None
+    if saved is not None:
+        check_resumable(saved, checkpoint, model, cfg)
+    return Blueprint(data, task, model, checkpoint, saved)
+
+
+def check_config(cfg: DictConfig, run_dir: Path, ranks: Ranks | None = None) -> Strategy:
+    """Every check that needs no process or device work (the launcher's, before it starts any
+    rank); returns the unstarted strategy."""
+    strategy = check_settings(cfg, ranks)
+    build_blueprint(cfg, run_dir, strategy)
+    return strategy
+
+
+def build_model(cfg: DictConfig, data: Data, device: torch.device | None = None) -> nn.Module:
+    """`cfg.model` for `data`'s shapes, on `device` (None: the CPU, initialised from the RNG)."""
+    with blame("model"), torch.device(device or "cpu"):
+        return instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+
+
+def set_numerics(trainer: DictConfig, device_type: str) -> str:
+    """This process's math settings for the run; returns the float32 matmul precision in use.
+
+    Set on every run, not left as found: the jobs of a multirun share one process."""
+    if trainer.deterministic:
+        # cuBLAS is only deterministic with a fixed workspace (torch reproducibility notes).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(trainer.deterministic)
+    # TF32 on CUDA: an fp32 8192^3 matmul took 21.5 ms at "highest" and 2.7 ms at "high" on an
+    # H200. CPUs keep true fp32 unless asked, so that CPU runs stay comparable bit for bit.
+    precision = trainer.matmul_precision
+    if precision == "auto":
+        precision = "high" if device_type == "cuda" else "highest"
+    torch.set_float32_matmul_precision(precision)
+    # Input shapes repeat every step, so cuDNN's one-time search for the fastest convolution
+    # algorithm pays off; it is non-deterministic, so not with trainer.deterministic.
+    torch.backends.cudnn.benchmark = device_type == "cuda" and not trainer.deterministic
+    return precision
+
+
+def size_lazy_modules(model: nn.Module, data: Data) -> None:
+    """Give lazy modules (`nn.LazyLinear`, ...) their sizes with a forward pass on two training
+    samples, before any strategy copies, splits or shards the model: they cannot size
+    themselves later (DDP and FSDP refuse them). Every process does this alike, so the draws of
+    their initialisation are the same for every strategy."""
+    if not any(isinstance(p, nn.parameter.UninitializedParameter) for p in model.parameters()):
+        return
+    model.eval()
+    with torch.no_grad():
+        model(first_samples(data.train, 2)[0])
+    model.train()

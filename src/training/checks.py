@@ -1,0 +1,154 @@
+"""The checks that need no process or device: the settings (`check_settings`: ranges, what the
+strategy can split, the tracker, the checkpoint format), the data, and the model built on the meta
+device with the task's view of its outputs. Each failure is a ConfigError, one line naming the
+setting to change."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from hydra.errors import InstantiationException
+from omegaconf import DictConfig
+from torch import nn
+
+from src.checkpoint.store import resolved_format
+from src.components.batches import Tree, describe
+from src.components.data import Data, meta_samples
+from src.components.optimizer import build_optimizer, lr_schedule
+from src.config.schema import ConfigError, TrainerConfig, typed
+from src.observe.tracking import check_tracker
+from src.parallel import build_strategy
+from src.parallel.base import Strategy, resolve_device_type
+from src.runtime.ranks import Ranks
+
+log = logging.getLogger(__name__)
+
+
+def check_settings(cfg: DictConfig, ranks: Ranks | None) -> Strategy:
+    """The checks of the settings themselves (no data, no model); returns the unstarted
+    strategy. `ranks`: the ranks torchrun or srun started, this process among them, if any."""
+    trainer = cfg.trainer
+    typed(TrainerConfig, trainer)  # its ranges
+    device_type = resolve_device_type(trainer.accelerator)
+    if (
+        trainer.precision == "bf16"
+        and device_type == "cuda"
+        # V100 and T4 only emulate bf16 (slowly), and pass unless emulation is left out.
+        and not torch.cuda.is_bf16_supported(including_emulation=False)
+    ):
+        raise ConfigError("trainer.precision=bf16 but this GPU has no bf16 support; use fp32")
+    if trainer.activation_checkpointing and cfg.parallel.get("deferred_batchnorm"):
+        raise ConfigError(
+            "parallel.deferred_batchnorm=true cannot run with trainer.activation_checkpointing="
+            "true: the recomputed forward passes would update the running statistics again; set "
+            "one of them to false"
+        )
+    strategy = build_strategy(cfg.parallel, device_type, trainer.precision, ranks)
+    strategy.check_visible_gpus()
+    strategy.check_batch(trainer.batch_size // trainer.accumulate)
+    strategy.check_accumulate(trainer.accumulate)
+    check_tracker(cfg.logger)
+    check_checkpoint_format(trainer, strategy)
+    return strategy
+
+
+def check_data(cfg: DictConfig, data: Data) -> None:
+    if len(data.train) < cfg.trainer.batch_size:
+        raise ConfigError(
+            f"trainer.batch_size={cfg.trainer.batch_size} is more than the {len(data.train)} "
+            "training samples; lower trainer.batch_size or use more data"
+        )
+    if cfg.data.augment and len(data.input_shape) != 3:
+        raise ConfigError(
+            f"data.augment=true crops and flips images (channels, height, width), but this "
+            f"set's inputs are shaped {data.input_shape}; set data.augment=false"
+        )
+
+
+def check_model(
+    cfg: DictConfig, strategy: Strategy, model: nn.Module, task: Any, data: Data
+) -> None:
+    """`model` (on the meta device) gives outputs the task takes, has something to train, can be
+    placed by `strategy`, and its optimizer and schedule can be built."""
+    inputs, targets = meta_batch(data)
+    check_model_output(model, task, inputs, targets, data.num_classes, cfg.model._target_)
+    if not any(parameter.requires_grad for parameter in model.parameters()):
+        raise ConfigError(
+            f"model: {cfg.model._target_} has no trainable parameters (none requires a "
+            "gradient), so there is nothing to train"
+        )
+    strategy.check_model(model, inputs)
+    with blame("optimizer"):
+        build_optimizer(cfg.optimizer, model.parameters())
+        lr_schedule(cfg.optimizer, cfg.trainer.max_steps)
+
+
+def meta_batch(data: Data) -> tuple[Tree, Tree]:
+    """Inputs and targets shaped like two training samples, on the meta device."""
+    return meta_samples(data.train, 2)
+
+
+def check_model_output(
+    model: nn.Module,
+    task: Any,
+    inputs: Tree,
+    targets: Tree,
+    num_classes: int,
+    name: str,
+) -> None:
+    """Run `model` (on the meta device; this also sizes lazy modules) and the task's sums on its
+    outputs (a tensor, tuple, list or dict): raise ConfigError for outputs the task cannot take.
+    A model that cannot run on the meta device at all is left to show its errors in training."""
+    try:
+        with torch.no_grad():
+            outputs = model(inputs)
+    except Exception:  # noqa: BLE001 - e.g. no meta kernel, or a forward that reads the values
+        log.debug("model: no forward pass on the meta device", exc_info=True)
+        return
+    shapes = (
+        f"model: {name} returns outputs shaped {describe(outputs)} for inputs shaped "
+        f"{describe(inputs)} and targets shaped {describe(targets)}"
+    )
+    check = getattr(task, "check", None)  # optional for a task of your own
+    problem = check(outputs, targets, num_classes) if check else None
+    if problem:
+        raise ConfigError(f"{shapes}, but for {type(task).__name__} {problem}")
+    try:
+        task.sums(outputs, targets)
+    except (RuntimeError, TypeError, KeyError, IndexError, AttributeError) as error:
+        raise ConfigError(
+            f"{shapes}, which {type(task).__name__} cannot score "
+            f"({type(error).__name__}: {''.join(str(error).strip().splitlines()[:1])})"
+        ) from error
+
+
+def check_checkpoint_format(trainer: DictConfig, strategy: Strategy) -> None:
+    checkpoint_format = resolved_format(trainer.checkpoint_format, strategy)
+    if checkpoint_format == "sharded" and not strategy.sharded_checkpoints:
+        raise ConfigError(
+            f"trainer.checkpoint_format=sharded is for parallel=single, ddp or fsdp, not "
+            f"{strategy.name}; use full (or auto)"
+        )
+    if trainer.async_checkpoint and checkpoint_format != "sharded":
+        raise ConfigError(
+            "trainer.async_checkpoint=true writes sharded checkpoints only; set "
+            "trainer.checkpoint_format=sharded"
+        )
+
+
+@contextlib.contextmanager
+def blame(group: str) -> Iterator[None]:
+    """A ValueError or FileNotFoundError while building `group` means a setting its builder
+    cannot use: report it as a ConfigError, naming the group when the builder's message does not."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError, InstantiationException) as error:
+        cause = error.__cause__ if isinstance(error, InstantiationException) else error
+        if not isinstance(cause, (ValueError, FileNotFoundError)):
+            raise
+        message = str(cause)
+        raise ConfigError(message if group in message else f"{group}: {message}") from cause

@@ -1,0 +1,102 @@
+"""Resuming: whether a checkpoint fits this run (model shapes, optimizer, steps left, the
+learning-rate schedule kept), and where the run picks up."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from src.components.optimizer import lr_schedule, schedule_length
+from src.config.schema import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def check_resumable(state: dict[str, Any], path: Path, model: nn.Module, cfg: DictConfig) -> None:
+    """The checkpoint fits this run: same parameter shapes, same optimizer, steps left to do."""
+    saved = state["config"]
+    expected = {key: list(value.shape) for key, value in model.state_dict().items()}
+    found = {key: list(value.shape) for key, value in state["model"].items()}
+    if found != expected:
+        key = next(
+            k for k in sorted(expected.keys() | found.keys()) if expected.get(k) != found.get(k)
+        )
+        trained = " ".join(f"model.{k}={v}" for k, v in saved["model"].items() if k != "_target_")
+        raise ConfigError(
+            f"trainer.resume: {path} holds a different model ({key}: {found.get(key)} there, "
+            f"{expected.get(key)} here); it was trained with {saved['model']['_target_']} "
+            f"{trained} on {saved['data']['_target_']}: resume with those settings, or start a "
+            "new run"
+        )
+    if saved["optimizer"]["name"] != cfg.optimizer.name:
+        raise ConfigError(
+            f"trainer.resume: {path} was trained with optimizer={saved['optimizer']['name']}; "
+            "resume with the same optimizer, or start a new run"
+        )
+    if state["step"] >= cfg.trainer.max_steps and not finished(state, cfg):
+        raise ConfigError(
+            f"trainer.resume: {path} is at step {state['step']} and trainer.max_steps="
+            f"{cfg.trainer.max_steps}, so there is nothing left to train; raise trainer.max_steps"
+        )
+    check_schedule_kept(state, path, cfg)
+
+
+def check_schedule_kept(state: dict[str, Any], path: Path, cfg: DictConfig) -> None:
+    """A cosine schedule decays over trainer.max_steps unless optimizer.schedule_steps says
+    otherwise; resuming with another max_steps would quietly stretch or shrink it, and the
+    learning rate would jump. That takes optimizer.schedule_steps, set either way."""
+    saved = state["config"]
+    saved_length = schedule_length(saved["optimizer"], saved["trainer"]["max_steps"])
+    length = schedule_length(cfg.optimizer, cfg.trainer.max_steps)
+    if cfg.optimizer.schedule_steps is not None or length == saved_length:
+        return
+    kept, stretched = lr_schedule(cfg.optimizer, saved_length), lr_schedule(cfg.optimizer, length)
+    changed = (
+        step
+        for step in range(state["step"], cfg.trainer.max_steps)
+        if not math.isclose(kept(step), stretched(step), rel_tol=1e-9)
+    )
+    step = next(changed, None)
+    if step is not None:
+        raise ConfigError(
+            f"trainer.resume: {path} was trained with a cosine schedule over {saved_length} "
+            f"steps; trainer.max_steps={cfg.trainer.max_steps} would rescale it to {length} "
+            f"steps, changing the learning rate from step {step + 1} on ({stretched(step):.3g} "
+            f"instead of {kept(step):.3g}). Set optimizer.schedule_steps={saved_length} to keep "
+            f"the schedule (later steps keep its final rate), or optimizer.schedule_steps="
+            f"{length} to stretch it"
+        )
+
+
+def saved_lr(state: dict[str, Any]) -> Callable[[int], float]:
+    """The learning-rate schedule a checkpoint was trained with."""
+    saved = state["config"]
+    return lr_schedule(OmegaConf.create(saved["optimizer"]), saved["trainer"]["max_steps"])
+
+
+def finished(state: dict[str, Any], cfg: DictConfig) -> bool:
+    """With trainer.resume=auto, the checkpoint of a run that trained all its steps (killed, say,
+    after writing it): a requeued job then ends at once, successfully."""
+    return cfg.trainer.resume == "auto" and state["step"] == cfg.trainer.max_steps
+
+
+def log_resumed_schedule(cfg: DictConfig, state: dict[str, Any], checkpoint: Path) -> None:
+    """Where the run resumes, and its learning rate; a schedule that changed is a warning."""
+    step = state["step"]
+    lr = lr_schedule(cfg.optimizer, cfg.trainer.max_steps)(step)
+    log.info("resuming from %s at step %d, learning rate %.3g", checkpoint, step, lr)
+    planned = saved_lr(state)(step)
+    if not math.isclose(lr, planned, rel_tol=1e-9):
+        log.warning(
+            "the learning-rate schedule differs from the checkpoint's: step %d runs at %.3g "
+            "instead of %.3g",
+            step + 1,
+            lr,
+            planned,
+        )

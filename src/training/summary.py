@@ -1,0 +1,83 @@
+"""The run's summary: summary.json in the run folder and its lines in the log, also for a run
+found complete on resume."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from src.parallel.base import Strategy
+from src.runtime.ranks import Ranks
+from src.runtime.run_folder import metrics_file, summary_file
+from src.training.loop import history_step
+
+log = logging.getLogger(__name__)
+
+
+def finish_finished_run(
+    cfg: DictConfig, run_dir: Path, strategy: Strategy, checkpoint: Path, ranks: Ranks | None
+) -> dict[str, Any]:
+    """The summary of a run that had trained all its steps; written if the run died before."""
+    path = summary_file(run_dir)
+    log.info(
+        "%s is at step %d of trainer.max_steps=%d: this run is complete, nothing to do",
+        checkpoint,
+        cfg.trainer.max_steps,
+        cfg.trainer.max_steps,
+    )
+    if path.exists() or (ranks is not None and ranks.rank != 0):
+        return json.loads(path.read_text()) if path.exists() else {}
+    history = metrics_file(run_dir)
+    lines = history.read_text().splitlines() if history.exists() else []
+    rows = [json.loads(line) for line in lines if history_step(line) < math.inf]  # whole lines
+
+    def last(key: str) -> float:
+        return next((row[key] for row in reversed(rows) if key in row), math.nan)
+
+    summary = {
+        "strategy": strategy.name,
+        "devices": cfg.parallel.devices,
+        "world_size": strategy.world_size,
+        "global_batch": cfg.trainer.batch_size,
+        "steps": cfg.trainer.max_steps,
+        "final_train_loss": last("train/loss"),
+        "final_train_accuracy": last("train/accuracy"),
+        "final_val_loss": last("val/loss"),
+        "val_accuracy": last("val/accuracy"),
+        "completed_before_resume": True,  # the timings were lost with the process that trained
+    }
+    write_summary(summary, run_dir)
+    return summary
+
+
+def write_summary(summary: dict[str, Any], run_dir: Path) -> None:
+    """summary.json in the run folder, and the summary in the log."""
+    summary_file(run_dir).write_text(json.dumps(summary, indent=2) + "\n")
+    log.info(format_summary(summary, run_dir))
+
+
+def format_summary(summary: dict[str, Any], run_dir: Path) -> str:
+    """`key=value` for every figure of summary.json, a few to a line."""
+
+    def fmt(value: Any) -> str:
+        if isinstance(value, float):
+            if math.isnan(value):
+                return "nan"
+            return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+        if isinstance(value, list):
+            return ",".join(fmt(v) for v in value)
+        return str(value).replace(" ", "_")
+
+    pairs = [f"{key}={fmt(value)}" for key, value in summary.items()]
+    pairs.append(f"outputs={run_dir}")
+    text = "run summary: " + " ".join(pairs)
+    wrap = textwrap.TextWrapper(
+        width=100, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False
+    )
+    return "\n".join(wrap.wrap(text))
