@@ -117,6 +117,14 @@ def test_auto_resolves_to_a_strategy_and_says_why(compose_config):
     assert resolved.parallel.chosen_by.startswith(f"parallel=auto chose {resolved.parallel.name}")
 
 
+def test_auto_may_choose_a_mesh_layout(compose_config):
+    cfg = compose_config(*MESH_MLP, "parallel=auto", "plan.strategies=[tp,pp]")
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        resolved = resolve_auto(cfg)
+    assert resolved.parallel.name in ("tp", "pp")
+    assert resolved.parallel._target_ == "src.parallel.mesh.Mesh"
+
+
 def test_train_with_parallel_auto_records_the_choice(tmp_path):
     run_train(
         *TINY_MLP,
@@ -185,7 +193,7 @@ def test_plan_py_plans_every_strategy_that_runs_and_recommends_one():
     assert result.returncode == 0, result.stderr
     *table, last = result.stdout.strip().splitlines()
     rows = {line.split()[0] for line in table[2:] if not line.startswith(" ")}
-    assert {"ddp", "dp", "dp_criterion", "fsdp", "model_parallel"} <= rows
+    assert {"ddp", "dp", "dp_criterion", "fsdp", "model_parallel", "tp", "pp", "fsdp_tp"} <= rows
     assert "cannot run: hybrid x2, single x2 (plan one with parallel=<name> to see why)" in table
     assert last.startswith("recommended: parallel=") and "the fastest of those that fit" in last
     planned = [option for option in options("parallel") if option != "auto"]
