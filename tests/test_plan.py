@@ -293,6 +293,29 @@ def test_tensor_parallel_splits_the_planned_linears_and_all_reduces_each_pair(co
     assert tp.traffic == {"activation all-reduce": 2 * 2 * (2 - 1) * (40 * FLOAT * 16) // 2}
 
 
+def test_sequence_parallel_sends_an_all_gather_and_a_reduce_scatter_for_each_all_reduce(
+    compose_config,
+):
+    """A transformer of 2 blocks, each an attention and an MLP pair whose output is 8 tokens x
+    32 features: 4 x 1024 bytes per sample, 16 samples. Without sequence parallel each pair's
+    output and its gradient are all-reduced (each rank sends 2 (2 - 1) / 2 of them); with it,
+    all-gathered and reduce-scattered, (2 - 1) / 2 of them each, twice: as much in all."""
+    transformer = (
+        *("model=transformer", "data=synthetic_tokens", "data.seq_len=8", "data.vocab_size=16"),
+        *("model.hidden=32", "model.depth=2", "model.heads=2", "trainer.batch_size=16"),
+        *("parallel=tp", "logger=none"),
+    )
+    cfg = compose_config(*transformer)
+    parallel = compose_config(*transformer, "parallel.sequence_parallel=true").parallel
+    plain, sequence = plan_all(cfg, [cfg.parallel, parallel])
+    summed = 4 * 8 * 32 * FLOAT * 16
+    assert plain.traffic == {"activation all-reduce": 2 * 2 * (2 - 1) * summed // 2}
+    assert sequence.traffic == {
+        "activation all-gather": 2 * (2 - 1) * summed // 2,
+        "activation reduce-scatter": 2 * (2 - 1) * summed // 2,
+    }
+
+
 def test_fsdp_by_tp_shards_what_each_tp_rank_keeps(compose_config):
     """fsdp 2 x tp 2: each rank's 1480 floats are sharded 2 ways, plus FSDP's two gathered
     units: the largest, block 1, keeps 1024 / 2 + 32 floats. Each data-parallel share is 8

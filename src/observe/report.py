@@ -10,10 +10,11 @@ Each job directory holds `.hydra/` (its config and overrides), `status.json` (se
 job (the one with the same swept settings outside `parallel`); scaling efficiency is speed-up /
 devices. A mesh layout's job is named by its degrees (`fsdp2xtp2`, `tp2`, `pp2-1F1B`: its
 summary.json's `layout`); a pipeline's shows its schedule's theoretical bubble beside each pp
-rank's measured idle fraction. Numbers that cannot be trusted are flagged in the table and the plot, with the reason under
-the table: more threads than cores, step times that disagree between logging windows, and
-efficiencies over 100%. The sweep exits non-zero when a job failed, or when no job could run at all;
-a combination that cannot run is reported as skipped and is not an error.
+rank's measured idle fraction. Numbers that cannot be trusted are flagged in the table and the
+plot, with the reason under the table: more threads than cores, step times that disagree between
+logging windows, and efficiencies over 100%. The sweep exits non-zero when a job failed, or when
+no job could run at all; a combination that cannot run is reported as skipped and is not an
+error.
 
 At the end of a multirun with `logger=wandb`, one more W&B run in the sweep's group, named
 `scaling-report`, holds the table and the plot (a rebuild by hand logs nothing).

@@ -259,6 +259,13 @@ class Mesh(Distributed):
             for rank in range(self.layout.pp)
         ]
 
+    def rank_blocks(self, blocks: int) -> list[list[int]]:
+        """The blocks each pp rank holds."""
+        return [
+            [b for start, end in ranges for b in range(start, end)]
+            for ranges in self.stage_blocks(blocks)
+        ]
+
     def kept_bytes(self, sizes: ModelSizes, blocks: list[int]) -> int:
         """The parameter bytes of `blocks` one tp rank holds (before FSDP shards them)."""
         whole = sum(sizes.block_parameter_bytes[b] for b in blocks)
@@ -283,8 +290,8 @@ class Mesh(Distributed):
         dp_shard, plus FSDP's gathered units (the one running and the next, prefetched)."""
         layout, count = self.layout, len(sizes.block_parameter_bytes)
         shares = []
-        for pp_rank, ranges in enumerate(self.stage_blocks(count)):
-            blocks = [b for start, end in ranges for b in range(start, end)]
+        ranks = zip(self.stage_blocks(count), self.rank_blocks(count), strict=True)
+        for pp_rank, (ranges, blocks) in enumerate(ranks):
             units = [[b for b in unit if b in blocks] for unit in sizes.shared_blocks]
             largest = max(self.kept_bytes(sizes, unit) for unit in units)
             state_kept, flops_kept = self.tp_kept(sizes, blocks)
@@ -311,10 +318,7 @@ class Mesh(Distributed):
         counted: the sequence-parallel layout changes at the embedding and head, and
         loss_parallel's per-token reductions."""
         layout, samples = self.layout, micro_batch // self.layout.dp
-        ranks = [
-            [b for start, end in ranges for b in range(start, end)]
-            for ranges in self.stage_blocks(len(sizes.block_parameter_bytes))
-        ]
+        ranks = self.rank_blocks(len(sizes.block_parameter_bytes))
         traffic: dict[str, int] = {}
         if self.split is not None:
             summed = max(
