@@ -24,6 +24,16 @@ out of both.
     fsdp            the template's `parallel=fsdp` / its `parallel=ddp`, 2 CPU processes each:
                     what sharding costs in time (an all-gather per block in forward and again
                     in backward); what it saves in memory is in each run's summary.json
+    tp              the template's `parallel=tp` / its `parallel=ddp`, 2 CPU processes each (the
+                    MLP's Linears in 2 colwise/rowwise pairs, the head replicated): what an
+                    all-reduce of the activations per pair, forward and backward, costs against
+                    one of the gradients; CPU figures (gloo), directions, not GPU ones
+    pp              `parallel=pp`, 2 stages on 2 CPU processes over 8 micro-batches, under GPipe,
+                    1F1B and Interleaved1F1B (2 stages per rank): ms/step and each rank's
+                    measured idle fraction (its step's wall time outside its stages' forward
+                    and backward chunks and loss) against the schedule's theoretical bubble,
+                    (p - 1) / (m + p - 1), interleaved (p - 1) / (v m + p - 1); CPU figures:
+                    gloo's sends and the ranks' shared cores count as idle too
     checkpoint      how long a sharded fsdp checkpoint holds training up, saved synchronously
                     and with trainer.async_checkpoint=true: the training time async saves
     loader          `parallel=single` on augmented 3x16x16 images, made by 2 DataLoader workers
@@ -374,6 +384,53 @@ def template_fsdp(steps: int) -> float:
     return template_launched(steps, "fsdp")
 
 
+def template_tp(steps: int) -> float:
+    return template_launched(steps, "tp")
+
+
+PIPELINE_MICROBATCHES = 8
+# The schedules `--only pp` compares, with their stages per rank.
+PIPELINE_SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}
+# The final evaluation in one batch of 8 equal micro-batches (3280 of 32800 samples): a pp
+# stage's buffers take the shapes of its first micro-batches, and a last, smaller eval batch of
+# the default split (3276 samples, batches of 512) fails.
+PIPELINE_EVAL = ("data.num_samples=32800", "trainer.eval_batch_size=3280")
+
+
+def pipeline_idle(rounds: int, steps: int) -> None:
+    """Each schedule on 2 CPU processes (rounds alternate their order): the median step time
+    and each rank's median idle fraction over the rounds, beside the theoretical bubble."""
+    from src.parallel.pipeline_schedules import schedule_bubble
+
+    runs: dict[str, list[dict]] = {schedule: [] for schedule in PIPELINE_SCHEDULES}
+    for round_index in range(rounds):
+        order = list(PIPELINE_SCHEDULES.items())
+        for schedule, stages_per_rank in order if round_index % 2 == 0 else reversed(order):
+            summary = launched_summary(
+                steps,
+                "pp",
+                f"parallel.schedule={schedule}",
+                f"parallel.stages_per_rank={stages_per_rank}",
+                f"parallel.microbatches={PIPELINE_MICROBATCHES}",
+                *PIPELINE_EVAL,
+            )
+            runs[schedule].append(summary)
+    print(
+        f"{'pp':<16}  2 stages on {DDP_PROCESSES} CPU processes (gloo), M={PIPELINE_MICROBATCHES}: "
+        "CPU figures, directions, not GPU ones"
+    )
+    for schedule, stages_per_rank in PIPELINE_SCHEDULES.items():
+        step_ms = statistics.median(summary["step_time_ms"] for summary in runs[schedule])
+        ranks = [summary["pipeline"]["idle_fraction_per_rank"] for summary in runs[schedule]]
+        per_rank = zip(*ranks, strict=True)
+        idle = ", ".join(f"{100 * statistics.median(shares):.0f}%" for shares in per_rank)
+        bubble = schedule_bubble(DDP_PROCESSES, stages_per_rank, PIPELINE_MICROBATCHES)
+        print(
+            f"{'':<16}  {schedule:<16} v={stages_per_rank} {step_ms:>9.2f} ms/step  idle per rank "
+            f"(measured) {idle}  bubble (theory) {100 * bubble:.1f}%"
+        )
+
+
 def plain_ddp_worker(rank: int, workload: dict, steps: int, port: int, result_path: str) -> None:
     """A hand-written DDP loop, as `torchrun --nproc_per_node=2` would run it (1 thread/rank)."""
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // DDP_PROCESSES))
@@ -596,6 +653,7 @@ COMPARISONS: dict[str, tuple[tuple[str, Run], tuple[str, Run]]] = {
     ),
     "ddp": (("template", template_ddp), ("plain DDP", plain_ddp)),
     "fsdp": (("fsdp", template_fsdp), ("ddp", template_ddp)),
+    "tp": (("tp 2", template_tp), ("ddp 2", template_ddp)),
     "loader": (
         ("2 workers", lambda steps: loader_speed(steps, 2)),
         ("0 workers", lambda steps: loader_speed(steps, 0)),
@@ -638,7 +696,9 @@ def compare(name: str, rounds: int, steps: int) -> tuple[float, float, list[floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--only", choices=[*sorted(COMPARISONS), "checkpoint", "plan", "startup"], action="append"
+        "--only",
+        choices=[*sorted(COMPARISONS), "checkpoint", "plan", "pp", "startup"],
+        action="append",
     )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=300)
@@ -663,9 +723,12 @@ def main() -> None:
     )
     sides = "".join(f"  {side:<16}{'samples/s':>11}{'ms/step':>9}" for side in ("first", "second"))
     print(f"{'comparison':<16}{sides}{'ratio':>8}  (rounds' ratios: min-max)")
-    for name in args.only or [*COMPARISONS, "checkpoint", "startup"]:
+    for name in args.only or [*COMPARISONS, "checkpoint", "pp", "startup"]:
         if name == "checkpoint":
             checkpoint_blocking(args.rounds, args.steps)
+            continue
+        if name == "pp":
+            pipeline_idle(args.rounds, args.steps)
             continue
         if name == "plan":
             plan_accuracy()
@@ -690,6 +753,10 @@ def main() -> None:
         print(f"{name:<16}{cells}{statistics.median(ratios):>8.3f}  ({spread})")
         if name == "overhead":
             print(f"{'':<16}  the template's host work: {step_ms[0] - step_ms[1]:+.3f} ms/step")
+        if name == "tp":
+            print(
+                f"{'':<16}  CPU figures ({DDP_PROCESSES} gloo processes): directions, not GPU ones"
+            )
         if name in ("bf16", "fp16") and DEVICE == "cpu":
             print(f"{'':<16}  CPU figures (autocast on the CPU): they say nothing of a GPU")
         if name == "activation_ckpt":

@@ -3,6 +3,7 @@ gloo processes on CPU, each layout against `single` under SGD in fp32."""
 
 from __future__ import annotations
 
+import csv
 import re
 from pathlib import Path
 
@@ -227,6 +228,27 @@ def test_every_pipeline_schedule_trains_exactly_like_single(schedule):
     run_dir = sweep_runs(*SCHEDULE_SWEEPS[stages_per_rank])[f"parallel.schedule={schedule}"]
     assert_same_training(reference_run(*WORKLOADS["mlp"]), run_dir)
     assert summary(run_dir)["memory_devices"] == ["cpu:rank0", "cpu:rank1"]
+
+
+def test_the_sweep_report_names_pipelines_by_schedule_with_bubble_and_measured_idle():
+    """The schedule sweep's report: each job named by its layout and schedule, the theoretical
+    bubble of 2 stages over 4 micro-batches, (2 - 1) / (4 + 2 - 1), beside each rank's measured
+    idle fraction (wall time of the schedule's step minus its stages' own chunks and loss)."""
+    runs = sweep_runs(*SCHEDULE_SWEEPS[1])
+    (sweep_dir,) = {run_dir.parent for run_dir in runs.values()}
+    rows = {row["strategy"]: row for row in csv.DictReader((sweep_dir / "summary.csv").open())}
+    assert set(rows) == {"pp2-GPipe", "pp2-1F1B"}
+    for row in rows.values():
+        assert float(row["pipeline_bubble"]) == pytest.approx(1 / 5)
+    for schedule in ONE_STAGE:
+        pipeline = summary(runs[f"parallel.schedule={schedule}"])["pipeline"]
+        assert pipeline["schedule"] == schedule and pipeline["microbatches"] == 4
+        assert len(pipeline["idle_fraction_per_rank"]) == 2
+        assert all(0 < idle < 1 for idle in pipeline["idle_fraction_per_rank"])
+    assert (
+        "| bubble (theory) | idle per pp rank (measured) |"
+        in (sweep_dir / "summary.md").read_text()
+    )
 
 
 @pytest.mark.parametrize(

@@ -117,6 +117,14 @@ def test_auto_resolves_to_a_strategy_and_says_why(compose_config):
     assert resolved.parallel.chosen_by.startswith(f"parallel=auto chose {resolved.parallel.name}")
 
 
+def test_auto_may_choose_a_mesh_layout(compose_config):
+    cfg = compose_config(*MESH_MLP, "parallel=auto", "plan.strategies=[tp,pp]")
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        resolved = resolve_auto(cfg)
+    assert resolved.parallel.name in ("tp", "pp")
+    assert resolved.parallel._target_ == "src.parallel.mesh.Mesh"
+
+
 def test_train_with_parallel_auto_records_the_choice(tmp_path):
     run_train(
         *TINY_MLP,
@@ -185,7 +193,7 @@ def test_plan_py_plans_every_strategy_that_runs_and_recommends_one():
     assert result.returncode == 0, result.stderr
     *table, last = result.stdout.strip().splitlines()
     rows = {line.split()[0] for line in table[2:] if not line.startswith(" ")}
-    assert {"ddp", "dp", "dp_criterion", "fsdp", "model_parallel"} <= rows
+    assert {"ddp", "dp", "dp_criterion", "fsdp", "model_parallel", "tp", "pp", "fsdp_tp"} <= rows
     assert "cannot run: hybrid x2, single x2 (plan one with parallel=<name> to see why)" in table
     assert last.startswith("recommended: parallel=") and "the fastest of those that fit" in last
     planned = [option for option in options("parallel") if option != "auto"]
@@ -252,3 +260,100 @@ def test_auto_on_cpu_ranks_by_the_measured_speed(compose_config, monkeypatch, sp
         flops / 2 / speed.rates[1] + sum(ddp.traffic.values()) / speed.link, rel=0.01
     )
     assert choose([ddp, stages])[0].strategy == chosen
+
+
+# An MLP of 4 Linears (16-32, 32-32, 32-32, 32-8), in two tensor-parallel pairs: (0, 1) and
+# (2, head). Parameters in floats: 544, 1056, 1056 and 264 by block, 2920 in all.
+MESH_MLP = (
+    *("model.hidden=32", "model.depth=3", "data.input_dim=16", "data.num_classes=8"),
+    *("trainer.batch_size=16", "logger=none"),
+)
+FLOAT = 4
+
+
+def mesh_plans(compose_config, *layouts: tuple[str, ...]) -> list[Plan]:
+    """`single` and each layout (overrides of `parallel=...`) planned on MESH_MLP."""
+    cfg = compose_config(*MESH_MLP)
+    parallels = [compose_config(*MESH_MLP, *layout).parallel for layout in layouts]
+    return plan_all(cfg, [cfg.parallel, *parallels])
+
+
+def test_tensor_parallel_splits_the_planned_linears_and_all_reduces_each_pair(compose_config):
+    """Colwise Linears split weight and bias, Rowwise ones their weight (their biases, 32 + 8
+    floats, stay whole): each of 2 tp ranks keeps 40 + 2880 / 2 = 1480 of the 2920 floats, and
+    half the FLOPs (every Linear is split). Per step each pair all-reduces its output forward
+    and its gradient backward, (32 + 8) floats x 16 samples in all; a ring all-reduce of S
+    bytes over 2 ranks sends 2 (2 - 1) / 2 S from each."""
+    single, tp = mesh_plans(compose_config, ("parallel=tp", "parallel.devices=2"))
+    (whole,), (split,) = single.device_plans, tp.device_plans
+    assert whole.parameters == 2920 * FLOAT
+    assert split.parameters == pytest.approx(1480 * FLOAT, abs=1)
+    assert split.optimizer == pytest.approx(whole.optimizer * 1480 / 2920, abs=1)
+    assert split.flops == pytest.approx(whole.flops / 2, abs=1)
+    assert tp.traffic == {"activation all-reduce": 2 * 2 * (2 - 1) * (40 * FLOAT * 16) // 2}
+
+
+def test_sequence_parallel_sends_an_all_gather_and_a_reduce_scatter_for_each_all_reduce(
+    compose_config,
+):
+    """A transformer of 2 blocks, each an attention and an MLP pair whose output is 8 tokens x
+    32 features: 4 x 1024 bytes per sample, 16 samples. Without sequence parallel each pair's
+    output and its gradient are all-reduced (each rank sends 2 (2 - 1) / 2 of them); with it,
+    all-gathered and reduce-scattered, (2 - 1) / 2 of them each, twice: as much in all."""
+    transformer = (
+        *("model=transformer", "data=synthetic_tokens", "data.seq_len=8", "data.vocab_size=16"),
+        *("model.hidden=32", "model.depth=2", "model.heads=2", "trainer.batch_size=16"),
+        *("parallel=tp", "logger=none"),
+    )
+    cfg = compose_config(*transformer)
+    parallel = compose_config(*transformer, "parallel.sequence_parallel=true").parallel
+    plain, sequence = plan_all(cfg, [cfg.parallel, parallel])
+    summed = 4 * 8 * 32 * FLOAT * 16
+    assert plain.traffic == {"activation all-reduce": 2 * 2 * (2 - 1) * summed // 2}
+    assert sequence.traffic == {
+        "activation all-gather": 2 * (2 - 1) * summed // 2,
+        "activation reduce-scatter": 2 * (2 - 1) * summed // 2,
+    }
+
+
+def test_fsdp_by_tp_shards_what_each_tp_rank_keeps(compose_config):
+    """fsdp 2 x tp 2: each rank's 1480 floats are sharded 2 ways, plus FSDP's two gathered
+    units: the largest, block 1, keeps 1024 / 2 + 32 floats. Each data-parallel share is 8
+    samples, so the pairs all-reduce half as much as under tp 2 alone."""
+    _, mesh = mesh_plans(compose_config, ("parallel=fsdp_tp",))
+    (rank,) = mesh.device_plans
+    assert rank.parameters == pytest.approx(1480 * FLOAT // 2 + 2 * 544 * FLOAT, abs=1)
+    assert mesh.traffic == {
+        "activation all-reduce": 2 * 2 * (2 - 1) * (40 * FLOAT * 8) // 2,
+        "parameter all-gather": 2 * 1480 * FLOAT // 2,
+        "gradient reduce-scatter": 1480 * FLOAT // 2,
+    }
+
+
+@pytest.mark.parametrize(
+    "schedule, stages_per_rank, rank_floats, boundaries, bubble",
+    [
+        # Blocks 0-1 (1600 floats) and 2-3 (1320), balanced by parameters; one boundary.
+        ("1F1B", 1, [1600, 1320], 1, (2 - 1) / (2 + 2 - 1)),
+        # One block per stage, rank 0 holding stages 0 and 2, rank 1 stages 1 and 3.
+        ("Interleaved1F1B", 2, [544 + 1056, 1056 + 264], 3, (2 - 1) / (2 * 2 + 2 - 1)),
+    ],
+)
+def test_pipeline_ranks_hold_their_stages_and_send_their_boundaries(
+    compose_config, monkeypatch, schedule, stages_per_rank, rank_floats, boundaries, bubble
+):
+    """pp 2 over 2 micro-batches: each rank holds its stages' blocks; every boundary sends a
+    block's output (32 floats per sample, 16 samples) forward and its gradient back. On CPU
+    each rank is a process on one of the 2 cores: the step is the busiest rank's FLOPs,
+    stretched by the schedule's bubble, plus the traffic over the link."""
+    layout = ("parallel=pp", f"parallel.schedule={schedule}")
+    monkeypatch.setattr(src.planning.planner, "usable_cores", lambda: 2)
+    cfg = compose_config(*MESH_MLP, *layout, f"parallel.stages_per_rank={stages_per_rank}")
+    speed = FixedCPU({1: 1e9}, link=1e9, copy=1e10)
+    (pp,) = plan_all(cfg, [cfg.parallel], speed=speed)
+    assert [device.label for device in pp.device_plans] == ["cpu:0", "cpu:1"]
+    assert [device.parameters for device in pp.device_plans] == [f * FLOAT for f in rank_floats]
+    assert pp.traffic == {"stage activations": boundaries * 2 * 32 * FLOAT * 16}
+    busiest = max(device.flops for device in pp.device_plans)
+    expected = busiest / 1e9 / (1 - bubble) + sum(pp.traffic.values()) / 1e9
+    assert pp.step_time_s == pytest.approx(expected)

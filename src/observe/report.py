@@ -8,10 +8,13 @@ hand on an existing sweep directory, to rebuild the table and the plot:
 Each job directory holds `.hydra/` (its config and overrides), `status.json` (see
 `src/launch/sweep.py`) and, when it trained, `summary.json`. Speed-up is over the sweep's `single`
 job (the one with the same swept settings outside `parallel`); scaling efficiency is speed-up /
-devices. Numbers that cannot be trusted are flagged in the table and the plot, with the reason under
-the table: more threads than cores, step times that disagree between logging windows, and
-efficiencies over 100%. The sweep exits non-zero when a job failed, or when no job could run at all;
-a combination that cannot run is reported as skipped and is not an error.
+devices. A mesh layout's job is named by its degrees (`fsdp2xtp2`, `tp2`, `pp2-1F1B`: its
+summary.json's `layout`); a pipeline's shows its schedule's theoretical bubble beside each pp
+rank's measured idle fraction. Numbers that cannot be trusted are flagged in the table and the
+plot, with the reason under the table: more threads than cores, step times that disagree between
+logging windows, and efficiencies over 100%. The sweep exits non-zero when a job failed, or when
+no job could run at all; a combination that cannot run is reported as skipped and is not an
+error.
 
 At the end of a multirun with `logger=wandb`, one more W&B run in the sweep's group, named
 `scaling-report`, holds the table and the plot (a rebuild by hand logs nothing).
@@ -95,6 +98,11 @@ class Row:
     """Largest minus smallest peak over the job's devices: the load imbalance."""
     output_device_memory_ratio: float | None = None
     """dp, dp_criterion on 2+ GPUs: the output device's peak over the other devices' mean."""
+    pipeline_bubble: float | None = None
+    """pp layouts: the schedule's theoretical bubble, (p - 1) / (m + p - 1) or its interleaved
+    form (`pipeline_schedules.schedule_bubble`)."""
+    pipeline_idle: list[float] | None = None
+    """pp layouts: each pp rank's measured share of a step spent waiting (`StageClock`)."""
     final_train_loss: float | None = None
     final_val_loss: float | None = None
     status: str = "failed"
@@ -167,6 +175,7 @@ def predicted_peak_mb(config: DictConfig) -> float | None:
 
 
 def fill_from_summary(row: Row, summary: dict[str, Any]) -> None:
+    row.strategy = summary.get("layout", row.strategy)  # a mesh layout by its degrees
     row.world_size = summary["world_size"]
     row.samples_per_sec = summary["samples_per_sec"]
     row.step_time_ms = summary["step_time_ms"]
@@ -179,6 +188,9 @@ def fill_from_summary(row: Row, summary: dict[str, Any]) -> None:
     row.final_train_loss = summary["final_train_loss"]
     row.final_val_loss = summary["final_val_loss"]
     row.output_device_memory_ratio = summary.get("output_device_memory_ratio")
+    if "pipeline" in summary:
+        row.pipeline_bubble = summary["pipeline"]["bubble_fraction"]
+        row.pipeline_idle = summary["pipeline"]["idle_fraction_per_rank"]
     memory = summary["peak_memory_mb"]
     if memory:
         row.peak_memory_max_mb = max(memory)
@@ -244,6 +256,8 @@ COLUMN_TITLES = {
     "peak_memory_max_mb": "measured peak MB (max)",
     "peak_memory_spread_mb": "peak MB (spread)",
     "output_device_memory_ratio": "output device memory",
+    "pipeline_bubble": "bubble (theory)",
+    "pipeline_idle": "idle per pp rank (measured)",
     "final_train_loss": "train loss",
     "final_val_loss": "val loss",
     "status": "status",
@@ -260,8 +274,10 @@ def format_cell(name: str, value: Any) -> str:
         return f"{value:.2f}x"
     if name == "mfu":
         return f"{100 * value:.3g}%"
-    if name in ("efficiency", "step_time_spread"):
+    if name in ("efficiency", "step_time_spread", "pipeline_bubble"):
         return f"{100 * value:.0f}%"
+    if name == "pipeline_idle":
+        return ", ".join("" if share is None else f"{100 * share:.0f}%" for share in value)
     if name in ("samples_per_sec", "peak_memory_max_mb", "peak_memory_spread_mb"):
         return f"{value:,.0f}"
     if name == "predicted_peak_mb":
@@ -275,8 +291,8 @@ def format_cell(name: str, value: Any) -> str:
 
 def markdown_table(rows: list[Row]) -> str:
     """The table with the reason folded into the status (`skipped: ...`)."""
-    # Columns that only some sweeps fill (a swept variant, dp's output device on GPUs).
-    optional = {"variant", "output_device_memory_ratio"}
+    # Columns that only some sweeps fill (a swept variant, dp's output device on GPUs, pipelines).
+    optional = {"variant", "output_device_memory_ratio", "pipeline_bubble", "pipeline_idle"}
     names = [n for n in COLUMN_TITLES if n not in optional or any(getattr(r, n) for r in rows)]
     align = ["---" if n in ("strategy", "variant", "status", "flags") else "---:" for n in names]
     lines = [

@@ -120,6 +120,9 @@ class DeviceShare:
     """Samples per micro-step through this device's blocks."""
     blocks: tuple[int, int] | None = None
     """The blocks it runs, [start, end); None: all."""
+    later_stages: tuple[tuple[int, int], ...] = ()
+    """The blocks of further pipeline stages it runs, each [start, end) (a looped schedule's
+    rank holds stages r, r + pp, ...)."""
     parts: int = 1
     """The samples run in this many parts (replicas, pipeline micro-batches), all kept for
     backward."""
@@ -127,6 +130,11 @@ class DeviceShare:
     """The parts' outputs are concatenated before the loss (DataParallel's gather)."""
     state_shards: int = 1
     """Parameters, gradients and optimizer state split this many ways (FSDP)."""
+    state_kept: float = 1.0
+    """The share of its parameters, gradients and optimizer state it holds before those are
+    sharded (tensor parallel: the replicated ones and 1/tp of the split ones)."""
+    flops_kept: float = 1.0
+    """The share of its blocks' FLOPs it runs (tensor parallel: 1/tp of the split layers')."""
     replica_only: bool = False
     """It holds a copy of the parameters but no gradients or optimizer state of its own."""
     extra_bytes: dict[str, int] = field(default_factory=dict)
@@ -134,6 +142,10 @@ class DeviceShare:
     devices: int = 1
     """The devices whose work this share stands for: on CPU one process runs all of a dp's
     replicas or a pipeline's stages, which on GPUs run side by side."""
+
+    def stage_blocks(self, blocks: int) -> list[tuple[int, int]]:
+        """Each [start, end) range of the `blocks` blocks that it runs as a stage of its own."""
+        return [self.blocks or (0, blocks), *self.later_stages]
 
 
 def tied_block_groups(model: nn.Sequential) -> list[list[int]]:

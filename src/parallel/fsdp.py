@@ -88,14 +88,8 @@ class FSDP(Distributed):
         return [share]
 
     def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
-        """Every unit is gathered for forward and again for backward, its gradients
-        reduce-scattered once per step (each rank sends (N - 1) / N of each)."""
-        others = (self.world_size - 1) / self.world_size
         gathered = self.gathered_bytes(sizes.parameter_bytes)
-        return {
-            "parameter all-gather": int(2 * accumulate * others * gathered),
-            "gradient reduce-scatter": int(others * sizes.parameter_bytes),
-        }
+        return sharded_traffic(gathered, sizes.parameter_bytes, self.world_size, accumulate)
 
     def gathered_bytes(self, fp32_bytes: int) -> int:
         """Parameters as gathered: in the autocast dtype under bf16/fp16 (half of fp32)."""
@@ -126,6 +120,19 @@ class FSDP(Distributed):
     ) -> None:
         names = dict(enumerate(parameter_names(model, optimizer)))
         set_optimizer_state_dict(model, optimizer, renamed(state, names), options=SPLIT_FROM_FULL)
+
+
+def sharded_traffic(
+    gathered_bytes: int, gradient_bytes: int, shards: int, accumulate: int
+) -> dict[str, int]:
+    """What each of `shards` ranks sends per step: every unit is gathered for forward and again
+    for backward in each of the `accumulate` micro-steps, its gradients reduce-scattered once per
+    step (each rank sends (N - 1) / N of each)."""
+    others = (shards - 1) / shards
+    return {
+        "parameter all-gather": int(2 * accumulate * others * gathered_bytes),
+        "gradient reduce-scatter": int(others * gradient_bytes),
+    }
 
 
 def copy_from_rank0(model: nn.Module, device: torch.device) -> None:

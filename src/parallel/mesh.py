@@ -25,12 +25,27 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from src.components.batches import move
+from src.components.precision import AUTOCAST_DTYPES
 from src.config.schema import ConfigError, MeshConfig
-from src.parallel.base import LossFn, Tree
+from src.parallel.base import DeviceShare, LossFn, ModelSizes, Tree, ring_bytes
 from src.parallel.distributed import Distributed
-from src.parallel.fsdp import copy_from_rank0, gradient_sync, parameter_names, sharding_units
+from src.parallel.fsdp import (
+    copy_from_rank0,
+    gradient_sync,
+    parameter_names,
+    sharded_traffic,
+    sharding_units,
+)
 from src.parallel.layout import DIMENSIONS, Layout
-from src.parallel.pipeline_schedules import PipelineRun, check_schedule, stage_split
+from src.parallel.mechanisms.stage_pipeline import boundary_bytes
+from src.parallel.mesh_plan import TPSplit, tp_split
+from src.parallel.pipeline_schedules import (
+    PipelineRun,
+    check_schedule,
+    schedule_bubble,
+    stage_ranks,
+    stage_split,
+)
 from src.parallel.tensor_parallel import (
     apply_tp,
     check_sequence,
@@ -64,6 +79,10 @@ def like(parameter: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 
 class Mesh(Distributed):
     settings_schema = MeshConfig
+    # What check_model finds for the planner: where stages 1.. start, what tp splits.
+    stage_points: tuple[int, ...] = ()
+    split: TPSplit | None = None
+
     def __init__(
         self, cfg, device_type: str, precision: str = "fp32", ranks: Ranks | None = None
     ):
@@ -102,11 +121,14 @@ class Mesh(Distributed):
 
     def check_model(self, model: nn.Module, inputs: Tree) -> None:
         if self.layout.pp > 1:
-            stage_split(model, self.layout.pp * self.cfg.stages_per_rank)
+            self.stage_points = tuple(stage_split(model, self.layout.pp * self.cfg.stages_per_rank))
         if self.layout.tp > 1:
-            tp_plan(model, self.layout.tp, self.cfg.sequence_parallel, self.cfg.loss_parallel)
+            plan = tp_plan(
+                model, self.layout.tp, self.cfg.sequence_parallel, self.cfg.loss_parallel
+            )
             if self.cfg.sequence_parallel:
                 check_sequence(inputs, self.layout.tp)
+            self.split = tp_split(model, plan, inputs)
         elif self.cfg.sequence_parallel or self.cfg.loss_parallel:
             raise ConfigError(
                 "parallel.sequence_parallel and parallel.loss_parallel need tensor parallel; set "
@@ -209,3 +231,124 @@ class Mesh(Distributed):
             for index, entries in state["state"].items()
         }
         optimizer.load_state_dict(state)
+
+    def layout_name(self) -> str:
+        """The layout as reports name it: `fsdp2xtp2`, `tp2`, `pp2-1F1B` (with its schedule)."""
+        label = self.layout.label()
+        return f"{label}-{self.cfg.schedule}" if self.layout.pp > 1 else label
+
+    def report(self) -> dict[str, Any]:
+        """The layout's name; for a pipeline, its schedule's theoretical bubble and each pp
+        rank's measured idle fraction (`StageClock`; a collective of the pp ranks)."""
+        figures: dict[str, Any] = {"layout": self.layout_name()}
+        if self.pipeline is not None:
+            figures["pipeline"] = {
+                "schedule": self.cfg.schedule,
+                "stages": self.layout.pp * self.cfg.stages_per_rank,
+                "microbatches": self.cfg.microbatches,
+                "bubble_fraction": self.idle_fraction(),
+                "idle_fraction_per_rank": self.pipeline.idle_fractions(),
+            }
+        return figures
+
+    # ----------------------------------------------------------------------- for the planner
+
+    def stage_blocks(self, blocks: int) -> list[list[tuple[int, int]]]:
+        """Each pp rank's stages, as [start, end) ranges of the model's `blocks` blocks."""
+        bounds = [0, *self.stage_points, blocks]
+        owner = stage_ranks(self.cfg.schedule, self.layout.pp, self.cfg.stages_per_rank)
+        return [
+            [(bounds[s], bounds[s + 1]) for s, held_by in enumerate(owner) if held_by == rank]
+            for rank in range(self.layout.pp)
+        ]
+
+    def rank_blocks(self, blocks: int) -> list[list[int]]:
+        """The blocks each pp rank holds."""
+        return [
+            [b for start, end in ranges for b in range(start, end)]
+            for ranges in self.stage_blocks(blocks)
+        ]
+
+    def kept_bytes(self, sizes: ModelSizes, blocks: list[int]) -> int:
+        """The parameter bytes of `blocks` one tp rank holds (before FSDP shards them)."""
+        whole = sum(sizes.block_parameter_bytes[b] for b in blocks)
+        if self.split is None:
+            return whole
+        split = sum(self.split.split_parameter_bytes[b] for b in blocks)
+        return int(whole - (1 - 1 / self.layout.tp) * split)
+
+    def tp_kept(self, sizes: ModelSizes, blocks: list[int]) -> tuple[float, float]:
+        """The shares of `blocks`' parameters (and so gradients and optimizer state) and of their
+        FLOPs that one tp rank keeps."""
+        if self.split is None:
+            return 1.0, 1.0
+        whole = sum(sizes.block_parameter_bytes[b] for b in blocks)
+        state_kept = self.kept_bytes(sizes, blocks) / whole if whole else 1.0
+        return state_kept, self.split.flops_kept(blocks, self.layout.tp)
+
+    def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
+        """One share per pp rank (the first of its tp and data-parallel peers, which hold as
+        much): its stages' blocks on its data-parallel share of the batch, in micro-batches (all
+        kept for backward, as GPipe does: 1F1B keeps fewer), its state split by tp and then by
+        dp_shard, plus FSDP's gathered units (the one running and the next, prefetched)."""
+        layout, count = self.layout, len(sizes.block_parameter_bytes)
+        shares = []
+        ranks = zip(self.stage_blocks(count), self.rank_blocks(count), strict=True)
+        for pp_rank, (ranges, blocks) in enumerate(ranks):
+            units = [[b for b in unit if b in blocks] for unit in sizes.shared_blocks]
+            largest = max(self.kept_bytes(sizes, unit) for unit in units)
+            state_kept, flops_kept = self.tp_kept(sizes, blocks)
+            shares.append(
+                DeviceShare(
+                    f"{self.device_type}:{pp_rank * layout.dp * layout.tp}",
+                    micro_batch // layout.dp,
+                    blocks=None if ranges == [(0, count)] else ranges[0],
+                    later_stages=tuple(ranges[1:]),
+                    parts=self.cfg.microbatches if layout.pp > 1 else 1,
+                    state_shards=layout.dp_shard,
+                    state_kept=state_kept,
+                    flops_kept=flops_kept,
+                    extra_bytes={"parameters": 2 * largest if layout.dp_shard > 1 else 0},
+                )
+            )
+        return shares
+
+    def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
+        """What the busiest rank sends per step over tp (each pair's all-reduce forward and
+        backward; with sequence_parallel an all-gather and a reduce-scatter each way, as much
+        together) and data parallel (FSDP's, and the replicas' gradient all-reduce), and what
+        crosses the pipeline's stage boundaries (activations forward, gradients back). Not
+        counted: the sequence-parallel layout changes at the embedding and head, and
+        loss_parallel's per-token reductions."""
+        layout, samples = self.layout, micro_batch // self.layout.dp
+        ranks = self.rank_blocks(len(sizes.block_parameter_bytes))
+        traffic: dict[str, int] = {}
+        if self.split is not None:
+            summed = max(
+                sum(size for block, size in self.split.pair_outputs if block in blocks)
+                for blocks in ranks
+            )
+            size = accumulate * samples * summed
+            if self.precision in AUTOCAST_DTYPES:  # the Linears' outputs, in the autocast dtype
+                size //= 2
+            if self.cfg.sequence_parallel:
+                each = int(2 * (layout.tp - 1) / layout.tp * size)
+                traffic.update({"activation all-gather": each, "activation reduce-scatter": each})
+            else:
+                traffic["activation all-reduce"] = 2 * ring_bytes(size, layout.tp)
+        if layout.pp > 1:
+            crossing = boundary_bytes(self.stage_points, sizes, samples)
+            traffic["stage activations"] = accumulate * crossing
+        held = max(self.kept_bytes(sizes, blocks) for blocks in ranks)
+        if layout.dp_shard > 1:
+            traffic.update(sharded_traffic(held, held, layout.dp_shard, accumulate))
+        if layout.dp_replicate > 1:
+            traffic["gradient all-reduce"] = ring_bytes(
+                held // layout.dp_shard, layout.dp_replicate
+            )
+        return traffic
+
+    def idle_fraction(self) -> float:
+        if self.layout.pp == 1:
+            return 0.0
+        return schedule_bubble(self.layout.pp, self.cfg.stages_per_rank, self.cfg.microbatches)

@@ -11,7 +11,10 @@ of the summed loss (scale_grads=False: the default would divide them by the micr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -88,6 +91,20 @@ def stage_split(model: nn.Sequential, stages: int) -> list[int]:
     return points
 
 
+def schedule_bubble(pp: int, stages_per_rank: int, microbatches: int) -> float:
+    """The share of a step each rank waits, forward and backward taken to cost the same on
+    every stage and sends nothing. GPipe and 1F1B: (p - 1) / (m + p - 1), the GPipe paper's
+    (Huang et al. 2019, arxiv.org/abs/1811.06965, section 2.3) and Megatron-LM's for 1F1B
+    (Narayanan et al. 2021, arxiv.org/abs/2104.04473, section 2.2.1: bubble over ideal time
+    (p - 1) / m). The looped schedules, v stages per rank, run v times as many chunks each 1/v
+    as long behind the same ramp: (p - 1) / (v m + p - 1) (ibid., section 2.2.2: (1 / v)
+    (p - 1) / m; LoopedBFS's breadth-first paper, arxiv.org/abs/2211.05953, which torch cites,
+    has the same for m >= p). InterleavedZeroBubble fills part of it with the weight gradients
+    it defers: for it this is an upper bound."""
+    ramp = pp - 1
+    return ramp / (stages_per_rank * microbatches + ramp)
+
+
 def stage_ranks(schedule: str, pp: int, stages_per_rank: int) -> list[int]:
     """The pp rank holding each stage."""
     if schedule in V_SHAPED:
@@ -105,7 +122,7 @@ def apply_pp(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> tuple[_PipelineSchedule, list[int]]:
     """This rank's stages of `model` (its blocks shared, not copied) in the named schedule;
-    returns it and the pp rank that holds each block."""
+    returns it, the stages, and the pp rank that holds each block."""
     pp, pp_rank = mesh.size(), mesh.get_local_rank()
     stages = pp * stages_per_rank
     bounds = [0, *stage_split(model, stages), len(model)]
@@ -121,7 +138,8 @@ def apply_pp(
     block_ranks = [owner[s] for s in range(stages) for _ in range(bounds[s], bounds[s + 1])]
     kind = get_schedule_class(schedule)
     runs = pipeline_stages[0] if schedule in ONE_STAGE else pipeline_stages
-    return kind(runs, microbatches, loss_fn=loss_fn, scale_grads=False), block_ranks
+    schedule_run = kind(runs, microbatches, loss_fn=loss_fn, scale_grads=False)
+    return schedule_run, pipeline_stages, block_ranks
 
 
 class ScaleGradients(torch.autograd.Function):
@@ -160,9 +178,17 @@ class PipelineRun:
 
     def __init__(self, cfg, mesh: DeviceMesh, device: torch.device, model: nn.Sequential):
         self.group, self.rank, self.device = mesh.get_group(), mesh.get_local_rank(), device
-        self.schedule, self.block_ranks = apply_pp(
-            model, mesh, device, cfg.schedule, cfg.microbatches, cfg.stages_per_rank, self.loss
+        self.clock = StageClock(device)
+        self.schedule, stages, self.block_ranks = apply_pp(
+            model,
+            mesh,
+            device,
+            cfg.schedule,
+            cfg.microbatches,
+            cfg.stages_per_rank,
+            self.clock.timed(self.loss),
         )
+        self.clock.time_stages(stages)
         owner = stage_ranks(cfg.schedule, mesh.size(), cfg.stages_per_rank)
         self.first, self.last = owner[0], owner[-1]
         self.parameters = [
@@ -190,7 +216,8 @@ class PipelineRun:
             self.schedule.eval(*args, target=target)
             return self.broadcast_sums()
         before = [None if p.grad is None else p.grad.clone() for p in self.parameters]
-        self.schedule.step(*args, target=target)
+        with self.clock.step():
+            self.schedule.step(*args, target=target)
         sums = self.broadcast_sums().requires_grad_()
         return ScaleGradients.apply(
             sums, lambda factor: rescale_since(self.parameters, before, factor)
@@ -224,3 +251,61 @@ class PipelineRun:
         every: list = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(every, state, group=self.group)
         return dict(sorted((index, entries) for part in every for index, entries in part.items()))
+
+    def idle_fractions(self) -> list[float | None]:
+        """Each pp rank's measured idle fraction (`StageClock`), in pp rank order: a collective
+        of the pp ranks."""
+        every: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(every, self.clock.idle_fraction(), group=self.group)
+        return every
+
+
+class StageClock:
+    """How long this rank computes in each training micro-step's `schedule.step`: its stages'
+    forward and backward chunks and the loss (timed where the schedule calls them), against the
+    step's wall time. The rest of the step the rank waited for its peers' activations or
+    gradients (the bubble) or sent its own; the idle fraction is that rest's share, over every
+    step but the first (which also infers the stages' shapes). On CUDA every reading waits for
+    the device's queued work."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.computing_s = 0.0  # in the timed calls, so far
+        self.steps: list[tuple[float, float]] = []  # (wall, computing) seconds of each step
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def timed(self, work: Callable) -> Callable:
+        @functools.wraps(work)
+        def timed_work(*args: Any, **kwargs: Any) -> Any:
+            started = self.now()
+            try:
+                return work(*args, **kwargs)
+            finally:
+                self.computing_s += self.now() - started
+
+        return timed_work
+
+    def time_stages(self, stages: list[PipelineStage]) -> None:
+        """Time each stage's chunks (those of the split backward too) where the schedule calls
+        them."""
+        for stage in stages:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(stage, name, self.timed(getattr(stage, name)))
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        started, computed = self.now(), self.computing_s
+        yield
+        self.steps.append((self.now() - started, self.computing_s - computed))
+
+    def idle_fraction(self) -> float | None:
+        """None before two steps have run."""
+        timed = self.steps[1:]
+        if not timed:
+            return None
+        wall = sum(step_s for step_s, _ in timed)
+        return 1 - sum(computing_s for _, computing_s in timed) / wall

@@ -367,20 +367,24 @@ def socket_bytes_per_s(size: int) -> float:
             return size / best_time_s(send_and_read, repeats=3)
 
 
-def step_time_s(
-    plan: Plan, strategy: PlannedStrategy, speed: DeviceSpeed, cores: int
-) -> float:
+def step_time_s(plan: Plan, strategy: PlannedStrategy, speed: DeviceSpeed, cores: int) -> float:
     """A rough time per step: compute, plus the step's traffic, not overlapped.
 
     GPUs run side by side: the busiest device's FLOPs, stretched by a pipeline's idle share.
-    On CPU the plan's devices are one process's (see `DeviceShare.devices`) and they share its
-    cores, so they run one after another: all their FLOPs at the rate of that process's threads
-    (the cores split over the node's processes). Traffic between processes goes over the link;
-    within one process (every device of a one-process strategy) it is a copy in memory."""
+    On CPU a one-process strategy's devices (see `DeviceShare.devices`) share its cores, so they
+    run one after another: all their FLOPs at the rate of its threads. Each device of a
+    strategy of several processes is a process, the cores split over them: the busiest one's
+    FLOPs at its threads' rate, stretched by the idle share where its pipeline's stages are
+    processes of their own (not several stages in one process, `devices` > 1). Traffic between
+    processes goes over the link; within one process (every device of a one-process strategy)
+    it is a copy in memory."""
     processes = strategy.processes_per_node
-    if strategy.device_type == "cpu":
-        threads = max(1, cores // processes)
-        compute = sum(device.flops for device in plan.device_plans) / speed.flops_per_s(threads)
+    if strategy.device_type == "cpu" and processes == 1:
+        compute = sum(device.flops for device in plan.device_plans) / speed.flops_per_s(cores)
+    elif strategy.device_type == "cpu":
+        busiest = max(plan.device_plans, key=lambda device: device.flops)
+        idle = strategy.idle_fraction() if busiest.devices == 1 else 0.0
+        compute = busiest.flops / speed.flops_per_s(max(1, cores // processes)) / (1 - idle)
     else:
         busiest = max(device.flops / device.devices for device in plan.device_plans)
         compute = busiest / speed.flops_per_s(1) / (1 - strategy.idle_fraction())
@@ -432,7 +436,14 @@ class TracedShare:
 def share_key(share: DeviceShare) -> tuple:
     """What a share's trace depends on: shares equal in these trace the same (the label, the
     sharding and what the strategy adds are applied after, in `device_plan`)."""
-    return (share.samples, share.blocks, share.parts, share.gather, share.replica_only)
+    return (
+        share.samples,
+        share.blocks,
+        share.later_stages,
+        share.parts,
+        share.gather,
+        share.replica_only,
+    )
 
 
 def trace_share(cfg: DictConfig, data: Data, share: DeviceShare) -> TracedShare:
@@ -446,15 +457,20 @@ def trace_share(cfg: DictConfig, data: Data, share: DeviceShare) -> TracedShare:
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
         prepare_blocks(model, trainer.activation_checkpointing, False)
-        start, end = share.blocks or (0, len(model))
-        stage = nn.Sequential(*list(model)[start:end])
-        optimizer = build_optimizer(cfg.optimizer, stage.parameters())
-        step = ShareStep(stage, share, task, last=end == len(model))
-        template = stage_inputs(model, start, share.samples, sample_inputs)
+        ranges = share.stage_blocks(len(model))
+        stages = nn.ModuleList(nn.Sequential(*list(model)[start:end]) for start, end in ranges)
+        optimizer = build_optimizer(cfg.optimizer, stages.parameters())
+        step = ShareStep(stages, share, task, lasts=[end == len(model) for _, end in ranges])
+        templates = [
+            stage_inputs(model, start, share.samples, sample_inputs) for start, _ in ranges
+        ]
 
         def training_step() -> None:
             for _ in range(trainer.accumulate):
-                inputs = fresh_inputs(template, from_stage=start > 0)
+                inputs = [
+                    fresh_inputs(template, from_stage=start > 0)
+                    for template, (start, _) in zip(templates, ranges, strict=True)
+                ]
                 targets = sample_targets.new_zeros(share.samples, *sample_targets.shape[1:])
                 with autocast("cpu", trainer.precision):
                     loss = step(inputs, targets)
@@ -475,7 +491,7 @@ def trace_share(cfg: DictConfig, data: Data, share: DeviceShare) -> TracedShare:
 
 def device_plan(traced: TracedShare, share: DeviceShare) -> DevicePlan:
     """`share`'s device: its traced peak in the plan's categories, shared out."""
-    device = DevicePlan(share.label, share.devices, flops=traced.flops)
+    device = DevicePlan(share.label, share.devices, flops=int(traced.flops * share.flops_kept))
     for kind, size in traced.peak.items():
         if kind in TRACKED_AS:
             name = TRACKED_AS[kind]
@@ -484,10 +500,11 @@ def device_plan(traced: TracedShare, share: DeviceShare) -> DevicePlan:
 
 
 def shared_out(device: DevicePlan, share: DeviceShare) -> DevicePlan:
-    """`device` with its parameters, gradients and optimizer state split `share.state_shards`
-    ways, plus what the strategy adds on top (`share.extra_bytes`)."""
+    """`device` with its parameters, gradients and optimizer state cut to `share.state_kept`
+    and split `share.state_shards` ways, plus what the strategy adds on top
+    (`share.extra_bytes`)."""
     split = {
-        name: getattr(device, name) // share.state_shards
+        name: int(getattr(device, name) * share.state_kept) // share.state_shards
         for name in ("parameters", "gradients", "optimizer")
     }
     if share.replica_only:
@@ -521,18 +538,25 @@ def fresh_inputs(template: Any, from_stage: bool) -> Any:
 
 
 class ShareStep(nn.Module):
-    """A device's forward pass and loss: what it backpropagates."""
+    """A device's forward pass and loss: what it backpropagates, over each of its stages (one,
+    unless an interleaved pipeline gives it several), all of them kept for one backward."""
 
-    def __init__(self, stage: nn.Sequential, share: DeviceShare, task: Any, last: bool):
+    def __init__(self, stages: nn.ModuleList, share: DeviceShare, task: Any, lasts: list[bool]):
         super().__init__()
-        self.stage, self.share, self.task, self.last = stage, share, task, last
+        self.stages, self.share, self.task, self.lasts = stages, share, task, lasts
 
-    def forward(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs: list[Any], targets: torch.Tensor) -> torch.Tensor:
+        pairs = zip(self.stages, inputs, self.lasts, strict=True)
+        return sum(self.stage_loss(stage, x, targets, last) for stage, x, last in pairs)
+
+    def stage_loss(
+        self, stage: nn.Sequential, inputs: Any, targets: torch.Tensor, last: bool
+    ) -> torch.Tensor:
         """The loss sum (over `share.parts` parts, their outputs concatenated first when
         `share.gather`), or, before the last stage, its outputs' sum (whose gradient stands for
         the one the next stage sends back)."""
-        parts = [self.stage(part) for part in split_parts(inputs, self.share.parts)]
-        if not self.last:
+        parts = [stage(part) for part in split_parts(inputs, self.share.parts)]
+        if not last:
             return sum(leaf.float().sum() for part in parts for leaf in tree_leaves(part))
         if self.share.gather:
             return self.task.sums(torch.cat(parts), targets)[0]

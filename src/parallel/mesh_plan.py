@@ -1,0 +1,95 @@
+"""What the planner needs of an N-D layout (`mesh.py`): each rank's share of the model's state and
+work, the tensor-parallel, pipeline and data-parallel traffic of a step.
+
+Tensor parallel splits the planned Linears (`tensor_parallel.tp_plan`) over the tp ranks: a
+ColwiseParallel Linear's weight and bias, a RowwiseParallel one's weight (its bias is
+replicated), and so their gradients and optimizer state; the FLOPs of those Linears and of the
+attention between them (each rank runs its heads). Everything else is replicated. The
+activations are traced whole: under tp the planner's activation figure is an upper bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.utils.flop_counter import FlopCounterMode
+
+from src.components.batches import Tree, batch_size
+from src.components.models import CausalSelfAttention
+
+
+@dataclass(frozen=True)
+class TPSplit:
+    """What a tensor-parallel plan splits of a model, per block (from one forward pass)."""
+
+    split_parameter_bytes: list[int]
+    """Each block's parameter bytes that the tp ranks split between them."""
+    flops: list[int]
+    """Each block's forward FLOPs per sample."""
+    split_flops: list[int]
+    """Of those, the ones the tp ranks split (the planned Linears, attention over its heads)."""
+    pair_outputs: list[tuple[int, int]]
+    """(block, bytes per sample) of each RowwiseParallel Linear's output: what a pair sums over
+    the tp ranks."""
+
+    def flops_kept(self, blocks: list[int], tp: int) -> float:
+        """The share of `blocks`' FLOPs that one of `tp` ranks runs."""
+        total = sum(self.flops[b] for b in blocks)
+        split = sum(self.split_flops[b] for b in blocks)
+        return 1 - (1 - 1 / tp) * split / total if total else 1.0
+
+
+def split_parameters(module: nn.Module, style: ParallelStyle) -> list[nn.Parameter]:
+    """The parameters of a planned Linear that `style` splits."""
+    if isinstance(style, ColwiseParallel):
+        return list(module.parameters(recurse=False))
+    if isinstance(style, RowwiseParallel):
+        return [module.weight]
+    return []
+
+
+def block_of(name: str) -> int:
+    return int(name.split(".")[0])
+
+
+def tp_split(model: nn.Sequential, plan: dict[str, ParallelStyle], inputs: Tree) -> TPSplit:
+    """`plan`'s split of `model` (on the meta device), from one forward pass of `inputs`."""
+    split_bytes = [0] * len(model)
+    outputs: list[tuple[int, int]] = []
+    samples = batch_size(inputs)
+
+    def record(block: int):
+        def hook(module: nn.Module, args: object, output: torch.Tensor) -> None:
+            outputs.append((block, output.nbytes // samples))
+
+        return hook
+
+    handles = []
+    for name, style in plan.items():
+        module = model.get_submodule(name)
+        split_bytes[block_of(name)] += sum(p.nbytes for p in split_parameters(module, style))
+        if isinstance(style, RowwiseParallel):
+            handles.append(module.register_forward_hook(record(block_of(name))))
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    by_module = {
+        name.partition(".")[2]: sum(counts.values())
+        for name, counts in counter.get_flop_counts().items()
+    }
+    flops, split_flops = [0] * len(model), [0] * len(model)
+    for index in range(len(model)):
+        flops[index] = by_module.get(str(index), 0) // samples
+    for name in plan:
+        split_flops[block_of(name)] += by_module.get(name, 0) // samples
+    for name, module in model.named_modules():
+        if isinstance(module, CausalSelfAttention):  # its attention over the heads, between
+            inner = by_module.get(name, 0) - by_module.get(f"{name}.qkv", 0)
+            split_flops[block_of(name)] += (inner - by_module.get(f"{name}.proj", 0)) // samples
+    return TPSplit(split_bytes, flops, split_flops, outputs)
