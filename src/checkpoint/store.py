@@ -218,6 +218,22 @@ class CheckpointWriter:
             publish(staging, final, self.keep)
 
 
+def rows_placed(local: torch.Tensor, rows: list[int], shape: torch.Size) -> torch.Tensor:
+    """`local`, whose row i is row `rows[i]` of a tensor of `shape`, as DCP saves and loads a
+    piece of that tensor (its `CheckpointableTensor` protocol): one chunk per run of consecutive
+    rows. A view of `local`: what DCP loads into it lands in `local`."""
+    view = local.detach()  # another tensor object on the same memory, to carry the attributes
+    starts = [i for i in range(len(rows)) if i == 0 or rows[i] != rows[i - 1] + 1]
+    ends = [*starts[1:], len(rows)]
+    rest = tuple(shape[1:])
+    zeros = (0,) * len(rest)
+    view.global_shape = tuple(shape)
+    view.global_offsets = tuple((rows[start], *zeros) for start in starts)
+    view.local_offsets = tuple((start, *zeros) for start in starts)
+    view.local_sizes = tuple((end - start, *rest) for start, end in zip(starts, ends, strict=True))
+    return view
+
+
 def resume_path(resume: str | None, run_dir: Path, announce: bool = False) -> Path | None:
     """The checkpoint `trainer.resume` names: None; `auto`, the run folder's newest checkpoint
     that can be read, if there is one yet (so a job can be restarted with the same command); or a

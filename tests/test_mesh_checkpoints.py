@@ -1,0 +1,117 @@
+"""Sharded (DCP) checkpoints of the mesh layouts (src/parallel/mesh.py) through the real
+`train.py`: fsdp 2 x tp 2 and pp 2 save single's tensors in shards, which export as single's
+state_dict and resume, resharded, under single, fsdp and pp; single's resume under tp and
+fsdp 2 x tp 2. Each resumed run ends as the uninterrupted single run."""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import (
+    TINY_TRANSFORMER_SGD,
+    assert_same_training,
+    checkpoint,
+    parallel_config,
+    run_sweep,
+    sweep_runs,
+)
+
+from src.checkpoint.store import export
+from src.components.models import Transformer
+from src.parallel import build_strategy
+
+# The transformer: its fused qkv rows are what tp regroups, its 4 blocks make 2 pp stages.
+WORKLOAD = (*TINY_TRANSFORMER_SGD, "trainer.checkpoint_every=3")
+RANKS = {"single": 1, "fsdp_tp": 4, "pp": 2}
+
+
+def saved_runs() -> dict[str, Path]:
+    """single (the uninterrupted reference), fsdp 2 x tp 2 and pp 2, each checkpointing sharded
+    at steps 3 and 6, in one sweep."""
+    runs = sweep_runs(
+        *WORKLOAD, "trainer.checkpoint_format=sharded", f"parallel={','.join(RANKS)}"
+    )
+    return {key.removeprefix("parallel="): run_dir for key, run_dir in runs.items()}
+
+
+@functools.cache
+def resumed_runs(source: str, layouts: tuple[str, ...]) -> dict[str, Path]:
+    """The `source` run as killed after step 3's checkpoint, resumed under each of `layouts`
+    (`trainer.resume=auto`) in one sweep, each job's run folder a copy of it; they save `full`,
+    the format the sources did not."""
+    sweep_dir = Path(tempfile.mkdtemp(prefix="resumed-"))
+    for job in range(len(layouts)):
+        run_dir = shutil.copytree(saved_runs()[source], sweep_dir / str(job))
+        shutil.rmtree(run_dir / "checkpoints" / "step-000006")
+        (run_dir / "summary.json").unlink()
+    result = run_sweep(
+        *WORKLOAD,
+        "trainer.resume=auto",
+        "trainer.checkpoint_format=full",
+        f"parallel={','.join(layouts)}",
+        sweep_dir=sweep_dir,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("/checkpoints/step-000003 at step 3") == len(layouts)
+    return {layout: sweep_dir / str(job) for job, layout in enumerate(layouts)}
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("layout", ["fsdp_tp", "pp"])
+def test_a_mesh_layout_saves_shards_that_export_as_single_s_state_dict(layout, tmp_path):
+    """Each rank writes its own shards (the pp ranks their own blocks); read whole, or
+    exported, they are single's state_dict: its keys, its qkv row order, its values."""
+    runs = saved_runs()
+    saved = runs[layout] / "checkpoints" / "step-000006"
+    assert len(list(saved.glob("*.distcp"))) == RANKS[layout]
+    assert_same_training(runs["single"], runs[layout])
+
+    export(runs[layout], tmp_path / "model.pt")
+
+    exported = torch.load(tmp_path / "model.pt", weights_only=True)
+    model = Transformer(input_shape=(8,), num_classes=16, hidden=32, depth=2, heads=2)
+    model.load_state_dict(exported)  # strict
+    reference = checkpoint(runs["single"])["model"]
+    assert list(exported) == list(reference)
+    assert all((exported[key] - value).abs().max() < 1e-5 for key, value in reference.items())
+
+
+@pytest.mark.equivalence
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", ["single", "fsdp", "pp"])
+def test_a_2d_sharded_checkpoint_resumes_exactly_as_another_layout(layout):
+    """fsdp 2 x tp 2's shards, read by 1 process, by 2 that shard them along another dimension,
+    and by 2 pipeline ranks that take their own blocks each."""
+    run_dir = resumed_runs("fsdp_tp", ("single", "fsdp", "pp"))[layout]
+    assert_same_training(saved_runs()["single"], run_dir)
+
+
+@pytest.mark.equivalence
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", ["tp", "fsdp_tp"])
+def test_a_single_sharded_checkpoint_resumes_exactly_under_tensor_parallel(layout):
+    """single's rows, loaded into each tp rank's regrouped qkv shard (under fsdp_tp, a quarter
+    of it); the full checkpoint the run then saves holds single's order again."""
+    run_dir = resumed_runs("single", ("tp", "fsdp_tp"))[layout]
+    assert_same_training(saved_runs()["single"], run_dir)
+
+
+@pytest.mark.parametrize(
+    "option, degrees, expected",
+    [
+        ("tp", {}, "sharded"),
+        ("pp", {}, "sharded"),
+        ("fsdp_tp", {}, "sharded"),
+        ("tp", {"tp": 1, "dp_replicate": -1}, "full"),  # replicas only: each holds the model
+    ],
+    ids=["tp", "pp", "fsdp_tp", "replicas"],
+)
+def test_auto_is_sharded_where_no_rank_holds_the_whole_model(option, degrees, expected):
+    strategy = build_strategy(parallel_config(option, **degrees), "cpu")
+    assert strategy.default_checkpoint_format == expected
