@@ -29,8 +29,14 @@ RANKS = {"single": 1, "fsdp_tp": 4, "pp": 2}
 
 def saved_runs() -> dict[str, Path]:
     """single (the uninterrupted reference), fsdp 2 x tp 2 and pp 2, each checkpointing sharded
-    at steps 3 and 6, in one sweep."""
-    runs = sweep_runs(*WORKLOAD, "trainer.checkpoint_format=sharded", f"parallel={','.join(RANKS)}")
+    at steps 3 and 6 in one sweep; asynchronously, so that the resumes from step 3 show that DCP
+    copied each rank's pieces before training went on."""
+    runs = sweep_runs(
+        *WORKLOAD,
+        "trainer.checkpoint_format=sharded",
+        "trainer.async_checkpoint=true",
+        f"parallel={','.join(RANKS)}",
+    )
     return {key.removeprefix("parallel="): run_dir for key, run_dir in runs.items()}
 
 
