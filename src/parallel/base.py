@@ -259,7 +259,8 @@ class Strategy:
     rank: int = 0
     world_size: int = 1
     is_main: bool = True
-    # One file that single loads; sharded (DCP) needs a plain, DDP or FSDP2 module.
+    # One file that single loads; sharded (DCP) needs a plain, DDP or FSDP2 module (or one of
+    # DTensors, as the mesh layouts' are).
     sharded_checkpoints: bool = False
     default_checkpoint_format: str = "full"
     spans_nodes: bool = False  # its processes may run on several nodes (parallel.nodes)
