@@ -360,7 +360,21 @@ def read_sharded(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         raise unreadable(path, error) from error
     optimizer = state["optimizer"]
     names = [name for group in optimizer["param_groups"] for name in group["params"]]
-    return state["model"], renamed(optimizer, {name: i for i, name in enumerate(names)})
+    return in_block_order(state["model"]), renamed(
+        optimizer, {name: i for i, name in enumerate(names)}
+    )
+
+
+def in_block_order(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """DCP lists each tensor where the first rank that wrote it put it: pipeline ranks holding
+    blocks 0 and 2, and 1 and 3, list 0, 2, 1, 3. Back in block order (an `nn.Sequential`'s
+    keys start with the block's index), each block's tensors in their own order."""
+
+    def block(key: str) -> int:
+        head = key.split(".", 1)[0]
+        return int(head) if head.isdigit() else -1
+
+    return dict(sorted(model_state.items(), key=lambda item: block(item[0])))
 
 
 def renamed(state: dict[str, Any], new_key: dict) -> dict[str, Any]:

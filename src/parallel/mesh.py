@@ -208,8 +208,15 @@ class Mesh(Distributed):
 
     def in_single_rows(self, name: str, value: Any) -> Any:
         """A regrouped qkv tensor's local shard (a contiguous block of regrouped rows) as the
-        rows of single's tensor it holds; any other value as it is."""
-        if name not in self.row_orders or not isinstance(value, DTensor):
+        rows of single's tensor it holds; a DTensor of partial sums (the momentum of a norm
+        under sequence parallel: its gradients' sum left pending) summed, as DCP saves no
+        partial values; any other value as it is."""
+        if not isinstance(value, DTensor):
+            return value
+        if any(placement.is_partial() for placement in value.placements):
+            summed = [Replicate() if p.is_partial() else p for p in value.placements]
+            value = value.redistribute(placements=summed)
+        if name not in self.row_orders:
             return value
         (chunk,) = value.__create_chunk_list__()  # where this shard lies, in regrouped rows
         start, count = chunk.offsets[0], chunk.sizes[0]
