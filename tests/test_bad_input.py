@@ -298,7 +298,8 @@ ROWS = [
     pytest.param(
         ["parallel=dp", "trainer.checkpoint_format=sharded"],
         CHECK,
-        "trainer.checkpoint_format=sharded is for parallel=single, ddp or fsdp, not dp",
+        "trainer.checkpoint_format=sharded is for parallel=single, ddp, fsdp and the mesh layouts "
+        "(tp, pp, fsdp_tp), not dp",
         id="sharded-dp",
     ),
     pytest.param(

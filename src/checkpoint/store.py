@@ -218,6 +218,22 @@ class CheckpointWriter:
             publish(staging, final, self.keep)
 
 
+def rows_placed(local: torch.Tensor, rows: list[int], shape: torch.Size) -> torch.Tensor:
+    """`local`, whose row i is row `rows[i]` of a tensor of `shape`, as DCP saves and loads a
+    piece of that tensor (its `CheckpointableTensor` protocol): one chunk per run of consecutive
+    rows. A view of `local`: what DCP loads into it lands in `local`."""
+    view = local.detach()  # another tensor object on the same memory, to carry the attributes
+    starts = [i for i in range(len(rows)) if i == 0 or rows[i] != rows[i - 1] + 1]
+    ends = [*starts[1:], len(rows)]
+    rest = tuple(shape[1:])
+    zeros = (0,) * len(rest)
+    view.global_shape = tuple(shape)
+    view.global_offsets = tuple((rows[start], *zeros) for start in starts)
+    view.local_offsets = tuple((start, *zeros) for start in starts)
+    view.local_sizes = tuple((end - start, *rest) for start, end in zip(starts, ends, strict=True))
+    return view
+
+
 def resume_path(resume: str | None, run_dir: Path, announce: bool = False) -> Path | None:
     """The checkpoint `trainer.resume` names: None; `auto`, the run folder's newest checkpoint
     that can be read, if there is one yet (so a job can be restarted with the same command); or a
@@ -344,7 +360,21 @@ def read_sharded(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         raise unreadable(path, error) from error
     optimizer = state["optimizer"]
     names = [name for group in optimizer["param_groups"] for name in group["params"]]
-    return state["model"], renamed(optimizer, {name: i for i, name in enumerate(names)})
+    return in_block_order(state["model"]), renamed(
+        optimizer, {name: i for i, name in enumerate(names)}
+    )
+
+
+def in_block_order(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """DCP lists each tensor where the first rank that wrote it put it: pipeline ranks holding
+    blocks 0 and 2, and 1 and 3, list 0, 2, 1, 3. Back in block order (an `nn.Sequential`'s
+    keys start with the block's index), each block's tensors in their own order."""
+
+    def block(key: str) -> int:
+        head = key.split(".", 1)[0]
+        return int(head) if head.isdigit() else -1
+
+    return dict(sorted(model_state.items(), key=lambda item: block(item[0])))
 
 
 def renamed(state: dict[str, Any], new_key: dict) -> dict[str, Any]:

@@ -477,7 +477,8 @@ class TrainerConfig:
     """0 checkpoints only at the end (and when stopped)."""
     checkpoint_format: CheckpointFormat = CheckpointFormat.auto
     """full (one file, gathered on the main process), sharded (torch.distributed.checkpoint:
-    every rank writes its own shards; single, ddp and fsdp) or auto: sharded for fsdp, else
+    every rank writes its own shards; single, ddp, fsdp and the mesh layouts) or auto: sharded
+    for fsdp and for a mesh layout that splits the model (tp, pp or dp_shard above 1), else
     full. Either resumes under any strategy and number of processes."""
     keep_checkpoints: int = 2
     """The newest K `checkpoints/step-*` folders are kept (0: all); resume falls back to the one

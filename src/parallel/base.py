@@ -185,6 +185,17 @@ def process_peak_memory_mb() -> float:
     return peak / (2**20 if sys.platform == "darwin" else 2**10)
 
 
+def dcp_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """DCP's state_dict APIs for a plain, DDP or FSDP2 model (or one of DTensor parameters):
+    `model` and `optimizer` keyed by parameter name, each process's own shards."""
+    # DCP is imported where used: importing it costs a run's start-up about a fifth of
+    # `import torch`, and only sharded checkpoints need it.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=StateDictOptions())
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
 @runtime_checkable
 class TrainingStrategy(Protocol):
     """What the trainer and its loop call on a strategy (each `Strategy` is one)."""
@@ -260,7 +271,8 @@ class Strategy:
     rank: int = 0
     world_size: int = 1
     is_main: bool = True
-    # One file that single loads; sharded (DCP) needs a plain, DDP or FSDP2 module.
+    # One file that single loads; sharded (DCP) needs a plain, DDP or FSDP2 module (or one of
+    # DTensors, as the mesh layouts' are).
     sharded_checkpoints: bool = False
     default_checkpoint_format: str = "full"
     spans_nodes: bool = False  # its processes may run on several nodes (parallel.nodes)
@@ -367,15 +379,14 @@ class Strategy:
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> dict[str, Any]:
         """`model` and `optimizer` keyed by parameter name, each process holding its own shards
-        (a replica's tensors are whole; DCP writes them once)."""
-        # DCP is imported where used: importing it costs a run's start-up about a fifth of
-        # `import torch`, and only sharded checkpoints need it.
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+        (a replica's tensors are whole; DCP writes them once), as this process saves them."""
+        return self.as_saved(dcp_state_dict(model, optimizer))
 
-        # DCP's APIs for a plain, DDP or FSDP2 model: parameter names as keys, own shards each.
-        options = StateDictOptions()
-        model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
-        return {"model": model_state, "optimizer": optimizer_state}
+    def as_saved(self, state: dict[str, Any]) -> dict[str, Any]:
+        """What of `dcp_state_dict`'s `state` this process writes and reads, in the form DCP is
+        to see it: all of it, as it is (a strategy whose tensors are not single's, in layout or
+        in extent, says here how they lie in single's)."""
+        return state
 
     def load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
         """Load a sharded checkpoint into the wrapped `model` and its `optimizer`: DCP reads each
@@ -383,8 +394,8 @@ class Strategy:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        state = self.sharded_state_dict(model, optimizer)  # the shapes and shards to fill
-        dcp.load(state, checkpoint_id=path)
+        state = dcp_state_dict(model, optimizer)  # the shapes and shards to fill
+        dcp.load(self.as_saved(state), checkpoint_id=path)  # into them (or views of them)
         set_state_dict(
             model,
             optimizer,

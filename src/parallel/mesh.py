@@ -7,8 +7,13 @@ dp_replicate replicates, both HSDP). Data-parallel rank d of D reads `global bat
 the tp ranks of one data-parallel index read the same ones and compute the same loss, which only
 the data-parallel ranks sum.
 
-Checkpoints are `full`, in single's format: every process gathers the DTensors whole, the
-tensor-parallel row regrouping undone (`tensor_parallel.single_layout`); rank 0 writes them.
+Checkpoints hold single's tensors, in single's row order, whatever the layout. `sharded` (the
+default when no rank holds the whole model: tp, pp or dp_shard above 1): every process writes its
+own shards through DCP, the pieces of the fused qkv rows that tensor parallel regrouped placed
+where they lie in single's tensors, and a pipeline rank the blocks it trains only; any number of
+processes of any strategy that reads sharded checkpoints resumes them (DCP reshards). `full`:
+every process gathers the DTensors whole, the regrouping undone (`tensor_parallel.single_layout`),
+and rank 0 writes them.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from src.checkpoint.store import rows_placed
 from src.components.batches import move
 from src.components.precision import AUTOCAST_DTYPES
 from src.config.schema import ConfigError, MeshConfig
@@ -79,6 +85,7 @@ def like(parameter: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 
 class Mesh(Distributed):
     settings_schema = MeshConfig
+    sharded_checkpoints = True
     # What check_model finds for the planner: where stages 1.. start, what tp splits.
     stage_points: tuple[int, ...] = ()
     split: TPSplit | None = None
@@ -189,6 +196,55 @@ class Mesh(Distributed):
             labels = [f"cpu:rank{self.process_rank}"]
         return labels, megabytes
 
+    @property
+    def default_checkpoint_format(self) -> str:
+        """`sharded` where no rank holds the whole model (as under fsdp), else `full`."""
+        layout = self.layout
+        return "sharded" if layout.tp * layout.pp * layout.dp_shard > 1 else "full"
+
+    def trains(self, name: str) -> bool:
+        """Whether this process trains the state_dict entry `name`: under pp, only its stages'
+        blocks (it holds the others too, untrained)."""
+        if self.pipeline is None:
+            return True
+        return self.pipeline.block_ranks[int(name.split(".")[0])] == self.pipeline.rank
+
+    def as_saved(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The entries this process trains, each in single's layout (`in_single_rows`)."""
+        model_state, optimizer_state = state["model"], state["optimizer"]
+        return {
+            "model": {
+                name: self.in_single_rows(name, value)
+                for name, value in model_state.items()
+                if self.trains(name)
+            },
+            "optimizer": {
+                **optimizer_state,
+                "state": {
+                    name: {key: self.in_single_rows(name, value) for key, value in entries.items()}
+                    for name, entries in optimizer_state["state"].items()
+                    if self.trains(name)
+                },
+            },
+        }
+
+    def in_single_rows(self, name: str, value: Any) -> Any:
+        """A regrouped qkv tensor's local shard (a contiguous block of regrouped rows) as the
+        rows of single's tensor it holds; a DTensor of partial sums (the momentum of a norm
+        under sequence parallel: its gradients' sum left pending) summed, as DCP saves no
+        partial values; any other value as it is."""
+        if not isinstance(value, DTensor):
+            return value
+        if any(placement.is_partial() for placement in value.placements):
+            summed = [Replicate() if p.is_partial() else p for p in value.placements]
+            value = value.redistribute(placements=summed)
+        if name not in self.row_orders:
+            return value
+        (chunk,) = value.__create_chunk_list__()  # where this shard lies, in regrouped rows
+        start, count = chunk.offsets[0], chunk.sizes[0]
+        rows = self.row_orders[name][start : start + count].tolist()
+        return rows_placed(value.to_local(), rows, value.shape)
+
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         state = {
             name: single_layout(name, full_tensor(value), self.row_orders)
@@ -211,8 +267,10 @@ class Mesh(Distributed):
             }
             for index, entries in state["state"].items()
         }
-        if self.pipeline:  # each stage's rank holds the state of its own parameters only
-            state["state"] = self.pipeline.merged(state["state"])
+        if self.pipeline:  # each rank gives the state of the parameters it trains (a resumed
+            # one holds the others' too, as loaded, untrained)
+            own = {i: entries for i, entries in state["state"].items() if self.trains(names[i])}
+            state["state"] = self.pipeline.merged(own)
         return state
 
     def load_optimizer_state_dict(

@@ -130,8 +130,8 @@ def check_checkpoint_format(trainer: DictConfig, strategy: Strategy) -> None:
     checkpoint_format = resolved_format(trainer.checkpoint_format, strategy)
     if checkpoint_format == "sharded" and not strategy.sharded_checkpoints:
         raise ConfigError(
-            f"trainer.checkpoint_format=sharded is for parallel=single, ddp or fsdp, not "
-            f"{strategy.name}; use full (or auto)"
+            "trainer.checkpoint_format=sharded is for parallel=single, ddp, fsdp and the mesh "
+            f"layouts (tp, pp, fsdp_tp), not {strategy.name}; use full (or auto)"
         )
     if trainer.async_checkpoint and checkpoint_format != "sharded":
         raise ConfigError(
