@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _PipelineSchedule, get_schedule_class
 
+from src.components.batches import batch_size
 from src.config.schema import ConfigError
 from src.parallel.base import tied_block_groups
 from src.parallel.mechanisms.stage_pipeline import balanced_split_points, parameter_count
@@ -201,6 +202,8 @@ class PipelineRun:
         self.fn: Callable | None = None
         self.captured: list[torch.Tensor] = []
         self.sums_shape: tuple | None = None
+        self.model, self.mesh, self.stages_per_rank = model, mesh, cfg.stages_per_rank
+        self.evaluations: dict[int, _PipelineSchedule] = {}
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The schedule's loss of one micro-batch: the summed loss; all the sums are kept."""
@@ -213,19 +216,30 @@ class PipelineRun:
         args = (inputs,) if self.rank == self.first else ()
         target = targets if self.rank == self.last else None
         if not torch.is_grad_enabled():
-            self.schedule.eval(*args, target=target)
-            return self.broadcast_sums()
+            self.evaluation(batch_size(inputs)).eval(*args, target=target)
+            return self.broadcast_sums(1)
         before = [None if p.grad is None else p.grad.clone() for p in self.parameters]
         with self.clock.step():
             self.schedule.step(*args, target=target)
-        sums = self.broadcast_sums().requires_grad_()
+        sums = self.broadcast_sums(self.microbatches).requires_grad_()
         return ScaleGradients.apply(
             sums, lambda factor: rescale_since(self.parameters, before, factor)
         )
 
-    def broadcast_sums(self) -> torch.Tensor:
+    def evaluation(self, samples: int) -> _PipelineSchedule:
+        """A schedule for evaluating batches of `samples`, whole (one micro-batch: no split to
+        divide, and no gradients to keep): torch's stages keep the shapes they first ran, so
+        each batch size (an evaluation's last, smaller batch) gets stages of its own."""
+        if samples not in self.evaluations:
+            kind = "GPipe" if self.stages_per_rank == 1 else "LoopedBFS"
+            self.evaluations[samples], _, _ = apply_pp(
+                self.model, self.mesh, self.device, kind, 1, self.stages_per_rank, self.loss
+            )
+        return self.evaluations[samples]
+
+    def broadcast_sums(self, microbatches: int) -> torch.Tensor:
         # The last M: on its first step a schedule may also call the loss on its shape pass.
-        last_m = self.captured[-self.microbatches :]
+        last_m = self.captured[-microbatches:]
         sums = torch.stack(last_m).sum(0) if self.rank == self.last else None
         if self.sums_shape is None:
             box = [(len(sums), sums.dtype) if sums is not None else None]
