@@ -110,6 +110,51 @@ def test_fsdp_2_by_tp_2_trains_exactly_like_single(tmp_path):
     assert summary(tmp_path)["world_size"] == 2  # two data-parallel shares of the batch
 
 
+# The 2-D layouts on 4 processes, one sweep: data parallel takes the ranks tp and pp leave
+# (tp 1, pp 1: dp 4; tp 2: dp 2 x tp 2; pp 2: dp 2 x pp 2; both: tp 2 x pp 2).
+TWO_D_SWEEP = (
+    *WORKLOADS["mlp"],
+    "parallel=tp",
+    "parallel.devices=4",
+    "parallel.dp_replicate=-1",
+    "parallel.tp=1,2",
+    "parallel.pp=1,2",
+)
+TWO_D_LAYOUTS = {
+    "parallel.tp=1 parallel.pp=1": "ddp4",
+    "parallel.tp=2 parallel.pp=1": "ddp2xtp2",
+    "parallel.tp=1 parallel.pp=2": "ddp2xpp2-1F1B",
+    "parallel.tp=2 parallel.pp=2": "tp2xpp2-1F1B",
+}
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("degrees", list(TWO_D_LAYOUTS))
+def test_2d_layouts_of_dp_tp_and_pp_train_exactly_like_single(degrees):
+    run_dir = sweep_runs(*TWO_D_SWEEP)[degrees]
+    reference = reference_run(*WORKLOADS["mlp"])
+    assert_same_training(reference, run_dir)
+    assert summary(run_dir)["final_val_loss"] == pytest.approx(
+        summary(reference)["final_val_loss"], rel=0, abs=1e-5
+    )
+    assert summary(run_dir)["layout"] == TWO_D_LAYOUTS[degrees]
+    assert summary(run_dir)["memory_devices"] == [f"cpu:rank{rank}" for rank in range(4)]
+
+
+@pytest.mark.equivalence
+def test_fsdp_2_by_tp_2_by_pp_2_on_8_processes_trains_exactly_like_single(tmp_path):
+    """The 3-D preset: two pipelines of two stages, each stage tp-split over 2 ranks, and the
+    pipelines' stages FSDP-sharded over the data-parallel pair."""
+    run_train(*WORKLOADS["mlp"], "parallel=fsdp_tp_pp", run_dir=tmp_path)
+    reference = reference_run(*WORKLOADS["mlp"])
+    assert_same_training(reference, tmp_path)
+    result = summary(tmp_path)
+    assert result["layout"] == "fsdp2xtp2xpp2-1F1B" and result["world_size"] == 2
+    assert result["final_val_loss"] == pytest.approx(
+        summary(reference)["final_val_loss"], rel=0, abs=1e-5
+    )
+
+
 def test_a_tp_checkpoint_is_single_s_state_dict():
     """The fused qkv rows, regrouped per rank while training, are back in single's order."""
     state = checkpoint(sp_lp_run(False, False))

@@ -194,7 +194,8 @@ def test_plan_py_plans_every_strategy_that_runs_and_recommends_one():
     *table, last = result.stdout.strip().splitlines()
     rows = {line.split()[0] for line in table[2:] if not line.startswith(" ")}
     assert {"ddp", "dp", "dp_criterion", "fsdp", "model_parallel", "tp", "pp", "fsdp_tp"} <= rows
-    assert "cannot run: hybrid x2, single x2 (plan one with parallel=<name> to see why)" in table
+    cannot = "cannot run: fsdp_tp_pp x2, hybrid x2, single x2 (plan one with parallel=<name> to see"
+    assert f"{cannot} why)" in table
     assert last.startswith("recommended: parallel=") and "the fastest of those that fit" in last
     planned = [option for option in options("parallel") if option != "auto"]
     assert f"planned fsdp on 2 device(s) (4/{len(planned)}, " in result.stderr  # progress

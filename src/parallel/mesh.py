@@ -1,11 +1,12 @@
 """`parallel=tp`, `fsdp_tp`, ...: an N-D layout of degrees (src/parallel/layout.py) on one
 DeviceMesh, adapted to the loop's Strategy interface.
 
-One process per rank, launched like ddp. `wrap` applies, in torchtitan's order, tensor parallel
-(`apply_tp`) and then FSDP2 over the data-parallel dimensions (`apply_fsdp`: dp_shard shards,
-dp_replicate replicates, both HSDP). Data-parallel rank d of D reads `global batch / D` samples;
-the tp ranks of one data-parallel index read the same ones and compute the same loss, which only
-the data-parallel ranks sum.
+One process per rank, launched like ddp. `wrap` applies tensor parallel (`apply_tp`, over the whole
+model), the pipeline cut (`stage_parts`: the stages this pp rank runs) and then FSDP2 over the
+data-parallel dimensions (`apply_fsdp`: dp_shard shards, dp_replicate replicates, both HSDP;
+under pp, each stage its own FSDP root). Data-parallel rank d of D reads `global batch / D`
+samples; the tp and pp ranks of one data-parallel index read the same ones and compute the same
+loss, which only the data-parallel ranks sum.
 
 Checkpoints hold single's tensors, in single's row order, whatever the layout. `sharded` (the
 default when no rank holds the whole model: tp, pp or dp_shard above 1): every process writes its
@@ -49,6 +50,7 @@ from src.parallel.pipeline_schedules import (
     PipelineRun,
     check_schedule,
     schedule_bubble,
+    stage_parts,
     stage_ranks,
     stage_split,
 )
@@ -97,12 +99,12 @@ class Mesh(Distributed):
         degrees = {name: getattr(cfg, name) for name in DIMENSIONS}
         self.layout = Layout.of(self.world_size, **degrees)
         if self.layout.pp > 1:
-            if self.layout.pp != self.layout.world_size:
-                raise ConfigError(
-                    "parallel.pp > 1 together with tp or data parallel is not built yet; use "
-                    "parallel.pp alone, or parallel=hybrid (ddp over single-process pipelines)"
-                )
             check_schedule(cfg.schedule, self.layout.pp, cfg.stages_per_rank, cfg.microbatches)
+            if cfg.sequence_parallel or cfg.loss_parallel:
+                raise ConfigError(
+                    "parallel.sequence_parallel and parallel.loss_parallel do not run with "
+                    "parallel.pp > 1 yet; set them to false, or parallel.pp=1"
+                )
         self.world_size = self.layout.dp  # the loop's world: the data-parallel ranks
         self.process_rank = 0
         self.row_orders: dict[str, torch.Tensor] = {}
@@ -152,16 +154,26 @@ class Mesh(Distributed):
             self.loss_kernels.enter_context(loss_parallel())
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        """Tensor parallel over the whole model; then, under pp, this rank's stages, each its own
+        FSDP root over the data-parallel ranks (torch's stages drive its gradient reduction);
+        else FSDP over the whole model."""
         copy_from_rank0(model, self.device)
         model = model.to(self.device)
-        if self.layout.pp > 1:
-            self.pipeline = PipelineRun(self.cfg, self.mesh["pp"], self.device, model)
+        data_parallel = self.mesh["dp_replicate", "dp_shard"]
         if self.layout.tp > 1:
             self.row_orders = apply_tp(
                 model, self.mesh["tp"], self.cfg.sequence_parallel, self.cfg.loss_parallel
             )
-        if self.layout.dp > 1:
-            model = apply_fsdp(model, self.mesh["dp_replicate", "dp_shard"])
+        if self.layout.pp > 1:
+            pp_mesh = self.mesh["pp"]
+            parts, block_ranks = stage_parts(
+                model, pp_mesh, self.cfg.schedule, self.cfg.stages_per_rank
+            )
+            if self.layout.dp > 1:
+                parts = {s: apply_fsdp(part, data_parallel) for s, part in parts.items()}
+            self.pipeline = PipelineRun(self.cfg, pp_mesh, self.device, parts, block_ranks)
+        elif self.layout.dp > 1:
+            model = apply_fsdp(model, data_parallel)
         return model
 
     def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
@@ -179,7 +191,9 @@ class Mesh(Distributed):
         super().teardown()
 
     def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
-        if self.layout.dp > 1:
+        """FSDP's gradient reduction put off to the step's last micro-step; under pp the stages
+        reduce at the end of each micro-step's schedule run."""
+        if self.layout.dp > 1 and self.pipeline is None:
             return gradient_sync(model, enabled)
         return contextlib.nullcontext()
 

@@ -113,34 +113,43 @@ def stage_ranks(schedule: str, pp: int, stages_per_rank: int) -> list[int]:
     return [stage % pp for stage in range(pp * stages_per_rank)]
 
 
-def apply_pp(
-    model: nn.Sequential,
-    mesh: DeviceMesh,
-    device: torch.device,
-    schedule: str,
-    microbatches: int,
-    stages_per_rank: int,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-) -> tuple[_PipelineSchedule, list[int]]:
-    """This rank's stages of `model` (its blocks shared, not copied) in the named schedule;
-    returns it, the stages, and the pp rank that holds each block."""
+def stage_parts(
+    model: nn.Sequential, mesh: DeviceMesh, schedule: str, stages_per_rank: int
+) -> tuple[dict[int, nn.Sequential], list[int]]:
+    """This rank's stages of `model` by stage index (each an `nn.Sequential` of the model's own
+    blocks, shared, not copied), and the pp rank that holds each block."""
     pp, pp_rank = mesh.size(), mesh.get_local_rank()
     stages = pp * stages_per_rank
     bounds = [0, *stage_split(model, stages), len(model)]
     owner = stage_ranks(schedule, pp, stages_per_rank)
-    group, blocks = mesh.get_group(), list(model)
-    pipeline_stages = [
-        PipelineStage(
-            nn.Sequential(*blocks[bounds[s] : bounds[s + 1]]), s, stages, device, group=group
-        )
+    blocks = list(model)
+    parts = {
+        s: nn.Sequential(*blocks[bounds[s] : bounds[s + 1]])
         for s in range(stages)
         if owner[s] == pp_rank
-    ]
+    }
     block_ranks = [owner[s] for s in range(stages) for _ in range(bounds[s], bounds[s + 1])]
+    return parts, block_ranks
+
+
+def apply_pp(
+    parts: dict[int, nn.Module],
+    mesh: DeviceMesh,
+    device: torch.device,
+    schedule: str,
+    microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> tuple[_PipelineSchedule, list[PipelineStage]]:
+    """This rank's stages (`stage_parts`, perhaps tp-split or sharded since) in the named
+    schedule; returns it and the stages."""
+    stages = mesh.size() * len(parts)
+    group = mesh.get_group()
+    pipeline_stages = [
+        PipelineStage(part, s, stages, device, group=group) for s, part in parts.items()
+    ]
     kind = get_schedule_class(schedule)
     runs = pipeline_stages[0] if schedule in ONE_STAGE else pipeline_stages
-    schedule_run = kind(runs, microbatches, loss_fn=loss_fn, scale_grads=False)
-    return schedule_run, pipeline_stages, block_ranks
+    return kind(runs, microbatches, loss_fn=loss_fn, scale_grads=False), pipeline_stages
 
 
 class ScaleGradients(torch.autograd.Function):
@@ -177,32 +186,28 @@ class PipelineRun:
     first stage's rank feeds the inputs, the last stage's the targets; the task's sums, known
     on the last, are broadcast to every pp rank (the main process, rank 0, logs them)."""
 
-    def __init__(self, cfg, mesh: DeviceMesh, device: torch.device, model: nn.Sequential):
+    def __init__(
+        self,
+        cfg,
+        mesh: DeviceMesh,
+        device: torch.device,
+        parts: dict[int, nn.Module],
+        block_ranks: list[int],
+    ):
         self.group, self.rank, self.device = mesh.get_group(), mesh.get_local_rank(), device
+        self.mesh, self.parts, self.block_ranks = mesh, parts, block_ranks
         self.clock = StageClock(device)
-        self.schedule, stages, self.block_ranks = apply_pp(
-            model,
-            mesh,
-            device,
-            cfg.schedule,
-            cfg.microbatches,
-            cfg.stages_per_rank,
-            self.clock.timed(self.loss),
+        self.schedule, stages = apply_pp(
+            parts, mesh, device, cfg.schedule, cfg.microbatches, self.clock.timed(self.loss)
         )
         self.clock.time_stages(stages)
         owner = stage_ranks(cfg.schedule, mesh.size(), cfg.stages_per_rank)
         self.first, self.last = owner[0], owner[-1]
-        self.parameters = [
-            p
-            for b, rank in enumerate(self.block_ranks)
-            if rank == self.rank
-            for p in model[b].parameters()
-        ]
-        self.microbatches = cfg.microbatches
+        self.parameters = [p for part in parts.values() for p in part.parameters()]
+        self.microbatches, self.stages_per_rank = cfg.microbatches, cfg.stages_per_rank
         self.fn: Callable | None = None
         self.captured: list[torch.Tensor] = []
         self.sums_shape: tuple | None = None
-        self.model, self.mesh, self.stages_per_rank = model, mesh, cfg.stages_per_rank
         self.evaluations: dict[int, _PipelineSchedule] = {}
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -232,8 +237,8 @@ class PipelineRun:
         each batch size (an evaluation's last, smaller batch) gets stages of its own."""
         if samples not in self.evaluations:
             kind = "GPipe" if self.stages_per_rank == 1 else "LoopedBFS"
-            self.evaluations[samples], _, _ = apply_pp(
-                self.model, self.mesh, self.device, kind, 1, self.stages_per_rank, self.loss
+            self.evaluations[samples], _ = apply_pp(
+                self.parts, self.mesh, self.device, kind, 1, self.loss
             )
         return self.evaluations[samples]
 
