@@ -201,10 +201,9 @@ class PipelineRun:
             parts, mesh, device, cfg.schedule, cfg.microbatches, self.clock.timed(self.loss)
         )
         self.clock.time_stages(stages)
-        owner = stage_ranks(cfg.schedule, mesh.size(), cfg.stages_per_rank)
-        self.first, self.last = owner[0], owner[-1]
+        self.first, self.last = block_ranks[0], block_ranks[-1]  # the first and last stages'
         self.parameters = [p for part in parts.values() for p in part.parameters()]
-        self.microbatches, self.stages_per_rank = cfg.microbatches, cfg.stages_per_rank
+        self.microbatches = cfg.microbatches
         self.fn: Callable | None = None
         self.captured: list[torch.Tensor] = []
         self.sums_shape: tuple | None = None
@@ -236,7 +235,7 @@ class PipelineRun:
         divide, and no gradients to keep): torch's stages keep the shapes they first ran, so
         each batch size (an evaluation's last, smaller batch) gets stages of its own."""
         if samples not in self.evaluations:
-            kind = "GPipe" if self.stages_per_rank == 1 else "LoopedBFS"
+            kind = "GPipe" if len(self.parts) == 1 else "LoopedBFS"
             self.evaluations[samples], _ = apply_pp(
                 self.parts, self.mesh, self.device, kind, 1, self.loss
             )
