@@ -28,7 +28,7 @@ from src.components.models import GPT, MLP, ConvNet, Transformer
 from src.config.schema import ConfigError
 from src.parallel import build_strategy
 from src.parallel.layout import Layout
-from src.parallel.pipeline_schedules import LOOPED, ONE_STAGE
+from src.parallel.pipeline_schedules import LOOPED, ONE_STAGE, V_SHAPED
 from src.parallel.tensor_parallel import tp_plan
 
 TINY_GPT_SGD = (
@@ -262,13 +262,13 @@ SCHEDULE_SWEEPS = {
     2: (
         *PP,
         "parallel.stages_per_rank=2",
-        "parallel.schedule=Interleaved1F1B,LoopedBFS,InterleavedZeroBubble",
+        "parallel.schedule=Interleaved1F1B,LoopedBFS,InterleavedZeroBubble,ZBVZeroBubble,DualPipeV",
     ),
 }
 
 
 @pytest.mark.equivalence
-@pytest.mark.parametrize("schedule", [*ONE_STAGE, *LOOPED])
+@pytest.mark.parametrize("schedule", [*ONE_STAGE, *LOOPED, *V_SHAPED])
 def test_every_pipeline_schedule_trains_exactly_like_single(schedule):
     stages_per_rank = 1 if schedule in ONE_STAGE else 2
     run_dir = sweep_runs(*SCHEDULE_SWEEPS[stages_per_rank])[f"parallel.schedule={schedule}"]
@@ -306,8 +306,8 @@ def test_the_sweep_report_names_pipelines_by_schedule_with_bubble_and_measured_i
     [
         ("1F1B", 1, 1, "parallel.schedule=1F1B needs parallel.microbatches (1) >= the stages (2)"),
         ("Interleaved1F1B", 2, 5, "needs parallel.microbatches (5) to be a multiple of its rounds"),
-        ("ZBVZeroBubble", 2, 4, "parallel.schedule=ZBVZeroBubble does not run here yet"),
-        ("DualPipeV", 2, 4, "parallel.schedule=DualPipeV does not run here yet"),
+        ("DualPipeV", 2, 3, "parallel.schedule=DualPipeV needs parallel.microbatches (3) >= the"),
+        ("ZBVZeroBubble", 1, 4, "parallel.schedule=ZBVZeroBubble runs 2 stages per rank in a V"),
         ("GPipe", 2, 4, "parallel.schedule=GPipe runs one stage per rank"),
         ("Nosuch", 1, 4, "parallel.schedule=Nosuch is none of GPipe, 1F1B, Interleaved1F1B"),
     ],

@@ -22,7 +22,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import _PipelineSchedule, get_schedule_class
+from torch.distributed.pipelining.schedules import (
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FULL_BACKWARD,
+    _Action,
+    _PipelineContext,
+    _PipelineSchedule,
+    get_schedule_class,
+)
 
 from src.components.batches import batch_size
 from src.config.schema import ConfigError
@@ -46,28 +54,21 @@ def check_schedule(schedule: str, pp: int, stages_per_rank: int, microbatches: i
             f"parallel.schedule={schedule} runs one stage per rank; set parallel.stages_per_rank=1"
             f", or use {' or '.join(LOOPED)} for {stages_per_rank}"
         )
-    if schedule == "1F1B" and microbatches < stages:
+    if schedule in V_SHAPED and stages_per_rank != 2:
         raise ConfigError(
-            f"parallel.schedule=1F1B needs parallel.microbatches ({microbatches}) >= the stages "
-            f"({stages})"
+            f"parallel.schedule={schedule} runs 2 stages per rank in a V; set "
+            "parallel.stages_per_rank=2"
+        )
+    if schedule in ("1F1B", "DualPipeV") and microbatches < stages:
+        raise ConfigError(
+            f"parallel.schedule={schedule} needs parallel.microbatches ({microbatches}) >= the "
+            f"stages ({stages})"
         )
     rounds = max(1, microbatches // pp)
     if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and microbatches % rounds:
         raise ConfigError(
             f"parallel.schedule={schedule} needs parallel.microbatches ({microbatches}) to be a "
             f"multiple of its rounds (microbatches // pp = {rounds})"
-        )
-    if schedule in V_SHAPED:
-        # Seen with torch 2.14.1 over gloo: "can't steal_bwd_input if this stage doesn't have
-        # backward" in the first step; refused until a test shows them training like single.
-        raise ConfigError(
-            f"parallel.schedule={schedule} does not run here yet (torch 2.14.1's V schedules fail "
-            f"in their first step); use {', '.join(ONE_STAGE + LOOPED)}"
-        )
-    if schedule in V_SHAPED and stages_per_rank != 2:
-        raise ConfigError(
-            f"parallel.schedule={schedule} runs 2 stages per rank in a V; set "
-            "parallel.stages_per_rank=2"
         )
 
 
@@ -208,6 +209,10 @@ class PipelineRun:
         self.captured: list[torch.Tensor] = []
         self.sums_shape: tuple | None = None
         self.evaluations: dict[int, _PipelineSchedule] = {}
+        # Evaluation's forward-only schedule, of the same stage placement: the V's under
+        # ZBVZeroBubble (DualPipeV takes no fewer micro-batches than stages; evaluation runs one).
+        v_shaped = "ZBVZeroBubble" if cfg.schedule in V_SHAPED else "LoopedBFS"
+        self.evaluation_kind = "GPipe" if len(parts) == 1 else v_shaped
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The schedule's loss of one micro-batch: the summed loss; all the sums are kept."""
@@ -235,10 +240,15 @@ class PipelineRun:
         divide, and no gradients to keep): torch's stages keep the shapes they first ran, so
         each batch size (an evaluation's last, smaller batch) gets stages of its own."""
         if samples not in self.evaluations:
-            kind = "GPipe" if len(self.parts) == 1 else "LoopedBFS"
-            self.evaluations[samples], _ = apply_pp(
-                self.parts, self.mesh, self.device, kind, 1, self.loss
-            )
+            kind = self.evaluation_kind
+            schedule, _ = apply_pp(self.parts, self.mesh, self.device, kind, 1, self.loss)
+            if kind in V_SHAPED:
+                # torch 2.14.1's eval() of a V schedule still runs its backward actions, and the
+                # one between a rank's two adjacent stages asserts a backward ("can't
+                # steal_bwd_input if this stage doesn't have backward"): they are skipped.
+                for action in (FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
+                    schedule.register_custom_function(action, skip_backward)
+            self.evaluations[samples] = schedule
         return self.evaluations[samples]
 
     def broadcast_sums(self, microbatches: int) -> torch.Tensor:
@@ -276,6 +286,12 @@ class PipelineRun:
         every: list = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(every, self.clock.idle_fraction(), group=self.group)
         return every
+
+
+def skip_backward(action: _Action, ctx: _PipelineContext) -> None:
+    """A backward action of a forward-only run: nothing to compute; its gradient's receive,
+    posted empty (no backward), is taken off as the action itself would."""
+    ctx.schedule_ref.bwd_recv_ops.pop((action.stage_index, action.microbatch_index), None)
 
 
 class StageClock:
