@@ -428,12 +428,13 @@ class MeshConfig(DistributedConfig):
     """Pipeline ranks, each holding `stages_per_rank` stages of the model's blocks."""
     schedule: str = "1F1B"
     """With pp: torch.distributed.pipelining's schedule, by name: GPipe, 1F1B, Interleaved1F1B,
-    LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV."""
+    LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV (the last two in a V: rank r
+    holds stages r and 2 pp - 1 - r)."""
     microbatches: int = 2
     """With pp: micro-batches each data-parallel share of a micro-step is cut into."""
     stages_per_rank: int = 1
     """With pp: stages (virtual stages) per pipeline rank; 2 or more for the looped schedules,
-    2 for the V-shaped ones."""
+    exactly 2 for the V-shaped ones."""
     sequence_parallel: bool = False
     """With tp: the norms and the residual stream between blocks split along the sequence, each
     block's all-reduce a reduce-scatter and an all-gather (activation memory / tp)."""

@@ -101,8 +101,13 @@ def schedule_bubble(pp: int, stages_per_rank: int, microbatches: int) -> float:
     (p - 1) / m). The looped schedules, v stages per rank, run v times as many chunks each 1/v
     as long behind the same ramp: (p - 1) / (v m + p - 1) (ibid., section 2.2.2: (1 / v)
     (p - 1) / m; LoopedBFS's breadth-first paper, arxiv.org/abs/2211.05953, which torch cites,
-    has the same for m >= p). InterleavedZeroBubble fills part of it with the weight gradients
-    it defers: for it this is an upper bound."""
+    has the same for m >= p). InterleavedZeroBubble, ZBVZeroBubble and DualPipeV (v = 2) fill
+    part of it with the weight gradients they defer: for them this is an upper bound. For the V
+    schedules: the zero-bubble paper (Qi et al. 2024, arxiv.org/abs/2401.10241, section 6) has
+    ZB-V's bubble near zero where forward, input and weight gradients cost the same; DualPipe's
+    README (github.com/deepseek-ai/DualPipe) gives DualPipeV (p - 1)(F&B + B - 3W) in chunk
+    times against the looped (p - 1)(F + B), no more while a weight gradient W costs a third of
+    a full backward B or more."""
     ramp = pp - 1
     return ramp / (stages_per_rank * microbatches + ramp)
 
