@@ -7,6 +7,11 @@ correctness. `tests/test_torch_internals.py` fails when what they rely on change
 - `name_rendezvous_events_cheaply`: swaps torch's stack-walking `get_method_name` in
   `dynamic_rendezvous` for a `sys._getframe` lookup giving the same names.
 
+One use has no plain fallback and lives where it is used: the evaluation of the V pipeline
+schedules (`src/parallel/pipeline_schedules.py`, `skip_backward`) registers torch's custom-action
+hook with its private action types; the V schedules' equivalence tests in `tests/test_mesh.py`
+fail if that changes.
+
 Ending a finished process without the interpreter's teardown of its modules: a training process
 has imported torch, torch._dynamo (every `torch.optim` optimizer does),
 sympy, Hydra and W&B. When it exits, Python frees all of their modules object by object, which
