@@ -1,6 +1,6 @@
 """Sharded (DCP) checkpoints of the mesh layouts (src/parallel/mesh.py) through the real
 `train.py`: fsdp 2 x tp 2 and pp 2 save single's tensors in shards, which export as single's
-state_dict and resume, resharded, under single, fsdp and pp; single's resume under tp and
+state_dict and resume, resharded, under single, ddp, fsdp and pp; single's resume under tp and
 fsdp 2 x tp 2. Each resumed run ends as the uninterrupted single run."""
 
 from __future__ import annotations
@@ -91,11 +91,12 @@ def test_a_mesh_layout_saves_shards_that_export_as_single_s_state_dict(layout, t
 
 @pytest.mark.equivalence
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", ["single", "fsdp", "pp"])
+@pytest.mark.parametrize("layout", ["single", "ddp", "fsdp", "pp"])
 def test_a_2d_sharded_checkpoint_resumes_exactly_as_another_layout(layout):
-    """fsdp 2 x tp 2's shards, read by 1 process, by 2 that shard them along another dimension,
-    and by 2 pipeline ranks that take their own blocks each."""
-    run_dir = resumed_runs("fsdp_tp", ("single", "fsdp", "pp"))[layout]
+    """fsdp 2 x tp 2's shards, read by 1 process, by 2 replicas that each read them whole, by 2
+    that shard them along another dimension, and by 2 pipeline ranks that take their own blocks
+    each."""
+    run_dir = resumed_runs("fsdp_tp", ("single", "ddp", "fsdp", "pp"))[layout]
     assert_goes_on_exactly(saved_runs()["single"], run_dir)
 
 
