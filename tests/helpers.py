@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
 import json
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -262,12 +264,36 @@ def kill_and_resume(run_dir: Path, *overrides: str, reference: Path) -> None:
     assert checkpoint(run_dir)["step"] == 60
 
 
+# The runs that tests share (`reference_run`, `sweep_runs`) train once per test session, not once
+# per pytest-xdist worker that asks for them: the first to ask trains it under a lock, the others
+# wait for it and read its folder. (A run that failed leaves no mark, and the next to ask tries.)
+SHARED_RUNS = Path(tempfile.gettempdir()) / (
+    f"pytest-shared-runs-{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}"
+)
+
+
+def shared_run(kind: str, overrides: tuple[str, ...], train: Callable[[Path], None]) -> Path:
+    """The folder of `train(folder)` for these overrides, trained once per test session."""
+    SHARED_RUNS.mkdir(exist_ok=True)
+    name = f"{kind}-{hashlib.sha1(repr(overrides).encode()).hexdigest()[:16]}"
+    folder, done = SHARED_RUNS / name, SHARED_RUNS / f"{name}.done"
+    with (SHARED_RUNS / f"{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            train(folder)
+            done.touch()
+    return folder
+
+
 @functools.cache
 def reference_run(*overrides: str) -> Path:
     """A `parallel=single` run with these overrides, trained once per test session."""
-    run_dir = Path(tempfile.mkdtemp(prefix="reference-"))
-    run_train(*overrides, "parallel=single", run_dir=run_dir)
-    return run_dir
+
+    def train(run_dir: Path) -> None:
+        run_train(*overrides, "parallel=single", run_dir=run_dir)
+
+    return shared_run("reference", overrides, train)
 
 
 @functools.cache
@@ -276,9 +302,12 @@ def sweep_runs(*overrides: str) -> dict[str, Path]:
     every job's run folder, keyed by the job's swept overrides (`"parallel=ddp"`, or
     `"parallel=dp parallel.devices=3"` when two keys are swept). One process runs every job, and
     starts the ranks of those that have any: far less start-up than a `train.py` each."""
-    sweep_dir = Path(tempfile.mkdtemp(prefix="sweep-"))
-    result = run_sweep(*overrides, sweep_dir=sweep_dir, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+
+    def train(sweep_dir: Path) -> None:
+        result = run_sweep(*overrides, sweep_dir=sweep_dir, timeout=600)
+        assert result.returncode == 0, result.stderr[-4000:]
+
+    sweep_dir = shared_run("sweep", overrides, train)
     swept = [
         key
         for key, _, value in (override.partition("=") for override in overrides)

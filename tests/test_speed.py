@@ -159,9 +159,10 @@ def test_compile_compiles_blocks_of_torch_modules_and_copies_share_their_graphs(
 
 
 # Compiling is slow on 2 cores (inductor's C++ builds): one sweep, whose in-process jobs (dp,
-# dp_criterion, model_parallel) share the compiled graphs and whose multi-process ones (ddp, fsdp,
-# hybrid) read inductor's cache on disk.
-COMPILED = BESIDES_SINGLE
+# dp_criterion, model_parallel) share the compiled graphs and whose multi-process ones (ddp, fsdp)
+# read inductor's cache on disk. hybrid, DDP over model_parallel's pipelines, adds no wrapper of
+# its own, and would compile in 4 more processes.
+COMPILED = tuple(name for name in BESIDES_SINGLE if name != "hybrid")
 
 
 @pytest.mark.timeout(600)
