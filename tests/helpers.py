@@ -24,6 +24,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from train_forks import forked_train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,14 +139,17 @@ class TrainRun:
             read_end, stdout = os.pipe()
             fcntl.fcntl(stdout, fcntl.F_SETPIPE_SZ, 4096)
             stderr = subprocess.STDOUT
-        self.process = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            stdout=stdout,
-            stderr=stderr,
-            env={**os.environ, **QUIET_AND_FRUGAL, **(env or {})},
-            start_new_session=True,
-        )
+        environment = {**os.environ, **QUIET_AND_FRUGAL, **(env or {})}
+        self.process = forked_train(command, environment, stdout if one_page else None)
+        if self.process is None:
+            self.process = subprocess.Popen(
+                command,
+                cwd=ROOT,
+                stdout=stdout,
+                stderr=stderr,
+                env=environment,
+                start_new_session=True,
+            )
         self.lines: list[str] = []
         self.page = None
         if one_page:

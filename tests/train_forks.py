@@ -1,0 +1,218 @@
+"""`python train.py ...` for the tests, forked from a process that has already imported what every
+run imports (torch, torch._dynamo, Hydra, the template, wandb), instead of a new interpreter
+importing it all again: about 3 s of CPU per run, and the suite starts some 180 runs.
+
+Each pytest worker starts one such preloader (`python tests/train_forks.py`) on its first run.
+For each run it forks a child that becomes what `python train.py <args>` would have been: its
+own session, the given stdin, stdout and stderr, the repository as its working directory and
+first import path, and train.py run as `__main__` with that argv, ending the way the interpreter
+ends any script. The preloader reports the child's pid and, once it has ended, its exit status as
+`subprocess.Popen` would (`-N` for signal N), through a socket of the child's own.
+
+Only runs with exactly the preloader's environment are forked (`forked_train`): torch reads some
+variables when it is imported (OMP_NUM_THREADS, ATEN_CPU_CAPABILITY), and the tests that find a
+job's processes by a variable read it from /proc/<pid>/environ, which a fork keeps from the
+preloader. The preloader runs no thread (a fork copies only its caller), and the test
+environment's OMP_NUM_THREADS=1 keeps torch from starting one; where one runs, it does not serve.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STATUS = struct.Struct("i")  # a pid, then the exit status
+
+
+def serve(control: socket.socket) -> list[str] | None:
+    """Fork a child for each request on `control` and report on it; return in each child, with
+    its argv (the parent returns None once its client has gone)."""
+    watched: dict[int, tuple[int, socket.socket]] = {}  # pidfd: (pid, status socket)
+    while True:
+        ready, _, _ = select.select([control, *watched], [], [])
+        for source in ready:
+            if source is not control:
+                pid, status = watched.pop(source)
+                os.close(source)
+                _, wait_status = os.waitpid(pid, 0)
+                status.sendall(STATUS.pack(os.waitstatus_to_exitcode(wait_status)))
+                status.close()
+                continue
+            request, fds, _, _ = socket.recv_fds(control, 1 << 16, 4)
+            if not request:
+                return None
+            argv, cwd = json.loads(request)
+            *standard, status_fd = fds
+            sys.stdout.flush(), sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                control.close()
+                for pidfd, (_, other) in watched.items():
+                    os.close(pidfd), other.close()
+                os.close(status_fd)
+                become_run(standard, cwd)
+                return argv
+            for fd in standard:
+                os.close(fd)
+            status = socket.socket(fileno=status_fd)
+            status.sendall(STATUS.pack(pid))
+            watched[os.pidfd_open(pid)] = (pid, status)
+
+
+def become_run(standard: list[int], cwd: str) -> None:
+    """What a new `python train.py` started by Popen(start_new_session=True) would be."""
+    os.setsid()
+    for target, fd in enumerate(standard):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(cwd)
+    sys.path[0] = cwd  # the script's folder, as `python train.py` puts it first
+
+
+class ForkedProcess:
+    """A forked run, with the part of `subprocess.Popen`'s interface the tests use."""
+
+    def __init__(self, pid: int, status: socket.socket):
+        self.pid, self.status, self.returncode = pid, status, None
+        self.stdout = self.stderr = None  # read ends, for `communicate`
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self.status], [], [], 0)[0]:
+            (self.returncode,) = STATUS.unpack(self.status.recv(STATUS.size, socket.MSG_WAITALL))
+            self.status.close()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None and not select.select([self.status], [], [], timeout)[0]:
+            raise subprocess.TimeoutExpired(["train.py"], timeout)
+        return self.poll()
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def communicate(self, timeout: float | None = None) -> tuple[bytes, bytes]:
+        """Both outputs to their ends, then the exit status (as Popen's, for PIPE outputs)."""
+        output = {self.stdout: b"", self.stderr: b""}
+        with selectors.DefaultSelector() as selector:
+            for pipe in output:
+                selector.register(pipe, selectors.EVENT_READ)
+            while selector.get_map():
+                ready = selector.select(timeout)
+                if not ready:
+                    raise subprocess.TimeoutExpired(["train.py"], timeout)
+                for key, _ in ready:
+                    chunk = os.read(key.fd, 1 << 16)
+                    output[key.fileobj] += chunk
+                    if not chunk:
+                        selector.unregister(key.fileobj)
+                        key.fileobj.close()
+        self.wait(timeout)
+        return output[self.stdout], output[self.stderr]
+
+
+class Preloader:
+    """This process's preloader (started on first use), and the environment it runs with."""
+
+    def __init__(self, env: dict[str, str]):
+        self.env = env
+        self.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, str(theirs.fileno())],
+            cwd=ROOT, env=env, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        theirs.close()
+        self.lock = threading.Lock()
+
+    def start(self, argv: list[str], stdout: int, stderr: int) -> ForkedProcess | None:
+        """Fork `python <argv>` writing to these ends (left open here); None if the preloader has
+        ended (it found a thread running, or was killed)."""
+        ours, theirs = socket.socketpair()
+        with self.lock, open(os.devnull, "rb") as stdin:
+            try:
+                request = json.dumps([argv, str(ROOT)]).encode()
+                fds = [stdin.fileno(), stdout, stderr, theirs.fileno()]
+                socket.send_fds(self.control, [request], fds)
+            except OSError:
+                return None
+            finally:
+                theirs.close()
+        started = ours.recv(STATUS.size, socket.MSG_WAITALL)
+        if len(started) < STATUS.size:
+            return None
+        (pid,) = STATUS.unpack(started)
+        return ForkedProcess(pid, ours)
+
+
+PRELOADER: Preloader | None = None
+
+
+def forked_train(
+    command: list[str], env: dict[str, str], one_page: int | None
+) -> ForkedProcess | None:
+    """`command` (`python train.py ...`) forked by this process's preloader, its stdout and
+    stderr to the write end `one_page` (left open here), or else to pipes of their own for
+    `communicate`; None where it must run as a new process: a command with a prefix, another
+    environment, TEST_FORKS=0, or no preloader serving."""
+    global PRELOADER
+    if command[:2] != [sys.executable, "train.py"] or os.environ.get("TEST_FORKS") == "0":
+        return None
+    if PRELOADER is None:
+        PRELOADER = Preloader(env)
+    if env != PRELOADER.env:
+        return None
+    if one_page is not None:
+        return PRELOADER.start(command[1:], one_page, one_page)
+    (stdout, stdout_end), (stderr, stderr_end) = os.pipe(), os.pipe()
+    process = PRELOADER.start(command[1:], stdout_end, stderr_end)
+    os.close(stdout_end), os.close(stderr_end)
+    if process is None:
+        os.close(stdout), os.close(stderr)
+        return None
+    process.stdout, process.stderr = os.fdopen(stdout, "rb"), os.fdopen(stderr, "rb")
+    return process
+
+
+def preload_and_serve(control_fd: int) -> list[str] | None:
+    """In the preloader: import, then serve; in each child, its argv."""
+    sys.path[0] = str(ROOT)
+    import hydra  # noqa: F401
+    import torch._dynamo  # noqa: F401
+    import wandb  # noqa: F401
+
+    import src.launch.job  # noqa: F401
+
+    if len(os.listdir("/proc/self/task")) > 1:
+        return None  # a fork of a threaded process could hang: runs go to new processes
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker's Ctrl-C is the worker's
+    try:
+        argv = serve(socket.socket(fileno=control_fd))
+    except KeyboardInterrupt:
+        return None
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    return argv
+
+
+if __name__ == "__main__":
+    child_argv = preload_and_serve(int(sys.argv[1]))
+    if child_argv is not None:
+        import runpy
+
+        sys.argv = child_argv
+        runpy.run_path(str(ROOT / child_argv[0]), run_name="__main__")
