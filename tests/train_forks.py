@@ -9,7 +9,8 @@ first import path, and train.py run as `__main__` with that argv, ending the way
 ends any script. The preloader reports the child's pid and, once it has ended, its exit status as
 `subprocess.Popen` would (`-N` for signal N), through a socket of the child's own.
 
-Only runs with exactly the preloader's environment are forked (`forked_train`): torch reads some
+Only runs with the preloader's environment, but for variables read at run time, are forked
+(`forked_train`), with their own environment in os.environ: torch reads some
 variables when it is imported (OMP_NUM_THREADS, ATEN_CPU_CAPABILITY), and the tests that find a
 job's processes by a variable read it from /proc/<pid>/environ, which a fork keeps from the
 preloader. The preloader runs no thread (a fork copies only its caller), and the test
@@ -51,7 +52,7 @@ def serve(control: socket.socket) -> list[str] | None:
             request, fds, _, _ = socket.recv_fds(control, 1 << 16, 4)
             if not request:
                 return None
-            argv, cwd = json.loads(request)
+            argv, cwd, env = json.loads(request)
             *standard, status_fd = fds
             sys.stdout.flush(), sys.stderr.flush()
             pid = os.fork()
@@ -60,7 +61,7 @@ def serve(control: socket.socket) -> list[str] | None:
                 for pidfd, (_, other) in watched.items():
                     os.close(pidfd), other.close()
                 os.close(status_fd)
-                become_run(standard, cwd)
+                become_run(standard, cwd, env)
                 return argv
             for fd in standard:
                 os.close(fd)
@@ -69,9 +70,11 @@ def serve(control: socket.socket) -> list[str] | None:
             watched[os.pidfd_open(pid)] = (pid, status)
 
 
-def become_run(standard: list[int], cwd: str) -> None:
+def become_run(standard: list[int], cwd: str, env: dict[str, str]) -> None:
     """What a new `python train.py` started by Popen(start_new_session=True) would be."""
     os.setsid()
+    os.environ.clear()
+    os.environ.update(env)
     for target, fd in enumerate(standard):
         os.dup2(fd, target)
         os.close(fd)
@@ -140,13 +143,15 @@ class Preloader:
         theirs.close()
         self.lock = threading.Lock()
 
-    def start(self, argv: list[str], stdout: int, stderr: int) -> ForkedProcess | None:
+    def start(
+        self, argv: list[str], env: dict[str, str], stdout: int, stderr: int
+    ) -> ForkedProcess | None:
         """Fork `python <argv>` writing to these ends (left open here); None if the preloader has
         ended (it found a thread running, or was killed)."""
         ours, theirs = socket.socketpair()
         with self.lock, open(os.devnull, "rb") as stdin:
             try:
-                request = json.dumps([argv, str(ROOT)]).encode()
+                request = json.dumps([argv, str(ROOT), env]).encode()
                 fds = [stdin.fileno(), stdout, stderr, theirs.fileno()]
                 socket.send_fds(self.control, [request], fds)
             except OSError:
@@ -161,6 +166,19 @@ class Preloader:
 
 
 PRELOADER: Preloader | None = None
+# Variables a forked run may have other values of, in its os.environ (its /proc/<pid>/environ
+# keeps the preloader's): the current test's name, which pytest sets, and those that only the
+# run reads, long after its imports (the tests' faulty models, SLURM's commands, W&B's login).
+READ_AT_RUN_TIME = (
+    "PYTEST_CURRENT_TEST",
+    *("FAULT", "FAIL_RANK", "FAIL_AT_STEP", "BUSY_RANK"),
+    "SLURM_CONF",
+    "WANDB_SILENT",
+)
+
+
+def without(env: dict[str, str], keys: tuple[str, ...]) -> dict[str, str]:
+    return {key: value for key, value in env.items() if key not in keys}
 
 
 def forked_train(
@@ -175,12 +193,12 @@ def forked_train(
         return None
     if PRELOADER is None:
         PRELOADER = Preloader(env)
-    if env != PRELOADER.env:
+    if without(env, READ_AT_RUN_TIME) != without(PRELOADER.env, READ_AT_RUN_TIME):
         return None
     if one_page is not None:
-        return PRELOADER.start(command[1:], one_page, one_page)
+        return PRELOADER.start(command[1:], env, one_page, one_page)
     (stdout, stdout_end), (stderr, stderr_end) = os.pipe(), os.pipe()
-    process = PRELOADER.start(command[1:], stdout_end, stderr_end)
+    process = PRELOADER.start(command[1:], env, stdout_end, stderr_end)
     os.close(stdout_end), os.close(stderr_end)
     if process is None:
         os.close(stdout), os.close(stderr)

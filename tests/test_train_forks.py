@@ -1,0 +1,44 @@
+"""The tests' forked `train.py` (tests/train_forks.py) is `python train.py` in all the tests see:
+the same output files, console, exit statuses and signal handling as a new process."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from helpers import TINY_SGD, TrainRun, metrics, run_train, train_losses
+from train_forks import ForkedProcess
+
+NEW_PROCESS = {"TEST_FORKS": "0"}  # another environment than the preloader's: never forked
+
+
+def started_as(run: TrainRun) -> str:
+    return "fork" if isinstance(run.process, ForkedProcess) else "process"
+
+
+@pytest.mark.parametrize("env", [None, NEW_PROCESS], ids=["fork", "process"])
+def test_a_run_and_its_bad_input_end_the_same_either_way(env, tmp_path):
+    run = TrainRun(*TINY_SGD, run_dir=tmp_path / "run", env=env)
+    assert started_as(run) == ("fork" if env is None else "process")
+    result = run.finish(check=True)
+    assert "run summary" in result.stdout + result.stderr
+    assert len(train_losses(tmp_path / "run")) == 6 and metrics(tmp_path / "run")[-1]["step"] == 6
+
+    bad = run_train("trainer.batch_size=0", run_dir=tmp_path / "bad", env=env, check=False)
+    assert bad.returncode == 2 and len((bad.stdout + bad.stderr).strip().splitlines()) == 1
+
+
+def test_a_forked_run_trains_as_a_new_process_does(tmp_path):
+    run_train(*TINY_SGD, run_dir=tmp_path / "fork")
+    run_train(*TINY_SGD, run_dir=tmp_path / "process", env=NEW_PROCESS)
+    assert train_losses(tmp_path / "fork") == train_losses(tmp_path / "process")
+
+
+def test_a_forked_run_is_its_own_session_and_dies_by_its_signal(tmp_path):
+    run = TrainRun(*TINY_SGD, "trainer.max_steps=60", run_dir=tmp_path, one_page=True)
+    assert started_as(run) == "fork"
+    run.wait_for("step 2/60")
+    assert os.getsid(run.process.pid) == run.process.pid
+    run.process.kill()
+    assert run.finish().returncode == -signal.SIGKILL
