@@ -139,8 +139,9 @@ class TrainRun:
             read_end, stdout = os.pipe()
             fcntl.fcntl(stdout, fcntl.F_SETPIPE_SZ, 4096)
             stderr = subprocess.STDOUT
-        environment = {**os.environ, **QUIET_AND_FRUGAL, **(env or {})}
-        self.process = forked_train(command, environment, stdout if one_page else None)
+        base = {**os.environ, **QUIET_AND_FRUGAL}
+        environment = {**base, **(env or {})}
+        self.process = forked_train(command, base, environment, stdout if one_page else None)
         if self.process is None:
             self.process = subprocess.Popen(
                 command,

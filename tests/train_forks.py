@@ -182,17 +182,18 @@ def without(env: dict[str, str], keys: tuple[str, ...]) -> dict[str, str]:
 
 
 def forked_train(
-    command: list[str], env: dict[str, str], one_page: int | None
+    command: list[str], base: dict[str, str], env: dict[str, str], one_page: int | None
 ) -> ForkedProcess | None:
-    """`command` (`python train.py ...`) forked by this process's preloader, its stdout and
-    stderr to the write end `one_page` (left open here), or else to pipes of their own for
-    `communicate`; None where it must run as a new process: a command with a prefix, another
-    environment, TEST_FORKS=0, or no preloader serving."""
+    """`command` (`python train.py ...`) with environment `env`, forked by this process's
+    preloader (started with the environment `base` on first use), its stdout and stderr to the
+    write end `one_page` (left open here), or else to pipes of their own for `communicate`; None
+    where it must run as a new process: a command with a prefix, an environment other than the
+    preloader's, TEST_FORKS=0, or no preloader serving."""
     global PRELOADER
     if command[:2] != [sys.executable, "train.py"] or os.environ.get("TEST_FORKS") == "0":
         return None
     if PRELOADER is None:
-        PRELOADER = Preloader(env)
+        PRELOADER = Preloader(base)
     if without(env, READ_AT_RUN_TIME) != without(PRELOADER.env, READ_AT_RUN_TIME):
         return None
     if one_page is not None:
