@@ -19,6 +19,7 @@ environment's OMP_NUM_THREADS=1 keeps torch from starting one; where one runs, i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -46,7 +47,8 @@ def serve(control: socket.socket) -> list[str] | None:
                 pid, status = watched.pop(source)
                 os.close(source)
                 _, wait_status = os.waitpid(pid, 0)
-                status.sendall(STATUS.pack(os.waitstatus_to_exitcode(wait_status)))
+                with contextlib.suppress(OSError):  # a client that no longer waits for it
+                    status.sendall(STATUS.pack(os.waitstatus_to_exitcode(wait_status)))
                 status.close()
                 continue
             request, fds, _, _ = socket.recv_fds(control, 1 << 16, 4)
