@@ -28,7 +28,7 @@ from src.components.models import GPT, MLP, ConvNet, Transformer
 from src.config.schema import ConfigError
 from src.parallel import build_strategy
 from src.parallel.layout import Layout
-from src.parallel.pipeline_schedules import LOOPED, ONE_STAGE, V_SHAPED
+from src.parallel.pipeline_schedules import LOOPED, ONE_STAGE, SPLIT_BACKWARD, V_SHAPED
 from src.parallel.tensor_parallel import tp_plan
 
 TINY_GPT_SGD = (
@@ -318,6 +318,17 @@ def test_a_schedule_that_cannot_run_its_settings_is_refused(
     settings = {"schedule": schedule, "stages_per_rank": stages_per_rank}
     with pytest.raises(ConfigError, match=re.escape(message)):
         build_strategy(parallel_config("pp", microbatches=microbatches, **settings), "cpu")
+
+
+@pytest.mark.parametrize("schedule", SPLIT_BACKWARD)
+def test_a_split_backward_schedule_with_data_parallel_is_refused(schedule):
+    """Under FSDP over the dp ranks their weights part from single's (dp 2 x pp 2: the second
+    step's loss already differs by 1e-3), so they are refused there; pp alone and with tp they
+    train like single (above)."""
+    settings = {"schedule": schedule, "stages_per_rank": 2, "devices": 4, "dp_replicate": 2}
+    message = f"parallel.schedule={schedule} splits the backward, which does not train like"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        build_strategy(parallel_config("pp", microbatches=4, **settings), "cpu")
 
 
 def test_a_model_pipeline_stages_cannot_hold_is_refused():

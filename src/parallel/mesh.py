@@ -99,7 +99,9 @@ class Mesh(Distributed):
         degrees = {name: getattr(cfg, name) for name in DIMENSIONS}
         self.layout = Layout.of(self.world_size, **degrees)
         if self.layout.pp > 1:
-            check_schedule(cfg.schedule, self.layout.pp, cfg.stages_per_rank, cfg.microbatches)
+            check_schedule(
+                cfg.schedule, self.layout.pp, cfg.stages_per_rank, cfg.microbatches, self.layout.dp
+            )
             if cfg.sequence_parallel or cfg.loss_parallel:
                 raise ConfigError(
                     "parallel.sequence_parallel and parallel.loss_parallel do not run with "
