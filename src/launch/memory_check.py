@@ -67,7 +67,7 @@ def step_peak_mb(
             )
             prepare_blocks(model, trainer.activation_checkpointing, False)
             model = strategy.wrap(model)
-            optimizer = build_optimizer(cfg.optimizer, strategy.unwrap(model).parameters())
+            optimizer = build_optimizer(cfg.optimizer, strategy.trained_parameters(model))
             scaling = LossScaling(strategy.grad_scaler(trainer.precision == "fp16", 2.0**16))
             for _ in range(TRACED_STEPS):
                 batches = iter([tuple(t.clone() for t in batch)] * trainer.accumulate)

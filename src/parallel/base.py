@@ -26,7 +26,9 @@ In each training process:
     strategy.setup()                   process group, this process's devices, threads
     model = strategy.wrap(model)       place / replicate / split a plain `nn.Sequential`
     strategy.unwrap(model)             the plain model again (its parameters and state_dict keys
-                                       are the same as `single`'s); the optimizer is built on it
+                                       are the same as `single`'s)
+    strategy.trained_parameters(model) the parameters this process trains, the optimizer's (all
+                                       of the plain model's, but a pp rank's own stages')
     rank, world_size                   this process's data-parallel rank and the number of
                                        data-parallel processes; the loader feeds each process
                                        `global batch / world_size` samples
@@ -214,6 +216,8 @@ class TrainingStrategy(Protocol):
 
     def unwrap(self, model: nn.Module) -> nn.Module: ...
 
+    def trained_parameters(self, model: nn.Module) -> list[nn.Parameter]: ...
+
     def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor: ...
 
     def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager: ...
@@ -350,6 +354,10 @@ class Strategy:
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model
+
+    def trained_parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        """What this process's optimizer steps and the loop clips: every parameter."""
+        return list(self.unwrap(model).parameters())
 
     def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
         raise NotImplementedError
