@@ -301,6 +301,21 @@ def test_the_sweep_report_names_pipelines_by_schedule_with_bubble_and_measured_i
     )
 
 
+def test_a_pp_rank_holds_only_its_own_stages_parameters_and_buffers():
+    """Each pp rank of the schedule sweep's 1F1B run holds a run of whole blocks, its stage,
+    and together they hold the model once (its checkpoint: single's state_dict)."""
+    run_dir = sweep_runs(*SCHEDULE_SWEEPS[1])["parallel.schedule=1F1B"]
+    held = summary(run_dir)["pipeline"]["held_bytes_per_rank"]
+    block_bytes: dict[int, int] = {}
+    for name, value in checkpoint(run_dir)["model"].items():
+        block = int(name.split(".")[0])
+        block_bytes[block] = block_bytes.get(block, 0) + value.nbytes
+    sizes = [block_bytes[block] for block in sorted(block_bytes)]
+    first_stages = [sum(sizes[:point]) for point in range(1, len(sizes))]
+    assert len(held) == 2 and held[0] in first_stages
+    assert sum(held) == sum(sizes)
+
+
 @pytest.mark.parametrize(
     "schedule, stages_per_rank, microbatches, message",
     [
