@@ -111,7 +111,11 @@ def test_fsdp_2_by_tp_2_trains_exactly_like_single(tmp_path):
 
 
 # The 2-D layouts on 4 processes, one sweep: data parallel takes the ranks tp and pp leave
-# (tp 1, pp 1: dp 4; tp 2: dp 2 x tp 2; pp 2: dp 2 x pp 2; both: tp 2 x pp 2).
+# (tp 1, pp 1: dp 4; tp 2: dp 2 x tp 2; pp 2: dp 2 x pp 2; both: tp 2 x pp 2). The pipelines
+# run the V schedule ZBVZeroBubble (the MLP's 4 blocks as 4 stages, 2 per rank), with data
+# parallel and with tp; 1F1B runs with both in fsdp 2 x tp 2 x pp 2 below. Under data parallel
+# it does not train like single (its losses part from the second step, before this branch too:
+# not diagnosed), marked so that a fix shows.
 TWO_D_SWEEP = (
     *WORKLOADS["mlp"],
     "parallel=tp",
@@ -119,17 +123,32 @@ TWO_D_SWEEP = (
     "parallel.dp_replicate=-1",
     "parallel.tp=1,2",
     "parallel.pp=1,2",
+    "parallel.schedule=ZBVZeroBubble",
+    "parallel.stages_per_rank=2",
 )
 TWO_D_LAYOUTS = {
     "parallel.tp=1 parallel.pp=1": "ddp4",
     "parallel.tp=2 parallel.pp=1": "ddp2xtp2",
-    "parallel.tp=1 parallel.pp=2": "ddp2xpp2-1F1B",
-    "parallel.tp=2 parallel.pp=2": "tp2xpp2-1F1B",
+    "parallel.tp=1 parallel.pp=2": "ddp2xpp2-ZBVZeroBubble",
+    "parallel.tp=2 parallel.pp=2": "tp2xpp2-ZBVZeroBubble",
 }
 
 
+V_UNDER_DATA_PARALLEL = pytest.mark.xfail(
+    strict=True, reason="ZBVZeroBubble's gradients under FSDP over the dp ranks differ"
+)
+
+
 @pytest.mark.equivalence
-@pytest.mark.parametrize("degrees", list(TWO_D_LAYOUTS))
+@pytest.mark.parametrize(
+    "degrees",
+    [
+        pytest.param(degrees, marks=V_UNDER_DATA_PARALLEL)
+        if label.startswith("ddp2xpp2")
+        else degrees
+        for degrees, label in TWO_D_LAYOUTS.items()
+    ],
+)
 def test_2d_layouts_of_dp_tp_and_pp_train_exactly_like_single(degrees):
     run_dir = sweep_runs(*TWO_D_SWEEP)[degrees]
     reference = reference_run(*WORKLOADS["mlp"])
