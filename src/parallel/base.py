@@ -135,6 +135,9 @@ class DeviceShare:
     state_kept: float = 1.0
     """The share of its parameters, gradients and optimizer state it holds before those are
     sharded (tensor parallel: the replicated ones and 1/tp of the split ones)."""
+    activations_kept: float = 1.0
+    """The share of its traced activations it holds (tensor parallel: those inside a pair are
+    split)."""
     flops_kept: float = 1.0
     """The share of its blocks' FLOPs it runs (tensor parallel: 1/tp of the split layers')."""
     replica_only: bool = False

@@ -410,6 +410,11 @@ class Mesh(Distributed):
         state_kept = self.kept_bytes(sizes, blocks) / whole if whole else 1.0
         return state_kept, self.split.flops_kept(blocks, self.layout.tp)
 
+    def activations_kept(self, blocks: list[int]) -> float:
+        """The share of `blocks`' traced activations one tp rank holds (tp splits those inside
+        its pairs: traced whole, they overstated a tp rank's peak by a third on a tiny GPT)."""
+        return 1.0 if self.split is None else self.split.activations_kept(blocks, self.layout.tp)
+
     def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
         """One share per pp rank (the first of its tp and data-parallel peers, which hold as
         much): its stages' blocks on its data-parallel share of the batch, in micro-batches (all
@@ -432,6 +437,7 @@ class Mesh(Distributed):
                     state_shards=layout.dp_shard,
                     state_kept=state_kept,
                     flops_kept=flops_kept,
+                    activations_kept=self.activations_kept(blocks),
                     extra_bytes={"parameters": 2 * largest if layout.dp_shard > 1 else 0},
                 )
             )
