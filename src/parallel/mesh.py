@@ -101,7 +101,9 @@ class Mesh(Distributed):
     stage_points: tuple[int, ...] = ()
     split: TPSplit | None = None
 
-    def __init__(self, cfg, device_type: str, precision: str = "fp32", ranks: Ranks | None = None):
+    def __init__(
+        self, cfg, device_type: str, precision: str = "fp32", ranks: Ranks | None = None
+    ):
         super().__init__(cfg, device_type, precision, ranks)
         degrees = {name: getattr(cfg, name) for name in DIMENSIONS}
         self.layout = Layout.of(self.world_size, **degrees)
@@ -239,7 +241,7 @@ class Mesh(Distributed):
 
     def trains(self, name: str) -> bool:
         """Whether this process trains (and holds) the state_dict entry `name`: under pp, only
-        its stages' blocks'."""
+        the entries of its stages' blocks."""
         if self.pipeline is None:
             return True
         return self.pipeline.block_ranks[int(name.split(".")[0])] == self.pipeline.rank
