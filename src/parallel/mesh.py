@@ -1,12 +1,13 @@
 """`parallel=tp`, `fsdp_tp`, ...: an N-D layout of degrees (src/parallel/layout.py) on one
 DeviceMesh, adapted to the loop's Strategy interface.
 
-One process per rank, launched like ddp. `wrap` applies tensor parallel (`apply_tp`, over the whole
-model), the pipeline cut (`stage_parts`: the stages this pp rank runs) and then FSDP2 over the
-data-parallel dimensions (`apply_fsdp`: dp_shard shards, dp_replicate replicates, both HSDP;
-under pp, each stage its own FSDP root). Data-parallel rank d of D reads `global batch / D`
-samples; the tp and pp ranks of one data-parallel index read the same ones and compute the same
-loss, which only the data-parallel ranks sum.
+One process per rank, launched like ddp. `wrap` applies the pipeline cut (`stage_parts`: the
+stages this pp rank runs; the other blocks go to the meta device), tensor parallel (`apply_tp`,
+over the whole model) and then FSDP2 over the data-parallel dimensions (`apply_fsdp`: dp_shard
+shards, dp_replicate replicates, both HSDP; under pp, each stage its own FSDP root).
+Data-parallel rank d of D reads `global batch / D` samples; the tp and pp ranks of one
+data-parallel index read the same ones and compute the same loss, which only the data-parallel
+ranks sum.
 
 Checkpoints hold single's tensors, in single's row order, whatever the layout. `sharded` (the
 default when no rank holds the whole model: tp, pp or dp_shard above 1): every process writes its
