@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed._tools.mem_tracker import MemTracker
 
 from src.components.blocks import prepare_blocks
 from src.components.data import build_data, first_samples
@@ -22,10 +23,40 @@ from src.components.optimizer import build_optimizer
 from src.components.precision import LossScaling, autocast
 from src.launch.launcher import launch
 from src.parallel import build_strategy
-from src.planning.planner import TRACED_STEPS, StepMemTracker, meta_model_and_inputs
+from src.planning.planner import TRACED_STEPS, meta_model_and_inputs
 from src.runtime.ranks import Ranks
 from src.runtime.stopping import StopOnSignal
 from src.training.loop import forward_backward
+
+
+class NoModuleHooks:
+    """What MemTracker asks of its module tracker, tracking no module: no hooks, never in a
+    backward pass."""
+
+    is_bw = False
+
+    def register_user_hooks(self, *hooks: Any) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def __enter__(self) -> NoModuleHooks:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        pass
+
+
+class StorageTracker(MemTracker):
+    """MemTracker counting every tensor storage per device, without its module hooks: their
+    gradient hooks break the pipeline schedules' `autograd.grad` ("A leaf node was passed to
+    _will_engine_execute_node", torch 2.14.1). The peak's Total is the same; what the module
+    hooks would label (parameters, gradients, backward temporaries) counts as activations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mod_tracker = NoModuleHooks()
 
 
 def measured_peak_mb(cfg: DictConfig) -> dict[str, float]:
@@ -59,7 +90,7 @@ def step_peak_mb(
     # Sliced here, copied while tracked: a slice of an in-memory set made under the tracker
     # would count the whole set's storage.
     batch = first_samples(data.train, micro_batch)
-    tracker = StepMemTracker()
+    tracker = StorageTracker()
     try:
         with tracker:
             model = instantiate(
@@ -67,7 +98,7 @@ def step_peak_mb(
             )
             prepare_blocks(model, trainer.activation_checkpointing, False)
             model = strategy.wrap(model)
-            optimizer = build_optimizer(cfg.optimizer, strategy.unwrap(model).parameters())
+            optimizer = build_optimizer(cfg.optimizer, strategy.trained_parameters(model))
             scaling = LossScaling(strategy.grad_scaler(trainer.precision == "fp16", 2.0**16))
             for _ in range(TRACED_STEPS):
                 batches = iter([tuple(t.clone() for t in batch)] * trainer.accumulate)

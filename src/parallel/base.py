@@ -26,7 +26,9 @@ In each training process:
     strategy.setup()                   process group, this process's devices, threads
     model = strategy.wrap(model)       place / replicate / split a plain `nn.Sequential`
     strategy.unwrap(model)             the plain model again (its parameters and state_dict keys
-                                       are the same as `single`'s); the optimizer is built on it
+                                       are the same as `single`'s)
+    strategy.trained_parameters(model) the parameters this process trains, the optimizer's (all
+                                       of the plain model's, but a pp rank's own stages')
     rank, world_size                   this process's data-parallel rank and the number of
                                        data-parallel processes; the loader feeds each process
                                        `global batch / world_size` samples
@@ -133,6 +135,9 @@ class DeviceShare:
     state_kept: float = 1.0
     """The share of its parameters, gradients and optimizer state it holds before those are
     sharded (tensor parallel: the replicated ones and 1/tp of the split ones)."""
+    activations_kept: float = 1.0
+    """The share of its traced activations it holds (tensor parallel: those inside a pair are
+    split)."""
     flops_kept: float = 1.0
     """The share of its blocks' FLOPs it runs (tensor parallel: 1/tp of the split layers')."""
     replica_only: bool = False
@@ -213,6 +218,8 @@ class TrainingStrategy(Protocol):
     def wrap(self, model: nn.Module) -> nn.Module: ...
 
     def unwrap(self, model: nn.Module) -> nn.Module: ...
+
+    def trained_parameters(self, model: nn.Module) -> list[nn.Parameter]: ...
 
     def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor: ...
 
@@ -350,6 +357,10 @@ class Strategy:
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model
+
+    def trained_parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        """What this process's optimizer steps and the loop clips: every parameter."""
+        return list(self.unwrap(model).parameters())
 
     def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
         raise NotImplementedError

@@ -1,12 +1,13 @@
 """`parallel=tp`, `fsdp_tp`, ...: an N-D layout of degrees (src/parallel/layout.py) on one
 DeviceMesh, adapted to the loop's Strategy interface.
 
-One process per rank, launched like ddp. `wrap` applies tensor parallel (`apply_tp`, over the whole
-model), the pipeline cut (`stage_parts`: the stages this pp rank runs) and then FSDP2 over the
-data-parallel dimensions (`apply_fsdp`: dp_shard shards, dp_replicate replicates, both HSDP;
-under pp, each stage its own FSDP root). Data-parallel rank d of D reads `global batch / D`
-samples; the tp and pp ranks of one data-parallel index read the same ones and compute the same
-loss, which only the data-parallel ranks sum.
+One process per rank, launched like ddp. `wrap` applies the pipeline cut (`stage_parts`: the
+stages this pp rank runs; the other blocks go to the meta device), tensor parallel (`apply_tp`,
+over the whole model) and then FSDP2 over the data-parallel dimensions (`apply_fsdp`: dp_shard
+shards, dp_replicate replicates, both HSDP; under pp, each stage its own FSDP root).
+Data-parallel rank d of D reads `global batch / D` samples; the tp and pp ranks of one
+data-parallel index read the same ones and compute the same loss, which only the data-parallel
+ranks sum.
 
 Checkpoints hold single's tensors, in single's row order, whatever the layout. `sharded` (the
 default when no rank holds the whole model: tp, pp or dp_shard above 1): every process writes its
@@ -20,6 +21,7 @@ and rank 0 writes them.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Any
 
 import torch
@@ -30,7 +32,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from src.checkpoint.store import rows_placed
+from src.checkpoint.store import renamed, rows_placed
 from src.components.batches import move
 from src.components.precision import AUTOCAST_DTYPES
 from src.config.schema import ConfigError, MeshConfig
@@ -77,6 +79,14 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
 
 
+def held_bytes(model: nn.Module) -> int:
+    """The bytes of `model`'s parameters and buffers in this process's memory: its local shards
+    of DTensors, nothing of a tensor on the meta device."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    local = (t.to_local() if isinstance(t, DTensor) else t for t in tensors)
+    return sum(t.nbytes for t in local if not t.is_meta)
+
+
 def like(parameter: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """`full` distributed as `parameter` is (this rank's shard of it)."""
     if not isinstance(parameter, DTensor):
@@ -112,6 +122,8 @@ class Mesh(Distributed):
         self.row_orders: dict[str, torch.Tensor] = {}
         self.loss_kernels = contextlib.ExitStack()
         self.pipeline: PipelineRun | None = None
+        self.held_bytes = 0  # of the wrapped model, for `report`
+        self.parameter_order: list[str] = []  # the whole model's, as single's optimizer has them
 
     @property
     def is_main(self) -> bool:
@@ -156,27 +168,39 @@ class Mesh(Distributed):
             self.loss_kernels.enter_context(loss_parallel())
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        """Tensor parallel over the whole model; then, under pp, this rank's stages, each its own
-        FSDP root over the data-parallel ranks (torch's stages drive its gradient reduction);
-        else FSDP over the whole model."""
+        """Under pp, this rank's stages on its device and the other blocks on the meta device
+        (shapes, no memory); tensor parallel over the whole model; then, under pp, each of this
+        rank's stages its own FSDP root over the data-parallel ranks (torch's stages drive its
+        gradient reduction); else FSDP over the whole model."""
+        self.parameter_order = [name for name, _ in model.named_parameters()]
         copy_from_rank0(model, self.device)
-        model = model.to(self.device)
         data_parallel = self.mesh["dp_replicate", "dp_shard"]
-        if self.layout.tp > 1:
-            self.row_orders = apply_tp(
-                model, self.mesh["tp"], self.cfg.sequence_parallel, self.cfg.loss_parallel
-            )
         if self.layout.pp > 1:
             pp_mesh = self.mesh["pp"]
             parts, block_ranks = stage_parts(
                 model, pp_mesh, self.cfg.schedule, self.cfg.stages_per_rank
             )
+            kept = {id(block) for part in parts.values() for block in part}
+            for block in model:
+                block.to(self.device if id(block) in kept else "meta")
+        else:
+            model = model.to(self.device)
+        if self.layout.tp > 1:  # the meta blocks are split too, on no rank's memory
+            self.row_orders = apply_tp(
+                model, self.mesh["tp"], self.cfg.sequence_parallel, self.cfg.loss_parallel
+            )
+        if self.layout.pp > 1:
             if self.layout.dp > 1:
                 parts = {s: apply_fsdp(part, data_parallel) for s, part in parts.items()}
             self.pipeline = PipelineRun(self.cfg, pp_mesh, self.device, parts, block_ranks)
         elif self.layout.dp > 1:
             model = apply_fsdp(model, data_parallel)
+        self.held_bytes = held_bytes(model)
         return model
+
+    def trained_parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        """Under pp, its own stages' parameters only (the others are on the meta device)."""
+        return [parameter for name, parameter in model.named_parameters() if self.trains(name)]
 
     def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
         if self.pipeline is not None:
@@ -219,14 +243,15 @@ class Mesh(Distributed):
         return "sharded" if layout.tp * layout.pp * layout.dp_shard > 1 else "full"
 
     def trains(self, name: str) -> bool:
-        """Whether this process trains the state_dict entry `name`: under pp, only its stages'
-        blocks (it holds the others too, untrained)."""
+        """Whether this process trains (and holds) the state_dict entry `name`: under pp, only
+        the entries of its stages' blocks."""
         if self.pipeline is None:
             return True
         return self.pipeline.block_ranks[int(name.split(".")[0])] == self.pipeline.rank
 
     def as_saved(self, state: dict[str, Any]) -> dict[str, Any]:
-        """The entries this process trains, each in single's layout (`in_single_rows`)."""
+        """The entries this process trains, each in single's layout (`in_single_rows`), and the
+        optimizer's groups as single's (`single_groups`)."""
         model_state, optimizer_state = state["model"], state["optimizer"]
         return {
             "model": {
@@ -235,14 +260,26 @@ class Mesh(Distributed):
                 if self.trains(name)
             },
             "optimizer": {
-                **optimizer_state,
                 "state": {
                     name: {key: self.in_single_rows(name, value) for key, value in entries.items()}
                     for name, entries in optimizer_state["state"].items()
                     if self.trains(name)
                 },
+                "param_groups": self.single_groups(optimizer_state["param_groups"]),
             },
         }
+
+    def single_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The optimizer's parameter groups (parameters by name) as single's: under pp, each
+        group's parameters on every pp rank, in the model's order (a collective of the pp
+        ranks), copied: DCP loads into them, and the optimizer keeps its own."""
+        if self.pipeline is None:
+            return groups
+        every = self.pipeline.every_rank([group["params"] for group in groups])
+        return [
+            {**group, "params": [n for n in self.parameter_order if any(n in p[g] for p in every)]}
+            for g, group in enumerate(groups)
+        ]
 
     def in_single_rows(self, name: str, value: Any) -> Any:
         """A regrouped qkv tensor's local shard (a contiguous block of regrouped rows) as the
@@ -262,16 +299,25 @@ class Mesh(Distributed):
         return rows_placed(value.to_local(), rows, value.shape)
 
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Single's state_dict: under pp, the entries of blocks this rank does not hold (meta) are
+        filled from the ranks that do (`PipelineRun.gathered`)."""
         state = {
             name: single_layout(name, full_tensor(value), self.row_orders)
+            if self.trains(name)
+            else value
             for name, value in model.state_dict().items()
         }
         return self.pipeline.gathered(state) if self.pipeline else state
 
+    def single_indices(self) -> dict[str, int]:
+        """Each parameter's number in single's optimizer state: its place in the whole model."""
+        return {name: index for index, name in enumerate(self.parameter_order)}
+
     def optimizer_state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> dict[str, Any]:
-        """Single's format: state by parameter index, each tensor whole, in single's layout."""
+        """Single's format: state by single's parameter index, each tensor whole, in single's
+        layout; under pp, every rank's (each optimizer holds its own stages' parameters)."""
         names = parameter_names(model, optimizer)
         state = optimizer.state_dict()
         state["state"] = {
@@ -283,26 +329,33 @@ class Mesh(Distributed):
             }
             for index, entries in state["state"].items()
         }
-        if self.pipeline:  # each rank gives the state of the parameters it trains (a resumed
-            # one holds the others' too, as loaded, untrained)
-            own = {i: entries for i, entries in state["state"].items() if self.trains(names[i])}
-            state["state"] = self.pipeline.merged(own)
-        return state
+        single = self.single_indices()
+        state = renamed(state, {index: single[name] for index, name in enumerate(names)})
+        return self.pipeline.merged(state) if self.pipeline else state
 
     def load_optimizer_state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
-        names = parameter_names(model, optimizer)
+        """Single's optimizer state: under pp, the entries of this rank's parameters only."""
+        local = {name: index for index, name in enumerate(parameter_names(model, optimizer))}
+        names = dict(enumerate(self.parameter_order))
         parameters = dict(model.named_parameters())
-        state = {**state}
-        state["state"] = {
-            index: {
-                key: like(parameters[names[index]], tp_layout(names[index], value, self.row_orders))
-                if isinstance(value, torch.Tensor) and value.dim() > 0
-                else value
-                for key, value in entries.items()
-            }
-            for index, entries in state["state"].items()
+        own = {index: name for index, name in names.items() if name in local}
+        state = {
+            "state": {
+                local[own[index]]: {
+                    key: like(parameters[own[index]], tp_layout(own[index], value, self.row_orders))
+                    if isinstance(value, torch.Tensor) and value.dim() > 0
+                    else value
+                    for key, value in entries.items()
+                }
+                for index, entries in state["state"].items()
+                if index in own
+            },
+            "param_groups": [
+                {**group, "params": [local[own[i]] for i in group["params"] if i in own]}
+                for group in state["param_groups"]
+            ],
         }
         optimizer.load_state_dict(state)
 
@@ -312,8 +365,9 @@ class Mesh(Distributed):
         return f"{label}-{self.cfg.schedule}" if self.layout.pp > 1 else label
 
     def report(self) -> dict[str, Any]:
-        """The layout's name; for a pipeline, its schedule's theoretical bubble and each pp
-        rank's measured idle fraction (`StageClock`; a collective of the pp ranks)."""
+        """The layout's name; for a pipeline, its schedule's theoretical bubble, each pp rank's
+        measured idle fraction (`StageClock`) and the bytes of parameters and buffers it holds
+        (`held_bytes`; both collectives of the pp ranks)."""
         figures: dict[str, Any] = {"layout": self.layout_name()}
         if self.pipeline is not None:
             figures["pipeline"] = {
@@ -322,6 +376,7 @@ class Mesh(Distributed):
                 "microbatches": self.cfg.microbatches,
                 "bubble_fraction": self.idle_fraction(),
                 "idle_fraction_per_rank": self.pipeline.idle_fractions(),
+                "held_bytes_per_rank": self.pipeline.every_rank(self.held_bytes),
             }
         return figures
 
@@ -360,6 +415,11 @@ class Mesh(Distributed):
         state_kept = self.kept_bytes(sizes, blocks) / whole if whole else 1.0
         return state_kept, self.split.flops_kept(blocks, self.layout.tp)
 
+    def activations_kept(self, blocks: list[int]) -> float:
+        """The share of `blocks`' traced activations one tp rank holds (tp splits those inside
+        its pairs: traced whole, they overstated a tp rank's peak by a third on a tiny GPT)."""
+        return 1.0 if self.split is None else self.split.activations_kept(blocks, self.layout.tp)
+
     def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
         """One share per pp rank (the first of its tp and data-parallel peers, which hold as
         much): its stages' blocks on its data-parallel share of the batch, in micro-batches (all
@@ -382,6 +442,7 @@ class Mesh(Distributed):
                     state_shards=layout.dp_shard,
                     state_kept=state_kept,
                     flops_kept=flops_kept,
+                    activations_kept=self.activations_kept(blocks),
                     extra_bytes={"parameters": 2 * largest if layout.dp_shard > 1 else 0},
                 )
             )

@@ -4,8 +4,9 @@ work, the tensor-parallel, pipeline and data-parallel traffic of a step.
 Tensor parallel splits the planned Linears (`tensor_parallel.tp_plan`) over the tp ranks: a
 ColwiseParallel Linear's weight and bias, a RowwiseParallel one's weight (its bias is
 replicated), and so their gradients and optimizer state; the FLOPs of those Linears and of the
-attention between them (each rank runs its heads). Everything else is replicated. The
-activations are traced whole: under tp the planner's activation figure is an upper bound.
+attention between them (each rank runs its heads), and the activations saved for backward
+between a ColwiseParallel module and the RowwiseParallel one after it (`saved_bytes`). Everything
+else is replicated.
 """
 
 from __future__ import annotations
@@ -34,11 +35,22 @@ class TPSplit:
     pair_outputs: list[tuple[int, int]]
     """(block, bytes per sample) of each RowwiseParallel Linear's output: what a pair sums over
     the tp ranks."""
+    saved_bytes: list[int]
+    """Each block's activations saved for backward (bytes per sample; not its parameters)."""
+    split_saved_bytes: list[int]
+    """Of those, the ones inside a pair (from a ColwiseParallel module's output to the next
+    RowwiseParallel module's input), which the tp ranks split."""
 
     def flops_kept(self, blocks: list[int], tp: int) -> float:
         """The share of `blocks`' FLOPs that one of `tp` ranks runs."""
         total = sum(self.flops[b] for b in blocks)
         split = sum(self.split_flops[b] for b in blocks)
+        return 1 - (1 - 1 / tp) * split / total if total else 1.0
+
+    def activations_kept(self, blocks: list[int], tp: int) -> float:
+        """The share of `blocks`' saved activations that one of `tp` ranks holds."""
+        total = sum(self.saved_bytes[b] for b in blocks)
+        split = sum(self.split_saved_bytes[b] for b in blocks)
         return 1 - (1 - 1 / tp) * split / total if total else 1.0
 
 
@@ -73,8 +85,9 @@ def tp_split(model: nn.Sequential, plan: dict[str, ParallelStyle], inputs: Tree)
         split_bytes[block_of(name)] += sum(p.nbytes for p in split_parameters(module, style))
         if isinstance(style, RowwiseParallel):
             handles.append(module.register_forward_hook(record(block_of(name))))
+    saved = SavedActivations(model, plan)
     try:
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        with saved, FlopCounterMode(display=False) as counter:
             model(inputs)
     finally:
         for handle in handles:
@@ -92,4 +105,51 @@ def tp_split(model: nn.Sequential, plan: dict[str, ParallelStyle], inputs: Tree)
         if isinstance(module, CausalSelfAttention):  # its attention over the heads, between
             inner = by_module.get(name, 0) - by_module.get(f"{name}.qkv", 0)
             split_flops[block_of(name)] += (inner - by_module.get(f"{name}.proj", 0)) // samples
-    return TPSplit(split_bytes, flops, split_flops, outputs)
+    per_sample = [[size // samples for size in sizes] for sizes in (saved.whole, saved.split)]
+    return TPSplit(split_bytes, flops, split_flops, outputs, *per_sample)
+
+
+class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
+    """The bytes autograd saves for backward in each block of `model` during a forward pass
+    (`whole`), and those saved inside one of `plan`'s pairs (`split`): after a ColwiseParallel
+    module's forward until a RowwiseParallel module's ends (the Rowwise Linear's own input is
+    split; the Colwise one's is not). Parameters (and views of them) are not activations."""
+
+    def __init__(self, model: nn.Sequential, plan: dict[str, ParallelStyle]):
+        super().__init__(self.pack, lambda tensor: tensor)
+        self.whole, self.split = [0] * len(model), [0] * len(model)
+        self.block, self.in_pair = 0, False
+        self.parameters = {id(p) for p in model.parameters()}
+        self.handles = [
+            block.register_forward_pre_hook(self.entering(index))
+            for index, block in enumerate(model)
+        ]
+        for name, style in plan.items():
+            if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+                opens = isinstance(style, ColwiseParallel)
+                hook = self.pair_hook(opens)
+                self.handles.append(model.get_submodule(name).register_forward_hook(hook))
+
+    def entering(self, index: int):
+        def hook(module: nn.Module, args: object) -> None:
+            self.block = index
+
+        return hook
+
+    def pair_hook(self, opens: bool):
+        def hook(module: nn.Module, args: object, output: object) -> None:
+            self.in_pair = opens
+
+        return hook
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in self.parameters and id(tensor._base) not in self.parameters:
+            self.whole[self.block] += tensor.nbytes
+            if self.in_pair:
+                self.split[self.block] += tensor.nbytes
+        return tensor
+
+    def __exit__(self, *args: object) -> None:
+        super().__exit__(*args)
+        for handle in self.handles:
+            handle.remove()

@@ -283,25 +283,43 @@ class PipelineRun:
         return sums
 
     def gathered(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The state_dict with each block's tensors from the rank that trains it."""
+        """The state_dict with each block's tensors from the rank that trains it (the others
+        hold that block on the meta device: its shapes, into which they receive)."""
         for name, value in state.items():
-            on_device = value.to(self.device)
             owner = self.block_ranks[int(name.split(".")[0])]
+            if owner == self.rank:
+                on_device = value.to(self.device)
+            else:
+                on_device = torch.empty(value.shape, dtype=value.dtype, device=self.device)
             dist.broadcast(on_device, group=self.group, group_src=owner)
             state[name] = on_device.cpu()
         return state
 
-    def merged(self, state: dict[int, Any]) -> dict[int, Any]:
-        """The optimizer's per-parameter state of every rank (each holds its stages' own)."""
-        every: list = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(every, state, group=self.group)
-        return dict(sorted((index, entries) for part in every for index, entries in part.items()))
+    def merged(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Every rank's optimizer state dict (each holds its stages' parameters), by single's
+        parameter index, as one: per-parameter states and each group's parameters together."""
+        every = self.every_rank(state)
+        groups = [
+            {
+                **group,
+                "params": sorted(i for part in every for i in part["param_groups"][g]["params"]),
+            }
+            for g, group in enumerate(state["param_groups"])
+        ]
+        entries = sorted(
+            (index, entries) for part in every for index, entries in part["state"].items()
+        )
+        return {"state": dict(entries), "param_groups": groups}
 
     def idle_fractions(self) -> list[float | None]:
         """Each pp rank's measured idle fraction (`StageClock`), in pp rank order: a collective
         of the pp ranks."""
+        return self.every_rank(self.clock.idle_fraction())
+
+    def every_rank(self, value: Any) -> list:
+        """Each pp rank's `value`, in pp rank order: a collective of the pp ranks."""
         every: list = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(every, self.clock.idle_fraction(), group=self.group)
+        dist.all_gather_object(every, value, group=self.group)
         return every
 
 

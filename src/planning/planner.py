@@ -501,12 +501,13 @@ def device_plan(traced: TracedShare, share: DeviceShare) -> DevicePlan:
 
 def shared_out(device: DevicePlan, share: DeviceShare) -> DevicePlan:
     """`device` with its parameters, gradients and optimizer state cut to `share.state_kept`
-    and split `share.state_shards` ways, plus what the strategy adds on top
-    (`share.extra_bytes`)."""
+    and split `share.state_shards` ways, its activations cut to `share.activations_kept`, plus
+    what the strategy adds on top (`share.extra_bytes`)."""
     split = {
         name: int(getattr(device, name) * share.state_kept) // share.state_shards
         for name in ("parameters", "gradients", "optimizer")
     }
+    split["activations"] = int(device.activations * share.activations_kept)
     if share.replica_only:
         split.update(gradients=0, optimizer=0)
     device = dataclasses.replace(device, **split)

@@ -472,7 +472,7 @@ class Stepper:
         optimizer: torch.optim.Optimizer,
     ):
         self.trainer, self.strategy, self.optimizer = trainer, strategy, optimizer
-        self.params = list(strategy.unwrap(model).parameters())
+        self.params = strategy.trained_parameters(model)
         self.precision = autocast(strategy.device_type, trainer.precision)
         self.scaling = LossScaling(
             strategy.grad_scaler(trainer.precision == "fp16", trainer.loss_scale_init)

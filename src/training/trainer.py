@@ -173,7 +173,7 @@ class Trainer:
             model.load_state_dict(state["model"])
         prepare_blocks(model, cfg.trainer.activation_checkpointing, cfg.trainer.compile)
         model = strategy.wrap(model)
-        optimizer = build_optimizer(cfg.optimizer, strategy.unwrap(model).parameters())
+        optimizer = build_optimizer(cfg.optimizer, strategy.trained_parameters(model))
         if state is None:
             if cfg.trainer.resume and strategy.is_main:
                 run_dir = self.run_dir
