@@ -29,6 +29,8 @@ In each training process:
                                        are the same as `single`'s)
     strategy.trained_parameters(model) the parameters this process trains, the optimizer's (all
                                        of the plain model's, but a pp rank's own stages')
+    strategy.clip_grad_norm(ps, limit) their gradients scaled to a total norm of at most `limit`,
+                                       the norm over the whole model's (`trainer.grad_clip`)
     rank, world_size                   this process's data-parallel rank and the number of
                                        data-parallel processes; the loader feeds each process
                                        `global batch / world_size` samples
@@ -221,6 +223,8 @@ class TrainingStrategy(Protocol):
 
     def trained_parameters(self, model: nn.Module) -> list[nn.Parameter]: ...
 
+    def clip_grad_norm(self, parameters: list[nn.Parameter], max_norm: float) -> None: ...
+
     def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor: ...
 
     def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager: ...
@@ -361,6 +365,9 @@ class Strategy:
     def trained_parameters(self, model: nn.Module) -> list[nn.Parameter]:
         """What this process's optimizer steps and the loop clips: every parameter."""
         return list(self.unwrap(model).parameters())
+
+    def clip_grad_norm(self, parameters: list[nn.Parameter], max_norm: float) -> None:
+        torch.nn.utils.clip_grad_norm_(parameters, max_norm)
 
     def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
         raise NotImplementedError

@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import loss_parallel
 
 from src.checkpoint.store import renamed, rows_placed
@@ -201,6 +202,18 @@ class Mesh(Distributed):
     def trained_parameters(self, model: nn.Module) -> list[nn.Parameter]:
         """Under pp, its own stages' parameters only (the others are on the meta device)."""
         return [parameter for name, parameter in model.named_parameters() if self.trains(name)]
+
+    def clip_grad_norm(self, parameters: list[nn.Parameter], max_norm: float) -> None:
+        """Under pp, by the norm of every pp rank's gradients (each holds its own stages'), as
+        single's is of the whole model's."""
+        if self.pipeline is None:
+            return super().clip_grad_norm(parameters, max_norm)
+        gradients = [p.grad for p in parameters if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(gradients)
+        squared = (norm.full_tensor() if isinstance(norm, DTensor) else norm).square()
+        dist.all_reduce(squared, group=self.pipeline.group)
+        with implicit_replication():  # the norm, a plain tensor, scales DTensor gradients too
+            torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, squared.sqrt())
 
     def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
         if self.pipeline is not None:

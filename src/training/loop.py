@@ -489,7 +489,7 @@ class Stepper:
             self.nonfinite.observe(step, step_sums)
             if self.trainer.grad_clip > 0:
                 self.scaling.unscale(self.optimizer)
-                torch.nn.utils.clip_grad_norm_(self.params, self.trainer.grad_clip)
+                self.strategy.clip_grad_norm(self.params, self.trainer.grad_clip)
             self.scaling.step(self.optimizer)
         else:
             self.skipped_steps += 1
