@@ -42,3 +42,11 @@ def test_a_forked_run_is_its_own_session_and_dies_by_its_signal(tmp_path):
     assert os.getsid(run.process.pid) == run.process.pid
     run.process.kill()
     assert run.finish().returncode == -signal.SIGKILL
+
+
+def test_a_run_forks_after_this_process_s_own_environment_changed(monkeypatch, tmp_path):
+    """Code the tests run in-process sets variables (a launch, a compile): a new preloader."""
+    monkeypatch.setenv("TEST_FORKS_CHANGED", "1")
+    run = TrainRun(*TINY_SGD, run_dir=tmp_path)
+    assert started_as(run) == "fork"
+    assert run.finish(check=True).returncode == 0

@@ -38,10 +38,12 @@ STATUS = struct.Struct("i")  # a pid, then the exit status
 
 def serve(control: socket.socket) -> list[str] | None:
     """Fork a child for each request on `control` and report on it; return in each child, with
-    its argv (the parent returns None once its client has gone)."""
+    its argv (the parent returns None once its client has closed `control` and every child it
+    started has been reported)."""
     watched: dict[int, tuple[int, socket.socket]] = {}  # pidfd: (pid, status socket)
-    while True:
-        ready, _, _ = select.select([control, *watched], [], [])
+    listening = [control]
+    while listening or watched:
+        ready, _, _ = select.select([*listening, *watched], [], [])
         for source in ready:
             if source is not control:
                 pid, status = watched.pop(source)
@@ -53,7 +55,8 @@ def serve(control: socket.socket) -> list[str] | None:
                 continue
             request, fds, _, _ = socket.recv_fds(control, 1 << 16, 4)
             if not request:
-                return None
+                listening = []
+                continue
             argv, cwd, env = json.loads(request)
             *standard, status_fd = fds
             sys.stdout.flush(), sys.stderr.flush()
@@ -70,6 +73,7 @@ def serve(control: socket.socket) -> list[str] | None:
             status = socket.socket(fileno=status_fd)
             status.sendall(STATUS.pack(pid))
             watched[os.pidfd_open(pid)] = (pid, status)
+    return None
 
 
 def become_run(standard: list[int], cwd: str, env: dict[str, str]) -> None:
@@ -187,17 +191,24 @@ def forked_train(
     command: list[str], base: dict[str, str], env: dict[str, str], one_page: int | None
 ) -> ForkedProcess | None:
     """`command` (`python train.py ...`) with environment `env`, forked by this process's
-    preloader (started with the environment `base` on first use), its stdout and stderr to the
-    write end `one_page` (left open here), or else to pipes of their own for `communicate`; None
-    where it must run as a new process: a command with a prefix, an environment other than the
-    preloader's, TEST_FORKS=0, or no preloader serving."""
+    preloader of environment `base` (this process's, as the tests run it: started on first use,
+    and again whenever `base` changes), its stdout and stderr to the write end `one_page` (left
+    open here), or else to pipes of their own for `communicate`; None where it must run as a new
+    process: a command with a prefix, an `env` that sets more than `READ_AT_RUN_TIME` over
+    `base`, TEST_FORKS=0, or no preloader serving."""
     global PRELOADER
     if command[:2] != [sys.executable, "train.py"] or os.environ.get("TEST_FORKS") == "0":
         return None
-    if PRELOADER is None:
-        PRELOADER = Preloader(base)
-    if without(env, READ_AT_RUN_TIME) != without(PRELOADER.env, READ_AT_RUN_TIME):
+    if without(env, READ_AT_RUN_TIME) != without(base, READ_AT_RUN_TIME):
         return None
+    if PRELOADER is None or without(PRELOADER.env, READ_AT_RUN_TIME) != without(
+        base, READ_AT_RUN_TIME
+    ):
+        # This process's own environment has changed since (code the tests run in-process sets
+        # variables): a preloader of the new one; the old one ends once its runs have.
+        if PRELOADER is not None:
+            PRELOADER.control.close()
+        PRELOADER = Preloader(base)
     if one_page is not None:
         return PRELOADER.start(command[1:], env, one_page, one_page)
     (stdout, stdout_end), (stderr, stderr_end) = os.pipe(), os.pipe()
