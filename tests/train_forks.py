@@ -113,9 +113,6 @@ class ForkedProcess:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
     def communicate(self, timeout: float | None = None) -> tuple[bytes, bytes]:
         """Both outputs to their ends, then the exit status (as Popen's, for PIPE outputs)."""
         output = {self.stdout: b"", self.stderr: b""}
