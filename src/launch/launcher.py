@@ -476,7 +476,7 @@ def stop_signals_passed_to_ranks() -> Iterator[None]:
     alone (`AGENT_HANDLED_SIGNALS`).
     """
 
-    from src.runtime.stopping import StopOnSignal
+    from src.runtime.stopping import StopOnSignal, warn_from_signal_handler
 
     received: list[int] = []
 
@@ -488,7 +488,8 @@ def stop_signals_passed_to_ranks() -> Iterator[None]:
                 rank.kill()
             raise KilledBySignal(signum)
         received.append(signum)
-        log.warning(
+        warn_from_signal_handler(
+            log,
             "%s received: the ranks stop together at the next step they log, evaluate or "
             "checkpoint (send it again to stop them at once)",
             name,

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
@@ -107,8 +108,10 @@ class StopOnSignal:
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
         if self.job_failed is not None and self.job_failed():
-            # Not a request to stop: the launcher ending what is left of a failed job.
-            logging.shutdown()
+            # Not a request to stop: the launcher ending what is left of a failed job. The flush
+            # may meet a write this handler interrupted (see `warn_from_signal_handler`).
+            with contextlib.suppress(RuntimeError):
+                logging.shutdown()
             os._exit(128 + signum)
         if self.signal is not None:
             return
@@ -116,12 +119,14 @@ class StopOnSignal:
         name = signal.Signals(signum).name
         if self.second_signal_stops_at_once:
             self._restore()
-            log.warning(
+            warn_from_signal_handler(
+                log,
                 "%s received: stopping after the current step (send it again to stop at once)",
                 name,
             )
         else:
-            log.warning(
+            warn_from_signal_handler(
+                log,
                 "%s received: stopping with the other processes at the next step they log, "
                 "evaluate or checkpoint",
                 name,
@@ -131,6 +136,19 @@ class StopOnSignal:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
+
+
+def warn_from_signal_handler(
+    logger: logging.Logger, message: str, *args: object
+) -> threading.Thread:
+    """`logger.warning` from a signal handler, on a thread of its own. The handler runs inside
+    the code it interrupted, which may be halfway through writing to the same stream (say, a full
+    stdout pipe): a second write from the same thread is refused by the io module ("reentrant
+    call"), and logging prints a traceback instead of the message. The thread waits for that
+    write to end."""
+    thread = threading.Thread(target=logger.warning, args=(message, *args))
+    thread.start()
+    return thread
 
 
 _received_early: list[int] = []
