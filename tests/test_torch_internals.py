@@ -5,6 +5,7 @@ plain fallback when it is missing is tested beside it."""
 from __future__ import annotations
 
 import inspect
+import json
 import multiprocessing
 import os
 import subprocess
@@ -147,3 +148,64 @@ def test_torch_does_its_exit_work_in_exit_handlers_that_run_before_the_early_exi
         TORCHS_EXIT_HANDLERS
     )
     assert done == ["loader exit flag True", "compile pool shut down True"]
+
+
+# A process that starts its rank server and reports: whether the server runs this process's
+# program (a fork) or multiprocessing's forkserver program (a new interpreter), the parent a rank
+# it forks sees, and which of the server's open files were this process's.
+SERVER_START = """
+import json, multiprocessing, os, sys
+{imports}
+from src.launch.launcher import start_rank_server
+from test_torch_internals import parent_pid
+
+def files(pid):  # beyond the standard streams, and /dev/null
+    names = set()
+    for fd in os.listdir(f"/proc/{{pid}}/fd"):
+        try:
+            names.add(os.readlink(f"/proc/{{pid}}/fd/{{fd}}") if int(fd) > 2 else os.devnull)
+        except FileNotFoundError:  # listdir's own
+            pass
+    return names - {{os.devnull}}
+
+mine = files(os.getpid())
+server = start_rank_server()
+context = multiprocessing.get_context("forkserver")
+queue = context.Queue()
+rank = context.Process(target=parent_pid, args=(queue,))
+rank.start()
+rank_parent = queue.get(timeout=60)
+rank.join()
+inherited = files(server) & mine
+with open(f"/proc/{{server}}/cmdline", "rb") as cmdline:
+    program = cmdline.read().split(b"\\0")[-2].decode()
+print(json.dumps([server, rank_parent, program, sorted(inherited)]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("imports", "forked"), [("import torch._dynamo, src.launch.job", True), ("", False)]
+)
+def test_a_process_with_the_rank_servers_imports_forks_it_else_starts_a_new_one(imports, forked):
+    """A process with one thread that has imported what the rank server imports (a test's
+    preloaded train.py run: OMP_NUM_THREADS=1 keeps torch from starting a thread on import) forks
+    the server from itself; any other starts a new interpreter.
+    Either way the ranks are the server's children, and a forked server holds none of the
+    files it inherited but the standard streams (a pipe end kept would hold up its end)."""
+    started = subprocess.run(
+        [sys.executable, "-c", SERVER_START.format(imports=imports)],
+        cwd=ROOT,
+        env={
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert started.returncode == 0, started.stderr
+    server, rank_parent, program, inherited = json.loads(started.stdout)
+    assert rank_parent == server
+    assert program.startswith("from multiprocessing.forkserver import main") != forked, program
+    assert inherited == []

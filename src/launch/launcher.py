@@ -37,7 +37,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from src.launch.torch_private import name_rendezvous_events_cheaply, rank_server_pid
+from src.launch.torch_private import (
+    helpers_forked_from_this_process,
+    name_rendezvous_events_cheaply,
+    rank_server_pid,
+)
 from src.runtime.ranks import Ranks
 
 log = logging.getLogger(__name__)
@@ -215,24 +219,45 @@ def start_rank_server() -> int | None:
     """Start this process's rank server, once: multiprocessing's forkserver, which imports torch
     and the training code (`src.launch.rank_server`) now, while this process checks the run, and
     then forks each rank that `launch` starts. A rank forked from it is ready in a moment, where a
-    spawned one spent seconds importing (and a sweep's later jobs reuse the server). Unlike a fork
-    of this process, it forks from one that has run nothing: no CUDA context, no OpenMP threads.
-    Returns its pid (the ranks' parent), or None where it cannot be read (`rank_server_pid`)."""
+    spawned one spent seconds importing (and a sweep's later jobs reuse the server). It forks from
+    a process that has run nothing: no CUDA context, no OpenMP threads. Where this process has
+    done the server's imports already and is as bare (`holds_rank_server_imports`), the server is
+    a fork of it. Returns its pid (the ranks' parent), or None where it cannot be read
+    (`rank_server_pid`)."""
     from multiprocessing import forkserver
 
-    multiprocessing.set_forkserver_preload(["src.launch.rank_server"])
+    multiprocessing.set_forkserver_preload([RANK_SERVER])
     # Python 3.11 starts the server without this process's sys.path: name the repository.
     repository = str(Path(__file__).resolve().parents[2])
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [repository, saved]))
+    forked = helpers_forked_from_this_process() if holds_rank_server_imports() else None
     try:
-        forkserver.ensure_running()
+        with forked or contextlib.nullcontext():
+            forkserver.ensure_running()
     finally:
         if saved is None:
             del os.environ["PYTHONPATH"]
         else:
             os.environ["PYTHONPATH"] = saved
     return rank_server_pid()
+
+
+RANK_SERVER = "src.launch.rank_server"
+RANK_SERVER_IMPORTS = ("torch._dynamo", "src.launch.job")  # what it imports, seconds of them
+
+
+def holds_rank_server_imports() -> bool:
+    """Whether a fork of this process would be the rank server a new interpreter makes, seconds
+    sooner: it has imported what the server imports (a test's preloaded run, a launch from
+    Python), but not the server's own module, whose top level must run in the server; and it runs
+    one thread, so that no OpenMP pool or CUDA context is running to be inherited."""
+    imported = all(name in sys.modules for name in RANK_SERVER_IMPORTS)
+    try:
+        threads = len(os.listdir("/proc/self/task"))
+    except OSError:  # not Linux: no way to tell, so no fork
+        return False
+    return imported and RANK_SERVER not in sys.modules and threads == 1
 
 
 def start_rank_server_early(parallel: Any) -> None:

@@ -13,10 +13,12 @@ import signal
 # the rank, and (taken before these imports) whatever the imports set.
 ENVIRONMENT = dict(os.environ)
 
-import torch._dynamo  # noqa: E402, F401
+import importlib  # noqa: E402
 
-import src.launch.job  # noqa: E402, F401
-from src.launch.launcher import die_with_parent  # noqa: E402
+from src.launch.launcher import RANK_SERVER_IMPORTS, die_with_parent  # noqa: E402
+
+for module in RANK_SERVER_IMPORTS:
+    importlib.import_module(module)
 
 # The server dies with the launcher, and its ranks with it (`launch.end_with_launcher`). (By
 # itself it would live on while a rank did: each holds its end of the pipe it watches.) Until

@@ -4,6 +4,8 @@ correctness. `tests/test_torch_internals.py` fails when what they rely on change
 
 - `exit_without_teardown`: a finished command ends with `os._exit` after the exit handlers.
 - `rank_server_pid`: the forkserver's pid, from multiprocessing's private attribute.
+- `helpers_forked_from_this_process`: multiprocessing's forkserver (and resource tracker) forked
+  from this process instead of started as new interpreters, through `util.spawnv_passfds`.
 - `name_rendezvous_events_cheaply`: swaps torch's stack-walking `get_method_name` in
   `dynamic_rendezvous` for a `sys._getframe` lookup giving the same names.
 
@@ -72,6 +74,52 @@ def rank_server_pid() -> int | None:
     from multiprocessing import forkserver
 
     return getattr(forkserver._forkserver, "_forkserver_pid", None)  # noqa: SLF001
+
+
+@contextlib.contextmanager
+def helpers_forked_from_this_process() -> Iterator[None]:
+    """Within it, the helper processes that multiprocessing starts as new interpreters running a
+    `-c` program (the forkserver, the resource tracker) are forks of this process running that
+    program: a forkserver whose imports this process has done already starts in a moment. For a
+    process with one thread only (a fork keeps no others). multiprocessing starts them through
+    `util.spawnv_passfds`; a Python that does otherwise starts new interpreters, as without it."""
+    from multiprocessing import util
+
+    spawn = util.spawnv_passfds
+    util.spawnv_passfds = _fork_running_program
+    try:
+        yield
+    finally:
+        util.spawnv_passfds = spawn
+
+
+def _fork_running_program(path: str, args: list[str], passfds: list[int]) -> int:
+    """`util.spawnv_passfds(path, [..., "-c", program], passfds)` as a fork (Linux): the child
+    holds only the standard streams and `passfds`, as the new interpreter would, and ends when
+    the program does, without this process's exit handlers. Every other file it inherited is
+    swapped for /dev/null rather than closed: Python objects of this process still hold those
+    numbers, and would otherwise close or write whatever file reuses one."""
+    program = args[-1]
+    pid = os.fork()
+    if pid:
+        return pid
+    status = 1
+    try:
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            if fd not in {0, 1, 2, devnull, *passfds}:
+                os.dup2(devnull, fd)
+        os.close(devnull)
+        exec(program, {"__name__": "__main__"})  # noqa: S102 - multiprocessing's own program
+        status = 0
+    except SystemExit as end:  # how the forkserver ends, once every client has gone
+        status = end.code if isinstance(end.code, int) else 0
+    except BaseException:  # noqa: BLE001 - reported as the interpreter would, then exit
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(status)
 
 
 def name_rendezvous_events_cheaply() -> None:
