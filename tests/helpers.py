@@ -223,12 +223,17 @@ def wait_until(condition: Callable[[], bool], within_s: float) -> bool:
 
 def rank_pids(launcher_pid: int) -> list[int]:
     """The rank processes of a multi-process job started by `launcher_pid` (train.py): forked by
-    its rank server (`launch.start_rank_server`, multiprocessing's forkserver)."""
+    its rank server (`launch.start_rank_server`, multiprocessing's forkserver), a new interpreter
+    or, in a preloaded run, a fork of the launcher (whose command line it keeps)."""
 
     def children(pid: int) -> list[int]:
         return [int(child) for child in proc_file(pid, f"task/{pid}/children").split()]
 
-    servers = [pid for pid in children(launcher_pid) if "forkserver" in proc_file(pid, "cmdline")]
+    def is_server(pid: int) -> bool:
+        command = proc_file(pid, "cmdline")
+        return "forkserver" in command or command == proc_file(launcher_pid, "cmdline")
+
+    servers = [pid for pid in children(launcher_pid) if is_server(pid)]
     return [rank for server in servers for rank in children(server)]
 
 

@@ -38,7 +38,7 @@ from types import FrameType
 from typing import Any
 
 from src.launch.torch_private import (
-    helpers_forked_from_this_process,
+    forkserver_forked_from_this_process,
     name_rendezvous_events_cheaply,
     rank_server_pid,
 )
@@ -231,7 +231,7 @@ def start_rank_server() -> int | None:
     repository = str(Path(__file__).resolve().parents[2])
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [repository, saved]))
-    forked = helpers_forked_from_this_process() if holds_rank_server_imports() else None
+    forked = forkserver_forked_from_this_process() if holds_rank_server_imports() else None
     try:
         with forked or contextlib.nullcontext():
             forkserver.ensure_running()

@@ -4,8 +4,8 @@ correctness. `tests/test_torch_internals.py` fails when what they rely on change
 
 - `exit_without_teardown`: a finished command ends with `os._exit` after the exit handlers.
 - `rank_server_pid`: the forkserver's pid, from multiprocessing's private attribute.
-- `helpers_forked_from_this_process`: multiprocessing's forkserver (and resource tracker) forked
-  from this process instead of started as new interpreters, through `util.spawnv_passfds`.
+- `forkserver_forked_from_this_process`: multiprocessing's forkserver forked from this process
+  instead of started as a new interpreter, through `util.spawnv_passfds`.
 - `name_rendezvous_events_cheaply`: swaps torch's stack-walking `get_method_name` in
   `dynamic_rendezvous` for a `sys._getframe` lookup giving the same names.
 
@@ -76,30 +76,38 @@ def rank_server_pid() -> int | None:
     return getattr(forkserver._forkserver, "_forkserver_pid", None)  # noqa: SLF001
 
 
+FORKSERVER_PROGRAM = "from multiprocessing.forkserver import main"
+
+
 @contextlib.contextmanager
-def helpers_forked_from_this_process() -> Iterator[None]:
-    """Within it, the helper processes that multiprocessing starts as new interpreters running a
-    `-c` program (the forkserver, the resource tracker) are forks of this process running that
-    program: a forkserver whose imports this process has done already starts in a moment. For a
-    process with one thread only (a fork keeps no others). multiprocessing starts them through
-    `util.spawnv_passfds`; a Python that does otherwise starts new interpreters, as without it."""
+def forkserver_forked_from_this_process() -> Iterator[None]:
+    """Within it, multiprocessing's forkserver, which it starts as a new interpreter running a
+    `-c` program, is a fork of this process running that program: a server whose imports this
+    process has done already starts in a moment. For a process with one thread only (a fork keeps
+    no others). multiprocessing starts it through `util.spawnv_passfds` (and its resource
+    tracker, left as it is); a Python that does otherwise starts a new interpreter, as without."""
     from multiprocessing import util
 
     spawn = util.spawnv_passfds
-    util.spawnv_passfds = _fork_running_program
+
+    def fork_or_spawn(path: str, args: list[str], passfds: list[int]) -> int:
+        if args[-1].startswith(FORKSERVER_PROGRAM):
+            return _fork_running_program(args[-1], passfds)
+        return spawn(path, args, passfds)
+
+    util.spawnv_passfds = fork_or_spawn
     try:
         yield
     finally:
         util.spawnv_passfds = spawn
 
 
-def _fork_running_program(path: str, args: list[str], passfds: list[int]) -> int:
+def _fork_running_program(program: str, passfds: list[int]) -> int:
     """`util.spawnv_passfds(path, [..., "-c", program], passfds)` as a fork (Linux): the child
     holds only the standard streams and `passfds`, as the new interpreter would, and ends when
     the program does, without this process's exit handlers. Every other file it inherited is
     swapped for /dev/null rather than closed: Python objects of this process still hold those
     numbers, and would otherwise close or write whatever file reuses one."""
-    program = args[-1]
     pid = os.fork()
     if pid:
         return pid
