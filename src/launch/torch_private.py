@@ -108,6 +108,8 @@ def _fork_running_program(program: str, passfds: list[int]) -> int:
     the program does, without this process's exit handlers. Every other file it inherited is
     swapped for /dev/null rather than closed: Python objects of this process still hold those
     numbers, and would otherwise close or write whatever file reuses one."""
+    for stream in (sys.stdout, sys.stderr):  # or the server's ranks would write it again
+        stream.flush()
     pid = os.fork()
     if pid:
         return pid
