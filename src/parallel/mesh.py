@@ -67,11 +67,16 @@ from src.parallel.tensor_parallel import (
 from src.runtime.ranks import Ranks
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """FSDP2 over `mesh` (1-D: shards; 2-D (replicate, shard): HSDP), each block a unit."""
+def apply_fsdp(
+    model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True
+) -> nn.Module:
+    """FSDP2 over `mesh` (1-D: shards; 2-D (replicate, shard): HSDP), each block a unit; with
+    `reshard_after_forward` false, a unit gathered for its forward stays gathered until its
+    gradients are reduced."""
     for unit in sharding_units(model):
-        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+        root = unit if len(unit) > 1 else unit[0]
+        fully_shard(root, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -110,9 +115,7 @@ class Mesh(Distributed):
         degrees = {name: getattr(cfg, name) for name in DIMENSIONS}
         self.layout = Layout.of(self.world_size, **degrees)
         if self.layout.pp > 1:
-            check_schedule(
-                cfg.schedule, self.layout.pp, cfg.stages_per_rank, cfg.microbatches, self.layout.dp
-            )
+            check_schedule(cfg.schedule, self.layout.pp, cfg.stages_per_rank, cfg.microbatches)
             if cfg.sequence_parallel or cfg.loss_parallel:
                 raise ConfigError(
                     "parallel.sequence_parallel and parallel.loss_parallel do not run with "
@@ -192,7 +195,15 @@ class Mesh(Distributed):
             )
         if self.layout.pp > 1:
             if self.layout.dp > 1:
-                parts = {s: apply_fsdp(part, data_parallel) for s, part in parts.items()}
+                # Each stage stays gathered from its first forward to the schedule's gradient
+                # reduction (its last action on the stage, which reshards it): a split backward
+                # (torch's stage_backward_input) finds the weights to differentiate among the
+                # stage's registered parameters, which FSDP would have swapped back to the
+                # sharded ones after each forward, their gradients then never computed.
+                parts = {
+                    s: apply_fsdp(part, data_parallel, reshard_after_forward=False)
+                    for s, part in parts.items()
+                }
             self.pipeline = PipelineRun(self.cfg, pp_mesh, self.device, parts, block_ranks)
         elif self.layout.dp > 1:
             model = apply_fsdp(model, data_parallel)
