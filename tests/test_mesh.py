@@ -150,11 +150,36 @@ def test_2d_layouts_of_dp_tp_and_pp_train_exactly_like_single(degrees):
 @pytest.mark.equivalence
 def test_tp_2_by_pp_2_under_a_v_schedule_trains_exactly_like_single(tmp_path):
     """ZBVZeroBubble's V: the MLP's 4 blocks as 4 stages, 2 per pp rank, each split over 2 tp
-    ranks. (With data parallel the split-backward schedules are refused: see below.)"""
+    ranks."""
     v_schedule = ("parallel.schedule=ZBVZeroBubble", "parallel.stages_per_rank=2")
     degrees = ("parallel.devices=4", "parallel.tp=2", "parallel.pp=2", "parallel.dp_replicate=1")
     run_train(*WORKLOADS["mlp"], "parallel=tp", *degrees, *v_schedule, run_dir=tmp_path)
     assert_trains_like_single(tmp_path, "tp2xpp2-ZBVZeroBubble")
+
+
+# The schedules that split the backward into input and weight gradients, each with FSDP over the
+# pipelines: fsdp 2 x pp 2 on 4 processes, one sweep; each data-parallel share of 6 samples in 6
+# micro-batches (DualPipeV takes no fewer than its 4 stages).
+SPLIT_BACKWARD_SWEEP = (
+    *WORKLOADS["mlp"],
+    "parallel=pp",
+    "parallel.devices=4",
+    "parallel.pp=2",
+    "parallel.dp_shard=2",
+    "parallel.stages_per_rank=2",
+    "parallel.microbatches=6",
+    f"parallel.schedule={','.join(SPLIT_BACKWARD)}",
+)
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("schedule", SPLIT_BACKWARD)
+def test_fsdp_2_by_pp_2_under_a_split_backward_schedule_trains_exactly_like_single(schedule):
+    """Their weight gradients are computed after the input gradients, from the stage's
+    registered parameters: FSDP keeps each stage gathered until its gradients are reduced
+    (resharded after each forward, those were the sharded ones, and the gradients were lost)."""
+    run_dir = sweep_runs(*SPLIT_BACKWARD_SWEEP)[f"parallel.schedule={schedule}"]
+    assert_trains_like_single(run_dir, f"fsdp2xpp2-{schedule}")
 
 
 @pytest.mark.equivalence
@@ -349,17 +374,6 @@ def test_a_schedule_that_cannot_run_its_settings_is_refused(
     settings = {"schedule": schedule, "stages_per_rank": stages_per_rank}
     with pytest.raises(ConfigError, match=re.escape(message)):
         build_strategy(parallel_config("pp", microbatches=microbatches, **settings), "cpu")
-
-
-@pytest.mark.parametrize("schedule", SPLIT_BACKWARD)
-def test_a_split_backward_schedule_with_data_parallel_is_refused(schedule):
-    """Under FSDP over the dp ranks their weights part from single's (dp 2 x pp 2: the second
-    step's loss already differs by 1e-3), so they are refused there; pp alone and with tp they
-    train like single (above)."""
-    settings = {"schedule": schedule, "stages_per_rank": 2, "devices": 4, "dp_replicate": 2}
-    message = f"parallel.schedule={schedule} splits the backward, which does not train like"
-    with pytest.raises(ConfigError, match=re.escape(message)):
-        build_strategy(parallel_config("pp", microbatches=4, **settings), "cpu")
 
 
 def test_a_model_pipeline_stages_cannot_hold_is_refused():

@@ -123,15 +123,21 @@ class FSDP(Distributed):
 
 
 def sharded_traffic(
-    gathered_bytes: int, gradient_bytes: int, shards: int, accumulate: int
+    gathered_bytes: int,
+    gradient_bytes: int,
+    shards: int,
+    accumulate: int,
+    gathers_per_micro_step: int = 2,
+    reductions: int = 1,
 ) -> dict[str, int]:
-    """What each of `shards` ranks sends per step: every unit is gathered for forward and again
-    for backward in each of the `accumulate` micro-steps, its gradients reduce-scattered once per
-    step (each rank sends (N - 1) / N of each)."""
+    """What each of `shards` ranks sends per step: every unit is gathered
+    `gathers_per_micro_step` times (for forward and again for backward) in each of the
+    `accumulate` micro-steps, its gradients reduce-scattered `reductions` times per step (each
+    rank sends (N - 1) / N of each)."""
     others = (shards - 1) / shards
     return {
-        "parameter all-gather": int(2 * accumulate * others * gathered_bytes),
-        "gradient reduce-scatter": int(others * gradient_bytes),
+        "parameter all-gather": int(gathers_per_micro_step * accumulate * others * gathered_bytes),
+        "gradient reduce-scatter": int(reductions * others * gradient_bytes),
     }
 
 

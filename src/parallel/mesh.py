@@ -67,11 +67,16 @@ from src.parallel.tensor_parallel import (
 from src.runtime.ranks import Ranks
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """FSDP2 over `mesh` (1-D: shards; 2-D (replicate, shard): HSDP), each block a unit."""
+def apply_fsdp(
+    model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True
+) -> nn.Module:
+    """FSDP2 over `mesh` (1-D: shards; 2-D (replicate, shard): HSDP), each block a unit; with
+    `reshard_after_forward` false, a unit gathered for its forward stays gathered until its
+    gradients are reduced."""
     for unit in sharding_units(model):
-        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+        root = unit if len(unit) > 1 else unit[0]
+        fully_shard(root, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -110,9 +115,7 @@ class Mesh(Distributed):
         degrees = {name: getattr(cfg, name) for name in DIMENSIONS}
         self.layout = Layout.of(self.world_size, **degrees)
         if self.layout.pp > 1:
-            check_schedule(
-                cfg.schedule, self.layout.pp, cfg.stages_per_rank, cfg.microbatches, self.layout.dp
-            )
+            check_schedule(cfg.schedule, self.layout.pp, cfg.stages_per_rank, cfg.microbatches)
             if cfg.sequence_parallel or cfg.loss_parallel:
                 raise ConfigError(
                     "parallel.sequence_parallel and parallel.loss_parallel do not run with "
@@ -192,7 +195,15 @@ class Mesh(Distributed):
             )
         if self.layout.pp > 1:
             if self.layout.dp > 1:
-                parts = {s: apply_fsdp(part, data_parallel) for s, part in parts.items()}
+                # Each stage stays gathered from its first forward to the schedule's gradient
+                # reduction (its last action on the stage, which reshards it): a split backward
+                # (torch's stage_backward_input) finds the weights to differentiate among the
+                # stage's registered parameters, which FSDP would have swapped back to the
+                # sharded ones after each forward, their gradients then never computed.
+                parts = {
+                    s: apply_fsdp(part, data_parallel, reshard_after_forward=False)
+                    for s, part in parts.items()
+                }
             self.pipeline = PipelineRun(self.cfg, pp_mesh, self.device, parts, block_ranks)
         elif self.layout.dp > 1:
             model = apply_fsdp(model, data_parallel)
@@ -437,13 +448,15 @@ class Mesh(Distributed):
         """One share per pp rank (the first of its tp and data-parallel peers, which hold as
         much): its stages' blocks on its data-parallel share of the batch, in micro-batches (all
         kept for backward, as GPipe does: 1F1B keeps fewer), its state split by tp and then by
-        dp_shard, plus FSDP's gathered units (the one running and the next, prefetched)."""
+        dp_shard, plus FSDP's gathered units (the one running and the next, prefetched; under pp
+        all of the rank's stages, which stay gathered through the schedule's run: `wrap`)."""
         layout, count = self.layout, len(sizes.block_parameter_bytes)
         shares = []
         ranks = zip(self.stage_blocks(count), self.rank_blocks(count), strict=True)
         for pp_rank, (ranges, blocks) in enumerate(ranks):
             units = [[b for b in unit if b in blocks] for unit in sizes.shared_blocks]
             largest = max(self.kept_bytes(sizes, unit) for unit in units)
+            gathered = self.kept_bytes(sizes, blocks) if layout.pp > 1 else 2 * largest
             state_kept, flops_kept = self.tp_kept(sizes, blocks)
             shares.append(
                 DeviceShare(
@@ -456,7 +469,7 @@ class Mesh(Distributed):
                     state_kept=state_kept,
                     flops_kept=flops_kept,
                     activations_kept=self.activations_kept(blocks),
-                    extra_bytes={"parameters": 2 * largest if layout.dp_shard > 1 else 0},
+                    extra_bytes={"parameters": gathered if layout.dp_shard > 1 else 0},
                 )
             )
         return shares
@@ -464,7 +477,8 @@ class Mesh(Distributed):
     def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
         """What the busiest rank sends per step over tp (each pair's all-reduce forward and
         backward; with sequence_parallel an all-gather and a reduce-scatter each way, as much
-        together) and data parallel (FSDP's, and the replicas' gradient all-reduce), and what
+        together) and data parallel (FSDP's, and the replicas' gradient all-reduce; under pp
+        each micro-step's schedule run gathers a stage once and reduces its gradients), and what
         crosses the pipeline's stage boundaries (activations forward, gradients back). Not
         counted: the sequence-parallel layout changes at the embedding and head, and
         loss_parallel's per-token reductions."""
@@ -488,10 +502,14 @@ class Mesh(Distributed):
             crossing = boundary_bytes(self.stage_points, sizes, samples)
             traffic["stage activations"] = accumulate * crossing
         held = max(self.kept_bytes(sizes, blocks) for blocks in ranks)
+        reductions = accumulate if layout.pp > 1 else 1
         if layout.dp_shard > 1:
-            traffic.update(sharded_traffic(held, held, layout.dp_shard, accumulate))
+            gathers = 1 if layout.pp > 1 else 2
+            traffic.update(
+                sharded_traffic(held, held, layout.dp_shard, accumulate, gathers, reductions)
+            )
         if layout.dp_replicate > 1:
-            traffic["gradient all-reduce"] = ring_bytes(
+            traffic["gradient all-reduce"] = reductions * ring_bytes(
                 held // layout.dp_shard, layout.dp_replicate
             )
         return traffic

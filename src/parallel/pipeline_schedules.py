@@ -45,21 +45,11 @@ SCHEDULES = (*ONE_STAGE, *LOOPED, *V_SHAPED)
 SPLIT_BACKWARD = ("InterleavedZeroBubble", *V_SHAPED)
 
 
-def check_schedule(
-    schedule: str, pp: int, stages_per_rank: int, microbatches: int, dp: int = 1
-) -> None:
+def check_schedule(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> None:
     """ConfigError, in one line, for a schedule that cannot run these settings (what torch would
-    otherwise find only once every rank has started, or not at all: under FSDP over dp > 1
-    ranks the split-backward schedules of torch 2.14.1 train other weights than single's, their
-    losses apart from the second step, by 1e-3 on dp 2 x pp 2)."""
+    otherwise find only once every rank has started)."""
     if schedule not in SCHEDULES:
         raise ConfigError(f"parallel.schedule={schedule} is none of {', '.join(SCHEDULES)}")
-    if schedule in SPLIT_BACKWARD and dp > 1:
-        raise ConfigError(
-            f"parallel.schedule={schedule} splits the backward, which does not train like single "
-            f"with data parallel over the pipelines yet ({dp} ranks); use 1F1B or "
-            "Interleaved1F1B, or parallel.dp_replicate=1 parallel.dp_shard=1"
-        )
     stages = pp * stages_per_rank
     if schedule in ONE_STAGE and stages_per_rank != 1:
         raise ConfigError(
