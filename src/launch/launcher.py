@@ -252,12 +252,12 @@ def holds_rank_server_imports() -> bool:
     sooner: it has imported what the server imports (a test's preloaded run, a launch from
     Python), but not the server's own module, whose top level must run in the server; and it runs
     one thread, so that no OpenMP pool or CUDA context is running to be inherited."""
-    imported = all(name in sys.modules for name in RANK_SERVER_IMPORTS)
+    if RANK_SERVER in sys.modules or not all(name in sys.modules for name in RANK_SERVER_IMPORTS):
+        return False
     try:
-        threads = len(os.listdir("/proc/self/task"))
+        return len(os.listdir("/proc/self/task")) == 1
     except OSError:  # not Linux: no way to tell, so no fork
         return False
-    return imported and RANK_SERVER not in sys.modules and threads == 1
 
 
 def start_rank_server_early(parallel: Any) -> None:
