@@ -199,15 +199,19 @@ def proc_file(pid: int, name: str) -> str:
         return ""
 
 
-def processes_of_job(marker: str) -> list[int]:
-    """Processes whose environment holds DDP_TEST_JOB=<marker> (launcher, agent, workers)."""
+def processes_of_session(session: int) -> list[int]:
+    """The processes of the session `session` (a `TrainRun`'s pid: its session holds every process
+    its job starts) that still run: not those that have released their memory to exit (an empty
+    command line), which nothing can stop any more."""
     pids = []
-    for environ in Path("/proc").glob("[0-9]*/environ"):
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            if f"DDP_TEST_JOB={marker}".encode() in environ.read_bytes().split(b"\0"):
-                pids.append(int(environ.parent.name))
-        except OSError:  # gone meanwhile, or not ours to read
-            pass
+            # after the command's closing parenthesis: state, ppid, process group, session, ...
+            sid = int(stat.read_text().rsplit(")", 1)[1].split()[3])
+        except (OSError, IndexError):  # gone meanwhile
+            continue
+        if sid == session and proc_file(int(stat.parent.name), "cmdline"):
+            pids.append(int(stat.parent.name))
     return pids
 
 

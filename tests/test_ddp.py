@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from helpers import (
     parallel_config,
     pretend_gpus,
     proc_file,
-    processes_of_job,
+    processes_of_session,
     rank_pids,
     reference_run,
     run_train,
@@ -114,21 +113,20 @@ def test_two_ddp_jobs_at_once_train_exactly_like_single(tmp_path):
 
 def run_faulty_job(
     tmp_path: Path, env: dict[str, str], timeout_s: int, give_up_after_s: int
-) -> tuple[subprocess.CompletedProcess, float]:
+) -> tuple[subprocess.CompletedProcess, float, int]:
     """A 2-rank ddp run of `tests.faulty_models.FaultyMLP` (faults set by `env`, collectives
-    timing out after `timeout_s`); the result and how many seconds it took."""
+    timing out after `timeout_s`); the result, how many seconds it took and its session."""
     started = time.monotonic()
-    result = run_train(
+    run = TrainRun(
         *TINY,
         *DDP,
         f"parallel.timeout_s={timeout_s}",
         "model._target_=tests.faulty_models.FaultyMLP",
         run_dir=tmp_path,
-        check=False,
-        timeout=give_up_after_s,
         env=env,
     )
-    return result, time.monotonic() - started
+    result = run.finish(timeout=give_up_after_s)
+    return result, time.monotonic() - started, run.process.pid
 
 
 @pytest.mark.parametrize(
@@ -147,9 +145,8 @@ def test_failing_rank_stops_the_whole_job_and_is_named(
 ):
     """One line from the launcher names the rank and what ended it, and the last checkpoint;
     neither torch's ChildFailedError report nor Hydra's."""
-    marker = uuid.uuid4().hex
-    env = {"FAIL_RANK": "1", "FAIL_AT_STEP": "3", "FAULT": fault, "DDP_TEST_JOB": marker}
-    result, elapsed = run_faulty_job(tmp_path, env, timeout_s=5, give_up_after_s=60)
+    env = {"FAIL_RANK": "1", "FAIL_AT_STEP": "3", "FAULT": fault}
+    result, elapsed, session = run_faulty_job(tmp_path, env, timeout_s=5, give_up_after_s=60)
 
     console = result.stdout + result.stderr  # the log's lines go to stdout, tracebacks to stderr
     assert result.returncode == 1
@@ -161,7 +158,7 @@ def test_failing_rank_stops_the_whole_job_and_is_named(
     if fault == "hang":
         assert "Timed out waiting 5000ms" in line
     assert not (tmp_path / "summary.json").exists()
-    assert processes_of_job(marker) == []
+    assert processes_of_session(session) == []
 
 
 def start_method_of_rank(ranks: Ranks, stop: Any) -> str:
@@ -201,11 +198,11 @@ def test_ranks_end_within_seconds_when_the_launcher_is_killed(tmp_path, moment):
     every process of the job (the ranks and multiprocessing's resource tracker) must be gone
     within seconds, or a requeued job would start beside them. (Killed while they train, the
     ranks always went at once.)"""
-    marker = uuid.uuid4().hex
-    launcher = TrainRun(*TINY, *DDP, run_dir=tmp_path, env={"DDP_TEST_JOB": marker}, one_page=True)
+    launcher = TrainRun(*TINY, *DDP, run_dir=tmp_path, one_page=True)
+    session = launcher.process.pid
 
     def job_processes() -> list[str]:
-        return [proc_file(pid, "cmdline") for pid in processes_of_job(marker)]
+        return [proc_file(pid, "cmdline") for pid in processes_of_session(session)]
 
     try:
         if moment == "ranks started":
@@ -216,7 +213,7 @@ def test_ranks_end_within_seconds_when_the_launcher_is_killed(tmp_path, moment):
         launcher.finish()
         assert wait_until(lambda: not job_processes(), within_s=10), job_processes()
     finally:
-        for pid in processes_of_job(marker):
+        for pid in processes_of_session(session):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
@@ -225,7 +222,7 @@ def test_a_rank_busy_when_its_peer_fails_is_stopped_at_once(tmp_path):
     """Rank 1 raises while rank 0 is computing, far from any collective. The launcher's SIGTERM
     must end rank 0 at once: a stop request would wait for parallel.timeout_s (60 s)."""
     env = {"FAIL_RANK": "1", "FAIL_AT_STEP": "3", "FAULT": "raise", "BUSY_RANK": "0"}
-    result, elapsed = run_faulty_job(tmp_path, env, timeout_s=60, give_up_after_s=120)
+    result, elapsed, _ = run_faulty_job(tmp_path, env, timeout_s=60, give_up_after_s=120)
 
     console = result.stdout + result.stderr
     assert result.returncode == 1

@@ -9,7 +9,6 @@ import signal
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -17,9 +16,10 @@ import torch
 from helpers import (
     TINY,
     TINY_SGD,
+    TrainRun,
     assert_same_training,
     checkpoint,
-    processes_of_job,
+    processes_of_session,
     reference_run,
     run_train,
     summary,
@@ -153,11 +153,12 @@ def test_a_killed_rank_server_or_launcher_ends_the_job_and_the_same_command_resu
     checkpoint; the launcher's (SIGKILL: nothing of it can speak) takes every other process of
     the job with it. Either way nothing is left running and the resumed run ends with the
     uninterrupted run's weights."""
-    marker = uuid.uuid4().hex
-    env = {"FAIL_RANK": "1", "FAIL_AT_STEP": "3", "FAULT": fault, "DDP_TEST_JOB": marker}
-    result = run_train(*FAULTY_DDP, run_dir=tmp_path, check=False, env=env)
+    env = {"FAIL_RANK": "1", "FAIL_AT_STEP": "3", "FAULT": fault}
+    run = TrainRun(*FAULTY_DDP, run_dir=tmp_path, env=env)
+    result, session = run.finish(), run.process.pid
 
-    assert wait_until(lambda: not processes_of_job(marker), within_s=10), processes_of_job(marker)
+    gone = wait_until(lambda: not processes_of_session(session), within_s=10)
+    assert gone, processes_of_session(session)
     output = result.stdout + result.stderr
     if fault == "kill_server":
         assert result.returncode == 1, output

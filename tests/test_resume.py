@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (
-    QUIET_AND_FRUGAL,
     ROOT,
     TINY_SGD,
     TrainRun,
@@ -137,18 +136,10 @@ def stopped_step(output: str, signal_name: str, run_dir: Path) -> int:
 
 def resume_with_the_printed_command(output: str, run_dir: Path) -> None:
     command = output.split("resume with:\n")[1].splitlines()[0].strip()
-    assert command.endswith(f"trainer.resume=auto hydra.run.dir={run_dir}")
-    python, script, *arguments = shlex.split(command)
+    python, script, *overrides, run_dir_override = shlex.split(command)
     assert (python, script) == ("python", "train.py")
-    resumed = subprocess.run(
-        [sys.executable, script, *arguments],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **QUIET_AND_FRUGAL},
-    )
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert overrides[-1] == "trainer.resume=auto" and run_dir_override == f"hydra.run.dir={run_dir}"
+    run_train(*overrides, run_dir=run_dir)
 
 
 @pytest.mark.equivalence
