@@ -146,6 +146,9 @@ class DeviceShare:
     """It holds a copy of the parameters but no gradients or optimizer state of its own."""
     extra_bytes: dict[str, int] = field(default_factory=dict)
     """What the strategy adds, by category (parameters, gradients, optimizer, activations)."""
+    running_bytes: dict[str, int] = field(default_factory=dict)
+    """What the strategy adds only while the model runs (forward and backward, not at the
+    optimizer step), by category: FSDP's gathered units and the gradients it reduce-scatters."""
     devices: int = 1
     """The devices whose work this share stands for: on CPU one process runs all of a dp's
     replicas or a pipeline's stages, which on GPUs run side by side."""

@@ -45,6 +45,7 @@ from src.parallel.fsdp import (
     parameter_names,
     sharded_traffic,
     sharding_units,
+    working_set,
 )
 from src.parallel.layout import DIMENSIONS, Layout
 from src.parallel.mechanisms.stage_pipeline import boundary_bytes
@@ -448,15 +449,11 @@ class Mesh(Distributed):
         """One share per pp rank (the first of its tp and data-parallel peers, which hold as
         much): its stages' blocks on its data-parallel share of the batch, in micro-batches (all
         kept for backward, as GPipe does: 1F1B keeps fewer), its state split by tp and then by
-        dp_shard, plus FSDP's gathered units (the one running and the next, prefetched; under pp
-        all of the rank's stages, which stay gathered through the schedule's run: `wrap`)."""
+        dp_shard, plus what FSDP holds while the model runs (`fsdp_working_set`)."""
         layout, count = self.layout, len(sizes.block_parameter_bytes)
         shares = []
         ranks = zip(self.stage_blocks(count), self.rank_blocks(count), strict=True)
         for pp_rank, (ranges, blocks) in enumerate(ranks):
-            units = [[b for b in unit if b in blocks] for unit in sizes.shared_blocks]
-            largest = max(self.kept_bytes(sizes, unit) for unit in units)
-            gathered = self.kept_bytes(sizes, blocks) if layout.pp > 1 else 2 * largest
             state_kept, flops_kept = self.tp_kept(sizes, blocks)
             shares.append(
                 DeviceShare(
@@ -469,10 +466,22 @@ class Mesh(Distributed):
                     state_kept=state_kept,
                     flops_kept=flops_kept,
                     activations_kept=self.activations_kept(blocks),
-                    extra_bytes={"parameters": gathered if layout.dp_shard > 1 else 0},
+                    running_bytes=self.fsdp_working_set(sizes, blocks),
                 )
             )
         return shares
+
+    def fsdp_working_set(self, sizes: ModelSizes, blocks: list[int]) -> dict[str, int]:
+        """What FSDP adds while the model runs to a rank holding `blocks`: under pp all of its
+        stages gathered (they stay so through the schedule's run: `wrap`), else
+        `fsdp.working_set` of its units as a tp rank keeps them; nothing without dp_shard."""
+        if self.layout.dp_shard == 1:
+            return {}
+        if self.layout.pp > 1:
+            return {"parameters": self.kept_bytes(sizes, blocks)}
+        units = [self.kept_bytes(sizes, unit) for unit in sorted(sizes.shared_blocks, key=min)]
+        gathered, reduced = working_set(units, units, self.layout.dp_shard, self.device_type)
+        return {"parameters": gathered, "gradients": reduced}
 
     def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
         """What the busiest rank sends per step over tp (each pair's all-reduce forward and

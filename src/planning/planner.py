@@ -37,7 +37,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _ModState
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -79,11 +79,30 @@ TRACKED_AS = {
 }
 
 
+# The two moments of a step whose peaks the planner compares: while the model runs (forward,
+# loss and backward; what a strategy holds then, such as FSDP's gathered units, is added to
+# this one) and the rest (the optimizer step).
+RUNNING, STEPPING = "running", "stepping"
+
+
 class StepMemTracker(MemTracker):
     """`MemTracker` for whole training steps: the model may run several times per step
     (accumulation micro-steps), which MemTracker refuses for a root module. Its per-module
-    statistics are dropped at each new forward pass of the root; the per-device peak, which is
-    all the planner reads, is kept."""
+    statistics are dropped at each new forward pass of the root; the peak of the one device
+    traced is kept, and apart for the moments `RUNNING` and `STEPPING` (`phase_peaks`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase_peaks: dict[str, dict[Any, int]] = {}
+
+    def _update_peak_stats(self, peak_state: _ModState) -> None:
+        super()._update_peak_stats(peak_state)
+        tracker = self._mod_tracker
+        running = not self._in_opt and (tracker.is_bw or len(tracker.parents) > 1)  # not Global
+        phase = RUNNING if running else STEPPING
+        for snapshot in self._curr_mem_snap.values():
+            if snapshot[_TOTAL_KEY] > self.phase_peaks.get(phase, {}).get(_TOTAL_KEY, -1):
+                self.phase_peaks[phase] = dict(snapshot)
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
         tracker = self._mod_tracker
@@ -426,10 +445,10 @@ def model_sizes(cfg: DictConfig, data: Data) -> ModelSizes:
 
 @dataclass(frozen=True)
 class TracedShare:
-    """What tracing a share found: its peak by MemTracker's categories, and its FLOPs per
-    optimizer step."""
+    """What tracing a share found: its peaks by MemTracker's categories, while the model runs
+    and at the optimizer step (`RUNNING`, `STEPPING`), and its FLOPs per optimizer step."""
 
-    peak: dict[Any, int]
+    peaks: dict[str, dict[Any, int]]
     flops: int
 
 
@@ -450,7 +469,7 @@ def trace_share(cfg: DictConfig, data: Data, share: DeviceShare) -> TracedShare:
     """`share`'s part of two training steps on fake tensors. The first creates the optimizer
     state and counts the FLOPs (apart from the tracker: under FlopCounterMode, checkpointed
     activations stay alive); the second, tracked by MemTracker with that state held, gives the
-    peak by category (the first step's peak is never higher: it holds no optimizer state)."""
+    peaks by category (the first step's are never higher: it holds no optimizer state)."""
     trainer = cfg.trainer
     task = instantiate(cfg.task)
     sample_inputs, sample_targets = first_samples(data.train, 1)
@@ -485,24 +504,36 @@ def trace_share(cfg: DictConfig, data: Data, share: DeviceShare) -> TracedShare:
         tracker.track_external(step, optimizer)
         with tracker:
             training_step()
-    (peak,) = tracker.get_tracker_snapshot("peak").values()
-    return TracedShare(dict(peak), flops.get_total_flops())
+    return TracedShare(tracker.phase_peaks, flops.get_total_flops())
 
 
 def device_plan(traced: TracedShare, share: DeviceShare) -> DevicePlan:
-    """`share`'s device: its traced peak in the plan's categories, shared out."""
-    device = DevicePlan(share.label, share.devices, flops=int(traced.flops * share.flops_kept))
-    for kind, size in traced.peak.items():
+    """`share`'s device at the higher of its traced peaks, each in the plan's categories,
+    shared out, with what the strategy adds while the model runs (`share.running_bytes`) on
+    the one taken then."""
+    flops = int(traced.flops * share.flops_kept)
+    devices = [
+        shared_out(in_categories(peak, share, flops), share, running=phase == RUNNING)
+        for phase, peak in traced.peaks.items()
+    ]
+    return max(devices, key=lambda device: device.peak)
+
+
+def in_categories(peak: dict[Any, int], share: DeviceShare, flops: int) -> DevicePlan:
+    """A traced peak (by MemTracker's categories) as `share`'s device, in the plan's."""
+    device = DevicePlan(share.label, share.devices, flops=flops)
+    for kind, size in peak.items():
         if kind in TRACKED_AS:
             name = TRACKED_AS[kind]
             setattr(device, name, getattr(device, name) + size)
-    return shared_out(device, share)
+    return device
 
 
-def shared_out(device: DevicePlan, share: DeviceShare) -> DevicePlan:
+def shared_out(device: DevicePlan, share: DeviceShare, running: bool) -> DevicePlan:
     """`device` with its parameters, gradients and optimizer state cut to `share.state_kept`
     and split `share.state_shards` ways, its activations cut to `share.activations_kept`, plus
-    what the strategy adds on top (`share.extra_bytes`)."""
+    what the strategy adds on top (`share.extra_bytes`; `share.running_bytes` too if the model
+    is `running`)."""
     split = {
         name: int(getattr(device, name) * share.state_kept) // share.state_shards
         for name in ("parameters", "gradients", "optimizer")
@@ -511,7 +542,8 @@ def shared_out(device: DevicePlan, share: DeviceShare) -> DevicePlan:
     if share.replica_only:
         split.update(gradients=0, optimizer=0)
     device = dataclasses.replace(device, **split)
-    for name, size in share.extra_bytes.items():
+    running_bytes = share.running_bytes if running else {}
+    for name, size in [*share.extra_bytes.items(), *running_bytes.items()]:
         setattr(device, name, getattr(device, name) + size)
     return device
 
