@@ -24,11 +24,13 @@ out of both.
     fsdp            the template's `parallel=fsdp` / its `parallel=ddp`, 2 CPU processes each:
                     what sharding costs in time (an all-gather per block in forward and again
                     in backward); what it saves in memory is in each run's summary.json
-    tp              the template's `parallel=tp` / its `parallel=ddp`, 2 CPU processes each (the
+    tp              the template's `parallel=tp` / its `parallel=ddp`, 2 processes each (the
                     MLP's Linears in 2 colwise/rowwise pairs, the head replicated): what an
                     all-reduce of the activations per pair, forward and backward, costs against
-                    one of the gradients; CPU figures (gloo), directions, not GPU ones
-    pp              `parallel=pp`, 2 stages on 2 CPU processes over 8 micro-batches, under GPipe,
+                    one of the gradients; on 2 GPUs with --device cuda where 2 are visible, else
+                    CPU figures (gloo): directions, not GPU ones
+    pp              `parallel=pp`, 2 stages on 2 processes (GPUs as for tp) over 8 micro-batches,
+                    under GPipe,
                     1F1B and Interleaved1F1B (2 stages per rank): ms/step and each rank's
                     measured idle fraction (its step's wall time outside its stages' forward
                     and backward chunks and loss) against the schedule's theoretical bubble,
@@ -350,19 +352,34 @@ def plain_overhead(steps: int) -> float:
 DDP_PROCESSES = 2
 
 
-def template_launched(steps: int, strategy: str) -> float:
-    """samples/s of a multi-process strategy with 2 CPU processes, started by the template's
+def mesh_accelerator() -> str:
+    """Where the tp and pp comparisons run: on GPUs with --device cuda where there are enough
+    (ddp and fsdp compare with hand-written loops on gloo, so they stay on the CPU)."""
+    enough_gpus = DEVICE == "cuda" and torch.cuda.device_count() >= DDP_PROCESSES
+    return "cuda" if enough_gpus else "cpu"
+
+
+def where_launched() -> str:
+    """What the tp and pp figures are figures of."""
+    if mesh_accelerator() == "cuda":
+        return f"{DDP_PROCESSES} GPUs ({torch.cuda.get_device_name()}, NCCL)"
+    return f"CPU figures ({DDP_PROCESSES} gloo processes): directions, not GPU ones"
+
+
+def template_launched(steps: int, strategy: str, accelerator: str = "cpu") -> float:
+    """samples/s of a multi-process strategy with 2 processes, started by the template's
     launcher."""
-    return launched_summary(steps, strategy)["samples_per_sec"]
+    return launched_summary(steps, strategy, accelerator=accelerator)["samples_per_sec"]
 
 
-def launched_summary(steps: int, strategy: str, *overrides: str) -> dict:
-    """summary.json of the workload on 2 CPU processes started by the template's launcher."""
+def launched_summary(steps: int, strategy: str, *overrides: str, accelerator: str = "cpu") -> dict:
+    """summary.json of the workload on 2 processes (CPU or GPU) started by the template's
+    launcher."""
     cfg = compose_config(
         *WORKLOAD,
         f"parallel={strategy}",
         f"parallel.devices={DDP_PROCESSES}",
-        "trainer.accelerator=cpu",
+        f"trainer.accelerator={accelerator}",
         f"trainer.max_steps={steps}",
         f"trainer.timing_warmup_steps={WARMUP_STEPS}",
         "trainer.log_every=50",
@@ -385,7 +402,11 @@ def template_fsdp(steps: int) -> float:
 
 
 def template_tp(steps: int) -> float:
-    return template_launched(steps, "tp")
+    return template_launched(steps, "tp", mesh_accelerator())
+
+
+def template_ddp_beside_tp(steps: int) -> float:
+    return template_launched(steps, "ddp", mesh_accelerator())
 
 
 PIPELINE_MICROBATCHES = 8
@@ -398,7 +419,7 @@ PIPELINE_EVAL = ("data.num_samples=32800", "trainer.eval_batch_size=3280")
 
 
 def pipeline_idle(rounds: int, steps: int) -> None:
-    """Each schedule on 2 CPU processes (rounds alternate their order): the median step time
+    """Each schedule on 2 processes (rounds alternate their order): the median step time
     and each rank's median idle fraction over the rounds, beside the theoretical bubble."""
     from src.parallel.pipeline_schedules import schedule_bubble
 
@@ -413,11 +434,12 @@ def pipeline_idle(rounds: int, steps: int) -> None:
                 f"parallel.stages_per_rank={stages_per_rank}",
                 f"parallel.microbatches={PIPELINE_MICROBATCHES}",
                 *PIPELINE_EVAL,
+                accelerator=mesh_accelerator(),
             )
             runs[schedule].append(summary)
     print(
-        f"{'pp':<16}  2 stages on {DDP_PROCESSES} CPU processes (gloo), M={PIPELINE_MICROBATCHES}: "
-        "CPU figures, directions, not GPU ones"
+        f"{'pp':<16}  2 stages on {DDP_PROCESSES} processes, M={PIPELINE_MICROBATCHES}: "
+        f"{where_launched()}"
     )
     for schedule, stages_per_rank in PIPELINE_SCHEDULES.items():
         step_ms = statistics.median(summary["step_time_ms"] for summary in runs[schedule])
@@ -653,7 +675,7 @@ COMPARISONS: dict[str, tuple[tuple[str, Run], tuple[str, Run]]] = {
     ),
     "ddp": (("template", template_ddp), ("plain DDP", plain_ddp)),
     "fsdp": (("fsdp", template_fsdp), ("ddp", template_ddp)),
-    "tp": (("tp 2", template_tp), ("ddp 2", template_ddp)),
+    "tp": (("tp 2", template_tp), ("ddp 2", template_ddp_beside_tp)),
     "loader": (
         ("2 workers", lambda steps: loader_speed(steps, 2)),
         ("0 workers", lambda steps: loader_speed(steps, 0)),
@@ -707,7 +729,7 @@ def main() -> None:
         choices=("auto", "cpu", "cuda"),
         default="auto",
         help="where single, overhead and model_parallel run (auto: a GPU when one is visible); "
-        "ddp and fsdp always run 2 CPU processes",
+        "ddp and fsdp always run 2 CPU processes, tp and pp 2 GPUs where --device cuda has them",
     )
     args = parser.parse_args()
     global DEVICE
@@ -754,9 +776,7 @@ def main() -> None:
         if name == "overhead":
             print(f"{'':<16}  the template's host work: {step_ms[0] - step_ms[1]:+.3f} ms/step")
         if name == "tp":
-            print(
-                f"{'':<16}  CPU figures ({DDP_PROCESSES} gloo processes): directions, not GPU ones"
-            )
+            print(f"{'':<16}  {where_launched()}")
         if name in ("bf16", "fp16") and DEVICE == "cpu":
             print(f"{'':<16}  CPU figures (autocast on the CPU): they say nothing of a GPU")
         if name == "activation_ckpt":
