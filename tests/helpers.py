@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +117,9 @@ class TrainRun:
     With `one_page=True`, stdout and stderr share a pipe of one page that `wait_for` reads line by
     line: once the test stops reading, the run can get at most a page of log lines (a few dozen
     steps) ahead and cannot finish first, so signal tests need no sleeps and have no races.
-    `prefix` goes before the command (`ip netns exec <host>`, `torchrun ...`)."""
+    `prefix` goes before the command (`torchrun ...`). `netns` runs it (and its prefix) in that
+    network namespace (`network_namespace`): a forked run joins it itself, any other starts behind
+    `ip netns exec <netns>`."""
 
     def __init__(
         self,
@@ -127,6 +129,7 @@ class TrainRun:
         env: dict[str, str] | None = None,
         one_page: bool = False,
         prefix: tuple[str, ...] = (),
+        netns: str | None = None,
     ):
         command = (
             [*train_command(*overrides), f"hydra.run.dir={run_dir}"]
@@ -141,8 +144,10 @@ class TrainRun:
             stderr = subprocess.STDOUT
         base = {**os.environ, **QUIET_AND_FRUGAL}
         environment = {**base, **(env or {})}
-        self.process = forked_train(command, base, environment, stdout if one_page else None)
+        self.process = forked_train(command, base, environment, stdout if one_page else None, netns)
         if self.process is None:
+            if netns is not None:
+                self.command = command = ["ip", "netns", "exec", netns, *command]
             self.process = subprocess.Popen(
                 command,
                 cwd=ROOT,
@@ -189,6 +194,21 @@ class TrainRun:
                 f"stdout:\n{stdout[-4000:]}\nstderr:\n{stderr[-4000:]}"
             )
         return result
+
+
+@contextlib.contextmanager
+def network_namespace(name: str) -> Iterator[str]:
+    """A new network namespace `name` (`ip netns add`), deleted after with the interfaces moved
+    into it; skips the test where `ip netns` is missing or not permitted."""
+    if shutil.which("ip") is None:
+        pytest.skip("needs iproute2's ip")
+    added = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if added.returncode != 0:
+        pytest.skip(f"ip netns is not permitted here: {added.stderr.strip()}")
+    try:
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 def proc_file(pid: int, name: str) -> str:

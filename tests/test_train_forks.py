@@ -7,8 +7,8 @@ import os
 import signal
 
 import pytest
-from helpers import TINY_SGD, TrainRun, metrics, run_train, train_losses
-from train_forks import ForkedProcess
+from helpers import TINY_SGD, TrainRun, metrics, network_namespace, run_train, train_losses
+from train_forks import NETNS_DIR, ForkedProcess
 
 NEW_PROCESS = {"TEST_FORKS": "0"}  # another environment than the preloader's: never forked
 
@@ -42,6 +42,19 @@ def test_a_forked_run_is_its_own_session_and_dies_by_its_signal(tmp_path):
     assert os.getsid(run.process.pid) == run.process.pid
     run.process.kill()
     assert run.finish().returncode == -signal.SIGKILL
+
+
+def test_a_forked_run_joins_its_network_namespace(tmp_path):
+    """As `ip netns exec` would put it (test_two_nodes.py's hosts reach each other so)."""
+    overrides = (*TINY_SGD, "trainer.max_steps=60")
+    with network_namespace(f"pt{os.getpid()}fork") as name:
+        run = TrainRun(*overrides, run_dir=tmp_path, one_page=True, netns=name)
+        assert started_as(run) == "fork"
+        run.wait_for("step 2/60")
+        joined = os.stat(f"/proc/{run.process.pid}/ns/net").st_ino
+        run.process.kill()
+        assert run.finish().returncode == -signal.SIGKILL
+        assert joined == os.stat(NETNS_DIR / name).st_ino != os.stat("/proc/self/ns/net").st_ino
 
 
 def test_a_run_forks_after_this_process_s_own_environment_changed(monkeypatch, tmp_path):

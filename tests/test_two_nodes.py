@@ -4,8 +4,8 @@ over gloo."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import TINY_SGD, TrainRun, assert_same_training, reference_run
+from helpers import TINY_SGD, TrainRun, assert_same_training, network_namespace, reference_run
 
 SUBNET = "10.213.0"
 PORTS = iter(range(29611, 29700))  # the namespaces are this test's own: no other listener
@@ -28,33 +28,25 @@ def ip(*args: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def hosts() -> Iterator[list[tuple[str, ...]]]:
-    """Two namespaces on a bridge, at SUBNET.1 and SUBNET.2: their `ip netns exec` prefixes."""
-    if shutil.which("ip") is None:
-        pytest.skip("needs iproute2's ip")
+def hosts() -> Iterator[list[str]]:
+    """Two network namespaces on a bridge, at SUBNET.1 and SUBNET.2: their names."""
     tag = f"pt{os.getpid()}"
-    names = [f"{tag}n{node}" for node in (1, 2)]
-    try:
-        ip("netns", "add", names[0])
-    except subprocess.CalledProcessError as error:
-        pytest.skip(f"ip netns is not permitted here: {error.stderr.strip()}")
-    try:
-        ip("netns", "add", names[1])
-        ip("link", "add", f"{tag}br", "type", "bridge")
-        ip("link", "set", f"{tag}br", "up")
-        for node, name in enumerate(names, start=1):
-            veth = f"{tag}v{node}"
-            ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", name)
-            ip("link", "set", veth, "master", f"{tag}br", "up")
-            inside = ("netns", "exec", name, "ip")
-            ip(*inside, "addr", "add", f"{SUBNET}.{node}/24", "dev", "eth0")
-            ip(*inside, "link", "set", "eth0", "up")
-            ip(*inside, "link", "set", "lo", "up")
-        yield [("ip", "netns", "exec", name) for name in names]
-    finally:
-        for name in names:  # removes the veth pairs with them
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-        subprocess.run(["ip", "link", "del", f"{tag}br"], capture_output=True)
+    with contextlib.ExitStack() as namespaces:
+        names = [namespaces.enter_context(network_namespace(f"{tag}n{node}")) for node in (1, 2)]
+        try:
+            ip("link", "add", f"{tag}br", "type", "bridge")
+            ip("link", "set", f"{tag}br", "up")
+            for node, name in enumerate(names, start=1):
+                veth = f"{tag}v{node}"
+                ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", name)
+                ip("link", "set", veth, "master", f"{tag}br", "up")
+                inside = ("netns", "exec", name, "ip")
+                ip(*inside, "addr", "add", f"{SUBNET}.{node}/24", "dev", "eth0")
+                ip(*inside, "link", "set", "eth0", "up")
+                ip(*inside, "link", "set", "lo", "up")
+            yield names
+        finally:  # the namespaces' removal removes the veth pairs with them
+            subprocess.run(["ip", "link", "del", f"{tag}br"], capture_output=True)
 
 
 def two_node_overrides(port: int, *overrides: str) -> tuple[str, ...]:
@@ -68,12 +60,12 @@ def two_node_overrides(port: int, *overrides: str) -> tuple[str, ...]:
     )
 
 
-def start_nodes(hosts: list[tuple[str, ...]], overrides: tuple[str, ...], run_dir: Path, **kwargs):
+def start_nodes(hosts: list[str], overrides: tuple[str, ...], run_dir: Path, **kwargs):
     """`train.py` on both hosts, one run folder (a cluster's shared file system); the first's
     output readable line by line."""
     env = {**NODE_ENV, **kwargs.pop("env", {})}
-    second = TrainRun(*overrides, run_dir=run_dir, env=env, prefix=hosts[1], **kwargs)
-    first = TrainRun(*overrides, run_dir=run_dir, env=env, prefix=hosts[0], one_page=True)
+    second = TrainRun(*overrides, run_dir=run_dir, env=env, netns=hosts[1], **kwargs)
+    first = TrainRun(*overrides, run_dir=run_dir, env=env, netns=hosts[0], one_page=True)
     return first, second
 
 
@@ -117,7 +109,6 @@ def test_torchrun_on_two_hosts_trains_singles_weights(hosts, tmp_path):
     runs = []
     for node in (2, 1):
         torchrun = [
-            *hosts[node - 1],
             sys.executable,
             "-m",
             "torch.distributed.run",
@@ -131,7 +122,8 @@ def test_torchrun_on_two_hosts_trains_singles_weights(hosts, tmp_path):
             "--no-python",
         ]
         overrides = ("parallel=ddp", "parallel.devices=1", "parallel.nodes=2", *TINY_SGD)
-        runs.append(TrainRun(*overrides, run_dir=tmp_path, env=NODE_ENV, prefix=tuple(torchrun)))
+        host = {"netns": hosts[node - 1], "prefix": tuple(torchrun)}  # torchrun in the namespace
+        runs.append(TrainRun(*overrides, run_dir=tmp_path, env=NODE_ENV, **host))
     for run in runs:
         run.finish(timeout=240, check=True)
     assert_same_training(reference_run(*TINY_SGD), tmp_path)

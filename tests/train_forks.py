@@ -6,7 +6,8 @@ Each pytest worker starts one such preloader (`python tests/train_forks.py`) on 
 For each run it forks a child that becomes what `python train.py <args>` would have been: its
 own session, the given stdin, stdout and stderr, the repository as its working directory and
 first import path, and train.py run as `__main__` with that argv, ending the way the interpreter
-ends any script. The preloader reports the child's pid and, once it has ended, its exit status as
+ends any script; given a network namespace (`ip netns add`'s), it joins it first, as `ip netns
+exec` would. The preloader reports the child's pid and, once it has ended, its exit status as
 `subprocess.Popen` would (`-N` for signal N), through a socket of the child's own.
 
 Only runs with the preloader's environment, but for variables read at run time, are forked
@@ -20,6 +21,7 @@ environment's OMP_NUM_THREADS=1 keeps torch from starting one; where one runs, i
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import select
@@ -34,6 +36,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STATUS = struct.Struct("i")  # a pid, then the exit status
+NETNS_DIR = Path("/run/netns")  # where `ip netns add` keeps its namespaces
+CLONE_NEWNET = 0x40000000
 
 
 def serve(control: socket.socket) -> list[str] | None:
@@ -57,7 +61,7 @@ def serve(control: socket.socket) -> list[str] | None:
             if not request:
                 listening = []
                 continue
-            argv, cwd, env = json.loads(request)
+            argv, cwd, env, netns = json.loads(request)
             *standard, status_fd = fds
             sys.stdout.flush(), sys.stderr.flush()
             pid = os.fork()
@@ -66,7 +70,7 @@ def serve(control: socket.socket) -> list[str] | None:
                 for pidfd, (_, other) in watched.items():
                     os.close(pidfd), other.close()
                 os.close(status_fd)
-                become_run(standard, cwd, env)
+                become_run(standard, cwd, env, netns)
                 return argv
             for fd in standard:
                 os.close(fd)
@@ -76,8 +80,9 @@ def serve(control: socket.socket) -> list[str] | None:
     return None
 
 
-def become_run(standard: list[int], cwd: str, env: dict[str, str]) -> None:
-    """What a new `python train.py` started by Popen(start_new_session=True) would be."""
+def become_run(standard: list[int], cwd: str, env: dict[str, str], netns: str | None) -> None:
+    """What a new `python train.py` started by Popen(start_new_session=True) would be (behind
+    `ip netns exec <netns>`, given one)."""
     os.setsid()
     os.environ.clear()
     os.environ.update(env)
@@ -86,6 +91,22 @@ def become_run(standard: list[int], cwd: str, env: dict[str, str]) -> None:
         os.close(fd)
     os.chdir(cwd)
     sys.path[0] = cwd  # the script's folder, as `python train.py` puts it first
+    if netns is not None:  # after the outputs: a failure is the run's, on its stderr
+        join_network_namespace(netns)
+
+
+def join_network_namespace(name: str) -> None:
+    """setns(2) into network namespace `name`, for this thread, the only one (Python 3.11 has no
+    os.setns). What else `ip netns exec` does, the runs do not need: it bind-mounts the files of
+    /etc/netns/<name> (none here) and remounts /sys (gloo finds GLOO_SOCKET_IFNAME by netlink)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    namespace = os.open(NETNS_DIR / name, os.O_RDONLY)
+    try:
+        if libc.setns(namespace, CLONE_NEWNET) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"setns into network namespace {name}: {os.strerror(error)}")
+    finally:
+        os.close(namespace)
 
 
 class ForkedProcess:
@@ -147,14 +168,15 @@ class Preloader:
         self.lock = threading.Lock()
 
     def start(
-        self, argv: list[str], env: dict[str, str], stdout: int, stderr: int
+        self, argv: list[str], env: dict[str, str], netns: str | None, stdout: int, stderr: int
     ) -> ForkedProcess | None:
-        """Fork `python <argv>` writing to these ends (left open here); None if the preloader has
-        ended (it found a thread running, or was killed)."""
+        """Fork `python <argv>` in network namespace `netns` (or the preloader's) writing to these
+        ends (left open here); None if the preloader has ended (it found a thread running, or was
+        killed)."""
         ours, theirs = socket.socketpair()
         with self.lock, open(os.devnull, "rb") as stdin:
             try:
-                request = json.dumps([argv, str(ROOT), env]).encode()
+                request = json.dumps([argv, str(ROOT), env, netns]).encode()
                 fds = [stdin.fileno(), stdout, stderr, theirs.fileno()]
                 socket.send_fds(self.control, [request], fds)
             except OSError:
@@ -171,12 +193,14 @@ class Preloader:
 PRELOADER: Preloader | None = None
 # Variables a forked run may have other values of, in its os.environ (its /proc/<pid>/environ
 # keeps the preloader's): the current test's name, which pytest sets, and those that only the
-# run reads, long after its imports (the tests' faulty models, SLURM's commands, W&B's login).
+# run reads, long after its imports (the tests' faulty models, SLURM's commands, W&B's login,
+# gloo's interface: getenv when a process group starts).
 READ_AT_RUN_TIME = (
     "PYTEST_CURRENT_TEST",
     *("FAULT", "FAIL_RANK", "FAIL_AT_STEP", "BUSY_RANK"),
     "SLURM_CONF",
     "WANDB_SILENT",
+    "GLOO_SOCKET_IFNAME",
 )
 
 
@@ -185,14 +209,18 @@ def without(env: dict[str, str], keys: tuple[str, ...]) -> dict[str, str]:
 
 
 def forked_train(
-    command: list[str], base: dict[str, str], env: dict[str, str], one_page: int | None
+    command: list[str],
+    base: dict[str, str],
+    env: dict[str, str],
+    one_page: int | None,
+    netns: str | None = None,
 ) -> ForkedProcess | None:
-    """`command` (`python train.py ...`) with environment `env`, forked by this process's
-    preloader of environment `base` (this process's, as the tests run it: started on first use,
-    and again whenever `base` changes), its stdout and stderr to the write end `one_page` (left
-    open here), or else to pipes of their own for `communicate`; None where it must run as a new
-    process: a command with a prefix, an `env` that sets more than `READ_AT_RUN_TIME` over
-    `base`, TEST_FORKS=0, or no preloader serving."""
+    """`command` (`python train.py ...`) with environment `env`, in network namespace `netns` (if
+    given; `ip netns add`'s), forked by this process's preloader of environment `base` (this
+    process's, as the tests run it: started on first use, and again whenever `base` changes), its
+    stdout and stderr to the write end `one_page` (left open here), or else to pipes of their own
+    for `communicate`; None where it must run as a new process: a command with a prefix, an `env`
+    that sets more than `READ_AT_RUN_TIME` over `base`, TEST_FORKS=0, or no preloader serving."""
     global PRELOADER
     if command[:2] != [sys.executable, "train.py"] or os.environ.get("TEST_FORKS") == "0":
         return None
@@ -207,9 +235,9 @@ def forked_train(
             PRELOADER.control.close()
         PRELOADER = Preloader(base)
     if one_page is not None:
-        return PRELOADER.start(command[1:], env, one_page, one_page)
+        return PRELOADER.start(command[1:], env, netns, one_page, one_page)
     (stdout, stdout_end), (stderr, stderr_end) = os.pipe(), os.pipe()
-    process = PRELOADER.start(command[1:], env, stdout_end, stderr_end)
+    process = PRELOADER.start(command[1:], env, netns, stdout_end, stderr_end)
     os.close(stdout_end), os.close(stderr_end)
     if process is None:
         os.close(stdout), os.close(stderr)
