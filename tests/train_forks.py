@@ -12,9 +12,9 @@ exec` would. The preloader reports the child's pid and, once it has ended, its e
 
 Only runs with the preloader's environment, but for variables read at run time, are forked
 (`forked_train`), with their own environment in os.environ: torch reads some
-variables when it is imported (OMP_NUM_THREADS, ATEN_CPU_CAPABILITY), and the tests that find a
-job's processes by a variable read it from /proc/<pid>/environ, which a fork keeps from the
-preloader. The preloader runs no thread (a fork copies only its caller), and the test
+variables when it is imported (OMP_NUM_THREADS, ATEN_CPU_CAPABILITY), and a fork's
+/proc/<pid>/environ keeps the preloader's (the tests find a job's processes by its session
+instead: `helpers.processes_of_session`). The preloader runs no thread (a fork copies only its caller), and the test
 environment's OMP_NUM_THREADS=1 keeps torch from starting one; where one runs, it does not serve.
 """
 
