@@ -14,8 +14,9 @@ Only runs with the preloader's environment, but for variables read at run time, 
 (`forked_train`), with their own environment in os.environ: torch reads some
 variables when it is imported (OMP_NUM_THREADS, ATEN_CPU_CAPABILITY), and a fork's
 /proc/<pid>/environ keeps the preloader's (the tests find a job's processes by its session
-instead: `helpers.processes_of_session`). The preloader runs no thread (a fork copies only its caller), and the test
-environment's OMP_NUM_THREADS=1 keeps torch from starting one; where one runs, it does not serve.
+instead: `helpers.processes_of_session`). The preloader runs no thread (a fork copies only its
+caller), and the test environment's OMP_NUM_THREADS=1 keeps torch from starting one; where one
+runs, it does not serve.
 """
 
 from __future__ import annotations
