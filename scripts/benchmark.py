@@ -27,14 +27,13 @@ out of both.
     tp              the template's `parallel=tp` / its `parallel=ddp`, 2 processes each (the
                     MLP's Linears in 2 colwise/rowwise pairs, the head replicated): what an
                     all-reduce of the activations per pair, forward and backward, costs against
-                    one of the gradients; on 2 GPUs with --device cuda where 2 are visible, else
-                    CPU figures (gloo): directions, not GPU ones
+                    one of the gradients; on 2 GPUs where --device (cuda, or auto with a GPU
+                    visible) has 2, else CPU figures (gloo): directions, not GPU ones
     pp              `parallel=pp`, 2 stages on 2 processes (GPUs as for tp) over 8 micro-batches,
-                    under GPipe,
-                    1F1B and Interleaved1F1B (2 stages per rank): ms/step and each rank's
-                    measured idle fraction (its step's wall time outside its stages' forward
-                    and backward chunks and loss) against the schedule's theoretical bubble,
-                    (p - 1) / (m + p - 1), interleaved (p - 1) / (v m + p - 1); CPU figures:
+                    under GPipe, 1F1B and Interleaved1F1B (2 stages per rank): ms/step and each
+                    rank's measured idle fraction (its step's wall time outside its stages'
+                    forward and backward chunks and loss) against the schedule's theoretical
+                    bubble, (p - 1) / (m + p - 1), interleaved (p - 1) / (v m + p - 1); on CPU,
                     gloo's sends and the ranks' shared cores count as idle too
     checkpoint      how long a sharded fsdp checkpoint holds training up, saved synchronously
                     and with trainer.async_checkpoint=true: the training time async saves
@@ -729,7 +728,7 @@ def main() -> None:
         choices=("auto", "cpu", "cuda"),
         default="auto",
         help="where single, overhead and model_parallel run (auto: a GPU when one is visible); "
-        "ddp and fsdp always run 2 CPU processes, tp and pp 2 GPUs where --device cuda has them",
+        "ddp and fsdp always run 2 CPU processes, tp and pp 2 GPUs where the device has them",
     )
     args = parser.parse_args()
     global DEVICE

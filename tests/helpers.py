@@ -220,8 +220,9 @@ def proc_file(pid: int, name: str) -> str:
 
 
 def processes_of_session(session: int) -> list[int]:
-    """The processes of the session `session` (a `TrainRun`'s pid: its session holds every process
-    its job starts) that still run: not those that have released their memory to exit (an empty
+    """The processes of the session `session` (a `TrainRun`'s pid: its session holds the launcher,
+    rank server, ranks and their workers, but not what starts a session of its own, such as
+    W&B's service) that still run: not those that have released their memory to exit (an empty
     command line), which nothing can stop any more."""
     pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):

@@ -11,10 +11,20 @@ import sys
 import pytest
 from helpers import ROOT, options, run_train
 from hydra import initialize_config_dir
+from torch.distributed._tools.mem_tracker import _MemRefType
 
 import src.planning.planner
 from src.launch.memory_check import measured_peak_mb
-from src.planning.planner import MB, DeviceSpeed, Plan, choose, plan_all, resolve_auto
+from src.planning.planner import (
+    MB,
+    RUNNING,
+    STEPPING,
+    DeviceSpeed,
+    Plan,
+    choose,
+    plan_all,
+    resolve_auto,
+)
 
 TINY_MLP = ("model.hidden=64", "model.depth=3", "trainer.batch_size=64", "logger=none")
 TINY_GPT = (
@@ -240,6 +250,30 @@ def test_equal_shares_are_traced_once(compose_config, monkeypatch):
     assert [p.device_plans for p in together] == [p.device_plans for p in apart]
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_trace_keeps_the_peak_while_the_model_runs_apart_from_the_optimizer_step(
+    compose_config, monkeypatch, checkpointing
+):
+    """While the model runs, the trace holds more activations (recomputed ones included) and
+    only some gradients; at the optimizer step every gradient, and AdamW's temporaries beside
+    its two moments. The phases come from MemTracker's internals."""
+    traces = []
+    trace_share = src.planning.planner.trace_share
+    monkeypatch.setattr(
+        src.planning.planner, "trace_share", lambda *a: traces.append(trace_share(*a)) or traces[-1]
+    )
+    cfg = compose_config(
+        *TINY_MLP, "optimizer=adamw", f"trainer.activation_checkpointing={checkpointing}"
+    )
+    plan_all(cfg, [cfg.parallel])
+    (traced,) = traces
+    running, stepping = traced.peaks[RUNNING], traced.peaks[STEPPING]
+    kind = _MemRefType
+    assert running[kind.ACT] > stepping[kind.ACT]
+    assert running[kind.GRAD] < stepping[kind.GRAD] == stepping[kind.PARAM]
+    assert stepping[kind.OPT] > running[kind.OPT] >= 2 * running[kind.PARAM]
+
+
 class FixedCPU(DeviceSpeed):
     """A CPU with given figures: FLOP/s by intra-op threads, loopback and in-memory bytes/s."""
 
@@ -349,7 +383,8 @@ def test_fsdp_by_tp_shards_what_each_tp_rank_keeps(compose_config):
     _, mesh = mesh_plans(compose_config, ("parallel=fsdp_tp",))
     (rank,) = mesh.device_plans
     assert rank.parameters == pytest.approx((1480 // 2 + 544 + 272) * FLOAT, abs=1)
-    assert rank.gradients >= 528 * FLOAT
+    # The trace's gradients at that moment, shared out (602 floats), and block 2's waiting.
+    assert rank.gradients == pytest.approx((602 + 528) * FLOAT, abs=1)
     assert mesh.traffic == {
         "activation all-reduce": 2 * 2 * (2 - 1) * (40 * FLOAT * 8) // 2,
         "parameter all-gather": 2 * 1480 * FLOAT // 2,

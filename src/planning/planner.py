@@ -5,9 +5,10 @@ Nothing here runs on a device. The model is built under torch's FakeTensorMode (
 shapes, dtypes and storage sizes, but no data), and each device's share of a training step
 (forward, the task's loss, backward and two optimizer steps, so that the optimizer state exists)
 runs there under `MemTracker`, which records every storage alive per category (parameters,
-gradients, optimizer state, activations and temporaries) and the peak. Which blocks, how many
-samples and parts each device runs, and what a strategy adds (DDP's gradient buckets, FSDP's
-gathered units, a pipeline's boundary traffic) comes from the strategy itself, through
+gradients, optimizer state, activations and temporaries) and two peaks: while the model runs,
+and at the optimizer step. Which blocks, how many samples and parts each device runs, and what a
+strategy adds (DDP's gradient buckets; FSDP's gathered units, only while the model runs; a
+pipeline's boundary traffic) comes from the strategy itself, through
 `Strategy.device_shares` and `Strategy.step_traffic` (`src/parallel/base.py`); this module
 never asks which strategy it holds.
 
@@ -504,7 +505,10 @@ def trace_share(cfg: DictConfig, data: Data, share: DeviceShare) -> TracedShare:
         tracker.track_external(step, optimizer)
         with tracker:
             training_step()
-    return TracedShare(tracker.phase_peaks, flops.get_total_flops())
+    # Where MemTracker's internals recorded no phases (another torch's), its whole-step peak,
+    # taken as the model's: what the strategy holds while it runs is added to it.
+    (whole_step,) = tracker.get_tracker_snapshot("peak").values()
+    return TracedShare(tracker.phase_peaks or {RUNNING: dict(whole_step)}, flops.get_total_flops())
 
 
 def device_plan(traced: TracedShare, share: DeviceShare) -> DevicePlan:
