@@ -9,6 +9,9 @@ import os
 import signal
 import termios
 import threading
+import weakref
+
+import pytest
 
 from src.runtime.stopping import StopOnSignal, warn_from_signal_handler
 
@@ -60,3 +63,23 @@ def test_a_signal_during_a_blocked_log_write_still_logs_its_message(monkeypatch)
         long_line,
         "SIGINT received: stopping after the current step (send it again to stop at once)",
     ]
+
+
+class Referent:
+    pass
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped one
+def test_a_kill_signal_whose_exception_python_drops_is_still_known_to_the_launcher():
+    """A stop signal handled while a weakref callback runs: the handler's KilledBySignal is
+    dropped there ("Exception ignored in"), but `stop_signals_passed_to_ranks` keeps the signal
+    for `launch` to raise (seen: a second Ctrl-C during torch's agent's clean-up, exit 1)."""
+    from src.launch.launcher import stop_signals_passed_to_ranks
+
+    with stop_signals_passed_to_ranks() as killing:
+        referent = Referent()
+        # No ranks run: the first signal already kills, inside the callback.
+        reference = weakref.ref(referent, lambda _: os.kill(os.getpid(), signal.SIGTERM))
+        del referent  # the callback runs; its signal's exception goes nowhere
+        assert reference() is None
+    assert killing == [signal.SIGTERM]

@@ -379,13 +379,17 @@ def launch(
         logging.getLogger(name).setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="torchelastic-") as error_dir:
         config = launch_config(processes_per_node, nodes, parallel, error_dir)
-        with stop_signals_passed_to_ranks():
+        with stop_signals_passed_to_ranks() as killing:
             worker = elastic_launch(config, _worker)
             server_pid = start_rank_server()
             try:
                 results = worker(fn, args, outcomes, job_logging, server_pid, dict(os.environ))
             except ChildFailedError as failed:
+                if killing:  # the ranks died of it, but its exception was dropped
+                    raise KilledBySignal(killing[0]) from None
                 raise JobFailed(first_to_die(failed, server_pid)) from None
+            if killing:
+                raise KilledBySignal(killing[0])
     result = results[min(results)]
     if isinstance(result, Raised):
         raise result.error
@@ -491,10 +495,12 @@ def this_node(master_addr: str) -> tuple[str | None, bool | None]:
 
 
 @contextlib.contextmanager
-def stop_signals_passed_to_ranks() -> Iterator[None]:
+def stop_signals_passed_to_ranks() -> Iterator[list[int]]:
     """While the ranks run, pass a SIGINT/SIGTERM to this process on to them, and keep waiting
     for their results: they stop together and checkpoint, and hand back the stop as their
-    outcome (see `src/runtime/stopping.py`). A second signal kills them at once.
+    outcome (see `src/runtime/stopping.py`). A second signal kills them at once and raises
+    `KilledBySignal`; it is also kept in the list yielded, since Python drops an exception that
+    a signal handler raises while a weakref callback or `__del__` runs (seen: the agent's).
 
     torch's agent would instead stop collecting the ranks' results and wait for them to exit,
     which they cannot do until their results are read: `launch` tells it to leave these signals
@@ -504,11 +510,13 @@ def stop_signals_passed_to_ranks() -> Iterator[None]:
     from src.runtime.stopping import StopOnSignal, warn_from_signal_handler
 
     received: list[int] = []
+    killing: list[int] = []
 
     def pass_on(signum: int, frame: FrameType | None) -> None:
         ranks = multiprocessing.active_children()
         name = signal.Signals(signum).name
         if received or not ranks:
+            killing.append(signum)
             for rank in ranks:
                 rank.kill()
             raise KilledBySignal(signum)
@@ -525,7 +533,7 @@ def stop_signals_passed_to_ranks() -> Iterator[None]:
 
     previous = {signum: signal.signal(signum, pass_on) for signum in StopOnSignal.SIGNALS}
     try:
-        yield
+        yield killing
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
