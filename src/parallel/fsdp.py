@@ -157,10 +157,15 @@ def copy_from_rank0(model: nn.Module, device: torch.device) -> None:
                 tensor.copy_(on_device)
 
 
+def units_in_forward_order(sizes: ModelSizes) -> list[list[int]]:
+    """The sharding units' blocks (blocks sharing a parameter together), in the order of their
+    first blocks."""
+    return sorted(sizes.shared_blocks, key=min)
+
+
 def unit_bytes(sizes: ModelSizes) -> list[int]:
-    """The parameter bytes of each sharding unit (blocks sharing a parameter together), in the
-    order of their first blocks."""
-    units = sorted(sizes.shared_blocks, key=min)
+    """The parameter bytes of each sharding unit, in forward order."""
+    units = units_in_forward_order(sizes)
     return [sum(sizes.block_parameter_bytes[b] for b in blocks) for blocks in units]
 
 

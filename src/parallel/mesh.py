@@ -45,6 +45,7 @@ from src.parallel.fsdp import (
     parameter_names,
     sharded_traffic,
     sharding_units,
+    units_in_forward_order,
     working_set,
 )
 from src.parallel.layout import DIMENSIONS, Layout
@@ -479,7 +480,7 @@ class Mesh(Distributed):
             return {}
         if self.layout.pp > 1:
             return {"parameters": self.kept_bytes(sizes, blocks)}
-        units = [self.kept_bytes(sizes, unit) for unit in sorted(sizes.shared_blocks, key=min)]
+        units = [self.kept_bytes(sizes, unit) for unit in units_in_forward_order(sizes)]
         gathered, reduced = working_set(units, units, self.layout.dp_shard, self.device_type)
         return {"parameters": gathered, "gradients": reduced}
 
