@@ -38,7 +38,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _ModState
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _State
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -96,7 +96,7 @@ class StepMemTracker(MemTracker):
         super().__init__()
         self.phase_peaks: dict[str, dict[Any, int]] = {}
 
-    def _update_peak_stats(self, peak_state: _ModState) -> None:
+    def _update_peak_stats(self, peak_state: _State) -> None:
         super()._update_peak_stats(peak_state)
         tracker = self._mod_tracker
         running = not self._in_opt and (tracker.is_bw or len(tracker.parents) > 1)  # not Global
