@@ -125,9 +125,37 @@ class TransformerBlock(nn.Module):
         x = x + self.attention(self.norm1(x))
         return x + self.mlp(self.norm2(x))
 
+    def residual_projections(self) -> tuple[nn.Linear, nn.Linear]:
+        """The layers whose outputs are added to the residual stream."""
+        return self.attention.proj, self.mlp[2]
+
+
+GPT2_STD = 0.02
+
+
+def init_like_gpt2(model: nn.Module) -> None:
+    """GPT-2's initialisation (as nanoGPT's): normal(0, 0.02) for every Linear and Embedding
+    weight, zero biases, and the residual projections' weights at 0.02 / sqrt(2 x blocks), so
+    that the residual stream's variance does not grow with depth. A tied head is initialised
+    once, through its embedding. torch's default (uniform, scaled by fan-in) leaves a tied head's
+    N(0, 1) embedding with logits of norm ~sqrt(width), and the first loss far above
+    ln(vocabulary)."""
+    drawn: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, nn.Linear | nn.Embedding) and id(module.weight) not in drawn:
+            drawn.add(id(module.weight))
+            nn.init.normal_(module.weight, std=GPT2_STD)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+    blocks = [module for module in model.modules() if isinstance(module, TransformerBlock)]
+    for block in blocks:
+        for projection in block.residual_projections():
+            nn.init.normal_(projection.weight, std=GPT2_STD / math.sqrt(2 * len(blocks)))
+
 
 class Transformer(nn.Sequential):
-    """A tiny causal language model: embedding, `depth` pre-norm blocks, norm + vocabulary head.
+    """A tiny causal language model: embedding, `depth` pre-norm blocks, norm + vocabulary head,
+    initialised as GPT-2 (`init_like_gpt2`).
 
     Input: token ids (batch, seq_len); output: logits (batch, seq_len, vocab_size).
     """
@@ -141,13 +169,14 @@ class Transformer(nn.Sequential):
             *[TransformerBlock(hidden, heads) for _ in range(depth)],
             nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, num_classes)),
         )
+        init_like_gpt2(self)
 
 
 class GPT(nn.Sequential):
     """A GPT-2-style decoder: token + position embedding, `n_layer` pre-norm blocks of `n_head`
     heads, final norm and a bias-free vocabulary head, with the head's weight tied to the token
-    embedding when `tie_weights` (as GPT-2). Input: token ids (batch, seq_len); output: logits
-    (batch, seq_len, vocab_size)."""
+    embedding when `tie_weights`, initialised as GPT-2 (`init_like_gpt2`). Input: token ids
+    (batch, seq_len); output: logits (batch, seq_len, vocab_size)."""
 
     def __init__(
         self,
@@ -166,3 +195,4 @@ class GPT(nn.Sequential):
         super().__init__(
             embedding, *[TransformerBlock(n_embd, n_head) for _ in range(n_layer)], head
         )
+        init_like_gpt2(self)

@@ -9,24 +9,40 @@ from typing import Any
 import torch
 from hydra.utils import instantiate
 
-from src.config.schema import SCHEDULE_KEYS, ConfigError, OptimizerConfig
+from src.config.schema import OWN_KEYS, ConfigError, OptimizerConfig
 
 
 def build_optimizer(
     cfg: OptimizerConfig, params: Iterable[torch.nn.Parameter]
 ) -> torch.optim.Optimizer:
-    """The optimizer that `optimizer._target_` names, over `params`, with its settings (all but
-    the schedule's)."""
-    settings = {key: value for key, value in cfg.items() if key not in SCHEDULE_KEYS}
-    return instantiate(settings, _convert_="all")(list(params))
+    """The optimizer that `optimizer._target_` names, over `params` in `parameter_groups`, with
+    its settings (all but `OWN_KEYS`)."""
+    settings = {key: value for key, value in cfg.items() if key not in OWN_KEYS}
+    return instantiate(settings, _convert_="all")(parameter_groups(params, cfg.decay_1d))
+
+
+def parameter_groups(
+    params: Iterable[torch.nn.Parameter], decay_1d: bool
+) -> list[dict[str, Any]]:
+    """One group of every parameter; without `decay_1d`, the matrices (2 or more dimensions:
+    weights, embeddings) and then a group of the rest without weight decay. Each group keeps the
+    parameters' order, and a group stays even when this process holds none of its parameters,
+    so that every strategy and pipeline rank has single's groups."""
+    params = list(params)
+    if decay_1d:
+        return [{"params": params}]
+    return [
+        {"params": [param for param in params if param.dim() >= 2]},
+        {"params": [param for param in params if param.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
 def adamw(
-    params: Iterable[torch.nn.Parameter], betas: Sequence[float], **settings: Any
+    params: list[dict[str, Any]], betas: Sequence[float], **settings: Any
 ) -> torch.optim.AdamW:
-    """torch's AdamW, fused on GPUs (`on_cuda`)."""
-    params = list(params)
-    return torch.optim.AdamW(params, betas=tuple(betas), fused=on_cuda(params) or None, **settings)
+    """torch's AdamW over parameter groups, fused on GPUs (`on_cuda`)."""
+    every = [param for group in params for param in group["params"]]
+    return torch.optim.AdamW(params, betas=tuple(betas), fused=on_cuda(every) or None, **settings)
 
 
 def on_cuda(params: list[torch.nn.Parameter]) -> bool:

@@ -560,13 +560,17 @@ Schedule = choices("Schedule", "constant cosine")
 
 @dataclass
 class OptimizerConfig:
-    """`_target_` builds the optimizer (`_partial_`: given the model's parameters later) from
-    every setting but `SCHEDULE_KEYS`, which are the learning-rate schedule's and the name."""
+    """`_target_` builds the optimizer (`_partial_`: given the model's parameter groups later)
+    from every setting but `OWN_KEYS`: the name, the learning-rate schedule's and the groups'."""
 
     _target_: str = MISSING
     _partial_: bool = True
     lr: float = 1e-3
     weight_decay: float = 0.0
+    decay_1d: bool = True
+    """Weight decay on tensors of fewer than 2 dimensions too (biases, norms' scales and
+    shifts); false gives them a parameter group of their own without decay, as GPT-2 and nanoGPT
+    train."""
     name: str = MISSING
     """Labels the optimizer: a checkpoint resumes only under the one it was trained with."""
     schedule: Schedule = Schedule.cosine
@@ -578,7 +582,7 @@ class OptimizerConfig:
     Resuming with another trainer.max_steps needs it set, to keep or to stretch the schedule."""
 
 
-SCHEDULE_KEYS = ("name", "schedule", "warmup_steps", "min_lr_ratio", "schedule_steps")
+OWN_KEYS = ("name", "decay_1d", "schedule", "warmup_steps", "min_lr_ratio", "schedule_steps")
 
 
 @dataclass
@@ -594,6 +598,7 @@ class SGDConfig(OptimizerConfig):
 class AdamWConfig(OptimizerConfig):
     _target_: str = "src.components.optimizer.adamw"
     weight_decay: float = 0.01
+    decay_1d: bool = False
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     name: str = "adamw"

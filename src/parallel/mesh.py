@@ -335,9 +335,14 @@ class Mesh(Distributed):
         }
         return self.pipeline.gathered(state) if self.pipeline else state
 
-    def single_indices(self) -> dict[str, int]:
-        """Each parameter's number in single's optimizer state: its place in the whole model."""
-        return {name: index for index, name in enumerate(self.parameter_order)}
+    def single_order(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+        """The parameters in single's optimizer order, which numbers its state: each group's
+        parameters in the model's order (`single_groups`), group after group."""
+        names = iter(parameter_names(model, optimizer))
+        groups = [
+            {"params": [next(names) for _ in group["params"]]} for group in optimizer.param_groups
+        ]
+        return [name for group in self.single_groups(groups) for name in group["params"]]
 
     def optimizer_state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
@@ -355,7 +360,7 @@ class Mesh(Distributed):
             }
             for index, entries in state["state"].items()
         }
-        single = self.single_indices()
+        single = {name: index for index, name in enumerate(self.single_order(model, optimizer))}
         state = renamed(state, {index: single[name] for index, name in enumerate(names)})
         return self.pipeline.merged(state) if self.pipeline else state
 
@@ -364,7 +369,7 @@ class Mesh(Distributed):
     ) -> None:
         """Single's optimizer state: under pp, the entries of this rank's parameters only."""
         local = {name: index for index, name in enumerate(parameter_names(model, optimizer))}
-        names = dict(enumerate(self.parameter_order))
+        names = dict(enumerate(self.single_order(model, optimizer)))
         parameters = dict(model.named_parameters())
         own = {index: name for index, name in names.items() if name in local}
         state = {
