@@ -30,6 +30,7 @@ from src.components.data import (
     synthetic_classification,
     synthetic_tokens,
     tokens,
+    tokens_per_sample,
     train_batches,
 )
 
@@ -137,6 +138,17 @@ def test_token_file_windows_predict_every_next_token_once(tmp_path):
     assert data.val[0][0].tolist() == written[900:908].tolist()
     with pytest.raises(ValueError, match="data.vocab_size=5 but"):
         tokens(seed=0, path=str(tmp_path / "train.bin"), seq_len=8, vocab_size=5, val_fraction=0.1)
+
+
+def test_tokens_per_sample_counts_inputs_of_token_ids_only(tmp_path):
+    """A token file's windows (read through the Dataset path) count; features and uint8 images
+    do not."""
+    write_tokens(tmp_path / "train.bin", count=1000, vocab=13)
+    windows = tokens(0, str(tmp_path / "train.bin"), seq_len=8, vocab_size=None, val_fraction=0.1)
+    assert tokens_per_sample(windows.train) == 8
+    assert tokens_per_sample(synthetic_classification(0, 8, 3, 100, 0.2).train) is None
+    images = Split(torch.zeros(4, 3, 8, 8, dtype=torch.uint8), torch.zeros(4, dtype=torch.long))
+    assert tokens_per_sample(images) is None
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

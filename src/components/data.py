@@ -92,6 +92,20 @@ def meta_samples(dataset: Split | Dataset, count: int) -> Batch:
     return batches.meta_resized(first_samples(dataset, 1), count)
 
 
+# Token ids: the index dtypes `nn.Embedding` takes (not uint8, which image files hold).
+TOKEN_DTYPES = (torch.int32, torch.int64)
+
+
+def tokens_per_sample(dataset: Split | Dataset) -> int | None:
+    """Input tokens per sample: the elements of a sample's input when it is one tensor of token
+    ids (`TOKEN_DTYPES`), as a language model's sequences are; None for any other input
+    (features, images, tuples of tensors), of which tokens/s would mean nothing."""
+    inputs, _ = first_samples(dataset, 1)
+    if torch.is_tensor(inputs) and inputs.dtype in TOKEN_DTYPES:
+        return inputs[0].numel()
+    return None
+
+
 def build_data(settings: DictConfig, seed: int) -> Data:
     """The `Data` that the data settings' builder (`_target_`) returns."""
     return instantiate(data_builder_config(settings), seed=seed)
