@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import itertools
+import logging
+import math
+import resource
+import time
 
 import pytest
 import torch
@@ -22,8 +26,11 @@ from src.components.data import (
     Split,
     SplitSamples,
     ValBatches,
+    logged_progress,
     synthetic_classification,
+    synthetic_tokens,
     tokens,
+    tokens_per_sample,
     train_batches,
 )
 
@@ -34,6 +41,57 @@ def test_synthetic_data_is_a_function_of_the_seed():
     assert torch.equal(a.train.inputs, b.train.inputs) and torch.equal(a.val.targets, b.val.targets)
     assert not torch.equal(a.train.inputs, c.train.inputs)
     assert set(a.train.targets.tolist()) == {0, 1, 2}
+
+
+def test_synthetic_tokens_are_a_function_of_the_seed():
+    make = lambda seed: synthetic_tokens(seed, 50, 16, 64, 0.25, successors=4)  # noqa: E731
+    a, b, c = make(0), make(0), make(1)
+    assert torch.equal(a.train.inputs, b.train.inputs) and torch.equal(a.val.targets, b.val.targets)
+    assert not torch.equal(a.train.inputs, c.train.inputs)
+    assert torch.equal(a.train.inputs[:, 1:], a.train.targets[:, :-1])  # targets: the next tokens
+
+
+def successor_counts(vocab_size: int, successors: int) -> torch.Tensor:
+    """How often each token follows each other token in a synthetic_tokens training set: a
+    vocab x vocab count matrix (row: the token, column: the one after it)."""
+    data = synthetic_tokens(0, vocab_size, 32, 2048, 0.1, successors)
+    pairs = data.train.inputs.flatten() * vocab_size + data.train.targets.flatten()
+    return torch.bincount(pairs, minlength=vocab_size**2).view(vocab_size, vocab_size)
+
+
+@pytest.mark.parametrize("successors", [1, 4])
+def test_each_synthetic_token_has_a_few_successors_of_low_entropy(successors):
+    """The chain is learnable: what follows a token is one of `successors` tokens (a dense chain
+    had every token follow every other, at 60 000 pairs here), and its entropy, the loss a model
+    can reach, is far below ln(vocab_size), a guess's loss."""
+    counts = successor_counts(vocab_size=64, successors=successors).double()
+    assert (counts.sum(1) > 0).all()
+    assert (counts > 0).sum(1).max() <= successors
+    shares = counts / counts.sum(1, keepdim=True)
+    entropy = -(shares * shares.clamp_min(1e-12).log()).sum(1)
+    mean_entropy = (entropy * counts.sum(1)).sum() / counts.sum()  # per predicted token
+    assert mean_entropy < min(1.0, math.log(successors) + 1e-6)  # ln(64) = 4.16
+
+
+def test_synthetic_tokens_at_gpt2_s_vocabulary_build_fast_in_little_memory():
+    """50257 tokens: a dense transition matrix would take 10 GB and minutes to draw."""
+    grown_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    started = time.perf_counter()
+    data = synthetic_tokens(0, 50257, 256, 64, 0.1, successors=4)
+    assert time.perf_counter() - started < 5
+    peak_growth_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - grown_before) / 1024
+    assert peak_growth_mb < 100
+    assert data.num_classes == 50257 and data.input_shape == (256,)
+    assert data.train.inputs.max() < 50257 and len(data.train.inputs.unique()) > 1000
+
+
+def test_data_building_logs_progress_only_when_slow(caplog, monkeypatch):
+    clock = iter(range(0, 100, 1))  # each reading of the clock: one second later
+    monkeypatch.setattr(time, "perf_counter", lambda: float(next(clock)))
+    with caplog.at_level(logging.INFO, logger="src.components.data"):
+        assert list(logged_progress(range(10), "slow", every_s=4)) == list(range(10))
+        assert list(logged_progress(range(3), "quick", every_s=100)) == [0, 1, 2]
+    assert caplog.messages == ["slow: 30% done", "slow: 70% done", "slow: done in 11.0 s"]
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -80,6 +138,17 @@ def test_token_file_windows_predict_every_next_token_once(tmp_path):
     assert data.val[0][0].tolist() == written[900:908].tolist()
     with pytest.raises(ValueError, match="data.vocab_size=5 but"):
         tokens(seed=0, path=str(tmp_path / "train.bin"), seq_len=8, vocab_size=5, val_fraction=0.1)
+
+
+def test_tokens_per_sample_counts_inputs_of_token_ids_only(tmp_path):
+    """A token file's windows (read through the Dataset path) count; features and uint8 images
+    do not."""
+    write_tokens(tmp_path / "train.bin", count=1000, vocab=13)
+    windows = tokens(0, str(tmp_path / "train.bin"), seq_len=8, vocab_size=None, val_fraction=0.1)
+    assert tokens_per_sample(windows.train) == 8
+    assert tokens_per_sample(synthetic_classification(0, 8, 3, 100, 0.2).train) is None
+    images = Split(torch.zeros(4, 3, 8, 8, dtype=torch.uint8), torch.zeros(4, dtype=torch.long))
+    assert tokens_per_sample(images) is None
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

@@ -162,7 +162,27 @@ def test_report_of_a_quiet_sweep_flags_nothing(tmp_path):
     rows = write_report(tmp_path)
 
     assert [row.flags for row in rows] == ["", "", "", ""]
-    assert "Flagged" not in (tmp_path / "summary.md").read_text()
+    summary_md = (tmp_path / "summary.md").read_text()
+    assert "Flagged" not in summary_md
+    assert "tokens/s" not in summary_md  # no job trained on token sequences
+
+
+def test_report_shows_the_tokens_per_second_of_jobs_on_token_sequences(tmp_path):
+    write_job(tmp_path, 0, "single", 1, 0.42, tokens_per_sec=430.08)
+    write_job(tmp_path, 1, "ddp", 2, 12_345.4, tokens_per_sec=12_641_689.6)
+
+    rows = write_report(tmp_path)
+
+    assert [row.tokens_per_sec for row in rows] == [430.08, 12_641_689.6]
+    header, _, single, ddp = [
+        line for line in (tmp_path / "summary.md").read_text().splitlines() if line.startswith("|")
+    ]
+    assert "| samples/s | tokens/s |" in header
+    assert "| 0.42 | 430 |" in single and "| 12,345 | 12,641,690 |" in ddp
+    assert [row["tokens_per_sec"] for row in read_csv(tmp_path / "summary.csv")] == [
+        "430.08",
+        "12641689.6",
+    ]
 
 
 def test_plot_legend_hides_no_data_point(tmp_path, saved_figures):

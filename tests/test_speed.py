@@ -12,7 +12,9 @@ import torch
 from helpers import (
     BESIDES_SINGLE,
     TINY,
+    TINY_TRANSFORMER,
     assert_same_training,
+    metrics,
     reference_run,
     run_train,
     strategy_runs,
@@ -26,6 +28,7 @@ from src.components.models import MLP, Transformer
 from src.components.tasks import Classification
 from src.observe.performance import table_peak_tflops, throughput_figures
 from src.observe.report import Row, markdown_table
+from src.training.loop import progress_line
 
 # SGD with clipping and accumulation: the scaler must unscale before clipping, and scale every
 # micro-step's loss alike.
@@ -72,6 +75,34 @@ def test_summary_reports_the_model_flops_and_their_rate():
         result["flops_per_step"] / seconds_per_step / 1e12
     )
     assert "mfu" not in result  # no known peak for a CPU
+
+
+def test_a_language_model_run_reports_tokens_per_second(tmp_path):
+    """Its samples are sequences of data.seq_len=8 input tokens."""
+    result = run_train(*TINY_TRANSFORMER, "task=language_model", run_dir=tmp_path)
+
+    figures = summary(tmp_path)
+    assert figures["tokens_per_sec"] == pytest.approx(figures["samples_per_sec"] * 8)
+    rows = [row for row in metrics(tmp_path) if "train/samples_per_sec" in row]
+    assert len(rows) == 6
+    for row in rows:
+        assert row["train/tokens_per_sec"] == pytest.approx(row["train/samples_per_sec"] * 8)
+    assert result.stdout.count(" tokens/s | data wait") == 6
+
+
+def test_a_run_on_features_reports_no_tokens_per_second():
+    run_dir = reference_run(*TINY)
+
+    assert "tokens_per_sec" not in summary(run_dir)
+    assert not any("train/tokens_per_sec" in row for row in metrics(run_dir))
+
+
+def test_progress_line_shows_slow_rates_to_3_digits_and_fast_ones_with_separators():
+    slow = progress_line(3, 10, 2.5, {"samples_per_sec": 0.42, "tokens_per_sec": 430.08}, 0.5, 17)
+    assert "| loss 2.5000 | 0.42 samples/s | 430 tokens/s | data wait 0.5 ms | eta 17s" in slow
+    fast = progress_line(3, 10, 2.5, {"samples_per_sec": 12_345.4}, 0.5, 17)
+    assert "| 12,345 samples/s | data wait" in fast
+    assert "tokens/s" not in fast
 
 
 def test_mfu_is_the_share_of_every_device_s_peak():

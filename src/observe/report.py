@@ -78,6 +78,8 @@ class Row:
     """The job's swept settings other than the strategy and device count, e.g. `model=mlp`."""
     world_size: int | None = None
     samples_per_sec: float | None = None
+    tokens_per_sec: float | None = None
+    """Input tokens per second, for token sequences (language models)."""
     tflops_per_sec: float | None = None
     """Model FLOP/s of all the job's devices together, in TFLOP/s."""
     mfu: float | None = None
@@ -178,6 +180,7 @@ def fill_from_summary(row: Row, summary: dict[str, Any]) -> None:
     row.strategy = summary.get("layout", row.strategy)  # a mesh layout by its degrees
     row.world_size = summary["world_size"]
     row.samples_per_sec = summary["samples_per_sec"]
+    row.tokens_per_sec = summary.get("tokens_per_sec")
     row.step_time_ms = summary["step_time_ms"]
     row.tflops_per_sec = summary.get("tflops_per_sec")
     row.mfu = summary.get("mfu")
@@ -244,6 +247,7 @@ COLUMN_TITLES = {
     "variant": "variant",
     "world_size": "world size",
     "samples_per_sec": "samples/s",
+    "tokens_per_sec": "tokens/s",
     "tflops_per_sec": "TFLOP/s",
     "mfu": "MFU",
     "speedup": "speed-up",
@@ -265,6 +269,12 @@ COLUMN_TITLES = {
 }
 
 
+def rate_text(per_sec: float) -> str:
+    """A rate as people read it: 3 significant digits below 100 (0.42, 12.3), whole numbers
+    with thousands separators above (12,345)."""
+    return f"{per_sec:.3g}" if abs(per_sec) < 100 else f"{per_sec:,.0f}"
+
+
 def format_cell(name: str, value: Any) -> str:
     if value is None:
         return ""
@@ -278,7 +288,9 @@ def format_cell(name: str, value: Any) -> str:
         return f"{100 * value:.0f}%"
     if name == "pipeline_idle":
         return ", ".join("" if share is None else f"{100 * share:.0f}%" for share in value)
-    if name in ("samples_per_sec", "peak_memory_max_mb", "peak_memory_spread_mb"):
+    if name in ("samples_per_sec", "tokens_per_sec"):
+        return rate_text(value)
+    if name in ("peak_memory_max_mb", "peak_memory_spread_mb"):
         return f"{value:,.0f}"
     if name == "predicted_peak_mb":
         return f"{value:,.3g}"
@@ -291,8 +303,15 @@ def format_cell(name: str, value: Any) -> str:
 
 def markdown_table(rows: list[Row]) -> str:
     """The table with the reason folded into the status (`skipped: ...`)."""
-    # Columns that only some sweeps fill (a swept variant, dp's output device on GPUs, pipelines).
-    optional = {"variant", "output_device_memory_ratio", "pipeline_bubble", "pipeline_idle"}
+    # Columns that only some sweeps fill (a swept variant, token sequences, dp's output device on
+    # GPUs, pipelines).
+    optional = {
+        "variant",
+        "tokens_per_sec",
+        "output_device_memory_ratio",
+        "pipeline_bubble",
+        "pipeline_idle",
+    }
     names = [n for n in COLUMN_TITLES if n not in optional or any(getattr(r, n) for r in rows)]
     align = ["---" if n in ("strategy", "variant", "status", "flags") else "---:" for n in names]
     lines = [

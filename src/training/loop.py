@@ -30,6 +30,7 @@ from src.components.data import Split, ValBatches
 from src.components.precision import LossScaling, autocast
 from src.components.tasks import Task
 from src.config.schema import TrainerConfig
+from src.observe.report import rate_text
 from src.observe.tracking import Tracker
 from src.parallel.base import TrainingStrategy
 from src.runtime.stopping import NonFiniteWatch
@@ -49,9 +50,12 @@ class Throughput:
     mean time per step after warm-up that the loop waited for input (a loader's workers start
     in the first step)."""
 
-    def __init__(self, warmup_steps: int, samples_per_step: int):
+    def __init__(
+        self, warmup_steps: int, samples_per_step: int, tokens_per_sample: int | None = None
+    ):
         self.warmup_steps = warmup_steps
         self.samples_per_step = samples_per_step
+        self.tokens_per_sample = tokens_per_sample  # None: the samples are not token sequences
         self.steps_done = 0  # by this process: a resumed run warms up again
         now = time.perf_counter()
         self.started = now
@@ -102,18 +106,28 @@ class Throughput:
             if self.timed_start is not None:
                 self.timed_start += elapsed
 
+    def rates(self, step_ms: float) -> dict[str, float]:
+        """samples_per_sec at `step_ms` per step, and tokens_per_sec for token sequences."""
+        samples_per_sec = self.samples_per_step * 1000 / step_ms
+        if self.tokens_per_sample is None:
+            return {"samples_per_sec": samples_per_sec}
+        return {
+            "samples_per_sec": samples_per_sec,
+            "tokens_per_sec": samples_per_sec * self.tokens_per_sample,
+        }
+
     def summary(self) -> dict[str, float]:
         if not self.window_ms:
             nan = float("nan")
             return {
-                "samples_per_sec": nan,
+                **self.rates(nan),
                 "step_time_ms": nan,
                 "step_time_spread": nan,
                 "data_wait_ms": nan,
             }
         step_ms = statistics.median(self.window_ms)
         return {
-            "samples_per_sec": self.samples_per_step * 1000 / step_ms,
+            **self.rates(step_ms),
             "step_time_ms": step_ms,
             "step_time_spread": (max(self.window_ms) - min(self.window_ms)) / step_ms,
             "data_wait_ms": 1000 * self.timed_wait_s / self.all_timed_steps,
@@ -167,15 +181,20 @@ def progress_line(
     step: int,
     max_steps: int,
     loss: float,
-    samples_per_sec: float,
+    rates: dict[str, float],
     data_wait_ms: float,
     eta_s: float,
 ) -> str:
+    """The console's line for a logging step; `rates` is `Throughput.rates`' (samples/s, and
+    tokens/s for token sequences)."""
     filled = round(20 * step / max_steps)
     bar = "#" * filled + "." * (20 - filled)
+    speed = f"{rate_text(rates['samples_per_sec'])} samples/s"
+    if "tokens_per_sec" in rates:
+        speed += f" | {rate_text(rates['tokens_per_sec'])} tokens/s"
     return (
-        f"[{bar}] step {step}/{max_steps} | loss {loss:.4f} | "
-        f"{samples_per_sec:,.0f} samples/s | data wait {data_wait_ms:.1f} ms | eta {eta_s:.0f}s"
+        f"[{bar}] step {step}/{max_steps} | loss {loss:.4f} | {speed} | "
+        f"data wait {data_wait_ms:.1f} ms | eta {eta_s:.0f}s"
     )
 
 
@@ -360,7 +379,7 @@ class Progress:
         self.window_sums, self.targets = [], 0
         data_wait_ms = self.speed.window_data_wait_ms()
         step_ms = self.speed.close_window()
-        samples_per_sec = self.trainer.batch_size * 1000 / step_ms
+        rates = self.speed.rates(step_ms)
         with self.speed.paused():
             memory = dict(zip(*self.strategy.local_peak_memory_mb(), strict=True))
             metrics = {
@@ -368,7 +387,7 @@ class Progress:
                 **{f"train/{name}": value for name, value in self.figures.items()},
                 "train/lr": lr,
                 "train/step_time_ms": step_ms,
-                "train/samples_per_sec": samples_per_sec,
+                **{f"train/{name}": value for name, value in rates.items()},
                 "train/data_wait_ms": data_wait_ms,
             }
             history.record(metrics, step)
@@ -379,7 +398,7 @@ class Progress:
                         step,
                         self.trainer.max_steps,
                         self.figures["loss"],
-                        samples_per_sec,
+                        rates,
                         data_wait_ms,
                         eta_s,
                     )

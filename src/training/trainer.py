@@ -36,7 +36,13 @@ from src.checkpoint.store import (
     set_rng_state,
 )
 from src.components.blocks import prepare_blocks
-from src.components.data import Data, ValBatches, loading_for, train_batches
+from src.components.data import (
+    Data,
+    ValBatches,
+    loading_for,
+    tokens_per_sample,
+    train_batches,
+)
 from src.components.optimizer import build_optimizer, lr_schedule
 from src.config.schema import TrainerConfig, plain_config, typed
 from src.observe.performance import (
@@ -146,7 +152,11 @@ class Trainer:
         settings = self.settings
         self.batches, self.val = input_batches(cfg, settings, strategy, data, self.step)
         self.lr_at = lr_schedule(cfg.optimizer, settings.max_steps)
-        self.speed = Throughput(settings.timing_warmup_steps, settings.batch_size)
+        self.speed = Throughput(
+            settings.timing_warmup_steps,
+            settings.batch_size,
+            tokens_per_sample(blueprint.data.train),
+        )
         self.progress = Progress(settings, strategy, self.task, self.speed)
         self.evaluation = Evaluation(settings, strategy, self.task, self.val, self.speed)
         writer = CheckpointWriter(
