@@ -17,6 +17,10 @@ out of both.
                     device (1.0: no overhead); on CPU try --steps 40
     overhead        the same on a tiny model (16 wide, batch 16), so that a step is almost all
                     host work: the difference in ms/step is the template's per-step overhead
+    gpt2            the template's GPT / the same GPT in a nanoGPT-style loop (model and loss
+                    compiled together, random batches on the device), with tokens/s, TFLOP/s
+                    and MFU: gpt2_124m at 1024 tokens, bf16, compiled, batch 16 on a GPU (MFU
+                    from the table of GPUs' peaks); a 2-block GPT, fp32, eager on a CPU
     model_parallel  2 stages, GPipe over 4 micro-batches / the naive schedule; on CPU the stages
                     cannot overlap, so this shows what pipelining costs; on GPUs, what it gains
     ddp             the template's `parallel=ddp`, 2 CPU processes started by its launcher / a
@@ -91,6 +95,11 @@ from src.components.data import Data, build_data  # noqa: E402
 from src.config.schema import register_configs  # noqa: E402
 from src.launch.job import train_worker  # noqa: E402
 from src.launch.launcher import launch  # noqa: E402
+from src.observe.performance import (  # noqa: E402
+    device_peak_tflops,
+    step_flops,
+    throughput_figures,
+)
 from src.training.build import check_config  # noqa: E402
 from src.training.trainer import train  # noqa: E402
 
@@ -346,6 +355,113 @@ def plain_single_loader(steps: int) -> float:
 
 def plain_overhead(steps: int) -> float:
     return plain_single(steps, *OVERHEAD_WORKLOAD)
+
+
+def gpt2_workload() -> tuple[str, ...]:
+    """On a GPU, gpt2_124m on 1024-token sequences of GPT-2's vocabulary (padded to 50304),
+    batch 16, bf16 and compiled; on a CPU, a GPT of 2 blocks 128 wide on 128-token sequences,
+    batch 8, fp32 and eager. AdamW with nanoGPT's GPT-2 settings, at a constant rate."""
+    if DEVICE == "cuda":
+        shape = (
+            "model=gpt2_124m",
+            "data.vocab_size=50257",
+            "data.seq_len=1024",
+            "trainer.batch_size=16",
+            "trainer.precision=bf16",
+            "trainer.compile=true",
+        )
+    else:
+        shape = (
+            "model=gpt",
+            "model.n_layer=2",
+            "model.n_head=4",
+            "model.n_embd=128",
+            "data.vocab_size=512",
+            "data.seq_len=128",
+            "trainer.batch_size=8",
+        )
+    return (
+        "data=synthetic_tokens",
+        "task=language_model",
+        "data.num_samples=1024",
+        *shape,
+        "optimizer=adamw",
+        "optimizer.lr=6e-4",
+        "optimizer.weight_decay=0.1",
+        "optimizer.betas=[0.9,0.95]",
+        "optimizer.schedule=constant",
+        "optimizer.warmup_steps=0",
+        "logger=none",
+    )
+
+
+def template_gpt2(steps: int) -> float:
+    return template_speed(steps, "parallel=single", workload=gpt2_workload())
+
+
+def plain_gpt2(steps: int) -> float:
+    """The same GPT in a nanoGPT-style loop: the model and its loss compiled as one function
+    (when the workload compiles), autocast, fused AdamW on a GPU with biases and norms
+    undecayed, random batches of sequences held on the device, the loss read every 50 steps."""
+    cfg = compose_config(*gpt2_workload())
+    device = torch.device(DEVICE)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+    data = build_data(cfg.data, cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+    model.to(device)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [param for param in params if param.dim() >= 2]},
+            {"params": [param for param in params if param.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=cfg.optimizer.lr,
+        betas=tuple(cfg.optimizer.betas),
+        weight_decay=cfg.optimizer.weight_decay,
+        fused=device.type == "cuda" or None,
+    )
+
+    def loss_of(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+
+    step_loss = torch.compile(loss_of) if cfg.trainer.compile else loss_of
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.trainer.precision)
+    inputs, targets = data.train.inputs.to(device), data.train.targets.to(device)
+    batch_size = cfg.trainer.batch_size
+    for step in range(steps):
+        if step == WARMUP_STEPS:
+            started = time.perf_counter()
+        batch = torch.randint(len(targets), (batch_size,), device=device)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss = step_loss(inputs[batch], targets[batch])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % 50 == 0:
+            loss.item()
+    loss.item()  # wait for the queued steps
+    return (steps - WARMUP_STEPS) * batch_size / (time.perf_counter() - started)
+
+
+def print_gpt2_figures(samples_per_sec: list[float]) -> None:
+    """Tokens/s, TFLOP/s and MFU of the gpt2 comparison's two sides: the FLOPs of a step
+    counted on the meta device, the peak from the table of GPUs (none on a CPU)."""
+    cfg = compose_config(*gpt2_workload())
+    data = build_data(cfg.data, cfg.seed)
+    with torch.device("meta"):
+        model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+    batch_size = cfg.trainer.batch_size
+    flops = step_flops(model, instantiate(cfg.task), data, batch_size)
+    peak = device_peak_tflops(None, torch.device(DEVICE), cfg.trainer.precision, "high")
+    for (label, _), speed in zip(COMPARISONS["gpt2"], samples_per_sec, strict=True):
+        figures = throughput_figures(flops, 1000 * batch_size / speed, 1, peak)
+        mfu = f"{figures['mfu']:.1%} MFU" if "mfu" in figures else "MFU n/a (no peak for a CPU)"
+        print(
+            f"{'':<16}  {label}: {speed * cfg.data.seq_len:,.0f} tokens/s, "
+            f"{figures['tflops_per_sec']:.3g} TFLOP/s, {mfu}"
+        )
 
 
 DDP_PROCESSES = 2
@@ -667,6 +783,7 @@ Run = Callable[[int], float]
 COMPARISONS: dict[str, tuple[tuple[str, Run], tuple[str, Run]]] = {
     "single": (("template", template_single), ("plain", plain_single_loader)),
     "overhead": (("template", template_overhead), ("plain", plain_overhead)),
+    "gpt2": (("template", template_gpt2), ("nanoGPT-style", plain_gpt2)),
     "resnet": (("template", template_resnet), ("torchvision", plain_resnet)),
     "model_parallel": (
         ("pipelined M=4", model_parallel_pipelined),
@@ -763,6 +880,8 @@ def main() -> None:
             batch = TRANSFORMER_BATCH_SIZE
         if name == "resnet":
             batch = RESNET_BATCH_SIZE
+        if name == "gpt2":
+            batch = compose_config(*gpt2_workload()).trainer.batch_size
         step_ms = [1000 * batch / speed for speed in speeds]
         cells = "".join(
             f"  {label:<16}{speed:>11,.0f}{ms:>9.3f}"
@@ -780,6 +899,8 @@ def main() -> None:
             print(f"{'':<16}  CPU figures (autocast on the CPU): they say nothing of a GPU")
         if name == "activation_ckpt":
             print_activation_memory()
+        if name == "gpt2":
+            print_gpt2_figures(speeds)
 
 
 if __name__ == "__main__":

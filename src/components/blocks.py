@@ -1,5 +1,5 @@
 """Activation checkpointing and torch.compile per block of a plain model, before any strategy
-wraps it."""
+wraps it; and the task's sums compiled beside them."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import os
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
+
+from src.components.tasks import Task
 
 
 def prepare_blocks(model: nn.Sequential, activation_checkpointing: bool, compile: bool) -> None:
@@ -60,3 +62,17 @@ def compiled_class(block_class: type[nn.Module]) -> type[nn.Module]:
     class's forward binds to whichever copy calls it."""
     forward = torch.compile(block_class.forward)
     return type(f"Compiled{block_class.__name__}", (block_class,), {"forward": forward})
+
+
+class CompiledSums:
+    """`task` with its `sums` compiled (`trainer.compile`), everything else its own. The loss
+    over a language model's (batch, seq, vocab) logits is then a few fused kernels instead of
+    eager passes that each read or write the whole logits (their float copy, the log-softmax,
+    its gradient, the accuracy's argmax), as nanoGPT's loss compiles with its model."""
+
+    def __init__(self, task: Task):
+        self.task = task
+        self.sums = torch.compile(task.sums)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.task, name)

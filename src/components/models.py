@@ -176,7 +176,8 @@ class GPT(nn.Sequential):
     """A GPT-2-style decoder: token + position embedding, `n_layer` pre-norm blocks of `n_head`
     heads, final norm and a bias-free vocabulary head, with the head's weight tied to the token
     embedding when `tie_weights`, initialised as GPT-2 (`init_like_gpt2`). Input: token ids
-    (batch, seq_len); output: logits (batch, seq_len, vocab_size)."""
+    (batch, seq_len); output: logits (batch, seq_len, vocab_size rounded up to a multiple of
+    `vocab_multiple`)."""
 
     def __init__(
         self,
@@ -186,10 +187,14 @@ class GPT(nn.Sequential):
         n_head: int,
         n_embd: int,
         tie_weights: bool = True,
+        vocab_multiple: int = 1,
     ):
         (seq_len,) = input_shape
-        embedding = TokenEmbedding(num_classes, seq_len, n_embd)
-        head = nn.Sequential(nn.LayerNorm(n_embd), nn.Linear(n_embd, num_classes, bias=False))
+        if vocab_multiple < 1:
+            raise ValueError(f"model.vocab_multiple must be at least 1, got {vocab_multiple}")
+        vocab = -(-num_classes // vocab_multiple) * vocab_multiple
+        embedding = TokenEmbedding(vocab, seq_len, n_embd)
+        head = nn.Sequential(nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab, bias=False))
         if tie_weights:
             head[1].weight = embedding.token.weight
         super().__init__(

@@ -94,6 +94,10 @@ class GPTConfig:
     """Width of the embeddings and of every block (each head gets n_embd / n_head)."""
     tie_weights: bool = True
     """The vocabulary head shares the token embedding's weight (GPT-2 does)."""
+    vocab_multiple: int = 1
+    """The embedding and head hold the vocabulary rounded up to a multiple of this (64 takes
+    GPT-2's 50257 to nanoGPT's 50304): GPU matmuls run faster on such widths. The extra logits
+    are never a target, so training pushes them down."""
 
 
 @dataclass

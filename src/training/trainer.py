@@ -35,7 +35,7 @@ from src.checkpoint.store import (
     rng_state,
     set_rng_state,
 )
-from src.components.blocks import prepare_blocks
+from src.components.blocks import CompiledSums, prepare_blocks
 from src.components.data import (
     Data,
     ValBatches,
@@ -143,6 +143,8 @@ class Trainer:
         if not cfg.data.augment:  # augmented samples are made on the host, by the loader
             data = keep_on_device(data, strategy.devices[0])
         self.model, self.optimizer, state = self.build_model_and_optimizer()
+        if cfg.trainer.compile:
+            self.task = CompiledSums(self.task)
         self.stepper = Stepper(self.settings, strategy, self.model, self.optimizer)
         if state is not None:
             self.load_state_dict(state)
