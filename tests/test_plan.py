@@ -14,7 +14,7 @@ from hydra import initialize_config_dir
 from torch.distributed._tools.mem_tracker import _MemRefType
 
 import src.planning.planner
-from src.launch.memory_check import measured_peak_mb
+from src.launch.memory_check import measured_peaks_mb
 from src.planning.planner import (
     MB,
     RUNNING,
@@ -85,7 +85,7 @@ RESNET_CASES = {
 def test_predicted_peak_within_10_percent_of_measured(compose_config, overrides):
     cfg = compose_config(*overrides)
     (plan,) = plan_all(cfg, [cfg.parallel])
-    measured = measured_peak_mb(cfg)["Total"]
+    measured = measured_peaks_mb(cfg)["training"]["Total"]
     assert plan.peak / MB == pytest.approx(measured, rel=0.10)
 
 
@@ -102,13 +102,13 @@ def test_predicted_peak_within_10_percent_of_measured(compose_config, overrides)
     ],
 )
 def test_predicted_mesh_peak_of_rank_0_within_10_percent_of_measured(compose_config, overrides):
-    """measured_peak_mb gives rank 0's peak: the planner's share labelled cpu:0 is rank 0's
+    """measured_peaks_mb gives rank 0's peak: the planner's share labelled cpu:0 is rank 0's
     (under pp the ranks' peaks differ: pp rank 0's is the first of its peers)."""
     cfg = compose_config(*overrides)
     (plan,) = plan_all(cfg, [cfg.parallel])
     rank_0 = plan.device_plans[0]
     assert rank_0.label == "cpu:0"
-    measured = measured_peak_mb(cfg)["Total"]
+    measured = measured_peaks_mb(cfg)["training"]["Total"]
     assert rank_0.peak / MB == pytest.approx(measured, rel=0.10)
 
 
