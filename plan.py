@@ -2,10 +2,11 @@
 
 Prints, for every strategy that can run on parallel.devices (or plan.strategies x plan.devices;
 or only the one named by a `parallel=<name>` override), the predicted peak memory per device
-split into parameters, gradients, optimizer state and activations, the bytes sent per step, and
-whether it fits plan.device_memory_gb, then one line recommending the fastest predicted one that
-fits, and why. Nothing runs on a device: the real model and batch are traced on fake tensors
-(src/planning/planner.py); progress goes to stderr.
+split into parameters, gradients, optimizer state and activations, the peak while evaluating a
+batch, the bytes sent per step, and whether the higher peak fits plan.device_memory_gb, then one
+line recommending the fastest predicted one that fits, and why. Nothing runs on a device: the
+real model and batch are traced on fake tensors (src/planning/planner.py); progress goes to
+stderr.
 
     python plan.py parallel.devices=8                          # every strategy on 8 devices
     python plan.py model=gpt data=synthetic_tokens task=language_model parallel=fsdp

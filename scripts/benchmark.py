@@ -528,8 +528,8 @@ PIPELINE_MICROBATCHES = 8
 # The schedules `--only pp` compares, with their stages per rank.
 PIPELINE_SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}
 # The final evaluation in one batch of 8 equal micro-batches (3280 of 32800 samples): a pp
-# stage's buffers take the shapes of its first micro-batches, and a last, smaller eval batch of
-# the default split (3276 samples, batches of 512) fails.
+# stage's buffers take the shapes of its first micro-batches, and a last, smaller eval batch
+# (3276 samples in batches of 512) failed.
 PIPELINE_EVAL = ("data.num_samples=32800", "trainer.eval_batch_size=3280")
 
 
@@ -685,7 +685,7 @@ PLAN_CASES = {
 
 def plan_accuracy() -> None:
     """Predicted against measured peak tensor memory per process (MB), every model x strategy."""
-    from src.launch.memory_check import measured_peak_mb
+    from src.launch.memory_check import measured_peaks_mb
     from src.planning.planner import MB, plan_all
 
     print(f"{'model':<6}{'strategy':<24}{'predicted MB':>13}{'measured MB':>13}{'ratio':>8}")
@@ -693,7 +693,7 @@ def plan_accuracy() -> None:
         for label in PLAN_CASES[model]:
             cfg = compose_config(*model_overrides, *PLAN_STRATEGIES[label], "logger=none")
             (plan,) = plan_all(cfg, [cfg.parallel])
-            measured = measured_peak_mb(cfg)["Total"]
+            measured = measured_peaks_mb(cfg)["training"]["Total"]
             predicted = plan.peak / MB
             ratio = predicted / measured
             print(f"{model:<6}{label:<24}{predicted:>13.2f}{measured:>13.2f}{ratio:>8.3f}")

@@ -398,7 +398,7 @@ def evaluate_checkpoint(run_dir: Path) -> list[float]:
     """The task's validation figures ([val loss, val accuracy] for classification) of the run's
     checkpointed model, evaluated whole in this process on the data its config names."""
     from src.components.data import build_data
-    from src.config.schema import ParallelConfig
+    from src.config.schema import ParallelConfig, TrainerConfig, typed
     from src.parallel import build_strategy
     from src.training.loop import evaluate
 
@@ -409,7 +409,7 @@ def evaluate_checkpoint(run_dir: Path) -> list[float]:
     model.load_state_dict(state["model"])
     single = build_strategy(ParallelConfig(), "cpu")
     single.setup()
-    batch = cfg.trainer.eval_batch_size
+    batch = typed(TrainerConfig, cfg.trainer).eval_batch
     task = instantiate(cfg.task)
     figures = evaluate(single.wrap(model), single, task, data.val, batch, contextlib.nullcontext())
     return list(figures.values())

@@ -56,6 +56,12 @@ ROWS = [
     ),
     pytest.param(["parallel.devices=0"], CHECK, "parallel.devices must be at least 1", id="dev0"),
     pytest.param(
+        ["trainer.eval_batch_size=0"],
+        CHECK,
+        "trainer.eval_batch_size must be at least 1 (or null), got 0",
+        id="eval-batch0",
+    ),
+    pytest.param(
         ["trainer.matmul_precision=tf32"],
         HYDRA,
         "Invalid value 'tf32', expected one of [auto, highest, high, medium]",

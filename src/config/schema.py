@@ -475,7 +475,14 @@ class TrainerConfig:
     log_every: int = 25
     eval_every: int = 100
     """0 evaluates only at the end."""
-    eval_batch_size: int = 512
+    eval_batch_size: int | None = None
+    """Samples per evaluation batch, over all devices (split over the ranks as training's are).
+    None: the training micro-batch (batch_size / accumulate), so that no evaluation forward is
+    larger than a training one, which training runs while it also keeps activations for
+    backward and gradients: evaluation needs no more memory than training. In samples, not
+    tokens: a sample is as long in evaluation as in training. (Chunking only the loss would not
+    do: a vocabulary head's forward makes the whole batch's logits first.) A larger batch
+    evaluates in fewer passes at more memory; `python plan.py` predicts that peak too."""
     precision: Precision = Precision.fp32
     """fp32, bf16 (autocast) or fp16 (autocast with loss scaling)."""
     loss_scale_init: float = 65536.0
@@ -534,11 +541,14 @@ class TrainerConfig:
             "batch_size",
             "accumulate",
             "log_every",
-            "eval_batch_size",
             "profile_steps",
         ):
             if getattr(self, key) < 1:
                 raise ConfigError(f"trainer.{key} must be at least 1, got {getattr(self, key)}")
+        if self.eval_batch_size is not None and self.eval_batch_size < 1:
+            raise ConfigError(
+                f"trainer.eval_batch_size must be at least 1 (or null), got {self.eval_batch_size}"
+            )
         for key in ("eval_every", "checkpoint_every", "grad_clip", "timing_warmup_steps"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"trainer.{key} must be 0 or more, got {getattr(self, key)}")
@@ -559,6 +569,11 @@ class TrainerConfig:
                 "trainer.keep_checkpoints must be 0 (keep all) or more, got "
                 f"{self.keep_checkpoints}"
             )
+
+    @property
+    def eval_batch(self) -> int:
+        """Samples per evaluation batch, over all devices: `eval_batch_size` or its default."""
+        return self.eval_batch_size or self.batch_size // self.accumulate
 
 # ------------------------------------------------------------------------------------- optimizer
 

@@ -1,11 +1,14 @@
-"""Measured peak tensor memory of real training steps, to hold the planner's predictions to.
+"""Measured peak tensor memory of real training steps and of evaluation, to hold the planner's
+predictions to.
 
 Each process of the configured strategy builds its model, wraps it, and runs as many real
 training steps as the planner traces (two: the loop's own `forward_backward`, the real
 optimizer) under torch's `MemTracker`, which counts every tensor storage alive per device; the
-peak is the second step's, when the optimizer state exists. On CPU a device is a process (its
-replicas or stages share its memory), as in `peak_memory_mb`. Used by
-`scripts/benchmark.py --only plan` and the tests.
+peak is the second step's, when the optimizer state exists. Then the loop's `evaluate` runs one
+evaluation batch (`trainer.eval_batch`, the largest an evaluation runs), the optimizer state
+still held, under the same tracker entered again, whose peak starts again from what is alive. On
+CPU a device is a process (its replicas or stages share its memory), as in `peak_memory_mb`.
+Used by `scripts/benchmark.py --only plan` and the tests.
 """
 
 from __future__ import annotations
@@ -18,15 +21,16 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from src.components.blocks import prepare_blocks
-from src.components.data import build_data, first_samples
+from src.components.data import Split, build_data, first_samples
 from src.components.optimizer import build_optimizer
 from src.components.precision import LossScaling, autocast
+from src.config.schema import TrainerConfig, typed
 from src.launch.launcher import launch
 from src.parallel import build_strategy
 from src.planning.planner import TRACED_STEPS, meta_model_and_inputs
 from src.runtime.ranks import Ranks
 from src.runtime.stopping import StopOnSignal
-from src.training.loop import forward_backward
+from src.training.loop import evaluate, forward_backward
 
 
 class NoModuleHooks:
@@ -59,27 +63,29 @@ class StorageTracker(MemTracker):
         self._mod_tracker = NoModuleHooks()
 
 
-def measured_peak_mb(cfg: DictConfig) -> dict[str, float]:
-    """The largest per-process peak of tensor memory over two training steps of `cfg`'s
-    strategy, in MB, by MemTracker's categories and `Total` (processes started here for
-    multi-process strategies; their rank 0's)."""
+def measured_peaks_mb(cfg: DictConfig) -> dict[str, dict[str, float]]:
+    """The largest per-process peaks of tensor memory of `cfg`'s strategy over two training
+    steps (`training`) and over one evaluation batch after them (`evaluation`), in MB, each by
+    MemTracker's categories and `Total` (processes started here for multi-process strategies;
+    their rank 0's)."""
     strategy = build_strategy(cfg.parallel, "cpu", cfg.trainer.precision)
     if strategy.processes_per_node == 1:
-        return step_peak_mb(OmegaConf.to_container(cfg, resolve=True))
+        return step_peaks_mb(OmegaConf.to_container(cfg, resolve=True))
     resolved = OmegaConf.to_container(cfg, resolve=True)
     logging_config = {"version": 1, "disable_existing_loggers": False}
     return launch(
-        step_peak_mb, (resolved,), strategy.processes_per_node, 1, cfg.parallel, logging_config
+        step_peaks_mb, (resolved,), strategy.processes_per_node, 1, cfg.parallel, logging_config
     )
 
 
-def step_peak_mb(
+def step_peaks_mb(
     resolved_cfg: dict[str, Any], ranks: Ranks | None = None, stop: StopOnSignal | None = None
-) -> dict[str, float]:
-    """This process's peak tensor memory (MB) over `TRACED_STEPS` training steps; as one of
-    `ranks` when `launch` started it (two steps end before any stop request matters)."""
+) -> dict[str, dict[str, float]]:
+    """This process's peak tensor memory (MB) over `TRACED_STEPS` training steps, and over one
+    evaluation batch after them; as one of `ranks` when `launch` started it (two steps end
+    before any stop request matters)."""
     cfg = OmegaConf.create(resolved_cfg)
-    trainer = cfg.trainer
+    trainer = typed(TrainerConfig, cfg.trainer)
     strategy = build_strategy(cfg.parallel, "cpu", trainer.precision, ranks)
     data = build_data(cfg.data, cfg.seed)
     strategy.check_model(*meta_model_and_inputs(cfg, data, 2))
@@ -90,6 +96,8 @@ def step_peak_mb(
     # Sliced here, copied while tracked: a slice of an in-memory set made under the tracker
     # would count the whole set's storage.
     batch = first_samples(data.train, micro_batch)
+    val = Split(*first_samples(data.val, min(trainer.eval_batch, len(data.val))))
+    precision = autocast("cpu", trainer.precision)
     tracker = StorageTracker()
     try:
         with tracker:
@@ -101,15 +109,30 @@ def step_peak_mb(
             optimizer = build_optimizer(cfg.optimizer, strategy.trained_parameters(model))
             scaling = LossScaling(strategy.grad_scaler(trainer.precision == "fp16", 2.0**16))
             for _ in range(TRACED_STEPS):
-                batches = iter([tuple(t.clone() for t in batch)] * trainer.accumulate)
-                precision = autocast("cpu", trainer.precision)
+                # Passed unnamed: as in the loop, a step's batches are gone once it is done (an
+                # iterator kept in a name held the last one through the evaluation).
                 forward_backward(
-                    model, strategy, task, batches, precision, trainer.accumulate, scaling
+                    model,
+                    strategy,
+                    task,
+                    iter([tuple(t.clone() for t in batch)] * trainer.accumulate),
+                    precision,
+                    trainer.accumulate,
+                    scaling,
                 )
                 scaling.step(optimizer)
                 optimizer.zero_grad(set_to_none=True)
+        training = peak_mb(tracker)
+        with tracker:  # its peak starts again from what is alive: the model, optimizer state
+            evaluate(model, strategy, task, val, trainer.eval_batch, precision)
+        evaluation = peak_mb(tracker)
     finally:
         strategy.teardown()
+    return {"training": training, "evaluation": evaluation}
+
+
+def peak_mb(tracker: MemTracker) -> dict[str, float]:
+    """The tracker's peak on the device where it is highest, by category and `Total`, in MB."""
     peaks = tracker.get_tracker_snapshot("peak").values()
     peak = max(peaks, key=lambda snapshot: snapshot["Total"])
     return {str(kind): size / 2**20 for kind, size in peak.items()}

@@ -164,8 +164,9 @@ def read_row(job_dir: Path, variant: str) -> Row:
 
 
 def predicted_peak_mb(config: DictConfig) -> float | None:
-    """The planner's predicted peak memory per device for a job's config, in MB; None when it
-    cannot trace the model (or the config predates the planner)."""
+    """The planner's predicted peak memory per device for a job's config, in MB (training's or
+    evaluation's, whichever is higher: a run's measured peak covers both); None when it cannot
+    trace the model (or the config predates the planner)."""
     from src.planning.planner import MB, plan_all
 
     try:
@@ -173,7 +174,7 @@ def predicted_peak_mb(config: DictConfig) -> float | None:
     except Exception:  # noqa: BLE001 - the table goes on without the prediction
         log.debug("no prediction for this job", exc_info=True)
         return None
-    return plan.peak / MB if plan.problem is None else None
+    return plan.needed / MB if plan.problem is None else None
 
 
 def fill_from_summary(row: Row, summary: dict[str, Any]) -> None:

@@ -149,6 +149,9 @@ class DeviceShare:
     running_bytes: dict[str, int] = field(default_factory=dict)
     """What the strategy adds only while the model runs (forward and backward, not at the
     optimizer step), by category: FSDP's gathered units and the gradients it reduce-scatters."""
+    forward_bytes: dict[str, int] = field(default_factory=dict)
+    """What the strategy adds while the model runs forward alone (evaluation), by category:
+    FSDP's gathered units."""
     devices: int = 1
     """The devices whose work this share stands for: on CPU one process runs all of a dp's
     replicas or a pipeline's stages, which on GPUs run side by side."""

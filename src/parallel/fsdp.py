@@ -79,14 +79,14 @@ class FSDP(Distributed):
         """Rank 0's device: its share of the batch, its shard of the model's state, and, while
         the model runs, FSDP's working set (`working_set`)."""
         units = unit_bytes(sizes)
-        gathered, reduced = working_set(
-            [self.gathered_bytes(u) for u in units], units, self.world_size, self.device_type
-        )
+        units_gathered = [self.gathered_bytes(u) for u in units]
+        gathered, reduced = working_set(units_gathered, units, self.world_size, self.device_type)
         share = DeviceShare(
             f"{self.device_type}:0",
             micro_batch // self.world_size,
             state_shards=self.world_size,
             running_bytes={"parameters": gathered, "gradients": reduced},
+            forward_bytes={"parameters": forward_working_set(units_gathered)},
         )
         return [share]
 
@@ -193,6 +193,13 @@ def working_set(
         moments.append((size + ahead, sum(reduced[i + 1 : i + 2])))
         moments.append((ahead, (copies - 1) * reduced[i] + reduced[i] // shards))
     return max(moments, key=sum, default=(0, 0))
+
+
+def forward_working_set(gathered: list[int]) -> int:
+    """FSDP2's largest working set in a forward pass alone (evaluation: nothing to reduce), from
+    each unit's bytes as gathered (in forward order): a unit gathered, and the next one gathered
+    ahead of it."""
+    return max((sum(gathered[i : i + 2]) for i in range(len(gathered))), default=0)
 
 
 def sharding_units(model: nn.Sequential) -> list[list[nn.Module]]:

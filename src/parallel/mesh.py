@@ -41,6 +41,7 @@ from src.parallel.base import DeviceShare, LossFn, ModelSizes, Tree, ring_bytes
 from src.parallel.distributed import Distributed
 from src.parallel.fsdp import (
     copy_from_rank0,
+    forward_working_set,
     gradient_sync,
     parameter_names,
     sharded_traffic,
@@ -473,6 +474,7 @@ class Mesh(Distributed):
                     flops_kept=flops_kept,
                     activations_kept=self.activations_kept(blocks),
                     running_bytes=self.fsdp_working_set(sizes, blocks),
+                    forward_bytes=self.fsdp_forward_working_set(sizes, blocks),
                 )
             )
         return shares
@@ -488,6 +490,14 @@ class Mesh(Distributed):
         units = [self.kept_bytes(sizes, unit) for unit in units_in_forward_order(sizes)]
         gathered, reduced = working_set(units, units, self.layout.dp_shard, self.device_type)
         return {"parameters": gathered, "gradients": reduced}
+
+    def fsdp_forward_working_set(self, sizes: ModelSizes, blocks: list[int]) -> dict[str, int]:
+        """What FSDP adds to a rank holding `blocks` while the model runs forward alone
+        (evaluation): as `fsdp_working_set`, with `fsdp.forward_working_set` of the units."""
+        if self.layout.dp_shard == 1 or self.layout.pp > 1:
+            return self.fsdp_working_set(sizes, blocks)
+        units = [self.kept_bytes(sizes, unit) for unit in units_in_forward_order(sizes)]
+        return {"parameters": forward_working_set(units)}
 
     def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
         """What the busiest rank sends per step over tp (each pair's all-reduce forward and

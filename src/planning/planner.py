@@ -6,11 +6,13 @@ shapes, dtypes and storage sizes, but no data), and each device's share of a tra
 (forward, the task's loss, backward and two optimizer steps, so that the optimizer state exists)
 runs there under `MemTracker`, which records every storage alive per category (parameters,
 gradients, optimizer state, activations and temporaries) and two peaks: while the model runs,
-and at the optimizer step. Which blocks, how many samples and parts each device runs, and what a
-strategy adds (DDP's gradient buckets; FSDP's gathered units, only while the model runs; a
-pipeline's boundary traffic) comes from the strategy itself, through
-`Strategy.device_shares` and `Strategy.step_traffic` (`src/parallel/base.py`); this module
-never asks which strategy it holds.
+and at the optimizer step. Then its share of one evaluation batch (the forward and the task's
+sums under no_grad, the optimizer state still held) gives the evaluation's peak. Which blocks,
+how many samples and parts each device runs, and what a strategy adds (DDP's gradient buckets;
+FSDP's gathered units, only while the model runs; a pipeline's boundary traffic) comes from the
+strategy itself, through `Strategy.device_shares` and `Strategy.step_traffic`
+(`src/parallel/base.py`), asked once for the training micro-batch and once for the evaluation
+batch; this module never asks which strategy it holds.
 
 Predictions are held to measured peaks (`src/launch/memory_check.py`, `scripts/benchmark.py --only
 plan`). What it does not see: allocator caching and fragmentation, CUDA/NCCL workspaces, and
@@ -46,7 +48,7 @@ from src.components.blocks import prepare_blocks
 from src.components.data import Data, build_data, first_samples
 from src.components.optimizer import build_optimizer
 from src.components.precision import autocast
-from src.config.schema import AUTO, Accelerator, ConfigError, PlanConfig, typed
+from src.config.schema import AUTO, Accelerator, ConfigError, PlanConfig, TrainerConfig, typed
 from src.parallel import build_strategy
 from src.parallel.base import (
     DeviceShare,
@@ -124,6 +126,8 @@ class DevicePlan:
     optimizer: int = 0
     activations: int = 0
     flops: int = 0
+    evaluation: int = 0
+    """The peak while it evaluates one batch: its state, and the forward's live activations."""
 
     @property
     def peak(self) -> int:
@@ -146,6 +150,15 @@ class Plan:
     @property
     def peak(self) -> int:
         return max((device.peak for device in self.device_plans), default=0)
+
+    @property
+    def eval_peak(self) -> int:
+        return max((device.evaluation for device in self.device_plans), default=0)
+
+    @property
+    def needed(self) -> int:
+        """The memory a run needs of its fullest device: training's or evaluation's peak."""
+        return max(self.peak, self.eval_peak)
 
 
 def check_plan_settings(plan: DictConfig) -> None:
@@ -239,13 +252,16 @@ def plan_one(
         plan.problem = str(error)
         return plan
     micro_batch = trainer.batch_size // trainer.accumulate
-    for share in strategy.device_shares(sizes, micro_batch):
-        key = share_key(share)
+    shares = strategy.device_shares(sizes, micro_batch)
+    eval_batch = min(typed(TrainerConfig, trainer).eval_batch, len(data.val))  # the largest
+    eval_shares = strategy.device_shares(sizes, eval_batch)
+    for share, eval_share in zip(shares, eval_shares, strict=True):
+        key = (share_key(share), share_key(eval_share))
         if key not in traces:
-            traces[key] = trace_share(cfg, data, share)
-        plan.device_plans.append(device_plan(traces[key], share))
+            traces[key] = trace_share(cfg, data, share, eval_share)
+        plan.device_plans.append(device_plan(traces[key], share, eval_share))
     plan.traffic = strategy.step_traffic(sizes, micro_batch, trainer.accumulate)
-    plan.fits = plan.peak <= cfg.plan.device_memory_gb * 2**30
+    plan.fits = plan.needed <= cfg.plan.device_memory_gb * 2**30
     speed = speed or measured_speed(strategy.device_type, cfg.plan)
     plan.step_time_s = step_time_s(plan, strategy, speed, usable_cores())
     return plan
@@ -447,10 +463,12 @@ def model_sizes(cfg: DictConfig, data: Data) -> ModelSizes:
 @dataclass(frozen=True)
 class TracedShare:
     """What tracing a share found: its peaks by MemTracker's categories, while the model runs
-    and at the optimizer step (`RUNNING`, `STEPPING`), and its FLOPs per optimizer step."""
+    and at the optimizer step (`RUNNING`, `STEPPING`), and while it evaluates one batch; its
+    FLOPs per optimizer step."""
 
     peaks: dict[str, dict[Any, int]]
     flops: int
+    evaluation: dict[Any, int]
 
 
 def share_key(share: DeviceShare) -> tuple:
@@ -466,11 +484,15 @@ def share_key(share: DeviceShare) -> tuple:
     )
 
 
-def trace_share(cfg: DictConfig, data: Data, share: DeviceShare) -> TracedShare:
-    """`share`'s part of two training steps on fake tensors. The first creates the optimizer
-    state and counts the FLOPs (apart from the tracker: under FlopCounterMode, checkpointed
-    activations stay alive); the second, tracked by MemTracker with that state held, gives the
-    peaks by category (the first step's are never higher: it holds no optimizer state)."""
+def trace_share(
+    cfg: DictConfig, data: Data, share: DeviceShare, eval_share: DeviceShare
+) -> TracedShare:
+    """`share`'s part of two training steps on fake tensors, then `eval_share`'s part of one
+    evaluation batch. The first step creates the optimizer state and counts the FLOPs (apart
+    from the tracker: under FlopCounterMode, checkpointed activations stay alive); the second,
+    tracked by MemTracker with that state held, gives the peaks by category (the first step's
+    are never higher: it holds no optimizer state). The evaluation runs as the loop's does: the
+    model in eval mode, under no_grad, beside the optimizer state (the gradients are gone)."""
     trainer = cfg.trainer
     task = instantiate(cfg.task)
     sample_inputs, sample_targets = first_samples(data.train, 1)
@@ -480,9 +502,14 @@ def trace_share(cfg: DictConfig, data: Data, share: DeviceShare) -> TracedShare:
         ranges = share.stage_blocks(len(model))
         stages = nn.ModuleList(nn.Sequential(*list(model)[start:end]) for start, end in ranges)
         optimizer = build_optimizer(cfg.optimizer, stages.parameters())
-        step = ShareStep(stages, share, task, lasts=[end == len(model) for _, end in ranges])
+        lasts = [end == len(model) for _, end in ranges]
+        step = ShareStep(stages, share, task, lasts)
         templates = [
             stage_inputs(model, start, share.samples, sample_inputs) for start, _ in ranges
+        ]
+        eval_step = ShareStep(stages, eval_share, task, lasts)
+        eval_templates = [
+            stage_inputs(model, start, eval_share.samples, sample_inputs) for start, _ in ranges
         ]
 
         def training_step() -> None:
@@ -499,28 +526,49 @@ def trace_share(cfg: DictConfig, data: Data, share: DeviceShare) -> TracedShare:
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
+        def evaluation_batch() -> None:
+            inputs = [fresh_inputs(template, from_stage=False) for template in eval_templates]
+            targets = sample_targets.new_zeros(eval_share.samples, *sample_targets.shape[1:])
+            stages.eval()
+            with torch.no_grad(), autocast("cpu", trainer.precision):
+                eval_step(inputs, targets)
+            stages.train()
+
         with FlopCounterMode(display=False) as flops:
             training_step()
         tracker = StepMemTracker()
         tracker.track_external(step, optimizer)
         with tracker:
             training_step()
-    # Where MemTracker's internals recorded no phases (another torch's), its whole-step peak,
-    # taken as the model's: what the strategy holds while it runs is added to it.
-    (whole_step,) = tracker.get_tracker_snapshot("peak").values()
-    return TracedShare(tracker.phase_peaks or {RUNNING: dict(whole_step)}, flops.get_total_flops())
+        # Where MemTracker's internals recorded no phases (another torch's), its whole-step
+        # peak, taken as the model's: what the strategy holds while it runs is added to it.
+        (whole_step,) = tracker.get_tracker_snapshot("peak").values()
+        peaks = dict(tracker.phase_peaks) or {RUNNING: dict(whole_step)}
+        with tracker:  # entered again: its peak starts again from what is alive
+            evaluation_batch()
+        (evaluation,) = tracker.get_tracker_snapshot("peak").values()
+    return TracedShare(peaks, flops.get_total_flops(), dict(evaluation))
 
 
-def device_plan(traced: TracedShare, share: DeviceShare) -> DevicePlan:
+def device_plan(traced: TracedShare, share: DeviceShare, eval_share: DeviceShare) -> DevicePlan:
     """`share`'s device at the higher of its traced peaks, each in the plan's categories,
     shared out, with what the strategy adds while the model runs (`share.running_bytes`) on
-    the one taken then."""
+    the one taken then; and its evaluation's peak (`eval_share`'s)."""
     flops = int(traced.flops * share.flops_kept)
     devices = [
         shared_out(in_categories(peak, share, flops), share, running=phase == RUNNING)
         for phase, peak in traced.peaks.items()
     ]
-    return max(devices, key=lambda device: device.peak)
+    device = max(devices, key=lambda device: device.peak)
+    device.evaluation = evaluation_peak(traced.evaluation, eval_share)
+    return device
+
+
+def evaluation_peak(peak: dict[Any, int], share: DeviceShare) -> int:
+    """A traced evaluation peak (by MemTracker's categories) shared out as `share`'s device,
+    with what the strategy adds while the model runs forward alone (`share.forward_bytes`)."""
+    device = shared_out(in_categories(peak, share, flops=0), share, running=False)
+    return device.peak + sum(share.forward_bytes.values())
 
 
 def in_categories(peak: dict[Any, int], share: DeviceShare, flops: int) -> DevicePlan:
@@ -616,7 +664,7 @@ def format_table(plans: Sequence[Plan], device_memory_gb: float, brief: bool = F
     that cannot run in one line at the end instead of a row each with the reason."""
     header = (
         f"{'strategy':<15}{'devices':>8}  {'device':<12}{'params':>9}{'grads':>9}{'optim':>9}"
-        f"{'activ':>9}{'peak MB':>10}{'traffic MB':>12}{'fits':>6}"
+        f"{'activ':>9}{'peak MB':>10}{'eval peak MB':>14}{'traffic MB':>12}{'fits':>6}"
     )
     lines = [f"device memory: {device_memory_gb:g} GB (plan.device_memory_gb)", header]
     for plan in plans:
@@ -632,6 +680,7 @@ def format_table(plans: Sequence[Plan], device_memory_gb: float, brief: bool = F
             lines.append(
                 f"{plan.strategy if first else '':<15}{plan.devices if first else '':>8}  "
                 f"{device.label:<12}{figures}{device.peak / MB:>10.2f}"
+                f"{device.evaluation / MB:>14.2f}"
                 + (f"{traffic:>12.2f}{'yes' if plan.fits else 'NO':>6}" if first else "")
             )
         if plan.traffic:
@@ -650,11 +699,11 @@ def choose(plans: Sequence[Plan]) -> tuple[Plan, str]:
     runnable = [plan for plan in plans if plan.problem is None]
     fitting = [plan for plan in runnable if plan.fits]
     if not fitting:
-        smallest = min(runnable, key=lambda plan: plan.peak, default=None)
-        need = f"; the smallest needs {smallest.peak / MB:.0f} MB per device" if smallest else ""
+        smallest = min(runnable, key=lambda plan: plan.needed, default=None)
+        need = f"; the smallest needs {smallest.needed / MB:.0f} MB per device" if smallest else ""
         raise ConfigError(
             f"no strategy fits plan.device_memory_gb{need}; raise plan.device_memory_gb or "
-            "parallel.devices, or lower trainer.batch_size"
+            "parallel.devices, or lower trainer.batch_size (or trainer.eval_batch_size)"
         )
     best = min(fitting, key=lambda plan: plan.step_time_s)
     others = ", ".join(
@@ -664,7 +713,7 @@ def choose(plans: Sequence[Plan]) -> tuple[Plan, str]:
     )
     left_out = [plan.strategy for plan in runnable if not plan.fits]
     reason = (
-        f"predicted {best.step_time_s * 1e3:.3g} ms per step and {best.peak / MB:.1f} MB per "
+        f"predicted {best.step_time_s * 1e3:.3g} ms per step and {best.needed / MB:.1f} MB per "
         f"device, the fastest of those that fit ({others or 'no other'})"
         + (f"; too big: {', '.join(left_out)}" if left_out else "")
     )

@@ -430,7 +430,7 @@ class Evaluation:
             return
         with self.speed.paused():
             self.figures = evaluate(
-                model, self.strategy, self.task, self.val, self.trainer.eval_batch_size, precision
+                model, self.strategy, self.task, self.val, self.trainer.eval_batch, precision
             )
             history.record({f"val/{name}": value for name, value in self.figures.items()}, step)
             if self.strategy.is_main:

@@ -368,7 +368,7 @@ def input_batches(
         start_batch=start_step * trainer.accumulate,
         loading=loading,
     )
-    val = ValBatches(data.val, trainer.eval_batch_size, strategy.rank, strategy.world_size, loading)
+    val = ValBatches(data.val, trainer.eval_batch, strategy.rank, strategy.world_size, loading)
     return TimedBatches(train), val
 
 
