@@ -12,6 +12,8 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from helpers import (
     TINY_SGD,
     assert_same_losses,
@@ -29,6 +31,7 @@ from src.config.schema import PipelineConfig
 from src.parallel import build_strategy
 from src.parallel.mechanisms.deferred_batchnorm import defer_batchnorm
 from src.parallel.mechanisms.stage_pipeline import Pipeline
+from src.parallel.mechanisms.sync_batchnorm import convert_sync_batchnorm
 
 BATCHNORM = (*TINY_SGD, "model._target_=tests.odd_models.BatchNormMLP")
 SIZES = {"input_shape": (8,), "num_classes": 3, "hidden": 6, "depth": 2}
@@ -39,6 +42,36 @@ def test_sync_batchnorm_trains_as_single_running_statistics_included(tmp_path, s
     synced = (f"parallel={strategy}", "parallel.devices=2", "parallel.sync_batchnorm=true")
     run_train(*BATCHNORM, *synced, run_dir=tmp_path)
     assert_same_training(reference_run(*BATCHNORM), tmp_path)  # buffers are in the weights
+
+
+def normalise_a_share_as_single(rank: int, world_size: int, store_path: str) -> None:
+    """Rank `rank`'s share of a batch whose channels have a large mean and a small variance,
+    through a synced BatchNorm; its outputs, input gradients and running variance must be
+    single's on the whole batch."""
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    batch = 100 + 0.1 * torch.randn(8 * world_size, 4, 3)
+    weights = torch.randn_like(batch)  # a loss that weighs every output differently
+    single = torch.nn.BatchNorm1d(4)
+    whole = batch.clone().requires_grad_()
+    expected = single(whole)
+    (expected * weights).sum().backward()
+
+    synced = convert_sync_batchnorm(torch.nn.BatchNorm1d(4), "cpu")
+    rows = slice(8 * rank, 8 * (rank + 1))
+    share = batch[rows].clone().requires_grad_()
+    out = synced(share)
+    (out * weights[rows]).sum().backward()
+    torch.testing.assert_close(out, expected[rows], atol=1e-4, rtol=0)
+    torch.testing.assert_close(share.grad, whole.grad[rows], atol=1e-3, rtol=0)
+    torch.testing.assert_close(synced.running_var, single.running_var, atol=0, rtol=1e-3)
+    dist.destroy_process_group()
+
+
+def test_sync_batchnorm_is_single_for_channels_of_large_mean_and_small_variance(tmp_path):
+    """E[x^2] - E[x]^2 over summed squares cancels here (mean 100, std 0.1); the centred second
+    pass does not."""
+    mp.spawn(normalise_a_share_as_single, args=(2, str(tmp_path / "store")), nprocs=2)
 
 
 def running_mean_after(model: torch.nn.Module, batches: list[torch.Tensor]) -> torch.Tensor:

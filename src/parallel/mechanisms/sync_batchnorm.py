@@ -3,9 +3,9 @@
 Plain BatchNorm on a data-parallel rank normalises by its own share of the batch and updates its
 running statistics from that share. torch's `nn.SyncBatchNorm` sums the statistics over the ranks
 instead, but only on GPUs (DDP refuses it on CPU modules); on CPU (gloo) `GlooSyncBatchNorm`
-takes the same sums with an all-reduce that autograd differentiates (its gradient is the
-all-reduce of the gradients), so every rank normalises, and updates its running statistics,
-exactly as `single` does on the whole batch.
+takes the sums, and then the centred sums of squares, with all-reduces that autograd
+differentiates (their gradient is the all-reduce of the gradients), so every rank normalises, and
+updates its running statistics, as `single` does on the whole batch.
 """
 
 from __future__ import annotations
@@ -30,12 +30,15 @@ class GlooSyncBatchNorm(_BatchNorm):
             return super().forward(input)
         channels = input.shape[1]
         dims = [0, *range(2, input.dim())]
+        shape = [1, channels] + [1] * (input.dim() - 2)
         count = input.new_tensor([input.numel() // channels])
-        local = torch.cat([input.sum(dims), input.square().sum(dims), count])
-        total = dist_nn.all_reduce(local)
+        total = dist_nn.all_reduce(torch.cat([input.sum(dims), count]))
         n = total[-1]
         mean = total[:channels] / n
-        var = total[channels : 2 * channels] / n - mean.square()
+        # The variance from a second, centred pass: E[x^2] - E[x]^2 of summed squares cancels
+        # in a channel whose variance is small against its mean.
+        centred = input - mean.view(shape)
+        var = dist_nn.all_reduce(centred.square().sum(dims)) / n
         if self.track_running_stats:
             with torch.no_grad():
                 self.num_batches_tracked += 1
@@ -45,8 +48,7 @@ class GlooSyncBatchNorm(_BatchNorm):
                 unbiased = var * n / (n - 1)
                 self.running_mean.lerp_(mean, momentum)
                 self.running_var.lerp_(unbiased, momentum)
-        shape = [1, channels] + [1] * (input.dim() - 2)
-        normalised = (input - mean.view(shape)) / torch.sqrt(var.view(shape) + self.eps)
+        normalised = centred / torch.sqrt(var.view(shape) + self.eps)
         if self.affine:
             normalised = normalised * self.weight.view(shape) + self.bias.view(shape)
         return normalised
