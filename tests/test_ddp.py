@@ -11,11 +11,13 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed.launcher.api as torch_launcher
 from helpers import (
     ROOT,
     TINY,
@@ -45,6 +47,7 @@ from src.launch.launcher import (
     adopt_slurm_environment,
     first_node,
     launch,
+    launch_config,
     start_rank_server,
 )
 from src.parallel import build_strategy
@@ -189,6 +192,34 @@ def test_launched_ranks_get_the_launchers_environment_at_launch(monkeypatch):
     args = ("TEMPLATE_TEST_SETTING",)
     result = launch(environment_of_rank, args, 2, 1, parallel, logging_config)
     assert result == ("set after the server started", "0")
+
+
+@dataclass
+class TorchLaunchConfigBefore2_13:
+    """The LaunchConfig fields `launch_config` sets, as torch 2.11 and 2.12 declare them: no
+    `shutdown_timeout`."""
+
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    logs_specs: Any = None
+    run_id: str = ""
+    rdzv_endpoint: str = ""
+    rdzv_backend: str = "etcd"
+    rdzv_configs: dict[str, Any] = field(default_factory=dict)
+    max_restarts: int = 3
+    start_method: str = "spawn"
+    local_addr: str | None = None
+    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
+def test_launch_config_sets_the_shutdown_timeout_only_where_torch_takes_it(monkeypatch, tmp_path):
+    parallel = parallel_config("ddp", timeout_s=45)
+    installed = launch_config(2, 1, parallel, str(tmp_path))
+    assert getattr(installed, "shutdown_timeout", 45) == 45  # torch 2.13 on
+    monkeypatch.setattr(torch_launcher, "LaunchConfig", TorchLaunchConfigBefore2_13)
+    older = launch_config(2, 1, parallel, str(tmp_path))
+    assert (older.nproc_per_node, older.rdzv_configs["timeout"]) == (2, 45)
 
 
 @pytest.mark.parametrize("moment", ["ranks started", "rendezvous"])
