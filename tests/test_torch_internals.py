@@ -218,7 +218,10 @@ def test_a_process_with_the_rank_servers_imports_forks_it_else_starts_a_new_one(
         env={
             **os.environ,
             "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+            # Kept: the requirements may come from a folder on it (scripts/gpu_check.sh).
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")])
+            ),
         },
         capture_output=True,
         text=True,
