@@ -352,8 +352,8 @@ def test_without_broadcast_buffers_each_rank_keeps_its_own(tmp_path):
 
 
 class TorchDDPBefore2_13(torch.nn.Module):
-    """DistributedDataParallel's constructor as torch 2.9 to 2.12 declare it (the versions
-    requirements.txt allows besides 2.13, which is installed here): no `forward_sync_buffers`."""
+    """DistributedDataParallel's constructor as torch 2.11 (requirements.txt's floor) and 2.12
+    declare it: no `forward_sync_buffers`."""
 
     def __init__(
         self,
