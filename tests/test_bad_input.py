@@ -265,10 +265,10 @@ ROWS = [
         marks=[CUDA, NEEDS_GPU_WITHOUT_BF16],
     ),
     pytest.param(
-        ["trainer.accelerator=cuda", "parallel.devices=99"],
+        ["parallel=ddp", "trainer.accelerator=cuda", "parallel.devices=99"],
         CHECK,
         "parallel.devices=99 but only",
-        id="more-devices-than-gpus",
+        id="ddp-more-devices-than-gpus",
         marks=[CUDA, NEEDS_GPU],
     ),
     pytest.param(

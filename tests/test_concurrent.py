@@ -8,7 +8,9 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from helpers import TINY, TrainRun, summary
+from helpers import TINY, TrainRun, pretend_gpus, summary
+
+from src.launch.concurrent_jobs import device_pools
 
 TIMESTAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]", re.MULTILINE)
 
@@ -44,3 +46,22 @@ def test_concurrent_jobs_each_take_cores_of_their_own(tmp_path):
     before = jobs[affinities.index([core])]
     assert log_times(jobs[2])[0] > log_times(before)[1]
     assert (sweep_dir / "summary.md").read_text().count("| ok |") == 3
+
+
+@pytest.mark.parametrize(
+    "visible, pool",
+    [
+        (None, ["0", "1"]),
+        ("3,5", ["3", "5"]),
+        ("GPU-8f2c,MIG-1a2b", ["GPU-8f2c", "MIG-1a2b"]),  # a container's or MIG's UUIDs
+        ("2,7,9", ["2", "7"]),  # CUDA stops at a GPU it cannot use: 2 counted
+    ],
+)
+def test_jobs_get_gpus_by_the_names_cuda_visible_devices_gives(monkeypatch, visible, pool):
+    """A job's CUDA_VISIBLE_DEVICES names its GPUs as this process's does, if set."""
+    pretend_gpus(monkeypatch, 2)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert device_pools()["cuda"] == pool

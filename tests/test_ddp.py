@@ -11,11 +11,13 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed.launcher.api as torch_launcher
 from helpers import (
     ROOT,
     TINY,
@@ -45,6 +47,7 @@ from src.launch.launcher import (
     adopt_slurm_environment,
     first_node,
     launch,
+    launch_config,
     start_rank_server,
 )
 from src.parallel import build_strategy
@@ -191,6 +194,34 @@ def test_launched_ranks_get_the_launchers_environment_at_launch(monkeypatch):
     assert result == ("set after the server started", "0")
 
 
+@dataclass
+class TorchLaunchConfigBefore2_13:
+    """The LaunchConfig fields `launch_config` sets, as torch 2.11 and 2.12 declare them: no
+    `shutdown_timeout`."""
+
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    logs_specs: Any = None
+    run_id: str = ""
+    rdzv_endpoint: str = ""
+    rdzv_backend: str = "etcd"
+    rdzv_configs: dict[str, Any] = field(default_factory=dict)
+    max_restarts: int = 3
+    start_method: str = "spawn"
+    local_addr: str | None = None
+    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
+def test_launch_config_sets_the_shutdown_timeout_only_where_torch_takes_it(monkeypatch, tmp_path):
+    parallel = parallel_config("ddp", timeout_s=45)
+    installed = launch_config(2, 1, parallel, str(tmp_path))
+    assert getattr(installed, "shutdown_timeout", 45) == 45  # torch 2.13 on
+    monkeypatch.setattr(torch_launcher, "LaunchConfig", TorchLaunchConfigBefore2_13)
+    older = launch_config(2, 1, parallel, str(tmp_path))
+    assert (older.nproc_per_node, older.rdzv_configs["timeout"]) == (2, 45)
+
+
 @pytest.mark.parametrize("moment", ["ranks started", "rendezvous"])
 def test_ranks_end_within_seconds_when_the_launcher_is_killed(tmp_path, moment):
     """SIGKILL the launching train.py as soon as its rank processes exist, or
@@ -321,8 +352,8 @@ def test_without_broadcast_buffers_each_rank_keeps_its_own(tmp_path):
 
 
 class TorchDDPBefore2_13(torch.nn.Module):
-    """DistributedDataParallel's constructor as torch 2.9 to 2.12 declare it (the versions
-    requirements.txt allows besides 2.13, which is installed here): no `forward_sync_buffers`."""
+    """DistributedDataParallel's constructor as torch 2.11 (requirements.txt's floor) and 2.12
+    declare it: no `forward_sync_buffers`."""
 
     def __init__(
         self,

@@ -10,13 +10,15 @@ import multiprocessing
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from helpers import ROOT
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from src.launch.launcher import end_with_launcher, start_rank_server
-from src.launch.torch_private import name_rendezvous_events_cheaply
+from src.launch.torch_private import name_rendezvous_events_cheaply, pipeline_warmup_skips_own_rank
 
 
 def parent_pid(queue: multiprocessing.Queue) -> None:
@@ -96,6 +98,24 @@ def test_a_changed_rendezvous_namer_is_left_to_torch(monkeypatch, changed):
     before = getattr(dynamic_rendezvous, "get_method_name", None)
     name_rendezvous_events_cheaply()
     assert getattr(dynamic_rendezvous, "get_method_name", None) is before
+
+
+def test_a_pipeline_stage_warms_up_no_link_to_its_own_rank(monkeypatch):
+    """The V schedules' two middle stages are on one rank: torch 2.11 warms up a link between
+    them too, which gloo cannot; `pipeline_warmup_skips_own_rank` leaves those operations out
+    and keeps the others (the V schedules' tests in tests/test_mesh.py run it on gloo)."""
+    ops = [SimpleNamespace(group_peer=peer) for peer in (0, 1, 1, 0)]
+    monkeypatch.setattr(_PipelineStageBase, "_get_init_p2p_neighbors_ops", lambda stage: ops)
+    pipeline_warmup_skips_own_rank()
+    pipeline_warmup_skips_own_rank()  # again: still once around torch's
+    stage = SimpleNamespace(group_rank=1)
+    assert _PipelineStageBase._get_init_p2p_neighbors_ops(stage) == [ops[0], ops[3]]
+
+
+def test_a_pipeline_stage_without_the_warmup_is_left_to_torch(monkeypatch):
+    monkeypatch.delattr(_PipelineStageBase, "_get_init_p2p_neighbors_ops", raising=False)
+    pipeline_warmup_skips_own_rank()
+    assert not hasattr(_PipelineStageBase, "_get_init_p2p_neighbors_ops")
 
 
 # A process that ends as train.py does (`exit_without_teardown`, entered before torch is
@@ -198,7 +218,10 @@ def test_a_process_with_the_rank_servers_imports_forks_it_else_starts_a_new_one(
         env={
             **os.environ,
             "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+            # Kept: the requirements may come from a folder on it (scripts/gpu_check.sh).
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")])
+            ),
         },
         capture_output=True,
         text=True,

@@ -27,6 +27,7 @@ writes the model's plain state_dict (single's keys) of any checkpoint, for infer
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import shutil
@@ -216,6 +217,15 @@ class CheckpointWriter:
         future.result()
         if self.strategy.is_main:
             publish(staging, final, self.keep)
+
+
+@functools.cache
+def dcp_places_rows() -> bool:
+    """Whether DCP saves and loads a tensor's pieces where its `CheckpointableTensor` attributes
+    place them (`rows_placed`): torch 2.14 on. Before, it takes them for a whole tensor."""
+    import torch.distributed.checkpoint as dcp  # slow to import; only sharded ones need it
+
+    return hasattr(dcp, "CheckpointableTensor")
 
 
 def rows_placed(local: torch.Tensor, rows: list[int], shape: torch.Size) -> torch.Tensor:

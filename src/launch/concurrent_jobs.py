@@ -72,28 +72,29 @@ def launch(
     return [returns[job.num] for job in jobs]
 
 
-def device_pools() -> dict[str, list[int]]:
-    """This process's GPUs (as CUDA_VISIBLE_DEVICES numbers them, if it is set) and cores."""
+def device_pools() -> dict[str, list[Any]]:
+    """This process's GPUs, as a job's CUDA_VISIBLE_DEVICES is to name them (this process's own
+    names if it is set: indices, or the UUIDs that container runtimes and MIG give), and cores."""
     import torch
 
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if not torch.cuda.is_available():
-        gpus = []
-    elif visible:
-        gpus = [int(gpu) for gpu in visible.split(",")]
-    else:
-        gpus = list(range(torch.cuda.device_count()))
+        return {"cuda": [], "cpu": sorted(os.sched_getaffinity(0))}
+    count = torch.cuda.device_count()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = [name.strip() for name in visible.split(",")] if visible else range(count)
+    # CUDA uses the names up to the first it cannot: as many as it counts.
+    gpus = [str(name) for name in names][:count]
     return {"cuda": gpus, "cpu": sorted(os.sched_getaffinity(0))}
 
 
-def describe(pools: dict[str, list[int]]) -> str:
+def describe(pools: dict[str, list[Any]]) -> str:
     gpus = f"GPUs {pools['cuda']} and " if pools["cuda"] else ""
     return f"{gpus}cores {pools['cpu']}"
 
 
 def schedule(
     jobs: list[Job],
-    pools: dict[str, list[int]],
+    pools: dict[str, list[Any]],
     at_once: int,
     job_call: Callable[[Job], Callable[[], JobReturn]],
 ) -> dict[int, JobReturn]:
@@ -115,16 +116,17 @@ def schedule(
             done, _ = wait(running, return_when=FIRST_COMPLETED)
             for future in done:
                 job, devices = running.pop(future)
-                free[job.kind] = sorted(free[job.kind] + devices)
+                back = {*free[job.kind], *devices}  # in the pool's order
+                free[job.kind] = [device for device in pools[job.kind] if device in back]
                 returns[job.num] = cloudpickle.loads(future.result())
     return returns
 
 
-def fits(job: Job, free: dict[str, list[int]]) -> bool:
+def fits(job: Job, free: dict[str, list[Any]]) -> bool:
     return len(free[job.kind]) >= job.count
 
 
-def run_on_devices(kind: str, devices: list[int], payload: bytes) -> bytes:
+def run_on_devices(kind: str, devices: list[Any], payload: bytes) -> bytes:
     """In a job's own process: take its devices, run it, return its JobReturn pickled (by
     cloudpickle, as the job was: the config holds classes of modules that Hydra loaded outside
     `sys.modules`)."""

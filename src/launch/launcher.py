@@ -32,7 +32,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -462,12 +462,18 @@ def launch_config(processes_per_node: int, nodes: int, parallel: Any, error_dir:
         max_restarts=0,
         start_method="forkserver",  # see `start_rank_server`
         logs_specs=DefaultLogsSpecs(log_dir=error_dir),
-        # When the job stops (a failed rank, or SIGINT/SIGTERM), the other ranks get this long
-        # to finish their step and checkpoint before SIGKILL; a rank stuck in a collective could
-        # not answer sooner anyway.
-        shutdown_timeout=max(1, int(parallel.timeout_s)),
         signals_to_handle=AGENT_HANDLED_SIGNALS,
+        **agent_shutdown_timeout(LaunchConfig, parallel.timeout_s),
     )
+
+
+def agent_shutdown_timeout(launch_config_class: type, timeout_s: float) -> dict[str, int]:
+    """How long the ranks get to exit, once torch's agent has passed them one of its own signals
+    (`AGENT_HANDLED_SIGNALS`), before SIGKILL: `parallel.timeout_s`, as a rank stuck in a
+    collective could not answer sooner. torch 2.13 added LaunchConfig's `shutdown_timeout`;
+    before, the agent gives them its fixed 30 s there, as every version does once a rank fails."""
+    names = {field.name for field in fields(launch_config_class)}
+    return {"shutdown_timeout": max(1, int(timeout_s))} if "shutdown_timeout" in names else {}
 
 
 def this_node(master_addr: str) -> tuple[str | None, bool | None]:

@@ -8,6 +8,8 @@ correctness. `tests/test_torch_internals.py` fails when what they rely on change
   instead of started as a new interpreter, through `util.spawnv_passfds`.
 - `name_rendezvous_events_cheaply`: swaps torch's stack-walking `get_method_name` in
   `dynamic_rendezvous` for a `sys._getframe` lookup giving the same names.
+- `pipeline_warmup_skips_own_rank`: leaves out of a pipeline stage's link warm-up the sends and
+  receives between two stages of one rank (the V schedules' middle), which gloo cannot run.
 
 One use has no plain fallback and lives where it is used: the evaluation of the V pipeline
 schedules (`src/parallel/pipeline_schedules.py`, `skip_backward`) registers torch's custom-action
@@ -153,3 +155,24 @@ def name_rendezvous_events_cheaply() -> None:
             return "no_method_name"
 
     dynamic_rendezvous.get_method_name = get_method_name
+
+
+def pipeline_warmup_skips_own_rank() -> None:
+    """Before a schedule's first step, each pipeline stage sends and receives one number to and
+    from its neighbour stages, to set up the links. torch 2.11 does so also where the neighbour is
+    on the same rank, as the two middle stages of a V schedule (ZBVZeroBubble, DualPipeV) are:
+    gloo has no link to its own rank and fails ("Pair is not connected"); NCCL's does nothing of
+    use. Later torch sets the links up otherwise, without the method. Those operations are left
+    out: the stages of one rank hand their tensors over in memory anyway."""
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    torchs = getattr(_PipelineStageBase, "_get_init_p2p_neighbors_ops", None)
+    torchs = getattr(torchs, "__wrapped__", torchs)  # left out already
+    if torchs is None:
+        return  # torch sets the links up otherwise now: leave it to it
+
+    @functools.wraps(torchs)  # keeps torch's as __wrapped__
+    def neighbour_ops(stage: _PipelineStageBase) -> list:
+        return [op for op in torchs(stage) if op.group_peer != stage.group_rank]
+
+    _PipelineStageBase._get_init_p2p_neighbors_ops = neighbour_ops

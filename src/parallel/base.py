@@ -412,6 +412,11 @@ class Strategy:
         in extent, says here how they lie in single's)."""
         return state
 
+    def place_loaded(self, state: dict[str, Any], saved: dict[str, Any]) -> None:
+        """After DCP has read a checkpoint into `saved` (`as_saved(state)`): copy into `state`
+        what DCP read into tensors of their own rather than into views of `state`'s (nothing,
+        here)."""
+
     def load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
         """Load a sharded checkpoint into the wrapped `model` and its `optimizer`: DCP reads each
         process's shards of the tensors it is given, however many processes wrote them."""
@@ -419,7 +424,9 @@ class Strategy:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         state = dcp_state_dict(model, optimizer)  # the shapes and shards to fill
-        dcp.load(self.as_saved(state), checkpoint_id=path)  # into them (or views of them)
+        saved = self.as_saved(state)
+        dcp.load(saved, checkpoint_id=path)  # into them (or views of them)
+        self.place_loaded(state, saved)
         set_state_dict(
             model,
             optimizer,

@@ -99,7 +99,7 @@ def reducer_options(cfg: DDPConfig) -> dict[str, Any]:
 
 def buffer_sync(broadcast: bool) -> dict[str, bool]:
     """The keyword that gives DDP `parallel.broadcast_buffers`: torch 2.13 renamed
-    `broadcast_buffers` (which now warns) to `forward_sync_buffers`; torch 2.9 to 2.12 know only
+    `broadcast_buffers` (which now warns) to `forward_sync_buffers`; torch 2.11 and 2.12 know only
     the old name. With false, the new one still starts every rank from rank 0's buffers, the old
     one from each rank's own (equal for models built from the seed)."""
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:

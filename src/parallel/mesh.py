@@ -13,7 +13,9 @@ Checkpoints hold single's tensors, in single's row order, whatever the layout. `
 default when no rank holds the whole model: tp, pp or dp_shard above 1): every process writes its
 own shards through DCP, the pieces of the fused qkv rows that tensor parallel regrouped placed
 where they lie in single's tensors, and a pipeline rank the blocks it trains only; any number of
-processes of any strategy that reads sharded checkpoints resumes them (DCP reshards). `full`:
+processes of any strategy that reads sharded checkpoints resumes them (DCP reshards); before torch
+2.14, whose DCP cannot place those pieces (`dcp_places_rows`), each rank of a qkv tensor's mesh
+gathers it whole and DCP writes it once, and reading one, each rank copies its rows out. `full`:
 every process gathers the DTensors whole, the regrouping undone (`tensor_parallel.single_layout`),
 and rank 0 writes them.
 """
@@ -33,7 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import loss_parallel
 
-from src.checkpoint.store import renamed, rows_placed
+from src.checkpoint.store import dcp_places_rows, renamed, rows_placed
 from src.components.batches import move
 from src.components.precision import AUTOCAST_DTYPES
 from src.config.schema import ConfigError, MeshConfig
@@ -320,10 +322,36 @@ class Mesh(Distributed):
             value = value.redistribute(placements=summed)
         if name not in self.row_orders:
             return value
+        if not dcp_places_rows():  # the whole tensor, every rank of its mesh alike (DCP: once)
+            return single_layout(name, full_tensor(value), self.row_orders)
+        return rows_placed(value.to_local(), self.local_rows(name, value), value.shape)
+
+    def local_rows(self, name: str, value: DTensor) -> list[int]:
+        """The rows of single's tensor `name` that this rank's shard of a regrouped qkv tensor
+        holds, in the shard's order."""
         (chunk,) = value.__create_chunk_list__()  # where this shard lies, in regrouped rows
         start, count = chunk.offsets[0], chunk.sizes[0]
-        rows = self.row_orders[name][start : start + count].tolist()
-        return rows_placed(value.to_local(), rows, value.shape)
+        return self.row_orders[name][start : start + count].tolist()
+
+    def place_loaded(self, state: dict[str, Any], saved: dict[str, Any]) -> None:
+        """Where DCP cannot place the rows itself (`dcp_places_rows`), each regrouped qkv
+        tensor was read whole, in single's layout: this rank's rows go into its shard."""
+        if dcp_places_rows():
+            return
+        model, optimizer = saved["model"], saved["optimizer"]["state"]
+        read = [
+            (name, value, model[name]) for name, value in state["model"].items() if name in model
+        ]
+        read += [
+            (name, value, optimizer[name][key])
+            for name, entries in state["optimizer"]["state"].items()
+            if name in optimizer
+            for key, value in entries.items()
+        ]
+        for name, value, whole in read:
+            if name in self.row_orders and isinstance(value, DTensor):
+                local = value.to_local()
+                local.copy_(whole[self.local_rows(name, value)].to(local.device))
 
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Single's state_dict: under pp, the entries of blocks this rank does not hold (meta) are

@@ -34,6 +34,7 @@ from torch.distributed.pipelining.schedules import (
 
 from src.components.batches import batch_size
 from src.config.schema import ConfigError
+from src.launch.torch_private import pipeline_warmup_skips_own_rank
 from src.parallel.base import tied_block_groups
 from src.parallel.mechanisms.stage_pipeline import balanced_split_points, parameter_count
 
@@ -152,6 +153,7 @@ def apply_pp(
     schedule; returns it and the stages."""
     stages = mesh.size() * len(parts)
     group = mesh.get_group()
+    pipeline_warmup_skips_own_rank()
     pipeline_stages = [
         PipelineStage(part, s, stages, device, group=group) for s, part in parts.items()
     ]
