@@ -848,6 +848,8 @@ def main() -> None:
         "ddp and fsdp always run 2 CPU processes, tp and pp 2 GPUs where the device has them",
     )
     args = parser.parse_args()
+    if args.steps <= WARMUP_STEPS:
+        parser.error(f"--steps must be above the {WARMUP_STEPS} warm-up steps, got {args.steps}")
     global DEVICE
     auto_device = "cuda" if torch.cuda.is_available() else "cpu"
     DEVICE = auto_device if args.device == "auto" else args.device

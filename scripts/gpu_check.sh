@@ -3,6 +3,7 @@
 #   1. the default run (`python train.py`) on the GPU;
 #   2. the CUDA-marked tests: every strategy that fits on the GPUs present, a kill-and-resume;
 #   3. the GPU benchmark: template vs a plain loop on the same GPU, and the per-step overhead;
+#      gpt2_124m against a nanoGPT-style loop (tokens/s, MFU);
 #      with 2 GPUs or more, tp 2 against ddp 2 and the pipeline schedules' idle time (pp);
 #   4. a one-minute scaling sweep (experiment=scaling) over the strategies and 1, 2, 4, ... of the
 #      GPUs present, ending with the scaling table;
@@ -45,6 +46,9 @@ stamp=$(date +%Y-%m-%d_%H-%M-%S)
 part "default run" "$python" train.py "${logger[@]}" "hydra.run.dir=outputs/gpu-check/$stamp/default"
 part "cuda tests" "$python" -m pytest -q -m cuda -p no:cacheprovider
 part "benchmark" "$python" scripts/benchmark.py --device cuda --only single --only overhead --rounds 3
+# gpt2_124m, bf16, compiled: the template against a nanoGPT-style loop, with tokens/s and MFU.
+# One round: each side compiles (about a minute) before its 100 timed steps.
+part "gpt2 benchmark" "$python" scripts/benchmark.py --device cuda --only gpt2 --rounds 1 --steps 120
 # tensor parallel against ddp, and the pipeline schedules' idle time against their bubble: 2 GPUs.
 if [ "$gpus" -ge 2 ]; then
   part "tp and pp benchmark" "$python" scripts/benchmark.py --device cuda --only tp --only pp --rounds 3
