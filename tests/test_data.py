@@ -29,6 +29,8 @@ from src.components.data import (
     ValBatches,
     logged_progress,
     synthetic_classification,
+    synthetic_regression,
+    synthetic_segmentation,
     synthetic_tokens,
     tokens,
     tokens_per_sample,
@@ -50,6 +52,39 @@ def test_synthetic_tokens_are_a_function_of_the_seed():
     assert torch.equal(a.train.inputs, b.train.inputs) and torch.equal(a.val.targets, b.val.targets)
     assert not torch.equal(a.train.inputs, c.train.inputs)
     assert torch.equal(a.train.inputs[:, 1:], a.train.targets[:, :-1])  # targets: the next tokens
+
+
+SYNTHETIC_SETS = {
+    "classification": lambda seed: synthetic_classification(seed, 8, 3, 100, 0.2, 0.3),
+    "tokens": lambda seed: synthetic_tokens(seed, 50, 16, 100, 0.2, 0.3, successors=4),
+    "segmentation": lambda seed: synthetic_segmentation(seed, 3, [2, 4, 4], 100, 0.2, 0.3, 0.1, -1),
+    "regression": lambda seed: synthetic_regression(seed, 8, 2, 100, 0.2, 0.3),
+}
+
+
+@pytest.mark.parametrize("kind", SYNTHETIC_SETS)
+def test_synthetic_sets_draw_test_samples_of_their_own(kind):
+    """data.test_fraction of num_samples more samples, none of them a training or validation
+    sample, labelled by the same teacher; the training and validation samples are those of the
+    same seed's set with another test_fraction."""
+    data = SYNTHETIC_SETS[kind](0)
+    assert (len(data.train), len(data.val), len(data.test)) == (80, 20, 30)
+
+    def rows(split) -> set[tuple[float, ...]]:
+        return {tuple(sample.flatten().tolist()) for sample in split.inputs}
+
+    test = rows(data.test)
+    assert len(test) == 30 and not test & rows(data.train) and not test & rows(data.val)
+    assert data.test.targets.dtype == data.train.targets.dtype
+    assert data.test.targets.shape[1:] == data.train.targets.shape[1:]
+    assert not torch.equal(SYNTHETIC_SETS[kind](1).test.inputs, data.test.inputs)
+
+
+def test_a_synthetic_test_split_leaves_training_and_validation_samples_as_they_were():
+    fewer_tests = synthetic_classification(0, 8, 3, 100, 0.2, 0.05)
+    data = synthetic_classification(0, 8, 3, 100, 0.2, 0.3)
+    assert torch.equal(fewer_tests.train.inputs, data.train.inputs)
+    assert torch.equal(fewer_tests.val.targets, data.val.targets)
 
 
 def successor_counts(vocab_size: int, successors: int) -> torch.Tensor:
@@ -159,7 +194,7 @@ def test_tokens_per_sample_counts_inputs_of_token_ids_only(tmp_path):
     """A token file's windows (read through the Dataset path) count; features and uint8 images
     do not."""
     write_tokens(tmp_path / "train.bin", count=1000, vocab=13)
-    windows = tokens(0, str(tmp_path / "train.bin"), seq_len=8, vocab_size=None, val_fraction=0.1)
+    windows = tokens(0, str(tmp_path / "train.bin"), 8, None, 0.1, 0.1, None)
     assert tokens_per_sample(windows.train) == 8
     assert tokens_per_sample(synthetic_classification(0, 8, 3, 100, 0.2, 0.1).train) is None
     images = Split(torch.zeros(4, 3, 8, 8, dtype=torch.uint8), torch.zeros(4, dtype=torch.long))

@@ -166,7 +166,7 @@ class DataConfig(LoaderConfig):
     """Share of the samples held out for validation, chosen from the seed."""
     test_fraction: float = 0.1
     """The test split's size. Synthetic sets draw this share of num_samples as test samples
-    besides them, from a generator seeded apart (seed + 2**32), so that train and val hold
+    besides them, from a generator seeded apart (seed + 0x9E3779B9), so that train and val hold
     what they hold without it; a token file's test part is this share of its tokens, just
     before the validation part (unless `test_path` gives a file of its own)."""
 
