@@ -49,6 +49,9 @@ def test_the_test_split_is_scored_after_training_alike_under_every_layout():
         torch.tensor(tested), torch.tensor([expected["test_loss"], expected["test_accuracy"]])
     )
     assert expected["test_loss"] != pytest.approx(expected["final_val_loss"], abs=1e-4)
+    report = (runs["single"].parent / "summary.md").read_text()  # the sweep's table
+    assert "| val loss | test loss |" in report
+    assert f"| {expected['test_loss']:.4f} |" in report
 
 
 @pytest.mark.parametrize("strategy", ["single", "fsdp"])
