@@ -7,7 +7,15 @@ import pytest
 import torch
 from helpers import TINY_SGD, evaluate_checkpoint, metrics, strategy_runs, summary
 
-from src.checkpoint.store import is_sharded, load_checkpoint, resume_path
+from src.checkpoint.store import (
+    CheckpointWriter,
+    best_dir,
+    is_sharded,
+    load_checkpoint,
+    resume_path,
+)
+from src.config.schema import ParallelConfig
+from src.parallel.base import Strategy
 
 # Evaluations at steps 2, 4 and 6. Under SGD the validation loss falls from step to step, so
 # `monitor_mode=max` makes the first evaluation the best: a best checkpoint that is not the last.
@@ -99,3 +107,14 @@ def test_early_stopping_ends_every_layout_at_the_same_step_and_tests_the_best_we
         assert figures["test_loss"] != pytest.approx(
             evaluate_checkpoint(run_dir, "test")[0], abs=1e-4
         )  # not the final weights'
+
+
+def test_a_new_best_checkpoint_is_swapped_in_for_the_old_one(tmp_path):
+    writer = CheckpointWriter(tmp_path, Strategy(ParallelConfig(), "cpu"), "full", 1, False)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters())
+    for step in (1, 2):
+        state = {"step": step, "rng": {}, "config": {}, "wandb_run_id": None}
+        writer.save(model, optimizer, state, best=True)
+    assert load_checkpoint(best_dir(tmp_path))["step"] == 2
+    assert [path.name for path in (tmp_path / "checkpoints").iterdir()] == ["best"]
