@@ -394,15 +394,19 @@ def checkpoint(run_dir: Path) -> dict[str, Any]:
     return load_checkpoint(saved_checkpoints(run_dir)[-1])
 
 
-def evaluate_checkpoint(run_dir: Path) -> list[float]:
-    """The task's validation figures ([val loss, val accuracy] for classification) of the run's
-    checkpointed model, evaluated whole in this process on the data its config names."""
+def evaluate_checkpoint(
+    run_dir: Path, split: str = "val", checkpoint_dir: Path | None = None
+) -> list[float]:
+    """The task's figures ([loss, accuracy] for classification) on `split` (val or test) of the
+    run's newest checkpointed model (or of `checkpoint_dir`), evaluated whole in this process on
+    the data its config names."""
+    from src.checkpoint.store import load_checkpoint
     from src.components.data import build_data
     from src.config.schema import ParallelConfig, TrainerConfig, typed
     from src.parallel import build_strategy
     from src.training.loop import evaluate
 
-    state = checkpoint(run_dir)
+    state = checkpoint(run_dir) if checkpoint_dir is None else load_checkpoint(checkpoint_dir)
     cfg = OmegaConf.create(state["config"])
     data = build_data(cfg.data, cfg.seed)
     model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
@@ -411,7 +415,8 @@ def evaluate_checkpoint(run_dir: Path) -> list[float]:
     single.setup()
     batch = typed(TrainerConfig, cfg.trainer).eval_batch
     task = instantiate(cfg.task)
-    figures = evaluate(single.wrap(model), single, task, data.val, batch, contextlib.nullcontext())
+    held_out = getattr(data, split)
+    figures = evaluate(single.wrap(model), single, task, held_out, batch, contextlib.nullcontext())
     return list(figures.values())
 
 

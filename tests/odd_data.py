@@ -12,7 +12,8 @@ def halves_and_values(seed: int, **settings: Any) -> Data:
     """`data=synthetic`'s samples (its `settings`) as dicts: inputs {"left", "right"} (the two
     halves of the features), targets {"label": the class, "value": the features' mean}."""
     data = synthetic_classification(seed, **settings)
-    return Data(as_dicts(data.train), as_dicts(data.val), data.input_shape, data.num_classes)
+    train, val, test = (as_dicts(split) for split in data.splits)
+    return Data(train, val, test, data.input_shape, data.num_classes)
 
 
 def as_dicts(split: Split) -> Split:

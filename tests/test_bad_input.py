@@ -361,6 +361,40 @@ ROWS = [
         id="resume-stretches-schedule",
     ),
     pytest.param(
+        ["trainer.monitor=val/nosuch"],
+        CHECK,
+        "trainer.monitor=val/nosuch is never logged: task src.components.tasks.Classification "
+        "logs val/loss, val/accuracy, train/loss, train/accuracy; choose one of them, or "
+        "trainer.monitor=null for no best checkpoint",
+        id="monitor-unknown",
+    ),
+    pytest.param(
+        ["data=synthetic_regression", "task=regression", "trainer.monitor=val/accuracy"],
+        CHECK,
+        "trainer.monitor=val/accuracy is never logged: task src.components.tasks.Regression logs "
+        "val/loss, val/mae, train/loss, train/mae",
+        id="monitor-not-of-the-task",
+    ),
+    pytest.param(
+        ["trainer.monitor=null", "trainer.early_stop_patience=3"],
+        CHECK,
+        "trainer.early_stop_patience=3 watches trainer.monitor, which is null",
+        id="early-stop-without-monitor",
+    ),
+    pytest.param(
+        ["trainer.eval_every=0", "trainer.early_stop_patience=3"],
+        CHECK,
+        "trainer.early_stop_patience=3 counts evaluations, but trainer.eval_every=0 evaluates "
+        "only after the last step",
+        id="early-stop-without-evaluations",
+    ),
+    pytest.param(
+        ["trainer.monitor_mode=up"],
+        HYDRA,
+        "Invalid value 'up', expected one of [min, max]",
+        id="monitor-mode",
+    ),
+    pytest.param(
         ["optimizer.schedule_steps=0"],
         CHECK,
         "optimizer.schedule_steps must be at least 1, or null for trainer.max_steps; got 0",
@@ -418,8 +452,9 @@ def test_bad_input_is_refused_before_any_work(
             CHECK,
             "parallel.nodes > 1 needs a rendezvous every node can reach: set parallel.master_addr",
         ),
+        (["trainer.monitor=val/nosuch"], CHECK, "trainer.monitor=val/nosuch is never logged"),
     ],
-    ids=["hydra", "ddp-nodes-without-rendezvous"],
+    ids=["hydra", "ddp-nodes-without-rendezvous", "monitor"],
 )
 def test_train_py_reports_bad_input_in_one_line(tmp_path, overrides, stage, message):
     run_dir = tmp_path / "run"

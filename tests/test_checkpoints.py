@@ -35,7 +35,9 @@ DDP2 = ("parallel=ddp", "parallel.devices=2")
 
 
 def step_names(run_dir: Path) -> list[str]:
-    return sorted(path.name for path in (run_dir / "checkpoints").iterdir())
+    """The run's step checkpoints (not `best/`, see test_after_training.py)."""
+    folders = (run_dir / "checkpoints").iterdir()
+    return sorted(path.name for path in folders if path.name.startswith("step-"))
 
 
 @functools.cache

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -28,6 +29,8 @@ from src.components.data import (
     ValBatches,
     logged_progress,
     synthetic_classification,
+    synthetic_regression,
+    synthetic_segmentation,
     synthetic_tokens,
     tokens,
     tokens_per_sample,
@@ -36,7 +39,7 @@ from src.components.data import (
 
 
 def test_synthetic_data_is_a_function_of_the_seed():
-    make = lambda seed: synthetic_classification(seed, 8, 3, 100, 0.2)  # noqa: E731
+    make = lambda seed: synthetic_classification(seed, 8, 3, 100, 0.2, 0.1)  # noqa: E731
     a, b, c = make(0), make(0), make(1)
     assert torch.equal(a.train.inputs, b.train.inputs) and torch.equal(a.val.targets, b.val.targets)
     assert not torch.equal(a.train.inputs, c.train.inputs)
@@ -44,17 +47,50 @@ def test_synthetic_data_is_a_function_of_the_seed():
 
 
 def test_synthetic_tokens_are_a_function_of_the_seed():
-    make = lambda seed: synthetic_tokens(seed, 50, 16, 64, 0.25, successors=4)  # noqa: E731
+    make = lambda seed: synthetic_tokens(seed, 50, 16, 64, 0.25, 0.1, successors=4)  # noqa: E731
     a, b, c = make(0), make(0), make(1)
     assert torch.equal(a.train.inputs, b.train.inputs) and torch.equal(a.val.targets, b.val.targets)
     assert not torch.equal(a.train.inputs, c.train.inputs)
     assert torch.equal(a.train.inputs[:, 1:], a.train.targets[:, :-1])  # targets: the next tokens
 
 
+SYNTHETIC_SETS = {
+    "classification": lambda seed: synthetic_classification(seed, 8, 3, 100, 0.2, 0.3),
+    "tokens": lambda seed: synthetic_tokens(seed, 50, 16, 100, 0.2, 0.3, successors=4),
+    "segmentation": lambda seed: synthetic_segmentation(seed, 3, [2, 4, 4], 100, 0.2, 0.3, 0.1, -1),
+    "regression": lambda seed: synthetic_regression(seed, 8, 2, 100, 0.2, 0.3),
+}
+
+
+@pytest.mark.parametrize("kind", SYNTHETIC_SETS)
+def test_synthetic_sets_draw_test_samples_of_their_own(kind):
+    """data.test_fraction of num_samples more samples, none of them a training or validation
+    sample, labelled by the same teacher; the training and validation samples are those of the
+    same seed's set with another test_fraction."""
+    data = SYNTHETIC_SETS[kind](0)
+    assert (len(data.train), len(data.val), len(data.test)) == (80, 20, 30)
+
+    def rows(split) -> set[tuple[float, ...]]:
+        return {tuple(sample.flatten().tolist()) for sample in split.inputs}
+
+    test = rows(data.test)
+    assert len(test) == 30 and not test & rows(data.train) and not test & rows(data.val)
+    assert data.test.targets.dtype == data.train.targets.dtype
+    assert data.test.targets.shape[1:] == data.train.targets.shape[1:]
+    assert not torch.equal(SYNTHETIC_SETS[kind](1).test.inputs, data.test.inputs)
+
+
+def test_a_synthetic_test_split_leaves_training_and_validation_samples_as_they_were():
+    fewer_tests = synthetic_classification(0, 8, 3, 100, 0.2, 0.05)
+    data = synthetic_classification(0, 8, 3, 100, 0.2, 0.3)
+    assert torch.equal(fewer_tests.train.inputs, data.train.inputs)
+    assert torch.equal(fewer_tests.val.targets, data.val.targets)
+
+
 def successor_counts(vocab_size: int, successors: int) -> torch.Tensor:
     """How often each token follows each other token in a synthetic_tokens training set: a
     vocab x vocab count matrix (row: the token, column: the one after it)."""
-    data = synthetic_tokens(0, vocab_size, 32, 2048, 0.1, successors)
+    data = synthetic_tokens(0, vocab_size, 32, 2048, 0.1, 0.1, successors)
     pairs = data.train.inputs.flatten() * vocab_size + data.train.targets.flatten()
     return torch.bincount(pairs, minlength=vocab_size**2).view(vocab_size, vocab_size)
 
@@ -77,7 +113,7 @@ def test_synthetic_tokens_at_gpt2_s_vocabulary_build_fast_in_little_memory():
     """50257 tokens: a dense transition matrix would take 10 GB and minutes to draw."""
     grown_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.perf_counter()
-    data = synthetic_tokens(0, 50257, 256, 64, 0.1, successors=4)
+    data = synthetic_tokens(0, 50257, 256, 64, 0.1, 0.1, successors=4)
     assert time.perf_counter() - started < 5
     peak_growth_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - grown_before) / 1024
     assert peak_growth_mb < 100
@@ -96,7 +132,7 @@ def test_data_building_logs_progress_only_when_slow(caplog, monkeypatch):
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_ranks_batches_together_are_the_single_process_batch(world_size):
-    data = synthetic_classification(0, 4, 3, 250, 0.1)
+    data = synthetic_classification(0, 4, 3, 250, 0.1, 0.1)
     batch, steps = 12, 50  # 225 training samples: several epochs, with a dropped tail
     single = list(itertools.islice(train_batches(data.train, batch, 7, 0, 1), steps))
     ranks = [
@@ -127,26 +163,40 @@ def test_every_rank_runs_as_many_eval_batches_and_each_sample_counts_once(
 
 def test_token_file_windows_predict_every_next_token_once(tmp_path):
     written = write_tokens(tmp_path / "train.bin", count=1000, vocab=13)
-    data = tokens(
-        seed=0, path=str(tmp_path / "train.bin"), seq_len=8, vocab_size=None, val_fraction=0.1
+    read = functools.partial(
+        tokens, seed=0, path=str(tmp_path / "train.bin"), seq_len=8, val_fraction=0.1
     )
+    data = read(vocab_size=None, test_fraction=0.2, test_path=None)
     assert data.num_classes == int(written.max()) + 1 and data.input_shape == (8,)
-    assert len(data.train) == (900 - 1) // 8 and len(data.val) == (100 - 1) // 8
+    assert len(data.train) == (700 - 1) // 8 and len(data.val) == (100 - 1) // 8
+    assert len(data.test) == (200 - 1) // 8
     inputs, targets = data.train[3]
     assert inputs.tolist() == written[24:32].tolist()
     assert targets.tolist() == written[25:33].tolist()
+    assert data.test[0][0].tolist() == written[700:708].tolist()  # the part before val
     assert data.val[0][0].tolist() == written[900:908].tolist()
     with pytest.raises(ValueError, match="data.vocab_size=5 but"):
-        tokens(seed=0, path=str(tmp_path / "train.bin"), seq_len=8, vocab_size=5, val_fraction=0.1)
+        read(vocab_size=5, test_fraction=0.2, test_path=None)
+
+
+def test_a_token_file_of_its_own_is_the_test_split(tmp_path):
+    written = write_tokens(tmp_path / "train.bin", count=1000, vocab=13)
+    test_file = tmp_path / "test.bin"
+    test_tokens = (written[:200] + 13).astype(written.dtype)  # tokens the training file lacks
+    test_tokens.tofile(test_file)
+    data = tokens(0, str(tmp_path / "train.bin"), 8, None, 0.1, 0.2, str(test_file))
+    assert len(data.train) == (900 - 1) // 8 and len(data.test) == (200 - 1) // 8
+    assert data.test[0][0].tolist() == test_tokens[:8].tolist()
+    assert data.num_classes == int(test_tokens.max()) + 1  # the vocabulary of both files
 
 
 def test_tokens_per_sample_counts_inputs_of_token_ids_only(tmp_path):
     """A token file's windows (read through the Dataset path) count; features and uint8 images
     do not."""
     write_tokens(tmp_path / "train.bin", count=1000, vocab=13)
-    windows = tokens(0, str(tmp_path / "train.bin"), seq_len=8, vocab_size=None, val_fraction=0.1)
+    windows = tokens(0, str(tmp_path / "train.bin"), 8, None, 0.1, 0.1, None)
     assert tokens_per_sample(windows.train) == 8
-    assert tokens_per_sample(synthetic_classification(0, 8, 3, 100, 0.2).train) is None
+    assert tokens_per_sample(synthetic_classification(0, 8, 3, 100, 0.2, 0.1).train) is None
     images = Split(torch.zeros(4, 3, 8, 8, dtype=torch.uint8), torch.zeros(4, dtype=torch.long))
     assert tokens_per_sample(images) is None
 
@@ -155,7 +205,7 @@ def test_tokens_per_sample_counts_inputs_of_token_ids_only(tmp_path):
 def test_a_dataset_through_the_loader_gives_the_in_memory_batches(num_workers):
     """A Dataset read by a DataLoader (with workers, from a resumed position too) gets the same
     batches as the in-memory fast path, and so the same sharding invariant."""
-    data = synthetic_classification(0, 4, 3, 130, 0.1)
+    data = synthetic_classification(0, 4, 3, 130, 0.1, 0.1)
     loading = Loading(num_workers=num_workers)
     for rank in range(2):
         direct = train_batches(data.train, 12, 7, rank, 2)

@@ -102,7 +102,7 @@ def test_resnet_starts_from_one_of_train_pys_checkpoints(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "name, classes, shape, train, val",
+    "name, classes, shape, training, test",
     [
         ("cifar10", 10, (3, 32, 32), 200, 40),
         ("cifar100", 100, (3, 32, 32), 40, 40),
@@ -110,22 +110,29 @@ def test_resnet_starts_from_one_of_train_pys_checkpoints(tmp_path):
         ("fashion_mnist", 10, (1, 28, 28), 120, 40),
     ],
 )
-def test_torchvision_reads_the_sets_published_files(name, classes, shape, train, val):
-    data = getattr(vision, name)(seed=0, root=str(written(name)), download=False)
+def test_torchvision_reads_the_sets_published_files(name, classes, shape, training, test):
+    """The training part trains and (a tenth of it, from the seed) validates; the test part
+    tests."""
+    data = getattr(vision, name)(seed=0, root=str(written(name)), download=False, val_fraction=0.1)
     assert data.num_classes == classes and data.input_shape == shape
-    assert len(data.train) == train and len(data.val) == val
-    assert data.train.targets[:5].tolist() == [0, 1, 2, 3, 4]  # vision_files labels in turn
+    assert (len(data.train), len(data.val)) == (training - training // 10, training // 10)
+    assert len(data.test) == test
+    assert data.test.targets[:5].tolist() == [0, 1, 2, 3, 4]  # vision_files labels in turn
     first_image = class_images(1, classes, shape, seed=0)[0][0]  # as vision_files wrote it
     mean, std = (torch.tensor(stat).view(-1, 1, 1) for stat in vision.STATS[name])
     expected = (torch.from_numpy(first_image).float() / 255 - mean) / std
-    torch.testing.assert_close(data.train.inputs[0], expected)
+    training_images = torch.cat([data.train.inputs, data.val.inputs])
+    assert sum(torch.allclose(image, expected, atol=1e-5) for image in training_images) == 1
 
 
-def test_image_folder_reads_class_folders_and_resizes_when_asked():
+def test_image_folder_reads_class_folders_and_resizes_when_asked(tmp_path):
     root = str(written("image_folder"))
     data = vision.image_folder(0, root, None, [0.5] * 3, [0.25] * 3)
     assert data.num_classes == 3 and data.input_shape == (3, 16, 16)
     assert (len(data.train), len(data.val)) == (24, 9)
+    assert data.test is data.val  # no test/ folder: val/ tests too
+    with_tests = write_image_folder(tmp_path, test=6)
+    assert len(vision.image_folder(0, str(with_tests), None, [0.5] * 3, [0.25] * 3).test) == 6
     image, label = data.train[0]
     assert image.shape == (3, 16, 16) and type(image) is torch.Tensor and label == 0
     resized = vision.image_folder(0, root, [12, 8], [0.5] * 3, [0.25] * 3)

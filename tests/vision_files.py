@@ -75,12 +75,14 @@ def write_mnist(root: Path, folder: str = "MNIST", train: int = 120, test: int =
 
 
 def write_image_folder(
-    root: Path, classes: int = 3, train: int = 24, val: int = 9, size: int = 16
+    root: Path, classes: int = 3, train: int = 24, val: int = 9, size: int = 16, test: int = 0
 ) -> Path:
-    """`root/{train,val}/class<i>/<n>.png`: RGB PNGs of size x size."""
+    """`root/{train,val}/class<i>/<n>.png` (and `test/`, with `test` images): RGB PNGs of
+    size x size."""
     from PIL import Image
 
-    for seed, (part, count) in enumerate((("train", train), ("val", val))):
+    parts = (("train", train), ("val", val), ("test", test))
+    for seed, (part, count) in enumerate(part for part in parts if part[1]):
         images, labels = class_images(count, classes, (size, size, 3), seed)
         for index, (image, label) in enumerate(zip(images, labels, strict=True)):
             folder = root / part / f"class{label}"

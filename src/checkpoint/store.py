@@ -19,6 +19,11 @@ written its part: a crash at any moment leaves the folder complete or absent. Th
 one is what `trainer.resume=auto` takes (the one before it when that cannot be read);
 `trainer.keep_checkpoints` says how many are kept.
 
+    checkpoints/best/            the checkpoint of trainer.monitor's best value so far (any
+                                 format; its train state says its step), written the same way and
+                                 swapped in for the previous best; never pruned, never resumed
+                                 from by `auto`
+
     python -m src.checkpoint.store export <run dir or checkpoint> <file.pt>
 
 writes the model's plain state_dict (single's keys) of any checkpoint, for inference elsewhere.
@@ -27,6 +32,7 @@ writes the model's plain state_dict (single's keys) of any checkpoint, for infer
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import logging
 import os
@@ -52,6 +58,7 @@ REQUIRED_KEYS = ("model", "optimizer", "step", "rng", "config")
 FULL_FILE = "checkpoint.pt"
 TRAIN_STATE_FILE = "train_state.pt"  # a sharded checkpoint's dict less model and optimizer
 DCP_METADATA = ".metadata"
+BEST = "best"  # the folder of trainer.monitor's best checkpoint
 
 
 @runtime_checkable
@@ -79,6 +86,14 @@ def step_dir(run_dir: Path, step: int) -> Path:
     return checkpoints_dir(run_dir) / f"step-{step:06d}"
 
 
+def best_dir(run_dir: Path) -> Path:
+    return checkpoints_dir(run_dir) / BEST
+
+
+def staging_dir(final: Path) -> Path:
+    return final.parent / f".staging-{final.name}"
+
+
 def saved_checkpoints(run_dir: Path) -> list[Path]:
     """The run's complete checkpoints, oldest first (staging folders start with a dot)."""
     folder = checkpoints_dir(run_dir)
@@ -104,30 +119,54 @@ def save_file(state: dict[str, Any], path: Path) -> None:
         os.fsync(file.fileno())
 
 
-def prepare_staging(run_dir: Path, step: int) -> Path:
-    """An empty staging folder for step `step`'s checkpoint (a crashed try's leftovers go)."""
-    staging = checkpoints_dir(run_dir) / f".staging-{step_dir(run_dir, step).name}"
+def prepare_staging(final: Path) -> Path:
+    """An empty staging folder for the checkpoint `final` (a crashed try's leftovers go)."""
+    staging = staging_dir(final)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     return staging
 
 
 def publish(staging: Path, final: Path, keep: int) -> None:
-    """Make the written `staging` folder the checkpoint `final` (one rename), then keep only the
-    newest `keep` checkpoints (0: all) and drop what crashed writes left behind."""
+    """Make the written `staging` folder the checkpoint `final` (one rename, or a swap with the
+    one there), then keep only the newest `keep` step checkpoints (0: all) and drop what crashed
+    writes and swaps left behind."""
     fsync_dir(staging)  # its files are synced already (`save_file`; DCP's writer by default)
     folder = final.parent
-    if final.exists():  # a damaged checkpoint that resume skipped, now written again
-        replaced = folder / f".replaced-{final.name}"
-        shutil.rmtree(replaced, ignore_errors=True)
-        os.replace(final, replaced)
-    os.replace(staging, final)
+    if final.exists():  # the previous best, or a damaged checkpoint that resume skipped
+        swap_in(staging, final)
+    else:
+        os.replace(staging, final)
     fsync_dir(folder)
     kept = saved_checkpoints(folder.parent)
     for old in kept[: -keep if keep else 0]:
         shutil.rmtree(old)
     for leftover in folder.glob(".*"):
         shutil.rmtree(leftover, ignore_errors=True)
+
+
+RENAME_EXCHANGE = 2  # renameat2's flag (linux/fs.h)
+AT_FDCWD = -100  # paths relative to the working directory (fcntl.h)
+
+
+def swap_in(new: Path, old: Path) -> None:
+    """Put the folder `new` where the folder `old` is. Linux's renameat2(RENAME_EXCHANGE) swaps
+    the two names in one step (ext4, xfs, btrfs, tmpfs), so `old`'s path always names a complete
+    folder, and `new`'s then holds the old one, which `publish` drops; where the system or the
+    file system cannot swap, `old` is moved aside first (until the second rename, no folder has
+    its name)."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # not Linux, or a C library without it
+        renameat2 = None
+    if renameat2 is not None:
+        swapped = renameat2(AT_FDCWD, os.fsencode(new), AT_FDCWD, os.fsencode(old), RENAME_EXCHANGE)
+        if swapped == 0:
+            return
+    aside = old.parent / f".replaced-{old.name}"
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(old, aside)
+    os.replace(new, old)
 
 
 def resolved_format(requested: str, strategy: CheckpointedStrategy) -> str:
@@ -161,13 +200,18 @@ class CheckpointWriter:
         self.pending: tuple[Future, Path, Path] | None = None
 
     def save(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        extra: dict[str, Any],
+        best: bool = False,
     ) -> Path:
-        """Checkpoint `model` and `optimizer` with `extra` (step, rng, config, wandb_run_id);
-        returns the folder it is (or, saved asynchronously, will be) published as."""
+        """Checkpoint `model` and `optimizer` with `extra` (step, rng, config, wandb_run_id) as
+        the step's checkpoint, or with `best` as the best one; returns the folder it is (or,
+        saved asynchronously, will be) published as."""
         self.wait()
-        strategy, step = self.strategy, extra["step"]
-        final = step_dir(self.run_dir, step)
+        strategy = self.strategy
+        final = best_dir(self.run_dir) if best else step_dir(self.run_dir, extra["step"])
         if not self.sharded:
             state = {
                 "model": strategy.model_state_dict(model),
@@ -175,7 +219,7 @@ class CheckpointWriter:
                 **extra,
             }
             if strategy.is_main:
-                staging = prepare_staging(self.run_dir, step)
+                staging = prepare_staging(final)
                 save_file(state, staging / FULL_FILE)
                 publish(staging, final, self.keep)
             strategy.barrier()
@@ -188,9 +232,9 @@ class CheckpointWriter:
         # in its order: the checkpoint then reads back in single's key order, not with the
         # buffers another rank wrote listed last.
         planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
-        staging = checkpoints_dir(self.run_dir) / f".staging-{final.name}"
+        staging = staging_dir(final)
         if strategy.is_main:
-            save_file(extra, prepare_staging(self.run_dir, step) / TRAIN_STATE_FILE)
+            save_file(extra, prepare_staging(final) / TRAIN_STATE_FILE)
         strategy.barrier()  # the staging folder is ready for every rank's shards
         if self.use_async:
             future = dcp.async_save(

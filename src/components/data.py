@@ -1,7 +1,7 @@
 """Datasets and the batch order every strategy shares.
 
-A builder returns `Data`: train and validation sets plus the shapes a model needs. A set is either
-a `Split` (in-memory tensors, indexed directly: no loader, no copies) or any map-style torch
+A builder returns `Data`: train, validation and test sets plus the shapes a model needs. A set is
+either a `Split` (in-memory tensors, indexed directly: no loader, no copies) or any map-style torch
 `Dataset` of (input, target) pairs, read through a `DataLoader`. Inputs and targets may each be a
 tensor or a tuple/dict of tensors (`src/components/batches.py`); both paths keep that structure.
 Data code knows nothing about parallelism: `train_order` takes a rank and a world size, and its
@@ -68,16 +68,24 @@ class Split:
 class Data:
     train: Split | Dataset
     val: Split | Dataset
+    """Watched while training (evaluation steps, the best checkpoint, early stopping)."""
+    test: Split | Dataset
+    """Held out from training and from that watching: scored once, after training."""
     input_shape: tuple[int, ...]
     num_classes: int
     """Classes, or the vocabulary size for token data."""
 
+    @property
+    def splits(self) -> tuple[Split | Dataset, ...]:
+        return self.train, self.val, self.test
+
     def to(self, device: torch.device) -> Data:
-        return Data(self.train.to(device), self.val.to(device), self.input_shape, self.num_classes)
+        train, val, test = (split.to(device) for split in self.splits)
+        return Data(train, val, test, self.input_shape, self.num_classes)
 
     @property
     def in_memory(self) -> bool:
-        return isinstance(self.train, Split) and isinstance(self.val, Split)
+        return all(isinstance(split, Split) for split in self.splits)
 
 
 def first_samples(dataset: Split | Dataset, count: int) -> Batch:
@@ -111,20 +119,41 @@ def build_data(settings: DictConfig, seed: int) -> Data:
     return instantiate(data_builder_config(settings), seed=seed)
 
 
-def _split(
-    inputs: torch.Tensor, targets: torch.Tensor, num_classes: int, val_fraction: float, seed: int
-) -> Data:
-    if not 0 < val_fraction < 1:
-        raise ValueError(f"data.val_fraction must be between 0 and 1, got {val_fraction}")
-    order = torch.randperm(len(targets), generator=torch.Generator().manual_seed(seed))
-    num_val = max(1, int(len(targets) * val_fraction))
-    val, train = order[:num_val], order[num_val:]
-    return Data(
-        train=Split(inputs[train], targets[train]),
-        val=Split(inputs[val], targets[val]),
-        input_shape=tuple(inputs.shape[1:]),
-        num_classes=num_classes,
-    )
+def check_fraction(name: str, fraction: float) -> None:
+    if not 0 < fraction < 1:
+        raise ValueError(f"data.{name} must be between 0 and 1, got {fraction}")
+
+
+def carved(split: Split, val_fraction: float, seed: int) -> tuple[Split, Split]:
+    """(train, val): `val_fraction` of the split's samples (at least one), chosen from the seed,
+    validate; the rest train."""
+    check_fraction("val_fraction", val_fraction)
+    order = torch.randperm(len(split), generator=torch.Generator().manual_seed(seed))
+    num_val = max(1, int(len(split) * val_fraction))
+    return Split(*split[order[num_val:]]), Split(*split[order[:num_val]])
+
+
+# A synthetic set's test samples are drawn from a generator of their own, so that the training and
+# validation samples stay what they were before sets had a test part. torch's CPU generator keeps
+# 32 bits of its seed (2**32 + seed draws what seed draws), so the test seed is the run's seed moved
+# by a large odd constant within them: no run of a seed below it draws these samples.
+TEST_SEED_OFFSET = 0x9E3779B9
+
+
+def test_generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed((seed + TEST_SEED_OFFSET) % 2**32)
+
+
+def test_count(num_samples: int, test_fraction: float) -> int:
+    """How many test samples a synthetic set of `num_samples` draws besides them (at least one)."""
+    check_fraction("test_fraction", test_fraction)
+    return max(1, int(num_samples * test_fraction))
+
+
+def _split(samples: Split, test: Split, num_classes: int, val_fraction: float, seed: int) -> Data:
+    """A synthetic set: `samples` split into train and val (`carved`), and its `test` samples."""
+    train, val = carved(samples, val_fraction, seed)
+    return Data(train, val, test, tuple(samples.inputs.shape[1:]), num_classes)
 
 
 def synthetic_classification(
@@ -133,6 +162,7 @@ def synthetic_classification(
     num_classes: int,
     num_samples: int,
     val_fraction: float,
+    test_fraction: float,
     image_shape: list[int] | None = None,
 ) -> Data:
     """Gaussian inputs labelled by a random linear teacher: learnable, deterministic in the seed."""
@@ -140,8 +170,14 @@ def synthetic_classification(
     generator = torch.Generator().manual_seed(seed)
     inputs = torch.randn(num_samples, *shape, generator=generator)
     teacher = torch.randn(inputs[0].numel(), num_classes, generator=generator)
-    targets = (inputs.flatten(1) @ teacher).argmax(1)
-    return _split(inputs, targets, num_classes, val_fraction, seed)
+
+    def labelled(inputs: torch.Tensor) -> Split:
+        return Split(inputs, (inputs.flatten(1) @ teacher).argmax(1))
+
+    test_inputs = torch.randn(
+        test_count(num_samples, test_fraction), *shape, generator=test_generator(seed)
+    )
+    return _split(labelled(inputs), labelled(test_inputs), num_classes, val_fraction, seed)
 
 
 # Scale of the random logits of each token's successors: softmax(2 * N(0, 1)) over 4 successors
@@ -155,6 +191,7 @@ def synthetic_tokens(
     seq_len: int,
     num_samples: int,
     val_fraction: float,
+    test_fraction: float,
     successors: int,
 ) -> Data:
     """Sequences from a random, sparse, low-entropy bigram chain: each token is followed by one of
@@ -168,17 +205,23 @@ def synthetic_tokens(
     next_tokens = torch.randint(vocab_size, (vocab_size, successors), generator=generator)
     logits = SUCCESSOR_LOGIT_SCALE * torch.randn(vocab_size, successors, generator=generator)
     cumulative = logits.softmax(-1).cumsum(-1)
-    by_position = torch.empty(seq_len + 1, num_samples, dtype=torch.long)  # rows: one step each
-    by_position[0] = torch.randint(vocab_size, (num_samples,), generator=generator)
-    steps = logged_progress(range(seq_len), f"building {num_samples} sequences of {seq_len} tokens")
-    for t in steps:
-        current = by_position[t]
-        draw = torch.rand(num_samples, 1, generator=generator)
-        # Inverse CDF over each token's successors; the clamp catches a cumsum that ends below 1.
-        choice = (cumulative[current] < draw).sum(1).clamp_(max=successors - 1)
-        by_position[t + 1] = next_tokens[current, choice]
-    tokens = by_position.T.contiguous()
-    return _split(tokens[:, :-1], tokens[:, 1:], vocab_size, val_fraction, seed)
+
+    def sequences(count: int, generator: torch.Generator) -> Split:
+        by_position = torch.empty(seq_len + 1, count, dtype=torch.long)  # rows: one step each
+        by_position[0] = torch.randint(vocab_size, (count,), generator=generator)
+        steps = logged_progress(range(seq_len), f"building {count} sequences of {seq_len} tokens")
+        for t in steps:
+            current = by_position[t]
+            draw = torch.rand(count, 1, generator=generator)
+            # Inverse CDF over each token's successors; the clamp catches a cumsum ending below 1.
+            choice = (cumulative[current] < draw).sum(1).clamp_(max=successors - 1)
+            by_position[t + 1] = next_tokens[current, choice]
+        tokens = by_position.T.contiguous()
+        return Split(tokens[:, :-1], tokens[:, 1:])
+
+    samples = sequences(num_samples, generator)
+    test = sequences(test_count(num_samples, test_fraction), test_generator(seed))
+    return _split(samples, test, vocab_size, val_fraction, seed)
 
 
 # Data preparation slower than this says how far it has got, this often.
@@ -224,32 +267,67 @@ class TokenWindows(Dataset):
         return {**self.__dict__, "_tokens": None}
 
 
-def tokens(seed: int, path: str, seq_len: int, vocab_size: int | None, val_fraction: float) -> Data:
-    """A flat uint16 token file: the first part trains, the last `val_fraction` validates. The
-    vocabulary is `vocab_size`, by default the file's largest token + 1."""
+def tokens(
+    seed: int,
+    path: str,
+    seq_len: int,
+    vocab_size: int | None,
+    val_fraction: float,
+    test_fraction: float,
+    test_path: str | None,
+) -> Data:
+    """A flat uint16 token file: the last `val_fraction` validates, the `test_fraction` before it
+    tests (or the whole file `test_path`, when given), the rest trains. The vocabulary is
+    `vocab_size`, by default the largest token + 1 (of the files read)."""
     del seed  # the order comes from the seed in `train_order`; the windows are fixed
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise FileNotFoundError(f"data.path={path}: no such token file")
-    if not 0 < val_fraction < 1:
-        raise ValueError(f"data.val_fraction must be between 0 and 1, got {val_fraction}")
+    file = token_file("path", path)
+    check_fraction("val_fraction", val_fraction)
     token_ids = np.memmap(file, dtype=np.uint16, mode="r")
-    largest = int(token_ids.max()) if len(token_ids) else -1
+    num_val = int(len(token_ids) * val_fraction)
+    val = TokenWindows(file, len(token_ids) - num_val, num_val, seq_len)
+    if test_path is None:
+        check_fraction("test_fraction", test_fraction)
+        num_test = int(len(token_ids) * test_fraction)
+        num_train = len(token_ids) - num_val - num_test
+        test = TokenWindows(file, num_train, num_test, seq_len)
+        largest = largest_token(token_ids)
+    else:
+        test_file = token_file("test_path", test_path)
+        test_ids = np.memmap(test_file, dtype=np.uint16, mode="r")
+        num_train = len(token_ids) - num_val
+        test = TokenWindows(test_file, 0, len(test_ids), seq_len)
+        largest = max(largest_token(token_ids), largest_token(test_ids))
     vocab_size = largest + 1 if vocab_size is None else vocab_size
     if largest >= vocab_size:
         raise ValueError(
-            f"data.vocab_size={vocab_size} but {path} holds token {largest}; raise it to at least "
-            f"{largest + 1} or leave it unset"
+            f"data.vocab_size={vocab_size} but the token files hold token {largest}; raise it to "
+            f"at least {largest + 1} or leave it unset"
         )
-    num_val = int(len(token_ids) * val_fraction)
-    train = TokenWindows(file, 0, len(token_ids) - num_val, seq_len)
-    val = TokenWindows(file, len(token_ids) - num_val, num_val, seq_len)
     if len(val) == 0:
         raise ValueError(
             f"data.path={path} has {len(token_ids)} tokens: too few for one validation window "
             f"of data.seq_len={seq_len} + 1; raise data.val_fraction or lower data.seq_len"
         )
-    return Data(train, val, input_shape=(seq_len,), num_classes=vocab_size)
+    if len(test) == 0:
+        where = f"data.test_path={test_path}" if test_path else f"data.path={path}'s test part"
+        raise ValueError(
+            f"{where} is too short for one test window of data.seq_len={seq_len} + 1; "
+            f"{'give a longer file' if test_path else 'raise data.test_fraction'} or lower "
+            "data.seq_len"
+        )
+    train = TokenWindows(file, 0, num_train, seq_len)
+    return Data(train, val, test, input_shape=(seq_len,), num_classes=vocab_size)
+
+
+def token_file(setting: str, path: str) -> Path:
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(f"data.{setting}={path}: no such token file")
+    return file
+
+
+def largest_token(token_ids: np.ndarray) -> int:
+    return int(token_ids.max()) if len(token_ids) else -1
 
 
 def synthetic_segmentation(
@@ -258,6 +336,7 @@ def synthetic_segmentation(
     image_shape: list[int],
     num_samples: int,
     val_fraction: float,
+    test_fraction: float,
     ignore_fraction: float,
     ignore_index: int,
 ) -> Data:
@@ -270,14 +349,28 @@ def synthetic_segmentation(
     channels = image_shape[0]
     inputs = torch.randn(num_samples, *image_shape, generator=generator)
     teacher = torch.randn(num_classes, channels, 3, 3, generator=generator)
-    targets = torch.nn.functional.conv2d(inputs, teacher, padding=1).argmax(1)
-    ignored = torch.rand(targets.shape, generator=generator) < ignore_fraction
-    targets[ignored] = ignore_index
-    return _split(inputs, targets, num_classes, val_fraction, seed)
+
+    def labelled(inputs: torch.Tensor, generator: torch.Generator) -> Split:
+        targets = torch.nn.functional.conv2d(inputs, teacher, padding=1).argmax(1)
+        ignored = torch.rand(targets.shape, generator=generator) < ignore_fraction
+        targets[ignored] = ignore_index
+        return Split(inputs, targets)
+
+    test_draws = test_generator(seed)
+    test_inputs = torch.randn(
+        test_count(num_samples, test_fraction), *image_shape, generator=test_draws
+    )
+    samples, test = labelled(inputs, generator), labelled(test_inputs, test_draws)
+    return _split(samples, test, num_classes, val_fraction, seed)
 
 
 def synthetic_regression(
-    seed: int, input_dim: int, output_dim: int, num_samples: int, val_fraction: float
+    seed: int,
+    input_dim: int,
+    output_dim: int,
+    num_samples: int,
+    val_fraction: float,
+    test_fraction: float,
 ) -> Data:
     """Gaussian inputs, targets from a random two-layer teacher plus a little noise:
     (samples, output_dim) floats. `num_classes` is the output width a model must have."""
@@ -285,9 +378,17 @@ def synthetic_regression(
     inputs = torch.randn(num_samples, input_dim, generator=generator)
     hidden = torch.randn(input_dim, 4 * output_dim, generator=generator) / input_dim**0.5
     teacher = torch.randn(4 * output_dim, output_dim, generator=generator) / (4 * output_dim) ** 0.5
-    noise = 0.1 * torch.randn(num_samples, output_dim, generator=generator)
-    targets = torch.tanh(inputs @ hidden) @ teacher + noise
-    return _split(inputs, targets, output_dim, val_fraction, seed)
+
+    def labelled(inputs: torch.Tensor, generator: torch.Generator) -> Split:
+        noise = 0.1 * torch.randn(len(inputs), output_dim, generator=generator)
+        return Split(inputs, torch.tanh(inputs @ hidden) @ teacher + noise)
+
+    test_draws = test_generator(seed)
+    test_inputs = torch.randn(
+        test_count(num_samples, test_fraction), input_dim, generator=test_draws
+    )
+    samples, test = labelled(inputs, generator), labelled(test_inputs, test_draws)
+    return _split(samples, test, output_dim, val_fraction, seed)
 
 
 def batches_per_epoch(num_samples: int, batch_size: int) -> int:

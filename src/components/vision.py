@@ -14,6 +14,7 @@ the rest of the template runs without torchvision.
 from __future__ import annotations
 
 import contextlib
+import logging
 import pickle
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,7 +24,9 @@ from PIL import Image
 from torchvision import datasets
 from torchvision.transforms import v2
 
-from src.components.data import Data, Split
+from src.components.data import Data, Split, carved
+
+log = logging.getLogger(__name__)
 
 # Per-channel mean and standard deviation of each set's training images (scaled to [0, 1]).
 STATS = {
@@ -117,35 +120,34 @@ def in_memory(name: str, root: str, download: bool, train: bool) -> Split:
     return Split(normalise(*STATS[name])(images.contiguous()), targets)
 
 
-def torchvision_set(name: str, num_classes: int, root: str, download: bool) -> Data:
-    """Set `name`: its training part trains, its test part validates."""
-    train = in_memory(name, root, download, train=True)
-    val = in_memory(name, root, False, train=False)
-    return Data(train, val, input_shape=tuple(train.inputs.shape[1:]), num_classes=num_classes)
+def torchvision_set(
+    name: str, num_classes: int, seed: int, root: str, download: bool, val_fraction: float
+) -> Data:
+    """Set `name`: its published test part tests; `val_fraction` of its training part, chosen from
+    the seed, validates, and the rest trains."""
+    train, val = carved(in_memory(name, root, download, train=True), val_fraction, seed)
+    test = in_memory(name, root, False, train=False)
+    return Data(train, val, test, tuple(train.inputs.shape[1:]), num_classes)
 
 
-def cifar10(seed: int, root: str, download: bool) -> Data:
+def cifar10(seed: int, root: str, download: bool, val_fraction: float) -> Data:
     """CIFAR-10's python batches from `root/cifar-10-batches-py/`."""
-    del seed  # the set is fixed; the order comes from the seed in `train_order`
-    return torchvision_set("cifar10", 10, root, download)
+    return torchvision_set("cifar10", 10, seed, root, download, val_fraction)
 
 
-def cifar100(seed: int, root: str, download: bool) -> Data:
+def cifar100(seed: int, root: str, download: bool, val_fraction: float) -> Data:
     """CIFAR-100's python batches from `root/cifar-100-python/`, with its 100 fine labels."""
-    del seed
-    return torchvision_set("cifar100", 100, root, download)
+    return torchvision_set("cifar100", 100, seed, root, download, val_fraction)
 
 
-def mnist(seed: int, root: str, download: bool) -> Data:
+def mnist(seed: int, root: str, download: bool, val_fraction: float) -> Data:
     """MNIST's IDX files from `root/MNIST/raw/`."""
-    del seed
-    return torchvision_set("mnist", 10, root, download)
+    return torchvision_set("mnist", 10, seed, root, download, val_fraction)
 
 
-def fashion_mnist(seed: int, root: str, download: bool) -> Data:
+def fashion_mnist(seed: int, root: str, download: bool, val_fraction: float) -> Data:
     """Fashion-MNIST's IDX files from `root/FashionMNIST/raw/`."""
-    del seed
-    return torchvision_set("fashion_mnist", 10, root, download)
+    return torchvision_set("fashion_mnist", 10, seed, root, download, val_fraction)
 
 
 def image_folder(
@@ -155,7 +157,8 @@ def image_folder(
     mean: list[float],
     std: list[float],
 ) -> Data:
-    """`root/train/<class>/*` trains and `root/val/<class>/*` validates (the same classes),
+    """`root/train/<class>/*` trains, `root/val/<class>/*` validates and `root/test/<class>/*`
+    tests (val/ again where there is no test/; said in the log), all with the same classes,
     read by torchvision's ImageFolder as RGB images, resized to `image_size` ([height, width])
     when given, else all of one size."""
     del seed
@@ -164,12 +167,19 @@ def image_folder(
     transform = v2.Compose([*steps, v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std),
                             v2.ToPureTensor()])  # fmt: skip
     train, val = (image_set(folder / part, root, transform) for part in ("train", "val"))
-    if train.classes != val.classes:
-        raise ValueError(
-            f"data.root={root}: train/ has the classes {train.classes} but val/ has "
-            f"{val.classes}; give both the same class folders"
-        )
-    sizes = image_sizes(train.samples + val.samples, root)
+    if (folder / "test").is_dir():
+        test = image_set(folder / "test", root, transform)
+    else:
+        log.warning("data.root=%s has no test/ folder: the test split is val/", root)
+        test = val
+    for part, other in (("val", val), ("test", test)):
+        if train.classes != other.classes:
+            raise ValueError(
+                f"data.root={root}: train/ has the classes {train.classes} but {part}/ has "
+                f"{other.classes}; give them the same class folders"
+            )
+    distinct = [train, val] + ([test] if test is not val else [])
+    sizes = image_sizes([sample for part in distinct for sample in part.samples], root)
     if image_size is None and len(sizes) > 1:
         (first, first_size), (other, other_size) = sorted(sizes.items(), key=lambda s: s[1])[:2]
         raise ValueError(
@@ -178,7 +188,7 @@ def image_folder(
             "to resize every image"
         )
     height, width = image_size or next(iter(sizes.values()))[::-1]
-    return Data(train, val, input_shape=(3, height, width), num_classes=len(train.classes))
+    return Data(train, val, test, (3, height, width), len(train.classes))
 
 
 def image_set(folder: Path, root: str, transform: v2.Compose) -> datasets.ImageFolder:

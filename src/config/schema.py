@@ -139,7 +139,7 @@ class TransformerConfig:
 
 
 # ------------------------------------------------------------------------------------------ data
-# A dataset builder returns `src.components.data.Data` (train/val sets plus their shapes). The
+# A dataset builder returns `src.components.data.Data` (train/val/test sets plus their shapes). The
 # loader settings are the loop's, not the builder's: `data_builder_config` leaves them out.
 
 
@@ -164,6 +164,11 @@ class DataConfig(LoaderConfig):
     _target_: str = MISSING
     val_fraction: float = 0.1
     """Share of the samples held out for validation, chosen from the seed."""
+    test_fraction: float = 0.1
+    """The test split's size. Synthetic sets draw this share of num_samples as test samples
+    besides them, from a generator seeded apart (seed + 0x9E3779B9), so that train and val hold
+    what they hold without it; a token file's test part is this share of its tokens, just
+    before the validation part (unless `test_path` gives a file of its own)."""
 
 
 @dataclass
@@ -219,10 +224,12 @@ class SyntheticRegressionConfig(GaussianInputsConfig):
 
 @dataclass
 class TorchvisionSetConfig(LoaderConfig):
-    """A set torchvision reads from its published files (`src/components/vision.py`): the training
-    part trains, the test part validates."""
+    """A set torchvision reads from its published files (`src/components/vision.py`): the test
+    part tests, and the training part trains and validates."""
 
     _target_: str = MISSING
+    val_fraction: float = 0.1
+    """Share of the training part held out for validation, chosen from the seed."""
     root: str = "data"
     """Folder holding the set's files as torchvision lays them out (the option's file says
     where)."""
@@ -234,7 +241,8 @@ class TorchvisionSetConfig(LoaderConfig):
 class ImageFolderConfig(LoaderConfig):
     _target_: str = "src.components.vision.image_folder"
     root: str = MISSING
-    """Folder holding `train/<class>/<image>` and `val/<class>/<image>` (any format PIL reads)."""
+    """Folder holding `train/<class>/<image>`, `val/<class>/<image>` and `test/<class>/<image>`
+    (any format PIL reads); without test/, val/ is the test split too."""
     image_size: list[int] | None = None
     """[height, width] every image is resized to; None: the images must all be of one size."""
     mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
@@ -250,7 +258,9 @@ class TokensConfig(DataConfig):
     """A flat uint16 token file, as nanoGPT's prepare scripts write `train.bin`."""
     seq_len: int = 256
     vocab_size: int | None = None
-    """None: the file's largest token + 1."""
+    """None: the files' largest token + 1."""
+    test_path: str | None = None
+    """A token file of its own for the test split; None: `test_fraction` of `path`."""
 
 
 def data_builder_config(data: DictConfig) -> DictConfig:
@@ -462,6 +472,7 @@ Precision = choices("Precision", "fp32 bf16 fp16")
 Accelerator = choices("Accelerator", "auto cpu cuda")
 CheckpointFormat = choices("CheckpointFormat", "auto full sharded")
 MatmulPrecision = choices("MatmulPrecision", "auto highest high medium")
+MonitorMode = choices("MonitorMode", "min max")
 
 
 @dataclass
@@ -532,6 +543,19 @@ class TrainerConfig:
     skip_nonfinite: bool = False
     """Skip optimizer steps whose loss is NaN/inf instead of stopping the run. Checks every step,
     which waits on the device once per step (on GPUs this costs overlap)."""
+    test: bool = True
+    """After training, score the model on the data's test split (as evaluation does, in batches
+    of `eval_batch`): `test_loss`, `test_<figure>` in summary.json, `test/<figure>` in the
+    metrics at the last step. After an early stop, the best checkpoint's weights are scored."""
+    monitor: str | None = "val/loss"
+    """The metric (as metrics.jsonl names it: `val/<figure>` or `train/<figure>` of the task)
+    whose best value keeps a checkpoint in `checkpoints/best/`, written at the steps it is logged
+    (evaluation steps for val/*) when it improves; null: no best checkpoint."""
+    monitor_mode: MonitorMode = MonitorMode.min
+    """min: lower is better (losses); max: higher is better (accuracy, IoU)."""
+    early_stop_patience: int = 0
+    """Stop after this many values of `monitor` in a row without improvement (for val/*:
+    evaluations); 0: never stop early."""
 
 
     def __post_init__(self) -> None:
@@ -549,7 +573,13 @@ class TrainerConfig:
             raise ConfigError(
                 f"trainer.eval_batch_size must be at least 1 (or null), got {self.eval_batch_size}"
             )
-        for key in ("eval_every", "checkpoint_every", "grad_clip", "timing_warmup_steps"):
+        for key in (
+            "eval_every",
+            "checkpoint_every",
+            "grad_clip",
+            "timing_warmup_steps",
+            "early_stop_patience",
+        ):
             if getattr(self, key) < 0:
                 raise ConfigError(f"trainer.{key} must be 0 or more, got {getattr(self, key)}")
         if self.batch_size % self.accumulate:
@@ -568,6 +598,17 @@ class TrainerConfig:
             raise ConfigError(
                 "trainer.keep_checkpoints must be 0 (keep all) or more, got "
                 f"{self.keep_checkpoints}"
+            )
+        if self.early_stop_patience and self.monitor is None:
+            raise ConfigError(
+                f"trainer.early_stop_patience={self.early_stop_patience} watches trainer.monitor, "
+                "which is null; name a metric (e.g. trainer.monitor=val/loss) or set "
+                "trainer.early_stop_patience=0"
+            )
+        if self.early_stop_patience and self.eval_every == 0 and self.monitor.startswith("val/"):
+            raise ConfigError(
+                f"trainer.early_stop_patience={self.early_stop_patience} counts evaluations, but "
+                "trainer.eval_every=0 evaluates only after the last step; set trainer.eval_every"
             )
 
     @property

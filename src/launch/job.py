@@ -63,7 +63,9 @@ def run(cfg: DictConfig, ranks: Ranks | None) -> dict[str, Any]:
         start_rank_server()  # unless train.py has: it imports what the ranks need meanwhile
     blueprint = build_blueprint(cfg, run_dir, strategy)
     if blueprint.saved is not None and finished(blueprint.saved, cfg):
-        return finish_finished_run(cfg, run_dir, strategy, blueprint.checkpoint, ranks)
+        return finish_finished_run(
+            cfg, run_dir, strategy, blueprint.checkpoint, blueprint.saved, ranks
+        )
     job_logging = OmegaConf.to_container(hydra.job_logging, resolve=True)
     if ranks is not None:
         check_started_ranks(ranks, strategy, nodes)

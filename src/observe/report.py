@@ -107,6 +107,8 @@ class Row:
     """pp layouts: each pp rank's measured share of a step spent waiting (`StageClock`)."""
     final_train_loss: float | None = None
     final_val_loss: float | None = None
+    test_loss: float | None = None
+    """The test pass's loss (trainer.test); absent from older summaries."""
     status: str = "failed"
     reason: str = ""
     flags: str = ""
@@ -191,6 +193,7 @@ def fill_from_summary(row: Row, summary: dict[str, Any]) -> None:
         row.cores = summary["cores"]
     row.final_train_loss = summary["final_train_loss"]
     row.final_val_loss = summary["final_val_loss"]
+    row.test_loss = summary.get("test_loss")
     row.output_device_memory_ratio = summary.get("output_device_memory_ratio")
     if "pipeline" in summary:
         row.pipeline_bubble = summary["pipeline"]["bubble_fraction"]
@@ -265,6 +268,7 @@ COLUMN_TITLES = {
     "pipeline_idle": "idle per pp rank (measured)",
     "final_train_loss": "train loss",
     "final_val_loss": "val loss",
+    "test_loss": "test loss",
     "status": "status",
     "flags": "flags",
 }
@@ -309,6 +313,7 @@ def markdown_table(rows: list[Row]) -> str:
     optional = {
         "variant",
         "tokens_per_sec",
+        "test_loss",
         "output_device_memory_ratio",
         "pipeline_bubble",
         "pipeline_idle",

@@ -75,7 +75,8 @@ def check_model(
     """`model` (on the meta device) gives outputs the task takes, has something to train, can be
     placed by `strategy`, and its optimizer and schedule can be built."""
     inputs, targets = meta_batch(data)
-    check_model_output(model, task, inputs, targets, data.num_classes, cfg.model._target_)
+    figures = check_model_output(model, task, inputs, targets, data.num_classes, cfg.model._target_)
+    check_monitor(cfg.trainer.monitor, figures, cfg.task._target_)
     if not any(parameter.requires_grad for parameter in model.parameters()):
         raise ConfigError(
             f"model: {cfg.model._target_} has no trainable parameters (none requires a "
@@ -99,16 +100,17 @@ def check_model_output(
     targets: Tree,
     num_classes: int,
     name: str,
-) -> None:
+) -> list[str] | None:
     """Run `model` (on the meta device; this also sizes lazy modules) and the task's sums on its
     outputs (a tensor, tuple, list or dict): raise ConfigError for outputs the task cannot take.
-    A model that cannot run on the meta device at all is left to show its errors in training."""
+    Returns the names of the task's figures (None for a model that cannot run on the meta device
+    at all, which is left to show its errors in training)."""
     try:
         with torch.no_grad():
             outputs = model(inputs)
     except Exception:  # noqa: BLE001 - e.g. no meta kernel, or a forward that reads the values
         log.debug("model: no forward pass on the meta device", exc_info=True)
-        return
+        return None
     shapes = (
         f"model: {name} returns outputs shaped {describe(outputs)} for inputs shaped "
         f"{describe(inputs)} and targets shaped {describe(targets)}"
@@ -118,12 +120,26 @@ def check_model_output(
     if problem:
         raise ConfigError(f"{shapes}, but for {type(task).__name__} {problem}")
     try:
-        task.sums(outputs, targets)
+        sums = task.sums(outputs, targets)
     except (RuntimeError, TypeError, KeyError, IndexError, AttributeError) as error:
         raise ConfigError(
             f"{shapes}, which {type(task).__name__} cannot score "
             f"({type(error).__name__}: {''.join(str(error).strip().splitlines()[:1])})"
         ) from error
+    return list(task.figures([1.0] * len(sums), 1.0))  # the names; any values will do
+
+
+def check_monitor(monitor: str | None, figures: list[str] | None, task: str) -> None:
+    """trainer.monitor names a figure of the task that training or evaluation logs (val/* is
+    logged at least once, by the evaluation after the last step)."""
+    if monitor is None or figures is None:
+        return
+    logged = [f"{split}/{name}" for split in ("val", "train") for name in figures]
+    if monitor not in logged:
+        raise ConfigError(
+            f"trainer.monitor={monitor} is never logged: task {task} logs {', '.join(logged)}; "
+            "choose one of them, or trainer.monitor=null for no best checkpoint"
+        )
 
 
 def check_checkpoint_format(trainer: DictConfig, strategy: Strategy) -> None:

@@ -15,6 +15,7 @@ import functools
 import json
 import logging
 import math
+import operator
 import os
 import statistics
 import time
@@ -29,7 +30,7 @@ from src.checkpoint.store import CheckpointWriter
 from src.components.data import Split, ValBatches
 from src.components.precision import LossScaling, autocast
 from src.components.tasks import Task
-from src.config.schema import TrainerConfig
+from src.config.schema import ConfigError, TrainerConfig
 from src.observe.report import rate_text
 from src.observe.tracking import Tracker
 from src.parallel.base import TrainingStrategy
@@ -363,6 +364,7 @@ class Progress:
         self.window_sums: list[torch.Tensor] = []  # each step's sums since the last log
         self.targets = 0
         self.figures: dict[str, float] = {"loss": math.nan}
+        self.logged_step: int | None = None
 
     def due(self, step: int) -> bool:
         return due(self.trainer.log_every, step)
@@ -371,9 +373,11 @@ class Progress:
         self.window_sums.append(step_sums)
         self.targets += targets
 
-    def maybe_log(self, step: int, lr: float, history: History, force: bool) -> None:
-        if not (force or self.due(step)):
-            return
+    def maybe_log(self, step: int, lr: float, history: History, force: bool) -> dict[str, float]:
+        """The metrics recorded at `step` ({} when not due, or logged at this step already)."""
+        if not (force or self.due(step)) or step == self.logged_step:
+            return {}
+        self.logged_step = step
         figures = window_means(self.strategy, self.task, self.window_sums, self.targets)
         self.figures = figures or {name: math.nan for name in self.figures}
         self.window_sums, self.targets = [], 0
@@ -403,21 +407,25 @@ class Progress:
                         eta_s,
                     )
                 )
+        return metrics
 
 
 class Evaluation:
-    """The validation figures, every `trainer.eval_every` steps and at the last."""
+    """The task's figures over a held-out split, recorded as `<split>/<figure>`: the validation
+    split every `trainer.eval_every` steps and at the last (`maybe_run`), the test split once
+    after training (`run`)."""
 
     def __init__(
         self,
         trainer: TrainerConfig,
         strategy: TrainingStrategy,
         task: Task,
-        val: ValBatches,
+        batches: ValBatches,
         speed: Throughput,
+        split: str = "val",
     ):
         self.trainer, self.strategy, self.task, self.speed = trainer, strategy, task, speed
-        self.val = val
+        self.batches, self.split = batches, split
         self.figures: dict[str, float] = {"loss": math.nan}
 
     def due(self, step: int) -> bool:
@@ -425,17 +433,27 @@ class Evaluation:
 
     def maybe_run(
         self, step: int, model: torch.nn.Module, precision: Any, history: History, force: bool
-    ) -> None:
+    ) -> dict[str, float]:
+        """The metrics recorded at `step` ({} when not due)."""
         if not (force or self.due(step)):
-            return
+            return {}
+        return self.run(step, model, precision, history)
+
+    def run(
+        self, step: int, model: torch.nn.Module, precision: Any, history: History
+    ) -> dict[str, float]:
         with self.speed.paused():
             self.figures = evaluate(
-                model, self.strategy, self.task, self.val, self.trainer.eval_batch, precision
+                model, self.strategy, self.task, self.batches, self.trainer.eval_batch, precision
             )
-            history.record({f"val/{name}": value for name, value in self.figures.items()}, step)
+            metrics = {f"{self.split}/{name}": value for name, value in self.figures.items()}
+            history.record(metrics, step)
             if self.strategy.is_main:
-                shown = " | ".join(f"val {name} {v:.4g}" for name, v in self.figures.items())
+                shown = " | ".join(
+                    f"{self.split} {name} {v:.4g}" for name, v in self.figures.items()
+                )
                 log.info("step %d | %s", step, shown)
+        return metrics
 
 
 class Checkpointing:
@@ -476,6 +494,97 @@ class Checkpointing:
                 self.writer.wait()
         self.last_step = step
         return saved_to
+
+
+class Monitoring:
+    """`trainer.monitor`'s best value: at each step where the metric is logged (for val/*, the
+    evaluation steps) and improves on the best so far, the best checkpoint
+    (`checkpoints/best/`); with `trainer.early_stop_patience` N, the stop after N values in a
+    row without improvement, and the best weights kept in memory (a copy of this process's
+    share of the model) for the test pass to score. Every process sees the same all-reduced
+    value, so all of them write, count and stop alike."""
+
+    def __init__(
+        self,
+        trainer: TrainerConfig,
+        strategy: TrainingStrategy,
+        writer: CheckpointWriter,
+        speed: Throughput,
+    ):
+        self.metric, self.patience = trainer.monitor, trainer.early_stop_patience
+        self.better = operator.lt if trainer.monitor_mode == "min" else operator.gt
+        self.strategy, self.writer, self.speed = strategy, writer, speed
+        self.best_value: float | None = None
+        self.best_step: int | None = None
+        self.since_best = 0  # values logged since the best
+        self.best_weights: dict[str, torch.Tensor] | None = None  # with early stopping only
+
+    def observe(
+        self,
+        step: int,
+        logged: dict[str, float],
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_state: Callable[[], dict[str, Any]],
+    ) -> bool:
+        """Take the metrics `logged` at `step`; whether the patience has run out."""
+        if self.metric is None or not logged_with(self.metric, logged):
+            return False
+        if self.metric not in logged:  # a model that could not run on the meta device escapes
+            raise ConfigError(  # the check before training (`checks.check_monitor`)
+                f"trainer.monitor={self.metric} is not logged; this run logs "
+                f"{', '.join(logged)}"
+            )
+        value = logged[self.metric]
+        if self.best_value is None or self.better(value, self.best_value):
+            self.best_value, self.best_step, self.since_best = value, step, 0
+            with self.speed.paused():
+                self.writer.save(model, optimizer, train_state(), best=True)
+                if self.patience:
+                    self.best_weights = weights_copy(self.strategy.unwrap(model))
+            return False
+        self.since_best += 1
+        return 0 < self.patience <= self.since_best
+
+    def restore_best(self, model: torch.nn.Module) -> None:
+        """Put the best weights back into `model` (early stopping kept them)."""
+        self.strategy.unwrap(model).load_state_dict(self.best_weights)
+
+    def stop_reason(self) -> str:
+        return (
+            f"stopping early: {self.metric} has not improved on its best, {self.best_value:.4g} "
+            f"at step {self.best_step}, for {self.since_best} values "
+            f"(trainer.early_stop_patience={self.patience})"
+        )
+
+    def summary(self) -> dict[str, Any]:
+        if self.metric is None:
+            return {}
+        return {"monitor": self.metric, "best_step": self.best_step, "best_value": self.best_value}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of it, so that a resumed run goes on from the same best."""
+        return {
+            "best_value": self.best_value,
+            "best_step": self.best_step,
+            "since_best": self.since_best,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best_value, self.best_step = state["best_value"], state["best_step"]
+        self.since_best = state["since_best"]
+
+
+def logged_with(metric: str, logged: dict[str, float]) -> bool:
+    """Whether `logged` holds the metrics of `metric`'s kind (`val/...`: an evaluation's)."""
+    kind = metric.split("/", 1)[0]
+    return any(name.startswith(f"{kind}/") for name in logged)
+
+
+def weights_copy(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of `module`'s state_dict (this process's shards, for sharded models), where the
+    module holds it, that `load_state_dict` puts back."""
+    return {name: value.detach().clone() for name, value in module.state_dict().items()}
 
 
 class Stepper:

@@ -81,9 +81,10 @@ def saved_lr(state: dict[str, Any]) -> Callable[[int], float]:
 
 
 def finished(state: dict[str, Any], cfg: DictConfig) -> bool:
-    """With trainer.resume=auto, the checkpoint of a run that trained all its steps (killed, say,
-    after writing it): a requeued job then ends at once, successfully."""
-    return cfg.trainer.resume == "auto" and state["step"] == cfg.trainer.max_steps
+    """With trainer.resume=auto, the checkpoint of a run that trained all its steps or stopped
+    early (killed, say, after writing it): a requeued job then ends at once, successfully."""
+    done = state["step"] == cfg.trainer.max_steps or state.get("stopped_early", False)
+    return cfg.trainer.resume == "auto" and done
 
 
 def log_resumed_schedule(cfg: DictConfig, state: dict[str, Any], checkpoint: Path) -> None:

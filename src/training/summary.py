@@ -21,15 +21,22 @@ log = logging.getLogger(__name__)
 
 
 def finish_finished_run(
-    cfg: DictConfig, run_dir: Path, strategy: Strategy, checkpoint: Path, ranks: Ranks | None
+    cfg: DictConfig,
+    run_dir: Path,
+    strategy: Strategy,
+    checkpoint: Path,
+    state: dict[str, Any],
+    ranks: Ranks | None,
 ) -> dict[str, Any]:
-    """The summary of a run that had trained all its steps; written if the run died before."""
+    """The summary of a run that had trained all its steps or stopped early (`state`: its last
+    checkpoint's); written if the run died before."""
     path = summary_file(run_dir)
     log.info(
-        "%s is at step %d of trainer.max_steps=%d: this run is complete, nothing to do",
+        "%s is at step %d of trainer.max_steps=%d%s: this run is complete, nothing to do",
         checkpoint,
+        state["step"],
         cfg.trainer.max_steps,
-        cfg.trainer.max_steps,
+        " (stopped early)" if state.get("stopped_early") else "",
     )
     if path.exists() or (ranks is not None and ranks.rank != 0):
         return json.loads(path.read_text()) if path.exists() else {}
@@ -45,7 +52,7 @@ def finish_finished_run(
         "devices": cfg.parallel.devices,
         "world_size": strategy.world_size,
         "global_batch": cfg.trainer.batch_size,
-        "steps": cfg.trainer.max_steps,
+        "steps": state["step"],
         "final_train_loss": last("train/loss"),
         "final_train_accuracy": last("train/accuracy"),
         "final_val_loss": last("val/loss"),

@@ -65,6 +65,8 @@ from src.training.build import (
 from src.training.loop import (
     Checkpointing,
     Evaluation,
+    History,
+    Monitoring,
     Progress,
     Stepper,
     Throughput,
@@ -114,6 +116,8 @@ class Trainer:
         self.tracker_id: str | None = None  # the W&B run to continue
         self.tracker: Tracker | None = None
         self.finished = False
+        self.stopped_early = False
+        self.tested_step: int | None = None  # whose weights the test pass scored
 
     def __enter__(self) -> Trainer:
         self.strategy.setup()
@@ -152,7 +156,7 @@ class Trainer:
             cfg.logger, str(self.run_dir), self.resolved, strategy.is_main, self.tracker_id
         )
         settings = self.settings
-        self.batches, self.val = input_batches(cfg, settings, strategy, data, self.step)
+        self.batches, self.val, self.test = input_batches(cfg, settings, strategy, data, self.step)
         self.lr_at = lr_schedule(cfg.optimizer, settings.max_steps)
         self.speed = Throughput(
             settings.timing_warmup_steps,
@@ -161,6 +165,7 @@ class Trainer:
         )
         self.progress = Progress(settings, strategy, self.task, self.speed)
         self.evaluation = Evaluation(settings, strategy, self.task, self.val, self.speed)
+        self.testing = Evaluation(settings, strategy, self.task, self.test, self.speed, "test")
         writer = CheckpointWriter(
             self.run_dir,
             strategy,
@@ -169,6 +174,9 @@ class Trainer:
             settings.async_checkpoint,
         )
         self.checkpointing = Checkpointing(writer, settings.checkpoint_every, self.speed, self.step)
+        self.monitoring = Monitoring(settings, strategy, writer, self.speed)
+        if state is not None and state.get("monitor"):  # the train state's, which older
+            self.monitoring.load_state_dict(state["monitor"])  # checkpoints lack
 
     def build_model_and_optimizer(
         self,
@@ -205,6 +213,8 @@ class Trainer:
             "loss_scaling": self.stepper.scaling.state_dict(),
             "config": self.resolved,
             "wandb_run_id": self.tracker.run_id,
+            "monitor": self.monitoring.state_dict(),
+            "stopped_early": self.stopped_early,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -254,19 +264,54 @@ class Trainer:
                 last = step == settings.max_steps
                 stop_signal = self.agreed_stop(stop, step)
                 stopping = stop_signal is not None
-                self.progress.maybe_log(step, lr, history, force=last)
-                self.evaluation.maybe_run(step, model, stepper.precision, history, force=last)
+                logged = {
+                    **self.progress.maybe_log(step, lr, history, force=last),
+                    **self.evaluation.maybe_run(
+                        step, model, stepper.precision, history, force=last
+                    ),
+                }
+                self.stopped_early = self.monitoring.observe(
+                    step, logged, model, self.optimizer, self.state_dict
+                )
+                if self.stopped_early:  # the run's last step: its training figures too
+                    self.progress.maybe_log(step, lr, history, force=True)
                 saved_to = self.checkpointing.maybe_save(
-                    step, model, self.optimizer, self.state_dict, force=last or stopping
+                    step,
+                    model,
+                    self.optimizer,
+                    self.state_dict,
+                    force=last or stopping or self.stopped_early,
                 )
                 if stopping:
                     raise Interrupted.by(stop_signal, step, saved_to)
+                if self.stopped_early:
+                    if strategy.is_main:
+                        log.info(self.monitoring.stop_reason())
+                    break
+            if settings.test:
+                self.run_test(history)
         summary = self.summary(self.final_figures())
         self.finished = True
         self.tracker.finish(summary, 0)
         if strategy.is_main:
             write_summary(summary, self.run_dir)
         return summary
+
+    def run_test(self, history: History) -> None:
+        """Score the model on the test split at the last step: after an early stop, the best
+        checkpoint's weights (kept in memory since it was written), else the final ones."""
+        self.tested_step = self.step
+        if self.stopped_early and self.monitoring.best_weights is not None:
+            self.monitoring.restore_best(self.model)
+            self.tested_step = self.monitoring.best_step
+        elif self.stopped_early and self.strategy.is_main:
+            log.warning(  # a run resumed after its best: the weights went with that process
+                "the best weights (step %d) are not in memory: testing the final model",
+                self.monitoring.best_step,
+            )
+        if self.strategy.is_main:
+            log.info("testing the weights of step %d on the test split", self.tested_step)
+        self.testing.run(self.step, self.model, self.stepper.precision, history)
 
     def agreed_stop(self, stop: StopOnSignal, step: int) -> int | None:
         """The signal all processes agreed to stop for after `step` (see `agree_to_stop`), or
@@ -292,10 +337,15 @@ class Trainer:
 
     def final_figures(self) -> dict[str, Any]:
         memory_devices, memory_mb = self.strategy.peak_memory_mb()
+        tested = self.tested_step is not None
+        test_figures = {f"test_{name}": value for name, value in self.testing.figures.items()}
         return {
-            "steps": self.settings.max_steps,
+            "steps": self.step,
+            "stopped_early": self.stopped_early,
             **{f"final_train_{name}": value for name, value in self.progress.figures.items()},
             **summary_val_figures(self.evaluation.figures),
+            **({**test_figures, "test_step": self.tested_step} if tested else {}),
+            **self.monitoring.summary(),
             "skipped_steps": self.stepper.skipped_steps,
             "scaler_skipped_steps": self.stepper.scaling.skipped_steps,
             **self.speed.summary(),
@@ -354,8 +404,9 @@ def profiling(
 
 def input_batches(
     cfg: DictConfig, trainer: TrainerConfig, strategy: Strategy, data: Data, start_step: int
-) -> tuple[TimedBatches, ValBatches]:
-    """This process's training batches from `start_step` on, and its validation batches."""
+) -> tuple[TimedBatches, ValBatches, ValBatches]:
+    """This process's training batches from `start_step` on, and its validation and test
+    batches."""
     loading = loading_for(
         cfg.data, cfg.seed, strategy.device_type, strategy.processes_per_node, usable_cores()
     )
@@ -368,8 +419,11 @@ def input_batches(
         start_batch=start_step * trainer.accumulate,
         loading=loading,
     )
-    val = ValBatches(data.val, trainer.eval_batch, strategy.rank, strategy.world_size, loading)
-    return TimedBatches(train), val
+    val, test = (
+        ValBatches(split, trainer.eval_batch, strategy.rank, strategy.world_size, loading)
+        for split in (data.val, data.test)
+    )
+    return TimedBatches(train), val, test
 
 
 def checkpoint_to_load(blueprint: Blueprint, strategy: Strategy) -> tuple[dict | None, bool]:
@@ -410,7 +464,7 @@ def keep_on_device(data: Data, device: torch.device) -> Data:
     if device.type != "cuda" or not data.in_memory:
         return data
     budget = DEVICE_DATA_FRACTION * torch.cuda.get_device_properties(device).total_memory
-    if data.train.nbytes + data.val.nbytes > budget:
+    if sum(split.nbytes for split in data.splits) > budget:
         log.info("the dataset stays in host memory; batches are copied to %s each step", device)
         return data
     return data.to(device)
