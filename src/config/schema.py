@@ -529,6 +529,14 @@ class TrainerConfig:
     run ends at once), or give a checkpoint folder (`checkpoints/step-*`). Model, optimizer, step
     (hence LR schedule and data order), RNG and W&B run carry on; a cosine schedule stretched by
     another max_steps needs optimizer.schedule_steps."""
+    init_from: str | None = None
+    """Start a new run (step 0, a fresh optimizer, a new W&B run) from the weights of a checkpoint
+    folder, a run folder (its newest checkpoint), an exported `.pt` or `.safetensors` file, or a
+    state_dict saved from `torchvision.models.resnet18()` (model=resnet), under any strategy. With
+    trainer.resume, a checkpoint to resume wins: a resumed fine-tune continues."""
+    init_strict: bool = True
+    """trainer.init_from's keys must be the model's; false loads the keys that fit, keeps the
+    model's others as initialised and logs both lists (shapes must match either way)."""
     skip_nonfinite: bool = False
     """Skip optimizer steps whose loss is NaN/inf instead of stopping the run. Checks every step,
     which waits on the device once per step (on GPUs this costs overlap)."""
