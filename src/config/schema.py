@@ -235,8 +235,10 @@ class ImageFolderConfig(LoaderConfig):
     _target_: str = "src.components.vision.image_folder"
     root: str = MISSING
     """Folder holding `train/<class>/<image>` and `val/<class>/<image>` (any format PIL reads)."""
-    image_size: list[int] | None = None
-    """[height, width] every image is resized to; None: the images must all be of one size."""
+    image_size: Any = None
+    """[height, width] every image is resized to, or one size for squares (as torchvision's
+    Resize takes it); None: the images must all be of one size. (`Any`: OmegaConf's schemas
+    cannot say "an int or a list of ints"; the builder checks it.)"""
     mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
     """Per-channel mean subtracted from the RGB images (in [0, 1]); ImageNet's by default."""
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
