@@ -157,6 +157,9 @@ class LoaderConfig:
     augment: bool = False
     """Image sets: a random crop and horizontal flip of each training sample, drawn from
     (seed, epoch, sample index), so every strategy and worker count sees the same batches."""
+    train_samples: int | None = None
+    """Train on the first N training samples only, over and over (debug=overfit: a model that
+    cannot overfit a few batches will not learn the whole set); None: all of them."""
 
 
 @dataclass
@@ -539,6 +542,9 @@ class TrainerConfig:
     init_strict: bool = True
     """trainer.init_from's keys must be the model's; false loads the keys that fit, keeps the
     model's others as initialised and logs both lists (shapes must match either way)."""
+    checkpoint: bool = True
+    """false writes no checkpoint at all, not even at the end or when stopped (debug runs), so
+    the run cannot be resumed or exported."""
     skip_nonfinite: bool = False
     """Skip optimizer steps whose loss is NaN/inf instead of stopping the run. Checks every step,
     which waits on the device once per step (on GPUs this costs overlap)."""

@@ -440,7 +440,8 @@ class Evaluation:
 
 class Checkpointing:
     """A checkpoint every `trainer.checkpoint_every` steps, and whenever forced (the last step, a
-    stop); a forced one is complete on disk before `maybe_save` returns."""
+    stop); a forced one is complete on disk before `maybe_save` returns. None at all unless
+    `enabled` (trainer.checkpoint)."""
 
     def __init__(
         self,
@@ -448,13 +449,14 @@ class Checkpointing:
         every: int,
         speed: Throughput,
         start_step: int,
+        enabled: bool = True,
     ):
-        self.writer, self.every, self.speed = writer, every, speed
+        self.writer, self.every, self.speed, self.enabled = writer, every, speed, enabled
         self.last_step = start_step or None  # the newest checkpoint's step
         self.blocked_s: list[float] = []  # how long each checkpoint held training up
 
     def due(self, step: int) -> bool:
-        return due(self.every, step)
+        return self.enabled and due(self.every, step)
 
     def maybe_save(
         self,
@@ -466,7 +468,7 @@ class Checkpointing:
     ) -> Path | None:
         """The folder the checkpoint is (or, saved asynchronously, will be) published as;
         `train_state` gives what it holds besides model and optimizer (`Trainer.state_dict`)."""
-        if not (force or self.due(step)):
+        if not (self.due(step) or (force and self.enabled)):
             return None
         with self.speed.paused():
             started = time.perf_counter()

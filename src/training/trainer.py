@@ -177,7 +177,9 @@ class Trainer:
             settings.keep_checkpoints,
             settings.async_checkpoint,
         )
-        self.checkpointing = Checkpointing(writer, settings.checkpoint_every, self.speed, self.step)
+        self.checkpointing = Checkpointing(
+            writer, settings.checkpoint_every, self.speed, self.step, settings.checkpoint
+        )
 
     def build_model_and_optimizer(
         self,
@@ -317,7 +319,7 @@ class Trainer:
             "memory_devices": memory_devices,
             "wall_time_s": time.perf_counter() - self.speed.started,
             # What a checkpoint costs the training (trainer.async_checkpoint: staging only).
-            "checkpoint_blocked_s": statistics.median(self.checkpointing.blocked_s),
+            "checkpoint_blocked_s": statistics.median(self.checkpointing.blocked_s or [0.0]),
         }
 
     def summary(self, results: dict[str, Any]) -> dict[str, Any]:
