@@ -34,7 +34,7 @@ def init_weights(
     return rename(weights) if rename else weights
 
 
-def check_init_weights(model: nn.Module, path: Path, strict: bool) -> StateDictFit:
+def check_init_weights(model: nn.Module, path: Path, strict: bool) -> None:
     """The weights at `path` fit `model` (on the meta device: keys and shapes only): every shape
     the same and, with `strict`, the same keys; else a ConfigError, one line."""
     fit = StateDictFit.of(model.state_dict(), init_weights(model, path, shapes_only=True))
@@ -48,7 +48,6 @@ def check_init_weights(model: nn.Module, path: Path, strict: bool) -> StateDictF
             f"{'; '.join(fit.key_problems())}; set trainer.init_strict=false to load the keys "
             "that fit and keep the others as initialised"
         )
-    return fit
 
 
 def load_init_weights(model: nn.Module, path: Path, strict: bool, announce: bool) -> None:

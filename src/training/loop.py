@@ -449,7 +449,7 @@ class Checkpointing:
         every: int,
         speed: Throughput,
         start_step: int,
-        enabled: bool = True,
+        enabled: bool,
     ):
         self.writer, self.every, self.speed, self.enabled = writer, every, speed, enabled
         self.last_step = start_step or None  # the newest checkpoint's step
