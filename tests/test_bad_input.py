@@ -395,6 +395,33 @@ ROWS = [
         id="monitor-mode",
     ),
     pytest.param(
+        ["trainer.init_from=/nonexistent/weights.pt"],
+        CHECK,
+        "trainer.init_from: no file or folder /nonexistent/weights.pt; give a checkpoint folder, "
+        "a run folder, or a .pt or .safetensors weights file",
+        id="init-from-missing",
+    ),
+    pytest.param(
+        ["trainer.init_from={truncated}"],
+        CHECK,
+        "truncated.pt is not a checkpoint, or it was cut short; give a checkpoint folder",
+        id="init-from-truncated",
+    ),
+    pytest.param(
+        ["trainer.init_from={finished}", "model.depth=4"],
+        CHECK,
+        "does not fit this model: 4 keys missing (first 3.0.weight); 2 keys it does not have "
+        "(first 3.weight); set trainer.init_strict=false to load the keys that fit",
+        id="init-from-other-keys",
+    ),
+    pytest.param(
+        ["trainer.init_from={finished}", "trainer.init_strict=false", "model.hidden=64"],
+        CHECK,
+        "does not fit this model: 7 shapes differ (first 0.1.weight: [32, 32] in the file, "
+        "[64, 32] here)",
+        id="init-from-other-shapes",
+    ),
+    pytest.param(
         ["optimizer.schedule_steps=0"],
         CHECK,
         "optimizer.schedule_steps must be at least 1, or null for trainer.max_steps; got 0",

@@ -18,7 +18,7 @@ from helpers import (
     sweep_runs,
 )
 
-from src.checkpoint.store import export
+from src.checkpoint.export import export
 from src.components.models import Transformer
 from src.parallel import build_strategy
 

@@ -139,6 +139,36 @@ def test_image_folder_reads_class_folders_and_resizes_when_asked(tmp_path):
     assert resized.input_shape == (3, 12, 8) and resized.val[0][0].shape == (3, 12, 8)
 
 
+def test_image_size_of_one_int_resizes_to_squares(tmp_path):
+    """`data.image_size=8`, as torchvision's Resize takes a size: every image becomes 8x8."""
+    run = (*convnet_on("image_folder", written("image_folder")), "trainer.batch_size=8")
+    run_train(*run, "data.image_size=8", run_dir=tmp_path)
+    assert checkpoint(tmp_path)["model_args"]["input_shape"] == [3, 8, 8]
+
+
+def test_a_resnet_run_starts_from_torchvisions_weights(tmp_path):
+    """trainer.init_from takes a state_dict saved from torchvision's resnet18 (its keys renamed
+    as model.weights renames them); at learning rate 0 the weights stay torchvision's."""
+    torchvisions = torchvision.models.resnet18(num_classes=10).state_dict()
+    torch.save(torchvisions, tmp_path / "resnet18.pt")
+    run = (*cifar_resnet(), "model.width=64", "model.cifar_stem=false")
+    run = [o for o in run if not o.startswith(("trainer.max_steps", "trainer.batch_size"))]
+    run_train(
+        *run,
+        "trainer.max_steps=1",
+        "trainer.batch_size=8",
+        "optimizer.lr=0",
+        f"trainer.init_from={tmp_path / 'resnet18.pt'}",
+        run_dir=tmp_path / "run",
+    )
+    trained = checkpoint(tmp_path / "run")["model"]
+    expected = ResNet.from_foreign_keys(torchvisions)
+    assert trained.keys() == expected.keys()
+    for key, value in expected.items():
+        if "running_" not in key and "num_batches" not in key:  # BatchNorm statistics moved
+            assert torch.equal(trained[key], value), key
+
+
 def test_augmentation_is_torchvisions_drawn_from_seed_epoch_and_index():
     image = torch.arange(2 * 8 * 8, dtype=torch.float).reshape(2, 8, 8)
     sample = (image, torch.tensor(1))

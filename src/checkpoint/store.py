@@ -9,10 +9,11 @@
 
 A full checkpoint is the dict `model` (the plain state_dict, single's keys, whatever the strategy),
 `optimizer` (single's format: state keyed by parameter index), `step` (optimizer steps done),
-`rng`, `config` (resolved), `wandb_run_id` and `loss_scaling` (fp16's GradScaler state: the
-scale it reached, and the steps it skipped); only tensors and plain values, so it loads with
-`weights_only=True`. A sharded one holds the same, its `optimizer` keyed by parameter name; read
-whole (`load_checkpoint`), it comes back in the full format.
+`rng`, `config` (resolved), `wandb_run_id`, `loss_scaling` (fp16's GradScaler state: the scale
+it reached, and the steps it skipped), `model_args` (the `input_shape` and `num_classes` the model
+was built for) and `tied_keys` ({key: the key whose tensor it shares}); only tensors and plain
+values, so it loads with `weights_only=True`. A sharded one holds the same, its `optimizer` keyed
+by parameter name; read whole (`load_checkpoint`), it comes back in the full format.
 
 A checkpoint is written into `.staging-step-<N>/` and renamed to `step-<N>/` once every rank has
 written its part: a crash at any moment leaves the folder complete or absent. The newest complete
@@ -24,20 +25,20 @@ one is what `trainer.resume=auto` takes (the one before it when that cannot be r
                                  swapped in for the previous best; never pruned, never resumed
                                  from by `auto`
 
-    python -m src.checkpoint.store export <run dir or checkpoint> <file.pt>
+    python -m src.checkpoint.store export <run dir or checkpoint> <model.safetensors or .pt>
 
-writes the model's plain state_dict (single's keys) of any checkpoint, for inference elsewhere.
+writes the model's plain state_dict (single's keys) of any checkpoint, for inference elsewhere
+(`src/checkpoint/export.py`).
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import functools
 import logging
 import os
+import runpy
 import shutil
-import sys
 import zipfile
 from concurrent.futures import Future
 from pathlib import Path
@@ -466,30 +467,7 @@ def newest_checkpoint(source: Path) -> Path:
     return saved[-1]
 
 
-def export(source: Path, target: Path) -> None:
-    """Write the model's plain state_dict (single's keys) from the checkpoint `source`."""
-    state = load_checkpoint(newest_checkpoint(source))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(state["model"], target)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m src.checkpoint.store")
-    commands = parser.add_subparsers(dest="command", required=True)
-    export_parser = commands.add_parser(
-        "export", help="write a checkpoint's model as a plain state_dict (single's keys)"
-    )
-    export_parser.add_argument("source", type=Path, help="a run folder or a checkpoint")
-    export_parser.add_argument("target", type=Path, help="the .pt file to write")
-    args = parser.parse_args(argv)
-    try:
-        export(args.source, args.target)
-    except ConfigError as error:
-        print(f"error: {str(error).removeprefix('trainer.resume: ')}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.target}")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    # The export command lives in src/checkpoint/export.py, which imports this module (so this
+    # one may not import it back): `python -m src.checkpoint.store export ...` runs it.
+    runpy.run_module("src.checkpoint.export", run_name="__main__", alter_sys=True)

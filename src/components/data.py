@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from src.components import batches
 from src.components.batches import Tree
@@ -87,6 +87,19 @@ class Data:
     def in_memory(self) -> bool:
         return all(isinstance(split, Split) for split in self.splits)
 
+    def first_train_samples(self, count: int) -> Data:
+        """The same data, its training part cut to its first `count` samples."""
+        if not 1 <= count <= len(self.train):
+            raise ValueError(
+                f"data.train_samples must be between 1 and the {len(self.train)} training "
+                f"samples, got {count}"
+            )
+        if isinstance(self.train, Split):
+            train = Split(*self.train[:count])
+        else:
+            train = Subset(self.train, range(count))
+        return Data(train, self.val, self.input_shape, self.num_classes)
+
 
 def first_samples(dataset: Split | Dataset, count: int) -> Batch:
     """The first `count` samples of a set, batched (on the host) as a DataLoader batches them."""
@@ -115,8 +128,11 @@ def tokens_per_sample(dataset: Split | Dataset) -> int | None:
 
 
 def build_data(settings: DictConfig, seed: int) -> Data:
-    """The `Data` that the data settings' builder (`_target_`) returns."""
-    return instantiate(data_builder_config(settings), seed=seed)
+    """The `Data` that the data settings' builder (`_target_`) returns, its training part cut
+    to `data.train_samples` when set."""
+    data = instantiate(data_builder_config(settings), seed=seed)
+    count = settings.get("train_samples")  # absent from the configs of older checkpoints
+    return data if count is None else data.first_train_samples(count)
 
 
 def check_fraction(name: str, fraction: float) -> None:

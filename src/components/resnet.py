@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torchvision.models.resnet import BasicBlock, Bottleneck, conv1x1
 
+from src.components.state_dicts import StateDictFit
+
 ARCHS: dict[str, tuple[type[BasicBlock | Bottleneck], list[int]]] = {
     "resnet18": (BasicBlock, [2, 2, 2, 2]),
     "resnet34": (BasicBlock, [3, 4, 6, 3]),
@@ -109,6 +111,11 @@ class ResNet(nn.Sequential):
         if weights is not None:
             load_weights(self, weights)
 
+    @staticmethod
+    def from_foreign_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A state_dict of torchvision's ResNet in this model's keys (`trainer.init_from`)."""
+        return from_torchvision_keys(state)
+
     def reset_parameters(self) -> None:
         """torchvision's initialisation (its ResNet's, after the layers' own)."""
         for module in self.modules():
@@ -144,27 +151,8 @@ def load_weights(model: nn.Module, path: str) -> None:
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
         state = state["model"]  # one of train.py's checkpoints
     state = from_torchvision_keys(state)
-    problem = misfit(model.state_dict(), state)
+    problem = StateDictFit.of(model.state_dict(), state).problems()
     if problem:
         raise ValueError(f"model.weights={path} does not fit this model: {problem}")
     device = next(model.parameters()).device
     model.load_state_dict({key: value.to(device) for key, value in state.items()})
-
-
-def misfit(expected: dict[str, torch.Tensor], given: dict[str, torch.Tensor]) -> str:
-    """What keeps `given` from loading where `expected` is (the first of each kind), or ''."""
-    missing = [key for key in expected if key not in given]
-    unexpected = [key for key in given if key not in expected]
-    other_shape = [k for k in expected if k in given and given[k].shape != expected[k].shape]
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} keys missing (first {missing[0]})")
-    if unexpected:
-        problems.append(f"{len(unexpected)} keys it does not have (first {unexpected[0]})")
-    if other_shape:
-        key = other_shape[0]
-        problems.append(
-            f"{len(other_shape)} shapes differ (first {key}: {list(given[key].shape)} in the "
-            f"file, {list(expected[key].shape)} here)"
-        )
-    return "; ".join(problems)

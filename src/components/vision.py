@@ -153,15 +153,16 @@ def fashion_mnist(seed: int, root: str, download: bool, val_fraction: float) -> 
 def image_folder(
     seed: int,
     root: str,
-    image_size: list[int] | None,
+    image_size: int | Sequence[int] | None,
     mean: list[float],
     std: list[float],
 ) -> Data:
     """`root/train/<class>/*` trains, `root/val/<class>/*` validates and `root/test/<class>/*`
     tests (val/ again where there is no test/; said in the log), all with the same classes,
-    read by torchvision's ImageFolder as RGB images, resized to `image_size` ([height, width])
-    when given, else all of one size."""
+    read by torchvision's ImageFolder as RGB images, resized to `image_size` ([height, width],
+    or one int for squares) when given, else all of one size."""
     del seed
+    image_size = height_and_width(image_size)
     folder = Path(root).expanduser()
     steps = [v2.ToImage(), *([v2.Resize(image_size)] if image_size else [])]
     transform = v2.Compose([*steps, v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std),
@@ -189,6 +190,18 @@ def image_folder(
         )
     height, width = image_size or next(iter(sizes.values()))[::-1]
     return Data(train, val, test, (3, height, width), len(train.classes))
+
+
+def height_and_width(image_size: int | Sequence[int] | None) -> list[int] | None:
+    """data.image_size as [height, width]: one int is a square."""
+    if image_size is None:
+        return None
+    size = [image_size] * 2 if isinstance(image_size, int) else list(image_size)
+    if len(size) != 2 or not all(isinstance(side, int) and side >= 1 for side in size):
+        raise ValueError(
+            f"data.image_size must be [height, width] or one size in pixels, got {image_size}"
+        )
+    return size
 
 
 def image_set(folder: Path, root: str, transform: v2.Compose) -> datasets.ImageFolder:

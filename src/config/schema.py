@@ -157,6 +157,9 @@ class LoaderConfig:
     augment: bool = False
     """Image sets: a random crop and horizontal flip of each training sample, drawn from
     (seed, epoch, sample index), so every strategy and worker count sees the same batches."""
+    train_samples: int | None = None
+    """Train on the first N training samples only, over and over (debug=overfit: a model that
+    cannot overfit a few batches will not learn the whole set); None: all of them."""
 
 
 @dataclass
@@ -243,8 +246,10 @@ class ImageFolderConfig(LoaderConfig):
     root: str = MISSING
     """Folder holding `train/<class>/<image>`, `val/<class>/<image>` and `test/<class>/<image>`
     (any format PIL reads); without test/, val/ is the test split too."""
-    image_size: list[int] | None = None
-    """[height, width] every image is resized to; None: the images must all be of one size."""
+    image_size: Any = None
+    """[height, width] every image is resized to, or one size for squares (as torchvision's
+    Resize takes it); None: the images must all be of one size. (`Any`: OmegaConf's schemas
+    cannot say "an int or a list of ints"; the builder checks it.)"""
     mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
     """Per-channel mean subtracted from the RGB images (in [0, 1]); ImageNet's by default."""
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
@@ -540,6 +545,17 @@ class TrainerConfig:
     run ends at once), or give a checkpoint folder (`checkpoints/step-*`). Model, optimizer, step
     (hence LR schedule and data order), RNG and W&B run carry on; a cosine schedule stretched by
     another max_steps needs optimizer.schedule_steps."""
+    init_from: str | None = None
+    """Start a new run (step 0, a fresh optimizer, a new W&B run) from the weights of a checkpoint
+    folder, a run folder (its newest checkpoint), an exported `.pt` or `.safetensors` file, or a
+    state_dict saved from `torchvision.models.resnet18()` (model=resnet), under any strategy. With
+    trainer.resume, a checkpoint to resume wins: a resumed fine-tune continues."""
+    init_strict: bool = True
+    """trainer.init_from's keys must be the model's; false loads the keys that fit, keeps the
+    model's others as initialised and logs both lists (shapes must match either way)."""
+    checkpoint: bool = True
+    """false writes no checkpoint at all, not even at the end or when stopped (debug runs), so
+    the run cannot be resumed or exported."""
     skip_nonfinite: bool = False
     """Skip optimizer steps whose loss is NaN/inf instead of stopping the run. Checks every step,
     which waits on the device once per step (on GPUs this costs overlap)."""

@@ -40,11 +40,10 @@ class Interrupted(RunStopped):
     a process that the signal killed."""
 
     @classmethod
-    def by(cls, signum: int, step: int, checkpoint: Path) -> Interrupted:
+    def by(cls, signum: int, step: int, checkpoint: Path | None) -> Interrupted:
         name = signal.Signals(signum).name
-        return cls(
-            f"stopped by {name} after step {step}; checkpoint saved to {checkpoint}", 128 + signum
-        )
+        saved = f"checkpoint saved to {checkpoint}" if checkpoint else "no checkpoint written"
+        return cls(f"stopped by {name} after step {step}; {saved}", 128 + signum)
 
 
 class ProcessDied(RunStopped):

@@ -23,6 +23,7 @@ from src.components.data import Data, build_data, first_samples
 from src.parallel.base import Strategy
 from src.runtime.ranks import Ranks
 from src.training.checks import blame, check_data, check_model, check_settings
+from src.training.init_from import check_init_weights
 from src.training.resume import check_resumable
 
 
@@ -35,13 +36,14 @@ class Blueprint:
     meta_model: nn.Module  # shapes only
     checkpoint: Path | None  # to resume from
     saved: dict[str, Any] | None  # its structure; a full checkpoint's tensors memory-mapped
+    init_from: Path | None  # weights to start from, when there is no checkpoint to resume
 
 
 def build_blueprint(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> Blueprint:
     """Build data, task and model (on the meta device: no memory, no compute) and check them:
     whatever their builders reject fails here, as does a model output the task cannot take, a
-    model the strategy cannot place (which also settles a pipeline's stage split) and a
-    checkpoint that does not fit this run."""
+    model the strategy cannot place (which also settles a pipeline's stage split), and a
+    checkpoint to resume or weights to start from (trainer.init_from) that do not fit."""
     with blame("data"):
         data = build_data(cfg.data, cfg.seed)
     check_data(cfg, data)
@@ -53,7 +55,12 @@ def build_blueprint(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> Bluep
     saved = load_checkpoint(checkpoint, mmap=True) if checkpoint is not None else None
     if saved is not None:
         check_resumable(saved, checkpoint, model, cfg)
-    return Blueprint(data, task, model, checkpoint, saved)
+    # A resumed fine-tune continues from its checkpoint: trainer.init_from only starts a run.
+    init_from = None
+    if checkpoint is None and cfg.trainer.init_from is not None:
+        init_from = Path(cfg.trainer.init_from).expanduser()
+        check_init_weights(model, init_from, cfg.trainer.init_strict)
+    return Blueprint(data, task, model, checkpoint, saved, init_from)
 
 
 def check_config(cfg: DictConfig, run_dir: Path, ranks: Ranks | None = None) -> Strategy:

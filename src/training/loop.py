@@ -458,7 +458,8 @@ class Evaluation:
 
 class Checkpointing:
     """A checkpoint every `trainer.checkpoint_every` steps, and whenever forced (the last step, a
-    stop); a forced one is complete on disk before `maybe_save` returns."""
+    stop); a forced one is complete on disk before `maybe_save` returns. None at all unless
+    `enabled` (trainer.checkpoint)."""
 
     def __init__(
         self,
@@ -466,13 +467,14 @@ class Checkpointing:
         every: int,
         speed: Throughput,
         start_step: int,
+        enabled: bool,
     ):
-        self.writer, self.every, self.speed = writer, every, speed
+        self.writer, self.every, self.speed, self.enabled = writer, every, speed, enabled
         self.last_step = start_step or None  # the newest checkpoint's step
         self.blocked_s: list[float] = []  # how long each checkpoint held training up
 
     def due(self, step: int) -> bool:
-        return due(self.every, step)
+        return self.enabled and due(self.every, step)
 
     def maybe_save(
         self,
@@ -484,7 +486,7 @@ class Checkpointing:
     ) -> Path | None:
         """The folder the checkpoint is (or, saved asynchronously, will be) published as;
         `train_state` gives what it holds besides model and optimizer (`Trainer.state_dict`)."""
-        if not (force or self.due(step)):
+        if not (self.due(step) or (force and self.enabled)):
             return None
         with self.speed.paused():
             started = time.perf_counter()
@@ -514,6 +516,7 @@ class Monitoring:
         self.metric, self.patience = trainer.monitor, trainer.early_stop_patience
         self.better = operator.lt if trainer.monitor_mode == "min" else operator.gt
         self.strategy, self.writer, self.speed = strategy, writer, speed
+        self.saves = trainer.checkpoint  # trainer.checkpoint=false: the best is only tracked
         self.best_value: float | None = None
         self.best_step: int | None = None
         self.since_best = 0  # values logged since the best
@@ -539,7 +542,8 @@ class Monitoring:
         if self.best_value is None or self.better(value, self.best_value):
             self.best_value, self.best_step, self.since_best = value, step, 0
             with self.speed.paused():
-                self.writer.save(model, optimizer, train_state(), best=True)
+                if self.saves:
+                    self.writer.save(model, optimizer, train_state(), best=True)
                 if self.patience:
                     self.best_weights = weights_copy(self.strategy.unwrap(model))
             return False

@@ -9,7 +9,8 @@ read top to bottom; leaving ends the tracker and the strategy's processes.
 
 A checkpoint holds model, optimizer and one train state, `Trainer.state_dict()`: the step (the
 data position too: batches are a function of seed and step), the RNG, fp16's loss scale, the
-tracker's run id and the config.
+tracker's run id, the config, and what rebuilds the model from it (the data's input shape and
+classes, the model's tied weights).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from src.components.data import (
     train_batches,
 )
 from src.components.optimizer import build_optimizer, lr_schedule
+from src.components.state_dicts import tied_keys
 from src.config.schema import TrainerConfig, plain_config, typed
 from src.observe.performance import (
     device_peak_tflops,
@@ -62,6 +64,7 @@ from src.training.build import (
     set_numerics,
     size_lazy_modules,
 )
+from src.training.init_from import load_init_weights
 from src.training.loop import (
     Checkpointing,
     Evaluation,
@@ -112,6 +115,12 @@ class Trainer:
         self.settings: TrainerConfig = typed(TrainerConfig, cfg.trainer)
         self.resolved = plain_config(cfg)
         self.task = self.blueprint.task
+        # What an export needs to rebuild the model besides its config (src/checkpoint/export.py).
+        data = self.blueprint.data
+        self.model_description = {
+            "model_args": {"input_shape": list(data.input_shape), "num_classes": data.num_classes},
+            "tied_keys": tied_keys(self.blueprint.meta_model),
+        }
         self.step = 0  # the last step trained
         self.tracker_id: str | None = None  # the W&B run to continue
         self.tracker: Tracker | None = None
@@ -173,7 +182,9 @@ class Trainer:
             settings.keep_checkpoints,
             settings.async_checkpoint,
         )
-        self.checkpointing = Checkpointing(writer, settings.checkpoint_every, self.speed, self.step)
+        self.checkpointing = Checkpointing(
+            writer, settings.checkpoint_every, self.speed, self.step, settings.checkpoint
+        )
         self.monitoring = Monitoring(settings, strategy, writer, self.speed)
         if state is not None and state.get("monitor"):  # the train state's, which older
             self.monitoring.load_state_dict(state["monitor"])  # checkpoints lack
@@ -181,9 +192,10 @@ class Trainer:
     def build_model_and_optimizer(
         self,
     ) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any] | None]:
-        """The model (seeded, so every strategy starts from single's weights), wrapped by the
-        strategy, and its optimizer, both restored from the checkpoint to resume from; with that
-        checkpoint's train state (None when starting afresh)."""
+        """The model (seeded, so every strategy starts from single's weights, or from
+        trainer.init_from's), wrapped by the strategy, and its optimizer, both restored from the
+        checkpoint to resume from; with that checkpoint's train state (None when starting
+        afresh)."""
         cfg, strategy, blueprint = self.cfg, self.strategy, self.blueprint
         torch.manual_seed(cfg.seed)
         model = build_model(cfg, blueprint.data)
@@ -191,6 +203,9 @@ class Trainer:
         state, in_shards = checkpoint_to_load(blueprint, strategy)
         if state is not None and not in_shards:
             model.load_state_dict(state["model"])
+        if blueprint.init_from is not None:
+            strict = cfg.trainer.init_strict
+            load_init_weights(model, blueprint.init_from, strict, announce=strategy.is_main)
         prepare_blocks(model, cfg.trainer.activation_checkpointing, cfg.trainer.compile)
         model = strategy.wrap(model)
         optimizer = build_optimizer(cfg.optimizer, strategy.trained_parameters(model))
@@ -215,6 +230,7 @@ class Trainer:
             "wandb_run_id": self.tracker.run_id,
             "monitor": self.monitoring.state_dict(),
             "stopped_early": self.stopped_early,
+            **self.model_description,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -353,7 +369,7 @@ class Trainer:
             "memory_devices": memory_devices,
             "wall_time_s": time.perf_counter() - self.speed.started,
             # What a checkpoint costs the training (trainer.async_checkpoint: staging only).
-            "checkpoint_blocked_s": statistics.median(self.checkpointing.blocked_s),
+            "checkpoint_blocked_s": statistics.median(self.checkpointing.blocked_s or [0.0]),
         }
 
     def summary(self, results: dict[str, Any]) -> dict[str, Any]:

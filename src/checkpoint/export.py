@@ -1,0 +1,189 @@
+"""A model's weights outside the run: exported files, and what starts a run from them.
+
+    python -m src.checkpoint.store export <run dir or checkpoint> model.safetensors   (or .pt)
+
+writes the plain state_dict (single's keys) of a run's newest checkpoint, or of the checkpoint
+folder given, full or sharded. The suffix picks the format: `.safetensors` (the `safetensors`
+package's format: no pickle, memory-mappable) holds the tensors, tied ones once, and in its
+metadata the model's config as JSON strings: `model` (the resolved model group), `input_shape`
+and `num_classes` (what the model was built for: `instantiate(model, input_shape=...,
+num_classes=...)` rebuilds it), `state_dict_keys` (the keys in order) and `tied_keys` ({key: the
+key it shares its tensor with}). Any other suffix gets `torch.save` of the state_dict (a pickle;
+`torch.load(..., weights_only=True)` reads it).
+
+`load_weights` reads the plain state_dict back from any of these (a run dir, a checkpoint, a
+`.pt` or `.safetensors` file), `weights_config` the model config it was saved with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from src.checkpoint.store import load_checkpoint, newest_checkpoint, read_torch_file
+from src.config.schema import ConfigError
+
+SAFETENSORS = ".safetensors"
+# The train state's keys that describe the model (`Trainer.state_dict`), in a safetensors file's
+# metadata as JSON: the model config is `config`'s `model` group.
+MODEL_ARGS = ("input_shape", "num_classes")
+
+
+def load_weights(path: Path, shapes_only: bool = False) -> dict[str, torch.Tensor]:
+    """The plain state_dict (single's keys, tied ones too) of a run folder (its newest
+    checkpoint), a checkpoint (folder or `checkpoint.pt`, full or sharded), a `.safetensors`
+    export or a `torch.save`d state_dict (a `.pt` export, torchvision's weights). Anything
+    missing or unreadable is a ConfigError.
+
+    `shapes_only=True` reads what checks need (keys and shapes) and no more: the tensors may then
+    be meta tensors or memory-mapped."""
+    try:
+        if not path.exists():
+            raise ConfigError(f"no file or folder {path}")
+        if path.suffix == SAFETENSORS:
+            return read_safetensors(path, shapes_only)
+        if path.is_file():
+            state = read_torch_file(path, mmap=True)
+            if isinstance(state, dict) and isinstance(state.get("model"), dict):
+                state = state["model"]  # one of train.py's full checkpoints
+            if not isinstance(state, dict) or not all(
+                isinstance(value, torch.Tensor) for value in state.values()
+            ):
+                raise ConfigError(f"{path} holds no state_dict (a dict of tensors)")
+            return state
+        return load_checkpoint(newest_checkpoint(path), mmap=shapes_only)["model"]
+    except ConfigError as error:
+        raise ConfigError(what_is_wrong(error)) from error
+
+
+def weights_config(path: Path) -> dict[str, Any] | None:
+    """The model config the weights at `path` were saved with (`load_weights`'s sources):
+    {"model": the resolved model group, "input_shape": ..., "num_classes": ...} (the last two
+    missing from checkpoints written before they were saved); None for a file without one (a
+    `.pt` export, torchvision's weights)."""
+    try:
+        if path.suffix == SAFETENSORS:
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as file:
+                metadata = file.metadata() or {}
+            if "model" not in metadata:
+                return None
+            return {key: json.loads(metadata[key]) for key in ("model", *MODEL_ARGS)}
+        if path.is_file():
+            state = read_torch_file(path, mmap=True)
+            return model_config(state) if isinstance(state, dict) and "config" in state else None
+        return model_config(load_checkpoint(newest_checkpoint(path), mmap=True))
+    except ConfigError as error:
+        raise ConfigError(what_is_wrong(error)) from error
+
+
+def model_config(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's model config: its model group and the model's input shape and classes."""
+    return {"model": checkpoint["config"]["model"], **checkpoint.get("model_args", {})}
+
+
+def what_is_wrong(error: ConfigError) -> str:
+    """A checkpoint's ConfigError (`store`'s, worded for trainer.resume) as what is wrong with
+    the file alone, for the caller to say which setting or command it was given to."""
+    return str(error).removeprefix("trainer.resume: ").split("; ")[0]
+
+
+def read_safetensors(path: Path, shapes_only: bool) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors in its state_dict's order, each tied key the same tensor as
+    the key it is tied to (`export`'s metadata; a file from elsewhere: its tensors as stored)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as file:
+            metadata = file.metadata() or {}
+            stored = {
+                key: (
+                    torch.empty(file.get_slice(key).get_shape(), device="meta")
+                    if shapes_only
+                    else file.get_tensor(key)
+                )
+                for key in file.keys()  # noqa: SIM118 - a safe_open file is no dict
+            }
+    except (SafetensorError, OSError) as error:
+        raise ConfigError(f"{path} is not a readable safetensors file ({error})") from error
+    tied = json.loads(metadata.get("tied_keys", "{}"))
+    keys = json.loads(metadata.get("state_dict_keys", "null")) or list(stored)
+    return {key: stored[tied.get(key, key)] for key in keys}
+
+
+def shared_storage_keys(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """{key: the first key whose tensor it is} for tensors a state_dict holds twice (a full
+    checkpoint keeps tied weights shared: torch.save stores shared memory once)."""
+    first: dict[tuple, str] = {}
+    tied = {}
+    for key, tensor in state.items():
+        view = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape)
+        if view in first:
+            tied[key] = first[view]
+        else:
+            first[view] = key
+    return tied
+
+
+def save_safetensors(
+    state: dict[str, torch.Tensor], tied: dict[str, str], config: dict[str, Any], target: Path
+) -> None:
+    """`state` as a safetensors file, each of `tied`'s keys stored once (under the key it is
+    tied to), with `config` and the key order in the metadata."""
+    from safetensors.torch import save_file
+
+    tensors = {key: value.contiguous() for key, value in state.items() if key not in tied}
+    metadata = {key: json.dumps(value) for key, value in config.items()}
+    metadata |= {"state_dict_keys": json.dumps(list(state)), "tied_keys": json.dumps(tied)}
+    save_file(tensors, str(target), metadata=metadata)
+
+
+def export(source: Path, target: Path) -> None:
+    """Write the model's plain state_dict (single's keys) from the checkpoint `source` (a run
+    folder: its newest), as safetensors with the model's config for a `.safetensors` target,
+    else with torch.save."""
+    try:
+        checkpoint = load_checkpoint(newest_checkpoint(source))
+    except ConfigError as error:
+        raise ConfigError(what_is_wrong(error)) from error
+    state = checkpoint["model"]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.suffix != SAFETENSORS:
+        torch.save(state, target)
+        return
+    # Tied weights: the model's own record of them (a sharded checkpoint reads them back as
+    # separate tensors), else (older checkpoints) the tensors a full checkpoint kept shared.
+    tied = checkpoint.get("tied_keys") or shared_storage_keys(state)
+    save_safetensors(state, tied, model_config(checkpoint), target)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m src.checkpoint.store")
+    commands = parser.add_subparsers(dest="command", required=True)
+    export_parser = commands.add_parser(
+        "export", help="write a checkpoint's model as a plain state_dict (single's keys)"
+    )
+    export_parser.add_argument("source", type=Path, help="a run folder or a checkpoint")
+    export_parser.add_argument(
+        "target",
+        type=Path,
+        help="the file to write: .safetensors (with the model's config), or .pt (torch.save)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        export(args.source, args.target)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
