@@ -98,7 +98,7 @@ class Data:
             train = Split(*self.train[:count])
         else:
             train = Subset(self.train, range(count))
-        return Data(train, self.val, self.input_shape, self.num_classes)
+        return Data(train, self.val, self.test, self.input_shape, self.num_classes)
 
 
 def first_samples(dataset: Split | Dataset, count: int) -> Batch:
