@@ -18,7 +18,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
 
-from src.checkpoint.store import load_checkpoint, resume_path
+from src.checkpoint.store import is_sharded, load_checkpoint, resume_path
+from src.components.blocks import prepare_blocks
 from src.components.data import Data, build_data, first_samples
 from src.parallel.base import Strategy
 from src.runtime.ranks import Ranks
@@ -42,6 +43,17 @@ def build_blueprint(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> Bluep
     whatever their builders reject fails here, as does a model output the task cannot take, a
     model the strategy cannot place (which also settles a pipeline's stage split) and a
     checkpoint that does not fit this run."""
+    data, task, model = build_checked_parts(cfg, strategy)
+    checkpoint = resume_path(cfg.trainer.resume, run_dir, announce=True)
+    saved = load_checkpoint(checkpoint, mmap=True) if checkpoint is not None else None
+    if saved is not None:
+        check_resumable(saved, checkpoint, model, cfg)
+    return Blueprint(data, task, model, checkpoint, saved)
+
+
+def build_checked_parts(cfg: DictConfig, strategy: Strategy) -> tuple[Data, Any, nn.Module]:
+    """Data, task and the model on the meta device, checked against each other and the
+    strategy."""
     with blame("data"):
         data = build_data(cfg.data, cfg.seed)
     check_data(cfg, data)
@@ -49,11 +61,7 @@ def build_blueprint(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> Bluep
         task = instantiate(cfg.task)
     model = build_model(cfg, data, torch.device("meta"))
     check_model(cfg, strategy, model, task, data)
-    checkpoint = resume_path(cfg.trainer.resume, run_dir, announce=True)
-    saved = load_checkpoint(checkpoint, mmap=True) if checkpoint is not None else None
-    if saved is not None:
-        check_resumable(saved, checkpoint, model, cfg)
-    return Blueprint(data, task, model, checkpoint, saved)
+    return data, task, model
 
 
 def check_config(cfg: DictConfig, run_dir: Path, ranks: Ranks | None = None) -> Strategy:
@@ -101,3 +109,30 @@ def size_lazy_modules(model: nn.Module, data: Data) -> None:
     with torch.no_grad():
         model(first_samples(data.train, 2)[0])
     model.train()
+
+
+def build_wrapped_model(
+    cfg: DictConfig, strategy: Strategy, data: Data, state: dict[str, Any] | None
+) -> nn.Module:
+    """The model, seeded (so every strategy starts from single's weights), with the weights of
+    a full checkpoint's `state` if given, prepared per block and wrapped by the strategy. (A
+    sharded checkpoint is loaded into the wrapped model: `strategy.load_sharded`.)"""
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, data)
+    size_lazy_modules(model, data)
+    if state is not None:
+        model.load_state_dict(state["model"])
+    prepare_blocks(model, cfg.trainer.activation_checkpointing, cfg.trainer.compile)
+    return strategy.wrap(model)
+
+
+def checkpoint_to_load(blueprint: Blueprint, strategy: Strategy) -> tuple[dict | None, bool]:
+    """The checkpoint's state, and whether its tensors go straight into the wrapped model, each
+    rank reading its own shards (a sharded checkpoint, for a strategy that can). A full one (or a
+    sharded one for a strategy that cannot, then read whole here) is loaded before `wrap`."""
+    if blueprint.checkpoint is None:
+        return None, False
+    in_shards = is_sharded(blueprint.checkpoint)
+    if in_shards and not strategy.sharded_checkpoints:
+        return load_checkpoint(blueprint.checkpoint), False
+    return blueprint.saved, in_shards
