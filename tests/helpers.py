@@ -91,9 +91,10 @@ def on_cpu(overrides: tuple[str, ...] | list[str]) -> list[str]:
     return [*overrides] if chosen else [*overrides, "trainer.accelerator=cpu"]
 
 
-def train_command(*overrides: str) -> list[str]:
-    """`python train.py <overrides>`, on the CPU unless the overrides say otherwise."""
-    return [sys.executable, "train.py", *on_cpu(overrides)]
+def train_command(*overrides: str, script: str = "train.py") -> list[str]:
+    """`python train.py <overrides>` (or `script`'s), on the CPU unless the overrides say
+    otherwise."""
+    return [sys.executable, script, *on_cpu(overrides)]
 
 
 # Environment of every test run: W&B quiet; one intra-op thread per process; inductor
@@ -119,11 +120,12 @@ class TrainRun:
     steps) ahead and cannot finish first, so signal tests need no sleeps and have no races.
     `prefix` goes before the command (`torchrun ...`). `netns` runs it (and its prefix) in that
     network namespace (`network_namespace`): a forked run joins it itself, any other starts behind
-    `ip netns exec <netns>`."""
+    `ip netns exec <netns>`. `script="eval.py"` runs eval.py the same way, in `run_dir`."""
 
     def __init__(
         self,
         *overrides: str,
+        script: str = "train.py",
         run_dir: Path | None = None,
         sweep_dir: Path | None = None,
         env: dict[str, str] | None = None,
@@ -132,9 +134,9 @@ class TrainRun:
         netns: str | None = None,
     ):
         command = (
-            [*train_command(*overrides), f"hydra.run.dir={run_dir}"]
+            [*train_command(*overrides, script=script), f"hydra.run.dir={run_dir}"]
             if sweep_dir is None
-            else [*train_command("-m", *overrides), f"hydra.sweep.dir={sweep_dir}"]
+            else [*train_command("-m", *overrides, script=script), f"hydra.sweep.dir={sweep_dir}"]
         )
         self.command = command = [*prefix, *command]
         stdout = stderr = subprocess.PIPE
@@ -271,6 +273,13 @@ def run_train(
 ) -> subprocess.CompletedProcess:
     """`python train.py <overrides> hydra.run.dir=<run_dir>`, to the end."""
     return TrainRun(*overrides, run_dir=run_dir, env=env).finish(timeout, check)
+
+
+def run_eval(
+    *overrides: str, eval_dir: Path, check: bool = True, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """`python eval.py <overrides> hydra.run.dir=<eval_dir>`, to the end."""
+    return TrainRun(*overrides, script="eval.py", run_dir=eval_dir).finish(timeout, check)
 
 
 def run_sweep(

@@ -1,5 +1,5 @@
-"""The README's front page: every `python train.py` and `python plan.py` command in its shell
-blocks runs and exits 0.
+"""The README's front page: every `python train.py`, `python eval.py` and `python plan.py` command
+in its shell blocks runs and exits 0.
 
 The install and test commands of the same blocks (`pip install ...`, `ruff check .`,
 `python -m pytest`) are not run here: CI (`.ci/run`) runs exactly them, and a test suite that
@@ -14,15 +14,15 @@ import subprocess
 import sys
 
 import pytest
-from helpers import QUIET_AND_FRUGAL, ROOT, on_cpu, run_sweep, run_train
+from helpers import QUIET_AND_FRUGAL, ROOT, on_cpu, run_eval, run_sweep, run_train
 
 FENCED_SHELL = re.compile(r"^```(?:bash|sh|shell)\n(.*?)^```", re.MULTILINE | re.DOTALL)
-ENTRY_POINTS = ("train.py", "plan.py")
+ENTRY_POINTS = ("train.py", "eval.py", "plan.py")
 CHEAP = ("trainer.max_steps=2",)
 
 
 def front_page_commands() -> list[list[str]]:
-    """The `python train.py ...` / `python plan.py ...` commands of README.md's shell blocks, as
+    """The `python train.py|eval.py|plan.py ...` commands of README.md's shell blocks, as
     argument lists: continued lines joined, comments dropped, `a && b` split into its commands."""
     commands = []
     for block in FENCED_SHELL.findall((ROOT / "README.md").read_text()):
@@ -55,7 +55,9 @@ def test_a_front_page_command_runs(command, tmp_path):
     default run (the first command) trains `trainer.max_steps=2`, since tests/test_single.py
     trains and checks its full 300 steps; a sweep trains `trainer.max_steps=2` with
     `logger=none`, since what is checked here is that every job runs and the table and plot are
-    written, and tests/test_sweeps.py checks the report's figures and its W&B run."""
+    written, and tests/test_sweeps.py checks the report's figures and its W&B run; an eval
+    command evaluates a cheap default run, named as `run_dir` (the newest run in outputs/
+    otherwise)."""
     entry_point, *overrides = command[1:]
     if entry_point == "plan.py":
         result = subprocess.run(
@@ -68,6 +70,10 @@ def test_a_front_page_command_runs(command, tmp_path):
         )
         assert result.returncode == 0, result.stderr[-4000:]
         assert "recommended: parallel=" in result.stdout
+    elif entry_point == "eval.py":
+        run_train(*CHEAP, "logger=none", run_dir=tmp_path / "run")
+        run_eval(*overrides, f"run_dir={tmp_path / 'run'}", eval_dir=tmp_path / "eval")
+        assert (tmp_path / "eval" / "eval.json").is_file()
     elif "-m" in overrides:
         sweep = [override for override in overrides if override != "-m"]
         result = run_sweep(*sweep, *CHEAP, "logger=none", sweep_dir=tmp_path)

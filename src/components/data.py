@@ -587,6 +587,7 @@ class ValBatches:
         loading: Loading = Loading(),
     ):
         order = val_order(len(dataset), batch_size, rank, world_size)
+        self.order = order  # each batch's sample indices (none for a padding batch)
         self.counted = [len(batch) > 0 for batch in order]
         padded = [batch if len(batch) else torch.zeros(1, dtype=torch.long) for batch in order]
         self.dataset = dataset

@@ -759,6 +759,27 @@ class Config:
     seed: int = 0
 
 
+@dataclass
+class EvalConfig(Config):
+    """`python eval.py`'s own settings; the others are the evaluated run's (`SAVED_RUN`)."""
+
+    ckpt_path: str = MISSING
+    """A run folder (its newest checkpoint), a checkpoint folder, or `best` / `last`: the run's
+    `checkpoints/best`, or its newest `checkpoints/step-*`, of the run in `run_dir`."""
+    run_dir: str | None = None
+    """The run whose `best` / `last` checkpoint to evaluate; None: the newest run in outputs/."""
+    split: str = "test"
+    """The data split to evaluate: test, val, ... (the data's own)."""
+    predict: bool = False
+    """Also write the model's outputs for every sample of the split to predictions.pt."""
+
+
+# The option of each group that `eval.py` stores from the evaluated checkpoint's config
+# (`store_saved_run`); `parallel` is eval.py's own: any layout reads any checkpoint.
+SAVED_RUN = "saved_run"
+SAVED_GROUPS = ("model", "data", "task", "trainer", "optimizer", "logger")
+
+
 SCHEMAS = {
     "model": {
         "mlp": MLPConfig,
@@ -801,9 +822,19 @@ def register_configs() -> None:
     """Store the schemas so that YAML files can start from `/schema/<group>/<name>@_here_`."""
     store = ConfigStore.instance()
     store.store(name="config_schema", node=Config)
+    store.store(name="eval_schema", node=EvalConfig)
     for group, schemas in SCHEMAS.items():
         for name, schema in schemas.items():
             store.store(group=f"schema/{group}", name=name, node=schema)
+
+
+def store_saved_run(config: dict[str, Any]) -> None:
+    """A run's resolved `config` (a checkpoint's) as the option `saved_run` of each of
+    `SAVED_GROUPS`: selected by `<group>=saved_run`, a group composes as the run had it, and
+    the command line's overrides apply on top, as to any option."""
+    store = ConfigStore.instance()
+    for group in SAVED_GROUPS:
+        store.store(group=group, name=SAVED_RUN, node=config[group])
 
 
 def plain_config(cfg: DictConfig) -> dict[str, Any]:

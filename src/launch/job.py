@@ -31,6 +31,7 @@ from src.launch.launcher import (
     start_rank_server,
 )
 from src.launch.sweep import run_job
+from src.observe.tracking import wandb_group
 from src.parallel.base import Strategy
 from src.runtime.ranks import Ranks
 from src.runtime.stopping import Interrupted, ProcessDied, RunStopped, StopOnSignal
@@ -55,6 +56,8 @@ def run(cfg: DictConfig, ranks: Ranks | None) -> dict[str, Any]:
         from src.planning.planner import resolve_auto
 
         cfg = resolve_auto(cfg)  # the planner's choice from here on
+    if "group" in cfg.logger:  # `eval.py`'s runs of this run join its W&B group
+        cfg.logger.group = wandb_group(cfg.logger, run_dir)
     strategy = check_settings(cfg, ranks)
     nodes = cfg.parallel.nodes
     processes = strategy.processes_per_node * nodes

@@ -43,7 +43,7 @@ from omegaconf import DictConfig
 from src.checkpoint.store import saved_checkpoints
 from src.config.schema import ConfigError
 from src.launch.launcher import started_ranks
-from src.observe.tracking import sweep_group
+from src.observe.tracking import wandb_group
 from src.runtime.ranks import Ranks
 from src.runtime.run_folder import status_file, summary_file
 from src.runtime.stopping import Interrupted
@@ -69,7 +69,7 @@ def run_job(task: Task) -> Callable[[DictConfig], float]:
         if hydra_cfg.mode != RunMode.MULTIRUN:
             return task(cfg, ranks)["final_val_loss"]
         if "group" in cfg.logger:
-            cfg.logger.group = sweep_group(cfg.logger, hydra_cfg.sweep.dir)
+            cfg.logger.group = wandb_group(cfg.logger, hydra_cfg.sweep.dir)
         status = JobStatus(Path(hydra_cfg.runtime.output_dir), ranks)
         earlier = status.finished_summary()
         if earlier is not None:

@@ -464,11 +464,11 @@ def log_to_wandb(logger_cfg: DictConfig, sweep_dir: Path, rows: list[Row]) -> No
     sweep (see src/observe/tracking.py)."""
     if logger_cfg.name != "wandb":
         return
-    from src.observe.tracking import build_tracker, sweep_group  # W&B only when asked for
+    from src.observe.tracking import build_tracker, wandb_group  # W&B only when asked for
 
     settings = OmegaConf.to_container(logger_cfg, resolve=True)
     settings.update(
-        group=sweep_group(logger_cfg, sweep_dir), run_name=REPORT_RUN, job_type=REPORT_RUN
+        group=wandb_group(logger_cfg, sweep_dir), run_name=REPORT_RUN, job_type=REPORT_RUN
     )
     counts = {status: sum(row.status == status for row in rows) for status in STATUSES}
     tracker = build_tracker(

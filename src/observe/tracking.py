@@ -49,9 +49,10 @@ def check_tracker(cfg: Any) -> None:
         raise ConfigError(f"unknown logger.name {cfg.name!r}; use logger=wandb or logger=none")
 
 
-def sweep_group(logger_cfg: Any, sweep_dir: Path | str) -> str:
-    """The W&B group of a sweep's runs: `logger.group` when set, else the sweep directory."""
-    return logger_cfg.group if logger_cfg.group is not None else str(sweep_dir)
+def wandb_group(logger_cfg: Any, folder: Path | str) -> str:
+    """The W&B group of runs that belong together: `logger.group` when set, else the folder they
+    share (a sweep's for its jobs; a run's own for the run and `eval.py`'s runs of it)."""
+    return logger_cfg.group if logger_cfg.group is not None else str(folder)
 
 
 class NullTracker:

@@ -54,6 +54,7 @@ Checkpoints (every process calls these; the main one writes the file):
     strategy.sharded_state_dict(model, optimizer)    this process's part (DCP's state_dict APIs)
     strategy.load_sharded(model, optimizer, path)    read it back, into the wrapped model, any
                                                      number of processes having written it
+                                                     (optimizer None: the model alone)
     strategy.default_checkpoint_format               what trainer.checkpoint_format=auto means
 Once, before training:
     strategy.grad_scaler(enabled, init_scale)   fp16's GradScaler (one that knows how the
@@ -198,13 +199,21 @@ def process_peak_memory_mb() -> float:
     return peak / (2**20 if sys.platform == "darwin" else 2**10)
 
 
-def dcp_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def dcp_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, Any]:
     """DCP's state_dict APIs for a plain, DDP or FSDP2 model (or one of DTensor parameters):
-    `model` and `optimizer` keyed by parameter name, each process's own shards."""
+    `model` and `optimizer` (unless None) keyed by parameter name, each process's own shards."""
     # DCP is imported where used: importing it costs a run's start-up about a fifth of
     # `import torch`, and only sharded checkpoints need it.
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+    )
 
+    if optimizer is None:
+        return {"model": get_model_state_dict(model, options=StateDictOptions())}
     model_state, optimizer_state = get_state_dict(model, optimizer, options=StateDictOptions())
     return {"model": model_state, "optimizer": optimizer_state}
 
@@ -242,7 +251,7 @@ class TrainingStrategy(Protocol):
     ) -> None: ...
 
     def load_sharded(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str
     ) -> None: ...
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
@@ -417,16 +426,26 @@ class Strategy:
         what DCP read into tensors of their own rather than into views of `state`'s (nothing,
         here)."""
 
-    def load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
-        """Load a sharded checkpoint into the wrapped `model` and its `optimizer`: DCP reads each
-        process's shards of the tensors it is given, however many processes wrote them."""
+    def load_sharded(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str
+    ) -> None:
+        """Load a sharded checkpoint into the wrapped `model` and its `optimizer` (None: the
+        model alone, to evaluate it): DCP reads each process's shards of the tensors it is given,
+        however many processes wrote them."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_state_dict,
+        )
 
         state = dcp_state_dict(model, optimizer)  # the shapes and shards to fill
         saved = self.as_saved(state)
         dcp.load(saved, checkpoint_id=path)  # into them (or views of them)
         self.place_loaded(state, saved)
+        if optimizer is None:
+            set_model_state_dict(model, state["model"], options=StateDictOptions())
+            return
         set_state_dict(
             model,
             optimizer,

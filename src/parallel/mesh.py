@@ -280,23 +280,25 @@ class Mesh(Distributed):
 
     def as_saved(self, state: dict[str, Any]) -> dict[str, Any]:
         """The entries this process trains, each in single's layout (`in_single_rows`), and the
-        optimizer's groups as single's (`single_groups`)."""
-        model_state, optimizer_state = state["model"], state["optimizer"]
-        return {
+        optimizer's groups as single's (`single_groups`), if the state has an optimizer."""
+        saved = {
             "model": {
                 name: self.in_single_rows(name, value)
-                for name, value in model_state.items()
+                for name, value in state["model"].items()
                 if self.trains(name)
-            },
-            "optimizer": {
+            }
+        }
+        if "optimizer" in state:
+            optimizer_state = state["optimizer"]
+            saved["optimizer"] = {
                 "state": {
                     name: {key: self.in_single_rows(name, value) for key, value in entries.items()}
                     for name, entries in optimizer_state["state"].items()
                     if self.trains(name)
                 },
                 "param_groups": self.single_groups(optimizer_state["param_groups"]),
-            },
-        }
+            }
+        return saved
 
     def single_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The optimizer's parameter groups (parameters by name) as single's: under pp, each

@@ -11,6 +11,8 @@ STATUS = "status.json"  # a sweep job's outcome: ok / skipped / failed (`launch/
 CHECKPOINTS = "checkpoints"  # one folder per saved step
 PROFILE_TRACE = "profile_trace.json"  # trainer.profile's trace
 HYDRA = ".hydra"  # Hydra's record of the job: config.yaml and overrides.yaml
+EVAL = "eval.json"  # eval.py's figures, in its own run folder
+PREDICTIONS = "predictions.pt"  # eval.py predict=true: the model's outputs per sample
 
 
 def summary_file(run_dir: Path) -> Path:
@@ -36,3 +38,11 @@ def profile_trace(run_dir: Path) -> Path:
 def hydra_file(run_dir: Path, name: str) -> Path:
     """Hydra's `config.yaml` or `overrides.yaml` for the job in `run_dir`."""
     return run_dir / HYDRA / name
+
+
+def eval_file(eval_dir: Path) -> Path:
+    return eval_dir / EVAL
+
+
+def predictions_file(eval_dir: Path) -> Path:
+    return eval_dir / PREDICTIONS

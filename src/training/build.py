@@ -18,12 +18,13 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
 
-from src.checkpoint.store import load_checkpoint, resume_path
+from src.checkpoint.store import is_sharded, load_checkpoint, resume_path
+from src.components.blocks import prepare_blocks
 from src.components.data import Data, build_data, first_samples
 from src.parallel.base import Strategy
 from src.runtime.ranks import Ranks
 from src.training.checks import blame, check_data, check_model, check_settings
-from src.training.init_from import check_init_weights
+from src.training.init_from import check_init_weights, load_init_weights
 from src.training.resume import check_resumable
 
 
@@ -44,13 +45,7 @@ def build_blueprint(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> Bluep
     whatever their builders reject fails here, as does a model output the task cannot take, a
     model the strategy cannot place (which also settles a pipeline's stage split), and a
     checkpoint to resume or weights to start from (trainer.init_from) that do not fit."""
-    with blame("data"):
-        data = build_data(cfg.data, cfg.seed)
-    check_data(cfg, data)
-    with blame("task"):
-        task = instantiate(cfg.task)
-    model = build_model(cfg, data, torch.device("meta"))
-    check_model(cfg, strategy, model, task, data)
+    data, task, model = build_checked_parts(cfg, strategy)
     checkpoint = resume_path(cfg.trainer.resume, run_dir, announce=True)
     saved = load_checkpoint(checkpoint, mmap=True) if checkpoint is not None else None
     if saved is not None:
@@ -61,6 +56,19 @@ def build_blueprint(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> Bluep
         init_from = Path(cfg.trainer.init_from).expanduser()
         check_init_weights(model, init_from, cfg.trainer.init_strict)
     return Blueprint(data, task, model, checkpoint, saved, init_from)
+
+
+def build_checked_parts(cfg: DictConfig, strategy: Strategy) -> tuple[Data, Any, nn.Module]:
+    """Data, task and the model on the meta device, checked against each other and the
+    strategy."""
+    with blame("data"):
+        data = build_data(cfg.data, cfg.seed)
+    check_data(cfg, data)
+    with blame("task"):
+        task = instantiate(cfg.task)
+    model = build_model(cfg, data, torch.device("meta"))
+    check_model(cfg, strategy, model, task, data)
+    return data, task, model
 
 
 def check_config(cfg: DictConfig, run_dir: Path, ranks: Ranks | None = None) -> Strategy:
@@ -108,3 +116,38 @@ def size_lazy_modules(model: nn.Module, data: Data) -> None:
     with torch.no_grad():
         model(first_samples(data.train, 2)[0])
     model.train()
+
+
+def build_wrapped_model(
+    cfg: DictConfig,
+    strategy: Strategy,
+    data: Data,
+    state: dict[str, Any] | None,
+    init_from: Path | None = None,
+) -> nn.Module:
+    """The model, seeded (so every strategy starts from single's weights), with the weights of
+    a full checkpoint's `state` if given, or else of `init_from` (trainer.init_from's), prepared
+    per block and wrapped by the strategy. (A sharded checkpoint is loaded into the wrapped
+    model: `strategy.load_sharded`.)"""
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, data)
+    size_lazy_modules(model, data)
+    if state is not None:
+        model.load_state_dict(state["model"])
+    if init_from is not None:
+        strict = cfg.trainer.init_strict
+        load_init_weights(model, init_from, strict, announce=strategy.is_main)
+    prepare_blocks(model, cfg.trainer.activation_checkpointing, cfg.trainer.compile)
+    return strategy.wrap(model)
+
+
+def checkpoint_to_load(blueprint: Blueprint, strategy: Strategy) -> tuple[dict | None, bool]:
+    """The checkpoint's state, and whether its tensors go straight into the wrapped model, each
+    rank reading its own shards (a sharded checkpoint, for a strategy that can). A full one (or a
+    sharded one for a strategy that cannot, then read whole here) is loaded before `wrap`."""
+    if blueprint.checkpoint is None:
+        return None, False
+    in_shards = is_sharded(blueprint.checkpoint)
+    if in_shards and not strategy.sharded_checkpoints:
+        return load_checkpoint(blueprint.checkpoint), False
+    return blueprint.saved, in_shards

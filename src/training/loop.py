@@ -21,7 +21,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 from torch.utils.data import Dataset
@@ -35,6 +35,9 @@ from src.observe.report import rate_text
 from src.observe.tracking import Tracker
 from src.parallel.base import TrainingStrategy
 from src.runtime.stopping import NonFiniteWatch
+
+if TYPE_CHECKING:
+    from src.training.predictions import SampleOutputs
 
 log = logging.getLogger(__name__)
 
@@ -142,16 +145,22 @@ def evaluate(
     val: Split | Dataset | ValBatches,
     batch_size: int,
     autocast: Any,
+    outputs: SampleOutputs | None = None,
 ) -> dict[str, float]:
     """The task's figures (mean loss, ...) over the whole validation set (all ranks together);
-    `val` is the set, or this rank's `ValBatches` of it (which `batch_size` made)."""
+    `val` is the set, or this rank's `ValBatches` of it (which `batch_size` made). `outputs`,
+    if given, keeps the model's outputs for each of this rank's samples (`eval.py predict=true`)."""
     if not isinstance(val, ValBatches):
         val = ValBatches(val, batch_size, strategy.rank, strategy.world_size)
     model.eval()
     sums, count = None, 0
     with torch.no_grad(), autocast:
-        for inputs, targets, counted in val:
-            part = strategy.apply(model, inputs, targets, task.sums).float()
+        for batch, (inputs, targets, counted) in enumerate(val):
+            if outputs is None:
+                part = strategy.apply(model, inputs, targets, task.sums)
+            else:
+                part = outputs.apply(model, strategy, task, inputs, targets, val.order[batch])
+            part = part.float()
             if counted:
                 count = count + task.count(targets)
             else:  # padding: zeros of the right length, for a rank with no samples of its own

@@ -21,19 +21,9 @@ log = logging.getLogger(__name__)
 def check_resumable(state: dict[str, Any], path: Path, model: nn.Module, cfg: DictConfig) -> None:
     """The checkpoint fits this run: same parameter shapes, same optimizer, steps left to do."""
     saved = state["config"]
-    expected = {key: list(value.shape) for key, value in model.state_dict().items()}
-    found = {key: list(value.shape) for key, value in state["model"].items()}
-    if found != expected:
-        key = next(
-            k for k in sorted(expected.keys() | found.keys()) if expected.get(k) != found.get(k)
-        )
-        trained = " ".join(f"model.{k}={v}" for k, v in saved["model"].items() if k != "_target_")
-        raise ConfigError(
-            f"trainer.resume: {path} holds a different model ({key}: {found.get(key)} there, "
-            f"{expected.get(key)} here); it was trained with {saved['model']['_target_']} "
-            f"{trained} on {saved['data']['_target_']}: resume with those settings, or start a "
-            "new run"
-        )
+    check_same_model(
+        state, path, model, "trainer.resume", "resume with those settings, or start a new run"
+    )
     if saved["optimizer"]["name"] != cfg.optimizer.name:
         raise ConfigError(
             f"trainer.resume: {path} was trained with optimizer={saved['optimizer']['name']}; "
@@ -45,6 +35,27 @@ def check_resumable(state: dict[str, Any], path: Path, model: nn.Module, cfg: Di
             f"{cfg.trainer.max_steps}, so there is nothing left to train; raise trainer.max_steps"
         )
     check_schedule_kept(state, path, cfg)
+
+
+def check_same_model(
+    state: dict[str, Any], path: Path, model: nn.Module, setting: str, remedy: str
+) -> None:
+    """The checkpoint `state` at `path` (named by `setting`) holds `model`'s parameter shapes;
+    else a ConfigError naming the first that differs, the settings it was trained with, and
+    `remedy`."""
+    saved = state["config"]
+    expected = {key: list(value.shape) for key, value in model.state_dict().items()}
+    found = {key: list(value.shape) for key, value in state["model"].items()}
+    if found != expected:
+        key = next(
+            k for k in sorted(expected.keys() | found.keys()) if expected.get(k) != found.get(k)
+        )
+        trained = " ".join(f"model.{k}={v}" for k, v in saved["model"].items() if k != "_target_")
+        raise ConfigError(
+            f"{setting}: {path} holds a different model ({key}: {found.get(key)} there, "
+            f"{expected.get(key)} here); it was trained with {saved['model']['_target_']} "
+            f"{trained} on {saved['data']['_target_']}: {remedy}"
+        )
 
 
 def check_schedule_kept(state: dict[str, Any], path: Path, cfg: DictConfig) -> None:

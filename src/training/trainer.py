@@ -30,15 +30,14 @@ from torch import nn
 
 from src.checkpoint.store import (
     CheckpointWriter,
-    is_sharded,
-    load_checkpoint,
     resolved_format,
     rng_state,
     set_rng_state,
 )
-from src.components.blocks import CompiledSums, prepare_blocks
+from src.components.blocks import CompiledSums
 from src.components.data import (
     Data,
+    Loading,
     ValBatches,
     loading_for,
     tokens_per_sample,
@@ -60,11 +59,10 @@ from src.runtime.stopping import Interrupted, StopOnSignal, agree_to_stop
 from src.training.build import (
     Blueprint,
     build_blueprint,
-    build_model,
+    build_wrapped_model,
+    checkpoint_to_load,
     set_numerics,
-    size_lazy_modules,
 )
-from src.training.init_from import load_init_weights
 from src.training.loop import (
     Checkpointing,
     Evaluation,
@@ -197,17 +195,10 @@ class Trainer:
         checkpoint to resume from; with that checkpoint's train state (None when starting
         afresh)."""
         cfg, strategy, blueprint = self.cfg, self.strategy, self.blueprint
-        torch.manual_seed(cfg.seed)
-        model = build_model(cfg, blueprint.data)
-        size_lazy_modules(model, blueprint.data)
         state, in_shards = checkpoint_to_load(blueprint, strategy)
-        if state is not None and not in_shards:
-            model.load_state_dict(state["model"])
-        if blueprint.init_from is not None:
-            strict = cfg.trainer.init_strict
-            load_init_weights(model, blueprint.init_from, strict, announce=strategy.is_main)
-        prepare_blocks(model, cfg.trainer.activation_checkpointing, cfg.trainer.compile)
-        model = strategy.wrap(model)
+        model = build_wrapped_model(
+            cfg, strategy, blueprint.data, None if in_shards else state, blueprint.init_from
+        )
         optimizer = build_optimizer(cfg.optimizer, strategy.trained_parameters(model))
         if state is None:
             if cfg.trainer.resume and strategy.is_main:
@@ -423,9 +414,7 @@ def input_batches(
 ) -> tuple[TimedBatches, ValBatches, ValBatches]:
     """This process's training batches from `start_step` on, and its validation and test
     batches."""
-    loading = loading_for(
-        cfg.data, cfg.seed, strategy.device_type, strategy.processes_per_node, usable_cores()
-    )
+    loading = input_loading(cfg, strategy)
     train = train_batches(
         data.train,
         trainer.batch_size // trainer.accumulate,
@@ -442,16 +431,11 @@ def input_batches(
     return TimedBatches(train), val, test
 
 
-def checkpoint_to_load(blueprint: Blueprint, strategy: Strategy) -> tuple[dict | None, bool]:
-    """The checkpoint's state, and whether its tensors go straight into the wrapped model, each
-    rank reading its own shards (a sharded checkpoint, for a strategy that can). A full one (or a
-    sharded one for a strategy that cannot, then read whole here) is loaded before `wrap`."""
-    if blueprint.checkpoint is None:
-        return None, False
-    in_shards = is_sharded(blueprint.checkpoint)
-    if in_shards and not strategy.sharded_checkpoints:
-        return load_checkpoint(blueprint.checkpoint), False
-    return blueprint.saved, in_shards
+def input_loading(cfg: DictConfig, strategy: Strategy) -> Loading:
+    """How this process reads a `Dataset` (`data.num_workers`, ...; see `loading_for`)."""
+    return loading_for(
+        cfg.data, cfg.seed, strategy.device_type, strategy.processes_per_node, usable_cores()
+    )
 
 
 def speed_figures(

@@ -1,0 +1,139 @@
+"""`eval.py`'s work in one process: a checkpoint's model, rebuilt and restored as `Trainer`
+builds it (without an optimizer) under any strategy and number of processes, evaluated on one
+split of the data. Its figures go to the console (one line), `eval.json` in eval.py's run folder
+and a W&B run of `job_type=eval` in the training run's group; with `predict=true`, the model's
+outputs for every sample to `predictions.pt` (`predictions.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+from torch.utils.data import Dataset
+
+from src.checkpoint.store import load_checkpoint
+from src.components.data import Data, Split, ValBatches
+from src.components.precision import autocast
+from src.config.schema import ConfigError, TrainerConfig, plain_config, typed
+from src.observe.tracking import build_tracker, wandb_group
+from src.parallel.base import Strategy
+from src.runtime.run_folder import eval_file, predictions_file
+from src.training.build import (
+    Blueprint,
+    build_checked_parts,
+    build_wrapped_model,
+    checkpoint_to_load,
+    set_numerics,
+)
+from src.training.loop import evaluate
+from src.training.predictions import SampleOutputs
+from src.training.resume import check_same_model
+from src.training.trainer import input_loading
+
+log = logging.getLogger(__name__)
+
+
+def as_evaluated(cfg: DictConfig) -> None:
+    """The run's settings (`cfg`, composed by eval.py) as evaluation takes them: it writes no
+    checkpoint, so the run's checkpoint format (which another layout may not write) and resume
+    are left out; its W&B run is one of job_type=eval, in the training run's group."""
+    cfg.trainer.checkpoint_format = "auto"
+    cfg.trainer.async_checkpoint = False
+    cfg.trainer.resume = None
+    if "group" in cfg.logger:
+        run_dir = Path(cfg.ckpt_path).parent.parent  # <run>/checkpoints/<checkpoint>
+        cfg.logger.group = wandb_group(cfg.logger, run_dir)
+        cfg.logger.job_type = "eval"
+        cfg.logger.run_name = f"eval-{cfg.split}"
+    if cfg.predict and cfg.parallel.get("loss_parallel"):
+        raise ConfigError(
+            "predict=true needs whole outputs, but parallel.loss_parallel=true leaves them split "
+            "over the tensor-parallel ranks; set parallel.loss_parallel=false"
+        )
+
+
+def eval_blueprint(cfg: DictConfig, strategy: Strategy) -> Blueprint:
+    """Data, task and the model on the meta device, checked as for training, with the split to
+    evaluate and the checkpoint, which must hold this model."""
+    data, task, model = build_checked_parts(cfg, strategy)
+    named_split(data, cfg.split)
+    checkpoint = Path(cfg.ckpt_path)
+    saved = load_checkpoint(checkpoint, mmap=True)
+    check_same_model(
+        saved, checkpoint, model, "ckpt_path", "evaluate it with the run's model settings"
+    )
+    return Blueprint(data, task, model, checkpoint, saved)
+
+
+def named_split(data: Data, name: str) -> Split | Dataset:
+    splits = {
+        field.name: getattr(data, field.name)
+        for field in dataclasses.fields(data)
+        if isinstance(getattr(data, field.name), (Split, Dataset))
+    }
+    if name not in splits:
+        raise ConfigError(f"split={name}: the data has no such split; choose {', '.join(splits)}")
+    return splits[name]
+
+
+def evaluate_checkpoint(
+    cfg: DictConfig, eval_dir: Path, strategy: Strategy, blueprint: Blueprint | None = None
+) -> dict[str, Any]:
+    """Evaluate `cfg.ckpt_path` on `cfg.split` in this process (one of several, for
+    multi-process strategies); the figures, also in eval.json. `blueprint`: the up-front build
+    (`eval_blueprint`), if done already."""
+    blueprint = blueprint or eval_blueprint(cfg, strategy)
+    strategy.setup()
+    try:
+        figures, samples = evaluate_split(cfg, eval_dir, strategy, blueprint)
+    finally:
+        strategy.teardown()
+    results = {
+        "checkpoint": str(blueprint.checkpoint),
+        "step": blueprint.saved["step"],
+        "split": cfg.split,
+        "samples": samples,
+        "strategy": strategy.name,
+        "devices": cfg.parallel.devices,
+        "world_size": strategy.world_size,
+        **figures,
+        **({"predictions": predictions_file(eval_dir).name} if cfg.predict else {}),
+    }
+    if strategy.is_main:
+        shown = " | ".join(f"{name} {value:.6g}" for name, value in figures.items())
+        log.info("%s | step %d | %s", cfg.split, results["step"], shown)
+        eval_file(eval_dir).write_text(json.dumps(results, indent=2) + "\n")
+    tracker = build_tracker(cfg.logger, str(eval_dir), plain_config(cfg), strategy.is_main)
+    tracker.log({f"{cfg.split}/{name}": value for name, value in figures.items()}, results["step"])
+    tracker.finish(results, 0)
+    return results
+
+
+def evaluate_split(
+    cfg: DictConfig, eval_dir: Path, strategy: Strategy, blueprint: Blueprint
+) -> tuple[dict[str, float], int]:
+    """The task's figures over the split (all processes together), and its number of samples;
+    with `predict`, the outputs written too."""
+    settings = typed(TrainerConfig, cfg.trainer)
+    set_numerics(cfg.trainer, strategy.device_type)
+    state, in_shards = checkpoint_to_load(blueprint, strategy)
+    model = build_wrapped_model(cfg, strategy, blueprint.data, None if in_shards else state)
+    if in_shards:
+        strategy.load_sharded(model, None, str(blueprint.checkpoint))
+    split = named_split(blueprint.data, cfg.split)
+    batches = ValBatches(
+        split, settings.eval_batch, strategy.rank, strategy.world_size, input_loading(cfg, strategy)
+    )
+    outputs = SampleOutputs() if cfg.predict else None
+    precision = autocast(strategy.device_type, settings.precision)
+    figures = evaluate(
+        model, strategy, blueprint.task, batches, settings.eval_batch, precision, outputs
+    )
+    if outputs is not None:
+        outputs.write(strategy, predictions_file(eval_dir), len(split))
+    return figures, len(split)
