@@ -78,3 +78,15 @@ def test_a_resumed_run_continues_its_wandb_run_when_launched_or_under_torchrun(t
     assert checkpoint(tmp_path)["step"] == 6 and checkpoint(tmp_path)["wandb_run_id"] == run_id
     runs = sorted(path.name for path in (tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 3 and all(name.endswith(f"-{run_id}") for name in runs), runs
+
+
+def test_the_best_checkpoint_is_the_runs_model_artifact_when_asked(tmp_path):
+    overrides = [o for o in TINY if o != "logger=none"]
+    run_train(*overrides, "logger=wandb", "logger.log_checkpoints=true", run_dir=tmp_path)
+    records = wandb_records(tmp_path)
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    (artifact,) = [r.artifact for r in records if r.WhichOneof("record_type") == "artifact"]
+    assert (artifact.name, artifact.type) == (f"model-{run.run_id}", "model")
+    assert "best" in artifact.aliases
+    assert json.loads(artifact.metadata)["best_step"] == summary(tmp_path)["best_step"]
+    assert [entry.path for entry in artifact.manifest.contents] == ["checkpoint.pt"]

@@ -709,6 +709,9 @@ class WandbConfig(LoggerConfig):
     it later), online, shared or disabled; the WANDB_MODE environment variable wins when set."""
     init_timeout_s: float = 60.0
     """How long an online run may take to start before the run logs offline instead."""
+    log_checkpoints: bool = False
+    """Log the best checkpoint (`checkpoints/best/`, trainer.monitor's) as the run's model
+    artifact at the end of training."""
 
 
 # ------------------------------------------------------------------------------------------ plan

@@ -40,6 +40,8 @@ class Tracker(Protocol):
 
     def save(self, path: Path) -> None: ...
 
+    def log_model(self, folder: Path, metadata: dict[str, Any]) -> None: ...
+
     def finish(self, summary: dict[str, Any] | None = None, exit_code: int = 0) -> None: ...
 
 
@@ -68,6 +70,9 @@ class NullTracker:
         pass
 
     def save(self, path: Path) -> None:
+        pass
+
+    def log_model(self, folder: Path, metadata: dict[str, Any]) -> None:
         pass
 
     def finish(self, summary: dict[str, Any] | None = None, exit_code: int = 0) -> None:
@@ -160,6 +165,18 @@ class WandbTracker:
             self.run.save(str(path), base_path=str(path.parent), policy="now")
         except Exception as error:  # noqa: BLE001 - tracking must never stop training
             log.warning("W&B could not save %s: %s", path.name, error)
+
+    def log_model(self, folder: Path, metadata: dict[str, Any]) -> None:
+        """With `logger.log_checkpoints`, the checkpoint `folder` (any format) as the run's
+        model artifact `model-<run id>`, aliased `best` (offline: kept to upload with the run)."""
+        if self.run is None or not self._cfg.log_checkpoints or not folder.is_dir():
+            return
+        try:
+            artifact = self._wandb.Artifact(f"model-{self.run.id}", "model", metadata=metadata)
+            artifact.add_dir(str(folder))
+            self.run.log_artifact(artifact, aliases=[folder.name])
+        except Exception as error:  # noqa: BLE001 - tracking must never stop training
+            log.warning("W&B could not log the checkpoint %s: %s", folder, error)
 
     def finish(self, summary: dict[str, Any] | None = None, exit_code: int = 0) -> None:
         if self.run is None:

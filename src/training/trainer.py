@@ -30,6 +30,7 @@ from torch import nn
 
 from src.checkpoint.store import (
     CheckpointWriter,
+    best_dir,
     resolved_format,
     rng_state,
     set_rng_state,
@@ -298,6 +299,7 @@ class Trainer:
             if settings.test:
                 self.run_test(history)
         summary = self.summary(self.final_figures())
+        self.tracker.log_model(best_dir(self.run_dir), self.monitoring.summary())
         self.finished = True
         self.tracker.finish(summary, 0)
         if strategy.is_main:
