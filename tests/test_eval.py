@@ -45,20 +45,21 @@ def eval_json(eval_dir: Path) -> dict:
     ],
     ids=["single-as-ddp", "ddp-as-single", "fsdp-as-single"],
 )
-def test_a_checkpoint_evaluated_under_another_layout_gives_the_runs_final_val_loss(
+def test_a_checkpoint_evaluated_under_another_layout_gives_the_runs_test_loss(
     trained_as, evaluated_as, tmp_path
 ):
+    """The test split (eval.py's default), which the run itself scored after its last step."""
     run_dir = trained("single", "ddp", "fsdp")[trained_as]
-    run_eval(f"ckpt_path={run_dir}", *VAL, *evaluated_as, eval_dir=tmp_path)
+    run_eval(f"ckpt_path={run_dir}", *evaluated_as, eval_dir=tmp_path)
 
     figures = eval_json(tmp_path)
     newest = saved_checkpoints(run_dir)[-1]
     assert figures["checkpoint"] == str(newest) and figures["step"] == 6
-    assert figures["split"] == "val" and figures["samples"] == 60
+    assert figures["split"] == "test" and figures["samples"] == 60
     assert figures["strategy"] == evaluated_as[0].removeprefix("parallel=")
     expected = summary(run_dir)
-    assert abs(figures["loss"] - expected["final_val_loss"]) < 1e-5
-    assert abs(figures["accuracy"] - expected["val_accuracy"]) < 1e-5
+    assert abs(figures["loss"] - expected["test_loss"]) < 1e-5
+    assert abs(figures["accuracy"] - expected["test_accuracy"]) < 1e-5
 
 
 @pytest.mark.equivalence
