@@ -24,7 +24,7 @@ from src.launch.command_line import (
     expected_failures_in_one_line,
 )
 from src.launch.launcher import follow_rank0_run_dir, start_rank_server_early
-from src.launch.torch_private import exit_without_teardown
+from src.runtime.torch_private import exit_without_teardown
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="eval")
@@ -39,7 +39,7 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
-    with exit_without_teardown():  # a second less per run: see src/launch/torch_private.py
+    with exit_without_teardown():  # a second less per run: see src/runtime/torch_private.py
         register_configs()
         follow_rank0_run_dir()  # ranks started by torchrun/srun share rank 0's run directory
         with composition_errors_in_one_line("eval.py"):

@@ -26,7 +26,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException, OverrideParseException
 
 from src.config.schema import ConfigError, composition_error_line, register_configs
-from src.launch.torch_private import exit_without_teardown
+from src.runtime.torch_private import exit_without_teardown
 
 CONF = Path(__file__).resolve().parent / "conf"
 

@@ -44,7 +44,9 @@ def test_dict_inputs_outputs_and_targets_train_like_single(strategy):
 
 
 def test_dict_batches_through_the_loader_equal_the_in_memory_ones():
-    data = halves_and_values(0, input_dim=6, num_classes=3, num_samples=130, val_fraction=0.1)
+    data = halves_and_values(
+        0, input_dim=6, num_classes=3, num_samples=130, val_fraction=0.1, test_fraction=0.1
+    )
     direct = train_batches(data.train, 12, 7, rank=1, world_size=2)
     through_loader = train_batches(SplitSamples(data.train), 12, 7, 1, 2, start_batch=5)
     for expected, got in zip(itertools.islice(direct, 5, 15), through_loader, strict=False):
@@ -57,7 +59,9 @@ def test_dict_batches_through_the_loader_equal_the_in_memory_ones():
 
 def test_pipeline_micro_batches_of_dicts_give_the_full_batch_gradients():
     torch.manual_seed(0)
-    data = halves_and_values(0, input_dim=6, num_classes=3, num_samples=40, val_fraction=0.5)
+    data = halves_and_values(
+        0, input_dim=6, num_classes=3, num_samples=40, val_fraction=0.5, test_fraction=0.1
+    )
     inputs, targets = data.train[:10]
     model, task = (
         DictInDictOutMLP(input_shape=(6,), num_classes=3, hidden=8, depth=2),

@@ -1,5 +1,5 @@
 """A finished `train.py` or `plan.py` ends without the interpreter's teardown of its modules
-(`src/launch/torch_private.py`), and with everything else an exit does: its status, its exit
+(`src/runtime/torch_private.py`), and with everything else an exit does: its status, its exit
 handlers, its threads, its logs."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from helpers import ROOT
 # module's globals on its way out.
 PROGRAM = """
 import atexit, logging, sys, threading, time
-from src.launch.torch_private import exit_without_teardown
+from src.runtime.torch_private import exit_without_teardown
 
 class Trace:
     def __del__(self):

@@ -18,7 +18,7 @@ from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from src.launch.launcher import end_with_launcher, start_rank_server
-from src.launch.torch_private import name_rendezvous_events_cheaply, pipeline_warmup_skips_own_rank
+from src.runtime.torch_private import name_rendezvous_events_cheaply, pipeline_warmup_skips_own_rank
 
 
 def parent_pid(queue: multiprocessing.Queue) -> None:
@@ -128,7 +128,7 @@ registered = []
 register = atexit.register
 atexit.register = lambda f, *a, **k: (registered.append(f"{f.__module__}.{f.__qualname__}"),
                                       register(f, *a, **k))[1]
-from src.launch.torch_private import exit_without_teardown
+from src.runtime.torch_private import exit_without_teardown
 
 def report():
     print("registered", *registered)

@@ -37,12 +37,12 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from src.launch.torch_private import (
+from src.runtime.ranks import Ranks
+from src.runtime.torch_private import (
     forkserver_forked_from_this_process,
     name_rendezvous_events_cheaply,
     rank_server_pid,
 )
-from src.runtime.ranks import Ranks
 
 log = logging.getLogger(__name__)
 

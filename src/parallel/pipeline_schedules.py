@@ -34,9 +34,9 @@ from torch.distributed.pipelining.schedules import (
 
 from src.components.batches import batch_size
 from src.config.schema import ConfigError
-from src.launch.torch_private import pipeline_warmup_skips_own_rank
 from src.parallel.base import tied_block_groups
 from src.parallel.mechanisms.stage_pipeline import balanced_split_points, parameter_count
+from src.runtime.torch_private import pipeline_warmup_skips_own_rank
 
 ONE_STAGE = ("GPipe", "1F1B")  # one stage per rank
 LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
