@@ -90,11 +90,10 @@ def test_predictions_of_two_ranks_are_singles_in_dataset_order(tmp_path):
 
 
 def test_best_and_last_name_the_checkpoints_of_run_dir(tmp_path):
-    """`best` is checkpoints/best (here a copy of step 3), `last` the newest step-*."""
+    """`best` is checkpoints/best (trainer.monitor's), `last` the newest step-*."""
     run_dir = tmp_path / "run"
     run_train(*TINY, "trainer.checkpoint_every=3", run_dir=run_dir)
-    shutil.copytree(run_dir / "checkpoints" / "step-000003", run_dir / "checkpoints" / "best")
-    for name, step in (("best", 3), ("last", 6)):
+    for name, step in (("best", summary(run_dir)["best_step"]), ("last", 6)):
         eval_dir = tmp_path / name
         run_eval(f"ckpt_path={name}", f"run_dir={run_dir}", *VAL, eval_dir=eval_dir)
         assert eval_json(eval_dir)["step"] == step
@@ -109,7 +108,7 @@ def test_best_and_last_name_the_checkpoints_of_run_dir(tmp_path):
             ("ckpt_path={run}", "model.hidden=64", *VAL),
             "holds a different model (0.1.bias: [32] there",
         ),
-        (("ckpt_path={run}", "split=test"), "split=test: the data has no such split; choose"),
+        (("ckpt_path={run}", "split=holdout"), "split=holdout: the data has no such split; choose"),
         (("split=val",), "ckpt_path is required"),
     ],
     ids=["staging", "no-files", "other-model", "no-such-split", "no-ckpt-path"],

@@ -23,10 +23,12 @@ CHEAP = ("trainer.max_steps=2",)
 
 def front_page_commands() -> list[list[str]]:
     """The `python train.py|eval.py|plan.py ...` commands of README.md's shell blocks, as
-    argument lists: continued lines joined, comments dropped, `a && b` split into its commands."""
+    argument lists: continued lines joined, comments dropped, each line and each command of
+    `a && b` on its own."""
     commands = []
     for block in FENCED_SHELL.findall((ROOT / "README.md").read_text()):
-        words = shlex.split(block.replace("\\\n", " "), comments=True)
+        lines = block.replace("\\\n", " ").splitlines()
+        words = [word for line in lines for word in [*shlex.split(line, comments=True), ";"]]
         command: list[str] = []
         for word in [*words, "&&"]:
             if word not in ("&&", ";"):

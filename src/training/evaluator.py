@@ -67,7 +67,7 @@ def eval_blueprint(cfg: DictConfig, strategy: Strategy) -> Blueprint:
     check_same_model(
         saved, checkpoint, model, "ckpt_path", "evaluate it with the run's model settings"
     )
-    return Blueprint(data, task, model, checkpoint, saved)
+    return Blueprint(data, task, model, checkpoint, saved, init_from=None)
 
 
 def named_split(data: Data, name: str) -> Split | Dataset:
