@@ -20,6 +20,7 @@ from helpers import (
 )
 from test_mesh_checkpoints import saved_runs
 
+from src.checkpoint.export import export
 from src.checkpoint.store import saved_checkpoints
 
 VAL = ("split=val",)
@@ -87,6 +88,19 @@ def test_predictions_of_two_ranks_are_singles_in_dataset_order(tmp_path):
     assert torch.equal(ddp["indices"], single["indices"])
     assert single["outputs"].shape == (60, 10)
     torch.testing.assert_close(ddp["outputs"], single["outputs"], rtol=0, atol=1e-6)
+
+
+def test_an_exported_safetensors_file_is_evaluated_with_the_model_it_names(tmp_path):
+    """The file holds the model's config, not the data's: the data settings come from the
+    command line (here TINY's)."""
+    run_dir = trained("single", "ddp", "fsdp")["single"]
+    weights = tmp_path / "model.safetensors"
+    export(run_dir, weights)
+    data = [override for override in TINY if override.startswith("data.")]
+    run_eval(f"ckpt_path={weights}", *data, "parallel=ddp", "parallel.devices=2", eval_dir=tmp_path)
+    figures = eval_json(tmp_path)
+    assert figures["step"] is None and figures["checkpoint"] == str(weights)
+    assert abs(figures["loss"] - summary(run_dir)["test_loss"]) < 1e-5
 
 
 def test_best_and_last_name_the_checkpoints_of_run_dir(tmp_path):

@@ -4,12 +4,14 @@ ckpt_path=<run folder>          its newest checkpoints/step-*
 ckpt_path=<checkpoint folder>   checkpoints/step-*, checkpoints/best, or a copy of one
 ckpt_path=best | last           checkpoints/best, or the newest checkpoints/step-*, of the
                                 run in `run_dir` (default: the newest run in outputs/)
+ckpt_path=<weights file>        an export (.safetensors, with the model's config; .pt)
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from src.checkpoint.export import weights_config
 from src.checkpoint.store import (
     DCP_METADATA,
     FULL_FILE,
@@ -37,6 +39,10 @@ def named_checkpoint(ckpt_path: str, run_dir: str | None) -> Path:
         path = Path(ckpt_path).expanduser()
         if path.is_dir() and checkpoints_dir(path).is_dir():  # a run folder
             path = newest_step(path)
+        if path.name == FULL_FILE:  # a full checkpoint's file: its folder
+            path = path.parent
+        if path.is_file():  # an exported weights file, read (and checked) by load_weights
+            return path.resolve()
     check_complete(path)
     return path.resolve()
 
@@ -85,5 +91,9 @@ def check_complete(path: Path) -> None:
 
 
 def saved_config(path: Path) -> dict:
-    """The resolved config the checkpoint at `path` was trained with (structure only read)."""
+    """The resolved config the checkpoint at `path` was trained with (structure only read); of a
+    weights file, its model group where it has one (a .safetensors export), else nothing."""
+    if path.is_file():
+        model = weights_config(path)
+        return {} if model is None else {"model": model["model"]}
     return load_checkpoint(path, mmap=True)["config"]

@@ -833,11 +833,12 @@ def register_configs() -> None:
 
 def store_saved_run(config: dict[str, Any]) -> None:
     """A run's resolved `config` (a checkpoint's) as the option `saved_run` of each of
-    `SAVED_GROUPS`: selected by `<group>=saved_run`, a group composes as the run had it, and
+    `SAVED_GROUPS` it has: selected by `<group>=saved_run`, a group composes as the run had it, and
     the command line's overrides apply on top, as to any option."""
     store = ConfigStore.instance()
     for group in SAVED_GROUPS:
-        store.store(group=group, name=SAVED_RUN, node=config[group])
+        if group in config:  # a weights file's config has the model's only
+            store.store(group=group, name=SAVED_RUN, node=config[group])
 
 
 def plain_config(cfg: DictConfig) -> dict[str, Any]:

@@ -58,8 +58,10 @@ def with_saved_run(args: list[str]) -> list[str]:
     checkpoint = named_checkpoint(str(parsed[CKPT_PATH].value()), run_dir)
     config = saved_config(checkpoint)
     store_saved_run(config)
-    selected = [f"{group}={SAVED_RUN}" for group in SAVED_GROUPS if group not in parsed]
-    seed = [] if SEED in parsed else [f"{SEED}={config[SEED]}"]
+    selected = [
+        f"{group}={SAVED_RUN}" for group in SAVED_GROUPS if group in config and group not in parsed
+    ]
+    seed = [] if SEED in parsed or SEED not in config else [f"{SEED}={config[SEED]}"]
     quoted = str(checkpoint).replace("\\", "\\\\").replace("'", "\\'")
     named = [
         f"{CKPT_PATH}='{quoted}'" if arg == parsed[CKPT_PATH].input_line else arg for arg in args

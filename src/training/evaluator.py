@@ -13,12 +13,16 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig
+from torch import nn
 from torch.utils.data import Dataset
 
+from src.checkpoint.export import load_weights
 from src.checkpoint.store import load_checkpoint
 from src.components.data import Data, Split, ValBatches
 from src.components.precision import autocast
+from src.components.state_dicts import StateDictFit
 from src.config.schema import ConfigError, TrainerConfig, plain_config, typed
 from src.observe.tracking import build_tracker, wandb_group
 from src.parallel.base import Strategy
@@ -63,11 +67,26 @@ def eval_blueprint(cfg: DictConfig, strategy: Strategy) -> Blueprint:
     data, task, model = build_checked_parts(cfg, strategy)
     named_split(data, cfg.split)
     checkpoint = Path(cfg.ckpt_path)
-    saved = load_checkpoint(checkpoint, mmap=True)
-    check_same_model(
-        saved, checkpoint, model, "ckpt_path", "evaluate it with the run's model settings"
-    )
+    if checkpoint.is_file():  # an exported weights file: the model's tensors, no step
+        saved = {"model": load_weights(checkpoint), "step": None}
+        check_weights_fit(model, saved["model"], checkpoint)
+    else:
+        saved = load_checkpoint(checkpoint, mmap=True)
+        check_same_model(
+            saved, checkpoint, model, "ckpt_path", "evaluate it with the run's model settings"
+        )
     return Blueprint(data, task, model, checkpoint, saved, init_from=None)
+
+
+def check_weights_fit(model: nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:
+    """A weights file's keys and shapes are `model`'s; else a ConfigError, one line."""
+    fit = StateDictFit.of(model.state_dict(), weights)
+    problems = [fit.shape_problem()] if fit.other_shape else fit.key_problems()
+    if problems:
+        raise ConfigError(
+            f"ckpt_path: {path} does not fit this model: {'; '.join(problems)}; give the model "
+            "(and data=...) it was trained with"
+        )
 
 
 def named_split(data: Data, name: str) -> Split | Dataset:
@@ -106,10 +125,11 @@ def evaluate_checkpoint(
     }
     if strategy.is_main:
         shown = " | ".join(f"{name} {value:.6g}" for name, value in figures.items())
-        log.info("%s | step %d | %s", cfg.split, results["step"], shown)
+        log.info("%s | step %s | %s", cfg.split, results["step"], shown)
         eval_file(eval_dir).write_text(json.dumps(results, indent=2) + "\n")
     tracker = build_tracker(cfg.logger, str(eval_dir), plain_config(cfg), strategy.is_main)
-    tracker.log({f"{cfg.split}/{name}": value for name, value in figures.items()}, results["step"])
+    step = results["step"] or 0  # an exported weights file has none
+    tracker.log({f"{cfg.split}/{name}": value for name, value in figures.items()}, step)
     tracker.finish(results, 0)
     return results
 
