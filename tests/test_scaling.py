@@ -41,6 +41,9 @@ class FirstLogTakes100s:
         if not self.clock[0]:
             self.clock[0] = 100.0
 
+    def log_model(self, folder: Path, metadata: dict) -> None:
+        pass
+
     def finish(self, summary: dict | None = None, exit_code: int = 0) -> None:
         pass
 
