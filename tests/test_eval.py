@@ -68,8 +68,8 @@ def test_a_checkpoint_evaluated_under_another_layout_gives_the_runs_test_loss(
 def test_a_2d_sharded_checkpoint_is_evaluated_by_ddp(tmp_path):
     """fsdp 2 x tp 2's shards, read whole by each of 2 replicas."""
     run_dir = saved_runs()["fsdp_tp"]
-    run_eval(f"ckpt_path={run_dir}", *VAL, "parallel=ddp", "parallel.devices=2", eval_dir=tmp_path)
-    assert abs(eval_json(tmp_path)["loss"] - summary(run_dir)["final_val_loss"]) < 1e-5
+    run_eval(f"ckpt_path={run_dir}", "parallel=ddp", "parallel.devices=2", eval_dir=tmp_path)
+    assert abs(eval_json(tmp_path)["loss"] - summary(run_dir)["test_loss"]) < 1e-5
 
 
 def test_predictions_of_two_ranks_are_singles_in_dataset_order(tmp_path):
