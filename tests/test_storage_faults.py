@@ -80,7 +80,7 @@ def test_a_full_disk_ends_the_run_in_one_line_and_keeps_the_previous_checkpoint(
     folder = tmp_path / "run" / "checkpoints"
     line = (
         f"checkpoint step-000006 not written: the disk is full (No space left on device) in "
-        f"{folder}: it needs about "
+        f"{folder}: it needs at least "
     )
     errors = [text for text in result.stdout.splitlines() if "[ERROR]" in text]
     assert len(errors) == 1 and line in errors[0], result.stdout[-3000:]

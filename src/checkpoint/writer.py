@@ -243,24 +243,25 @@ class CheckpointWriter:
         how it went on all of them: their results in rank order, or, where storage failed on any
         of them, None on all (after `abandon`). Other errors are raised where they happen."""
         try:
-            outcome: tuple[str | None, Any] = (None, work())
-        except Exception as error:  # noqa: BLE001 - only storage errors are caught, below
+            outcome: tuple[OSError | None, Any] = (None, work())
+        except BaseException as error:  # DCP's CheckpointException is no Exception
             cause = storage_error(error)
             if cause is None:
                 raise
-            outcome = (failure_line(cause, final, size), None)
+            outcome = (cause, None)
         outcomes = gathered(outcome)
-        failures = [line for line, _ in outcomes if line is not None]
+        failures = [cause for cause, _ in outcomes if cause is not None]
         if failures:
-            self.abandon(final, failures[0])
+            self.abandon(final, size, failures[0])
             return None
         return [result for _, result in outcomes]
 
-    def abandon(self, final: Path, failure: str) -> None:
-        """The checkpoint `final` could not be written: its staging folder goes; then the run
-        ends, or with `warn` goes on."""
+    def abandon(self, final: Path, size: int, cause: OSError) -> None:
+        """The checkpoint `final` (`size`: its tensors' bytes) could not be written: its staging folder
+        goes; then the run ends, or with `warn` goes on."""
         if self.strategy.is_main:
             shutil.rmtree(staging_dir(final), ignore_errors=True)
+        failure = failure_line(cause, final, size)
         saved = saved_checkpoints(self.run_dir)
         kept = f"{saved[-1].name} is kept" if saved else "there is no earlier checkpoint"
         if self.warn:
@@ -308,7 +309,8 @@ def storage_error(error: BaseException) -> OSError | None:
 
 
 def failure_line(cause: OSError, final: Path, size: int) -> str:
-    """What went wrong writing the checkpoint `final` of about `size` bytes, in one line."""
+    """What went wrong writing the checkpoint `final` (`size`: its tensors' bytes), in one line (the
+    space left, for a full disk, once its partial files are gone)."""
     folder = final.parent
     reason = cause.strerror or str(cause)
     if cause.errno not in NO_SPACE:
@@ -316,12 +318,16 @@ def failure_line(cause: OSError, final: Path, size: int) -> str:
     free = shutil.disk_usage(folder).free if folder.exists() else 0
     return (
         f"checkpoint {final.name} not written: the disk is full ({reason}) in {folder}: it "
-        f"needs about {megabytes(size)}, {megabytes(free)} free there"
+        f"needs at least {size_text(size)} (its tensors), {size_text(free)} free there"
     )
 
 
-def megabytes(size: int) -> str:
-    return f"{size / 1e6:.1f} MB"
+def size_text(size: int) -> str:
+    """`size` bytes in the unit that shows it best: 59 kB, 1.2 GB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.3g} {unit}"
+    return f"{size} bytes"
 
 
 def state_bytes(state: Any) -> int:
