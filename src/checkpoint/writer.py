@@ -257,8 +257,8 @@ class CheckpointWriter:
         return [result for _, result in outcomes]
 
     def abandon(self, final: Path, size: int, cause: OSError) -> None:
-        """The checkpoint `final` (`size`: its tensors' bytes) could not be written: its staging folder
-        goes; then the run ends, or with `warn` goes on."""
+        """The checkpoint `final` (`size`: its tensors' bytes) could not be written: its
+        staging folder goes; then the run ends, or with `warn` goes on."""
         if self.strategy.is_main:
             shutil.rmtree(staging_dir(final), ignore_errors=True)
         failure = failure_line(cause, final, size)
