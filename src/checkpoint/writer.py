@@ -18,10 +18,11 @@ import logging
 import math
 import os
 import shutil
+import zlib
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
@@ -55,12 +56,33 @@ def fsync_dir(path: Path) -> None:
         os.close(directory)
 
 
-def save_file(state: dict[str, Any], path: Path) -> None:
-    """`torch.save`, flushed to disk."""
+def save_file(state: dict[str, Any], path: Path) -> dict[str, int]:
+    """`torch.save`, flushed to disk; the file's manifest entry (size and crc32), taken as it is
+    written, which spares reading it back."""
     with path.open("wb") as file:
-        torch.save(state, file)
+        checksummed = ChecksummedWrites(file)
+        torch.save(state, checksummed)
         file.flush()
         os.fsync(file.fileno())
+    return checksummed.entry()
+
+
+class ChecksummedWrites:
+    """A file to write, that keeps the size and crc32 of what is written to it."""
+
+    def __init__(self, file: BinaryIO):
+        self.file, self.size, self.crc = file, 0, 0
+
+    def write(self, data: bytes) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        self.size += len(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def entry(self) -> dict[str, int]:
+        return {"size": self.size, "crc32": self.crc}
 
 
 def prepare_staging(final: Path) -> Path:
@@ -170,8 +192,7 @@ class CheckpointWriter:
             def write() -> None:
                 if strategy.is_main:
                     staging = prepare_staging(final)
-                    save_file(state, staging / FULL_FILE)
-                    write_manifest(staging, file_entries(staging, [FULL_FILE]))
+                    write_manifest(staging, {FULL_FILE: save_file(state, staging / FULL_FILE)})
                     publish(staging, final, self.keep)
 
             return final if self.on_every_rank(write, final, state_bytes(state)) else None
