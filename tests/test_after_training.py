@@ -7,13 +7,8 @@ import pytest
 import torch
 from helpers import TINY_SGD, evaluate_checkpoint, metrics, strategy_runs, summary
 
-from src.checkpoint.store import (
-    CheckpointWriter,
-    best_dir,
-    is_sharded,
-    load_checkpoint,
-    resume_path,
-)
+from src.checkpoint.store import best_dir, is_sharded, load_checkpoint, resume_path
+from src.checkpoint.writer import CheckpointWriter
 from src.config.schema import ParallelConfig
 from src.parallel.base import Strategy
 

@@ -95,13 +95,13 @@ def test_keeps_the_last_k_and_falls_back_past_a_damaged_one(tmp_path):
     (run_dir / "summary.json").unlink()
     newest = run_dir / "checkpoints" / "step-000006"
     shard = newest / "__1_0.distcp"
+    size = shard.stat().st_size
     shard.write_bytes(shard.read_bytes()[:100])  # damaged on disk
 
     result = run_train(*SGD, *FSDP2, "trainer.resume=auto", run_dir=run_dir)
 
-    assert f"{newest} is missing part of __1_0.distcp; resuming from the checkpoint before" in (
-        result.stdout
-    )
+    damaged = f"{newest} is corrupt: __1_0.distcp is 100 bytes, {size} when written"
+    assert f"{damaged}; resuming from the checkpoint before" in result.stdout
     assert "at step 5" in result.stdout
     assert_same_training(reference_run(*SGD), run_dir)
     assert step_names(run_dir) == ["step-000005", "step-000006"]  # 6 written again, intact

@@ -35,7 +35,8 @@ from helpers import (
     write_tokens,
 )
 
-from src.checkpoint.store import CheckpointWriter, resume_path, saved_checkpoints
+from src.checkpoint.store import resume_path, saved_checkpoints
+from src.checkpoint.writer import CheckpointWriter
 from src.config.schema import ParallelConfig
 from src.parallel.base import Strategy
 
@@ -277,7 +278,7 @@ def test_more_steps_on_resume_keep_or_stretch_the_schedule_as_asked(tmp_path, sc
 WRITE_HALF_THEN_HANG = """
 import io, sys, torch
 from pathlib import Path
-from src.checkpoint.store import CheckpointWriter
+from src.checkpoint.writer import CheckpointWriter
 from src.parallel.base import Strategy
 
 real_save = torch.save

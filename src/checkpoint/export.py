@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from src.checkpoint.integrity import check_manifest
 from src.checkpoint.store import load_checkpoint, newest_checkpoint, read_torch_file
 from src.config.schema import ConfigError
 
@@ -56,7 +57,7 @@ def load_weights(path: Path, shapes_only: bool = False) -> dict[str, torch.Tenso
             ):
                 raise ConfigError(f"{path} holds no state_dict (a dict of tensors)")
             return state
-        return load_checkpoint(newest_checkpoint(path), mmap=shapes_only)["model"]
+        return load_checkpoint(checked_newest(path), mmap=shapes_only)["model"]
     except ConfigError as error:
         raise ConfigError(what_is_wrong(error)) from error
 
@@ -81,6 +82,14 @@ def weights_config(path: Path) -> dict[str, Any] | None:
         return model_config(load_checkpoint(newest_checkpoint(path), mmap=True))
     except ConfigError as error:
         raise ConfigError(what_is_wrong(error)) from error
+
+
+def checked_newest(source: Path) -> Path:
+    """The checkpoint `source` names (`newest_checkpoint`), its files checked against its
+    manifest."""
+    checkpoint = newest_checkpoint(source)
+    check_manifest(checkpoint)
+    return checkpoint
 
 
 def model_config(checkpoint: dict[str, Any]) -> dict[str, Any]:
@@ -149,7 +158,7 @@ def export(source: Path, target: Path) -> None:
     folder: its newest), as safetensors with the model's config for a `.safetensors` target,
     else with torch.save."""
     try:
-        checkpoint = load_checkpoint(newest_checkpoint(source))
+        checkpoint = load_checkpoint(checked_newest(source))
     except ConfigError as error:
         raise ConfigError(what_is_wrong(error)) from error
     state = checkpoint["model"]

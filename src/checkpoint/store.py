@@ -6,6 +6,8 @@
         .metadata, __*_*.distcp  `sharded` format: torch.distributed.checkpoint (DCP) files that
         train_state.pt           every rank wrote in parallel (its own shards of `model` and
                                  `optimizer`), and the rest of the dict, written by rank 0
+        manifest.json            every other file's size and crc32 (`integrity.py`), checked
+                                 before a checkpoint is read (older checkpoints have none)
 
 A full checkpoint is the dict `model` (the plain state_dict, single's keys, whatever the strategy),
 `optimizer` (single's format: state keyed by parameter index), `step` (optimizer steps done),
@@ -16,9 +18,9 @@ values, so it loads with `weights_only=True`. A sharded one holds the same, its 
 by parameter name; read whole (`load_checkpoint`), it comes back in the full format.
 
 A checkpoint is written into `.staging-step-<N>/` and renamed to `step-<N>/` once every rank has
-written its part: a crash at any moment leaves the folder complete or absent. The newest complete
-one is what `trainer.resume=auto` takes (the one before it when that cannot be read);
-`trainer.keep_checkpoints` says how many are kept.
+written its part (`writer.py`): a crash at any moment leaves the folder complete or absent. The
+newest complete one is what `trainer.resume=auto` takes (the one before it when that cannot be
+read, or its files are not the ones written); `trainer.keep_checkpoints` says how many are kept.
 
     checkpoints/best/            the checkpoint of trainer.monitor's best value so far (any
                                  format; its train state says its step), written the same way and
@@ -33,20 +35,16 @@ writes the model's plain state_dict (single's keys) of any checkpoint, for infer
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
-import os
 import runpy
-import shutil
 import zipfile
-from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
-import torch.distributed as dist
 
+from src.checkpoint.integrity import check_manifest
 from src.config.schema import ConfigError
 from src.runtime.run_folder import checkpoints_dir
 
@@ -104,166 +102,6 @@ def saved_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda path: int(path.name.removeprefix("step-")))
 
 
-def fsync_dir(path: Path) -> None:
-    directory = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
-
-
-def save_file(state: dict[str, Any], path: Path) -> None:
-    """`torch.save`, flushed to disk."""
-    with path.open("wb") as file:
-        torch.save(state, file)
-        file.flush()
-        os.fsync(file.fileno())
-
-
-def prepare_staging(final: Path) -> Path:
-    """An empty staging folder for the checkpoint `final` (a crashed try's leftovers go)."""
-    staging = staging_dir(final)
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    return staging
-
-
-def publish(staging: Path, final: Path, keep: int) -> None:
-    """Make the written `staging` folder the checkpoint `final` (one rename, or a swap with the
-    one there), then keep only the newest `keep` step checkpoints (0: all) and drop what crashed
-    writes and swaps left behind."""
-    fsync_dir(staging)  # its files are synced already (`save_file`; DCP's writer by default)
-    folder = final.parent
-    if final.exists():  # the previous best, or a damaged checkpoint that resume skipped
-        swap_in(staging, final)
-    else:
-        os.replace(staging, final)
-    fsync_dir(folder)
-    kept = saved_checkpoints(folder.parent)
-    for old in kept[: -keep if keep else 0]:
-        shutil.rmtree(old)
-    for leftover in folder.glob(".*"):
-        shutil.rmtree(leftover, ignore_errors=True)
-
-
-RENAME_EXCHANGE = 2  # renameat2's flag (linux/fs.h)
-AT_FDCWD = -100  # paths relative to the working directory (fcntl.h)
-
-
-def swap_in(new: Path, old: Path) -> None:
-    """Put the folder `new` where the folder `old` is. Linux's renameat2(RENAME_EXCHANGE) swaps
-    the two names in one step (ext4, xfs, btrfs, tmpfs), so `old`'s path always names a complete
-    folder, and `new`'s then holds the old one, which `publish` drops; where the system or the
-    file system cannot swap, `old` is moved aside first (until the second rename, no folder has
-    its name)."""
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):  # not Linux, or a C library without it
-        renameat2 = None
-    if renameat2 is not None:
-        swapped = renameat2(AT_FDCWD, os.fsencode(new), AT_FDCWD, os.fsencode(old), RENAME_EXCHANGE)
-        if swapped == 0:
-            return
-    aside = old.parent / f".replaced-{old.name}"
-    shutil.rmtree(aside, ignore_errors=True)
-    os.replace(old, aside)
-    os.replace(new, old)
-
-
-def resolved_format(requested: str, strategy: CheckpointedStrategy) -> str:
-    """trainer.checkpoint_format, `auto` meaning the strategy's default."""
-    return strategy.default_checkpoint_format if requested == "auto" else requested
-
-
-class CheckpointWriter:
-    """Writes a run's checkpoints; every process calls `save` (and `wait`) at the same step.
-
-    `full`: the strategy gathers the state on the main process, which writes it. `sharded`:
-    every rank writes its own shards through DCP, none holds the whole model; with `use_async`,
-    DCP copies the state to host memory and writes it in a background thread while training
-    goes on (over a process group of its own, so its collectives never meet the training's), and
-    the checkpoint is published once written, at the next `save` or `wait`."""
-
-    def __init__(
-        self,
-        run_dir: Path,
-        strategy: CheckpointedStrategy,
-        fmt: str,
-        keep: int,
-        use_async: bool,
-    ):
-        self.run_dir, self.strategy, self.keep = run_dir, strategy, keep
-        self.sharded = fmt == "sharded"
-        self.use_async = use_async and self.sharded
-        self.group = None
-        if self.use_async and dist.is_initialized():
-            self.group = dist.new_group(backend="gloo")
-        self.pending: tuple[Future, Path, Path] | None = None
-
-    def save(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        extra: dict[str, Any],
-        best: bool = False,
-    ) -> Path:
-        """Checkpoint `model` and `optimizer` with `extra` (step, rng, config, wandb_run_id) as
-        the step's checkpoint, or with `best` as the best one; returns the folder it is (or,
-        saved asynchronously, will be) published as."""
-        self.wait()
-        strategy = self.strategy
-        final = best_dir(self.run_dir) if best else step_dir(self.run_dir, extra["step"])
-        if not self.sharded:
-            state = {
-                "model": strategy.model_state_dict(model),
-                "optimizer": strategy.optimizer_state_dict(model, optimizer),
-                **extra,
-            }
-            if strategy.is_main:
-                staging = prepare_staging(final)
-                save_file(state, staging / FULL_FILE)
-                publish(staging, final, self.keep)
-            strategy.barrier()
-            return final
-        import torch.distributed.checkpoint as dcp  # slow to import; only sharded ones need it
-        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-        state = strategy.sharded_state_dict(model, optimizer)
-        # Tensors every rank holds (FSDP's buffers, a replica's weights) are written by rank 0,
-        # in its order: the checkpoint then reads back in single's key order, not with the
-        # buffers another rank wrote listed last.
-        planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
-        staging = staging_dir(final)
-        if strategy.is_main:
-            save_file(extra, prepare_staging(final) / TRAIN_STATE_FILE)
-        strategy.barrier()  # the staging folder is ready for every rank's shards
-        if self.use_async:
-            future = dcp.async_save(
-                state, checkpoint_id=staging, process_group=self.group, planner=planner
-            )
-            self.pending = (future, staging, final)
-            return final
-        dcp.save(state, checkpoint_id=staging, planner=planner)
-        if strategy.is_main:
-            publish(staging, final, self.keep)
-        strategy.barrier()
-        return final
-
-    def close(self) -> None:
-        self.wait()
-
-    def wait(self) -> None:
-        """Finish an asynchronous save: once DCP's coordinator (rank 0) has written the metadata,
-        every rank has written its shards, and rank 0 publishes the checkpoint."""
-        if self.pending is None:
-            return
-        future, staging, final = self.pending
-        self.pending = None
-        future.result()
-        if self.strategy.is_main:
-            publish(staging, final, self.keep)
-
-
 @functools.cache
 def dcp_places_rows() -> bool:
     """Whether DCP saves and loads a tensor's pieces where its `CheckpointableTensor` attributes
@@ -296,7 +134,9 @@ def resume_path(resume: str | None, run_dir: Path, announce: bool = False) -> Pa
     if resume is None:
         return None
     if resume != "auto":
-        return Path(resume).expanduser()
+        path = Path(resume).expanduser()
+        check_manifest(path)  # what else is wrong with it, reading it says
+        return path
     for path in reversed(saved_checkpoints(run_dir)):
         try:
             check_intact(path)
@@ -309,7 +149,9 @@ def resume_path(resume: str | None, run_dir: Path, announce: bool = False) -> Pa
 
 def check_intact(path: Path) -> None:
     """Raise ConfigError unless `path` reads as a checkpoint and, if sharded, every shard file
-    its metadata names is there at its full length (short of reading every byte)."""
+    its metadata names is there at its full length; with a manifest, every file is the one
+    written (its size and checksum)."""
+    check_manifest(path)
     load_checkpoint(path, mmap=True)
     if is_sharded(path):
         import torch.distributed.checkpoint as dcp

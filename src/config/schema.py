@@ -478,6 +478,7 @@ Accelerator = choices("Accelerator", "auto cpu cuda")
 CheckpointFormat = choices("CheckpointFormat", "auto full sharded")
 MatmulPrecision = choices("MatmulPrecision", "auto highest high medium")
 MonitorMode = choices("MonitorMode", "min max")
+CheckpointErrors = choices("CheckpointErrors", "fail warn")
 
 
 @dataclass
@@ -517,6 +518,10 @@ class TrainerConfig:
     before the newest if that cannot be read."""
     async_checkpoint: bool = False
     """Sharded checkpoints are written in the background while training goes on (DCP async)."""
+    checkpoint_errors: CheckpointErrors = CheckpointErrors.fail
+    """What a checkpoint that cannot be written (a full disk, a failing file system) does: fail
+    ends the run (exit code 1), warn logs one warning and trains on, the next checkpoint trying
+    again. Either way its staging folder goes and the previous checkpoint is kept."""
     accelerator: Accelerator = Accelerator.auto
     """cpu, cuda, or auto: cuda when a GPU is visible, else cpu."""
     deterministic: bool = False

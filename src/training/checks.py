@@ -15,7 +15,7 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 from torch import nn
 
-from src.checkpoint.store import resolved_format
+from src.checkpoint.writer import resolved_format
 from src.components.batches import Tree, describe
 from src.components.data import Data, meta_samples
 from src.components.optimizer import build_optimizer, lr_schedule

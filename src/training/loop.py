@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import torch
 from torch.utils.data import Dataset
 
-from src.checkpoint.store import CheckpointWriter
+from src.checkpoint.writer import CheckpointWriter
 from src.components.data import Split, ValBatches
 from src.components.precision import LossScaling, autocast
 from src.components.tasks import Task
@@ -493,17 +493,19 @@ class Checkpointing:
         train_state: Callable[[], dict[str, Any]],
         force: bool,
     ) -> Path | None:
-        """The folder the checkpoint is (or, saved asynchronously, will be) published as;
-        `train_state` gives what it holds besides model and optimizer (`Trainer.state_dict`)."""
+        """The folder the checkpoint is (or, saved asynchronously, will be) published as, None
+        if it could not be written (trainer.checkpoint_errors=warn); `train_state` gives what it
+        holds besides model and optimizer (`Trainer.state_dict`)."""
         if not (self.due(step) or (force and self.enabled)):
             return None
         with self.speed.paused():
             started = time.perf_counter()
             saved_to = self.writer.save(model, optimizer, train_state())
             self.blocked_s.append(time.perf_counter() - started)
-            if force:
-                self.writer.wait()
-        self.last_step = step
+            if force and not self.writer.wait():
+                saved_to = None
+        if saved_to is not None:
+            self.last_step = step
         return saved_to
 
 

@@ -28,13 +28,8 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from src.checkpoint.store import (
-    CheckpointWriter,
-    best_dir,
-    resolved_format,
-    rng_state,
-    set_rng_state,
-)
+from src.checkpoint.store import best_dir, rng_state, set_rng_state
+from src.checkpoint.writer import CheckpointWriter, resolved_format
 from src.components.blocks import CompiledSums
 from src.components.data import (
     Data,
@@ -180,6 +175,7 @@ class Trainer:
             resolved_format(settings.checkpoint_format, strategy),
             settings.keep_checkpoints,
             settings.async_checkpoint,
+            settings.checkpoint_errors,
         )
         self.checkpointing = Checkpointing(
             writer, settings.checkpoint_every, self.speed, self.step, settings.checkpoint
