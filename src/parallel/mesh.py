@@ -126,8 +126,6 @@ class Mesh(Distributed):
                     "parallel.sequence_parallel and parallel.loss_parallel do not run with "
                     "parallel.pp > 1 yet; set them to false, or parallel.pp=1"
                 )
-        self.world_size = self.layout.dp  # the loop's world: the data-parallel ranks
-        self.process_rank = 0
         self.row_orders: dict[str, torch.Tensor] = {}
         self.loss_kernels = contextlib.ExitStack()
         self.pipeline: PipelineRun | None = None
@@ -135,8 +133,13 @@ class Mesh(Distributed):
         self.parameter_order: list[str] = []  # the whole model's, as single's optimizer has them
 
     @property
-    def is_main(self) -> bool:
-        return self.process_rank == 0
+    def data_shard(self) -> int:
+        """Which data-parallel share this process reads (its tp and pp peers read the same)."""
+        return self.layout.dp_rank(self.rank)
+
+    @property
+    def data_shards(self) -> int:
+        return self.layout.dp
 
     def processes_from_settings(self) -> str:
         return f"data-parallel degree {self.layout.dp} of layout {self.layout.label()}"
@@ -169,8 +172,6 @@ class Mesh(Distributed):
 
     def setup(self) -> None:
         super().setup()
-        self.process_rank = self.rank
-        self.rank = self.layout.dp_rank(self.process_rank)
         self.mesh = self.layout.build_mesh(self.device.type)
         if self.cfg.loss_parallel:
             # Its cross-entropy kernels for the forward in `apply` and the loop's backward.
@@ -258,12 +259,6 @@ class Mesh(Distributed):
         if self.layout.dp > 1:
             dist.all_reduce(reduced, group=self.mesh["dp"].get_group())
         return reduced.to(tensor.device)
-
-    def local_peak_memory_mb(self) -> tuple[list[str], list[float]]:
-        labels, megabytes = super().local_peak_memory_mb()
-        if self.device_type == "cpu":  # one process per rank: label it by its process rank
-            labels = [f"cpu:rank{self.process_rank}"]
-        return labels, megabytes
 
     @property
     def default_checkpoint_format(self) -> str:
