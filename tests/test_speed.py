@@ -11,6 +11,8 @@ import pytest
 import torch
 from helpers import (
     BESIDES_SINGLE,
+    FP16,
+    FP16_TOLERANCE,
     TINY,
     TINY_TRANSFORMER,
     assert_same_training,
@@ -29,20 +31,6 @@ from src.components.tasks import Classification
 from src.observe.performance import table_peak_tflops, throughput_figures
 from src.observe.report import Row, markdown_table
 from src.training.loop import progress_line
-
-# SGD with clipping and accumulation: the scaler must unscale before clipping, and scale every
-# micro-step's loss alike.
-FP16 = (
-    *TINY,
-    "optimizer=sgd",
-    "optimizer.warmup_steps=0",
-    "trainer.accumulate=2",
-    "trainer.grad_clip=0.05",
-    "trainer.precision=fp16",
-)
-# fp16 keeps 11 significant bits; a different split of the batch rounds some activations the
-# other way, which moves losses and weights by ~1e-5 here. 1e-3 (two fp16 ulps near 1) bounds it.
-FP16_TOLERANCE = 1e-3
 
 
 @pytest.mark.parametrize("strategy", BESIDES_SINGLE)
