@@ -3,8 +3,10 @@ DeviceMesh, adapted to the loop's Strategy interface.
 
 One process per rank, launched like ddp. `wrap` applies the pipeline cut (`stage_parts`: the
 stages this pp rank runs; the other blocks go to the meta device), tensor parallel (`apply_tp`,
-over the whole model) and then FSDP2 over the data-parallel dimensions (`apply_fsdp`: dp_shard
-shards, dp_replicate replicates, both HSDP; under pp, each stage its own FSDP root).
+over the whole model) and then FSDP2 over the data-parallel dimensions (`fsdp.apply_fsdp`, with
+fsdp's mixed-precision policy: dp_shard shards, dp_replicate replicates, both HSDP; under pp,
+each stage its own FSDP root). Each process holds part of the gradients, so fp16's scaler checks
+them all together (`grad_scaler`).
 Data-parallel rank d of D reads `global batch / D` samples; the tp and pp ranks of one
 data-parallel index read the same ones and compute the same loss, which only the data-parallel
 ranks sum.
