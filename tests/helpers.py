@@ -71,6 +71,20 @@ SGD = ("optimizer=sgd", "optimizer.warmup_steps=0")
 TINY_SGD = (*TINY, *SGD)
 TINY_TRANSFORMER_SGD = (*TINY_TRANSFORMER, *SGD)
 
+# SGD with clipping and accumulation: the scaler must unscale before clipping, and scale every
+# micro-step's loss alike.
+FP16 = (
+    *TINY,
+    "optimizer=sgd",
+    "optimizer.warmup_steps=0",
+    "trainer.accumulate=2",
+    "trainer.grad_clip=0.05",
+    "trainer.precision=fp16",
+)
+# fp16 keeps 11 significant bits; a different split of the batch rounds some activations the
+# other way, which moves losses and weights by ~1e-5 here. 1e-3 (two fp16 ulps near 1) bounds it.
+FP16_TOLERANCE = 1e-3
+
 
 def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -4,12 +4,18 @@ gloo processes on CPU, each layout against `single` under SGD in fp32."""
 from __future__ import annotations
 
 import csv
+import math
+import os
 import re
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from helpers import (
+    FP16,
+    FP16_TOLERANCE,
     TINY,
     TINY_SGD,
     TINY_TRANSFORMER_SGD,
@@ -21,15 +27,19 @@ from helpers import (
     summary,
     sweep_runs,
 )
+from slurm_cluster import free_port
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import SequenceParallel
 
 from src.components.models import GPT, MLP, ConvNet, Transformer
+from src.components.precision import LossScaling
+from src.components.tasks import loss_sum
 from src.config.schema import ConfigError
 from src.parallel import build_strategy
 from src.parallel.layout import Layout
 from src.parallel.pipeline_schedules import LOOPED, ONE_STAGE, SPLIT_BACKWARD, V_SHAPED
 from src.parallel.tensor_parallel import tp_plan
+from src.runtime.ranks import Ranks
 
 TINY_GPT_SGD = (
     *(override for override in TINY_SGD if not override.startswith("model.")),
@@ -109,6 +119,64 @@ def test_fsdp_2_by_tp_2_trains_exactly_like_single(tmp_path):
     run_train(*WORKLOADS["mlp"], "parallel=fsdp_tp", run_dir=tmp_path)
     assert_same_training(reference_run(*WORKLOADS["mlp"]), tmp_path)
     assert summary(tmp_path)["world_size"] == 2  # two data-parallel shares of the batch
+
+
+@pytest.mark.equivalence
+def test_fsdp_2_by_tp_2_trains_like_single_under_fp16(tmp_path):
+    """fp16 with loss scaling, clipping and accumulation: parameters gathered in fp16 (as under
+    fsdp) and one loss scale on all 4 ranks."""
+    run_train(*FP16, "parallel=fsdp_tp", run_dir=tmp_path)
+    assert_same_training(reference_run(*FP16), tmp_path, atol=FP16_TOLERANCE)
+    assert summary(tmp_path)["scaler_skipped_steps"] == 0
+
+
+# Strategies whose processes each hold part of the gradients, as `parallel=<option>` on 2
+# processes: fsdp; on the mesh, fsdp's shards (dp_shard 2), tp's splits and pp's stages.
+SPLIT_GRADIENTS = [("fsdp", {}), ("fsdp_tp", {"tp": 1}), ("tp", {}), ("pp", {})]
+
+
+def one_overflowing_rank_makes_every_rank_skip(rank: int, store_path: str) -> None:
+    """Rank 1's gradients hold an inf, rank 0's do not: under each strategy's fp16 scaler both
+    skip the step, and so keep one loss scale."""
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    for option, settings in SPLIT_GRADIENTS:
+        strategy = build_strategy(parallel_config(option, devices=2, **settings), "cpu", "fp16")
+        parameter = torch.nn.Parameter(torch.ones(2))
+        optimizer = torch.optim.SGD([parameter], lr=0.1)
+        scaling = LossScaling(strategy.grad_scaler(enabled=True, init_scale=1024.0))
+        gradient = torch.tensor([math.inf if rank == 1 else 1.0, 1.0])
+        scaling.scale((parameter * gradient).sum()).backward()
+        scaling.step(optimizer)
+        assert (scaling.skipped_steps, parameter.tolist()) == (1, [1.0, 1.0]), (option, rank)
+    dist.destroy_process_group()
+
+
+def test_fp16_steps_are_skipped_on_every_rank_when_one_rank_s_gradients_overflow(tmp_path):
+    mp.spawn(one_overflowing_rank_makes_every_rank_skip, args=(str(tmp_path / "store"),), nprocs=2)
+
+
+def gathered_in_fp16(rank: int, port: int) -> None:
+    """Rank `rank` of fsdp 2 on the mesh under fp16: a layer sees its weight gathered in fp16,
+    while the shards and their gradients stay fp32."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2"
+    )
+    ranks = Ranks(rank=rank, world_size=2, local_rank=rank, local_world_size=2)
+    config = parallel_config("fsdp_tp", devices=2, tp=1)
+    strategy = build_strategy(config, "cpu", "fp16", ranks)
+    strategy.setup()
+    model = strategy.wrap(MLP(input_shape=(32,), num_classes=10, hidden=32, depth=3))
+    gathered = []
+    model[1][0].register_forward_pre_hook(lambda layer, _: gathered.append(layer.weight.dtype))
+    strategy.apply(model, torch.randn(4, 32), torch.randint(0, 10, (4,)), loss_sum).backward()
+    kept = {p.dtype for p in model.parameters()} | {p.grad.dtype for p in model.parameters()}
+    assert (gathered, kept) == ([torch.float16], {torch.float32}), rank
+    strategy.teardown()
+
+
+def test_the_mesh_s_fsdp_gathers_parameters_in_the_autocast_dtype():
+    """fsdp's mixed-precision policy, which the mesh's FSDP shares (`fsdp.apply_fsdp`)."""
+    mp.spawn(gathered_in_fp16, args=(free_port(),), nprocs=2)
 
 
 # The 2-D layouts on 4 processes, one sweep: data parallel takes the ranks tp and pp leave

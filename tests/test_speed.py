@@ -11,6 +11,8 @@ import pytest
 import torch
 from helpers import (
     BESIDES_SINGLE,
+    FP16,
+    FP16_TOLERANCE,
     TINY,
     TINY_TRANSFORMER,
     assert_same_training,
@@ -29,20 +31,6 @@ from src.components.tasks import Classification
 from src.observe.performance import table_peak_tflops, throughput_figures
 from src.observe.report import Row, markdown_table
 from src.training.loop import progress_line
-
-# SGD with clipping and accumulation: the scaler must unscale before clipping, and scale every
-# micro-step's loss alike.
-FP16 = (
-    *TINY,
-    "optimizer=sgd",
-    "optimizer.warmup_steps=0",
-    "trainer.accumulate=2",
-    "trainer.grad_clip=0.05",
-    "trainer.precision=fp16",
-)
-# fp16 keeps 11 significant bits; a different split of the batch rounds some activations the
-# other way, which moves losses and weights by ~1e-5 here. 1e-3 (two fp16 ulps near 1) bounds it.
-FP16_TOLERANCE = 1e-3
 
 
 @pytest.mark.parametrize("strategy", BESIDES_SINGLE)
@@ -108,7 +96,29 @@ def test_progress_line_shows_slow_rates_to_3_digits_and_fast_ones_with_separator
 def test_mfu_is_the_share_of_every_device_s_peak():
     figures = throughput_figures(flops_per_step=4e12, step_time_ms=500, devices=2, peak_tflops=10)
     assert figures["tflops_per_sec"] == pytest.approx(8)
+    assert figures["tflops_per_sec_per_device"] == pytest.approx(4)
     assert figures["mfu"] == pytest.approx(0.4)
+
+
+# The devices each strategy's job computes on, as its conf/parallel/ option ships: tp's and pp's
+# peers read the same batch, dp's replicas share one process.
+JOB_DEVICES = {"single": 1, "ddp": 2, "dp": 2, "tp": 2, "pp": 2}
+
+
+def test_flop_rate_per_device_and_mfu_count_every_device_the_job_computes_on():
+    """The same global batch, so the same FLOPs a step, under each strategy: each device's
+    share of them is the step's FLOPs over the job's devices, however the work is split
+    (counting the data-parallel processes only, tp 2 and pp 2 reported twice their MFU)."""
+    strategies = tuple(name for name in JOB_DEVICES if name != "single")
+    runs = strategy_runs(*TINY, "trainer.peak_tflops=1.0", strategies=strategies)
+
+    results = {name: summary(runs[name]) for name in JOB_DEVICES}
+    assert len({result["flops_per_step"] for result in results.values()}) == 1
+    for name, devices in JOB_DEVICES.items():
+        result = results[name]
+        per_device = result["flops_per_step"] / devices / (result["step_time_ms"] / 1000) / 1e12
+        assert result["tflops_per_sec_per_device"] == pytest.approx(per_device, rel=1e-9), name
+        assert result["mfu"] == pytest.approx(per_device / 1.0, rel=1e-9), name
 
 
 @pytest.mark.parametrize(

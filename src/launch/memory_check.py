@@ -90,7 +90,7 @@ def step_peaks_mb(
     data = build_data(cfg.data, cfg.seed)
     strategy.check_model(*meta_model_and_inputs(cfg, data, 2))
     strategy.setup()
-    micro_batch = trainer.batch_size // trainer.accumulate // strategy.world_size
+    micro_batch = trainer.batch_size // trainer.accumulate // strategy.data_shards
     task = instantiate(cfg.task)
     torch.manual_seed(cfg.seed)
     # Sliced here, copied while tracked: a slice of an in-memory set made under the tracker

@@ -74,14 +74,20 @@ def device_peak_tflops(
 def throughput_figures(
     flops_per_step: int | None, step_time_ms: float, devices: int, peak_tflops: float | None
 ) -> dict[str, float]:
-    """Achieved TFLOP/s of the whole job and, with a known per-device peak, its MFU (model FLOPs
-    utilisation: the share of `devices` x peak that the step's FLOPs reach)."""
+    """Achieved TFLOP/s of the whole job and of each of its `devices` and, with a known
+    per-device peak, its MFU (model FLOPs utilisation: the share of that peak each device
+    reaches)."""
     if flops_per_step is None:
         return {}
     tflops_per_sec = flops_per_step / (step_time_ms / 1000) / 1e12
-    figures = {"flops_per_step": flops_per_step, "tflops_per_sec": tflops_per_sec}
+    per_device = tflops_per_sec / devices
+    figures = {
+        "flops_per_step": flops_per_step,
+        "tflops_per_sec": tflops_per_sec,
+        "tflops_per_sec_per_device": per_device,
+    }
     if peak_tflops is not None:
-        figures["mfu"] = tflops_per_sec / (devices * peak_tflops)
+        figures["mfu"] = per_device / peak_tflops
     return figures
 
 

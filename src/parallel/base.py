@@ -31,9 +31,12 @@ In each training process:
                                        of the plain model's, but a pp rank's own stages')
     strategy.clip_grad_norm(ps, limit) their gradients scaled to a total norm of at most `limit`,
                                        the norm over the whole model's (`trainer.grad_clip`)
-    rank, world_size                   this process's data-parallel rank and the number of
-                                       data-parallel processes; the loader feeds each process
-                                       `global batch / world_size` samples
+    rank, world_size                   this process's rank and the job's processes
+    data_shard, data_shards            the share of each global batch this process reads, of
+                                       how many (the data-parallel processes: the loader feeds
+                                       each `global batch / data_shards` samples; their gradients
+                                       are averaged; tp and pp peers read the same share)
+    job_devices                        every device the job computes on (for MFU)
     is_main                            the one process that logs and writes files
 Per micro-step:
     with strategy.grad_sync(model, enabled):         False on accumulation steps that do not
@@ -226,8 +229,10 @@ class TrainingStrategy(Protocol):
     device_type: str
     devices: list[torch.device]
     processes_per_node: int
-    rank: int
     world_size: int
+    data_shard: int
+    data_shards: int
+    job_devices: int
     is_main: bool
 
     def setup(self) -> None: ...
@@ -296,6 +301,8 @@ class Strategy:
     processes_per_node: int = 1
     rank: int = 0
     world_size: int = 1
+    data_shard: int = 0
+    data_shards: int = 1  # one process reads the whole batch (dp scatters it within)
     is_main: bool = True
     # One file that single loads; sharded (DCP) needs a plain, DDP or FSDP2 module (or one of
     # DTensors, as the mesh layouts' are).
@@ -325,6 +332,13 @@ class Strategy:
     @property
     def name(self) -> str:
         return self.cfg.name
+
+    @property
+    def job_devices(self) -> int:
+        """Every device the job computes on: `parallel.devices` on each node, whether a process
+        drives one of them (ddp, fsdp, the mesh layouts) or several (dp, model_parallel,
+        hybrid)."""
+        return self.cfg.devices * self.cfg.nodes
 
     def check_batch(self, micro_batch: int) -> None:
         """Raise ConfigError when a global micro-batch of this size cannot be split here."""

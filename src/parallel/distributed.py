@@ -64,12 +64,20 @@ class Distributed(Strategy):
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def data_shard(self) -> int:
+        return self.rank  # each process reads a share of its own
+
+    @property
+    def data_shards(self) -> int:
+        return self.world_size
+
     def check_batch(self, micro_batch: int) -> None:
         super().check_batch(micro_batch)
-        if micro_batch % self.world_size:
+        if micro_batch % self.data_shards:
             raise ConfigError(
                 f"the global micro-batch (trainer.batch_size / trainer.accumulate = {micro_batch}) "
-                f"does not split evenly over {self.world_size} processes ("
+                f"does not split evenly over {self.data_shards} processes ("
                 f"{self.processes_from_settings()}); change trainer.batch_size or parallel.devices"
             )
 

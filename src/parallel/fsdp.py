@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -66,20 +66,13 @@ class FSDP(Distributed):
         model = self.with_batchnorm_synced(model)
         copy_from_rank0(model, self.device)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        policy = MixedPrecisionPolicy()
-        if self.precision in AUTOCAST_DTYPES:
-            policy = MixedPrecisionPolicy(
-                param_dtype=AUTOCAST_DTYPES[self.precision], reduce_dtype=torch.float32
-            )
-        for unit in sharding_units(model):
-            fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=policy)
-        return fully_shard(model, mesh=mesh, mp_policy=policy)
+        return apply_fsdp(model, mesh, mixed_precision(self.precision))
 
     def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
         """Rank 0's device: its share of the batch, its shard of the model's state, and, while
         the model runs, FSDP's working set (`working_set`)."""
         units = unit_bytes(sizes)
-        units_gathered = [self.gathered_bytes(u) for u in units]
+        units_gathered = [gathered_bytes(u, self.precision) for u in units]
         gathered, reduced = working_set(units_gathered, units, self.world_size, self.device_type)
         share = DeviceShare(
             f"{self.device_type}:0",
@@ -91,12 +84,8 @@ class FSDP(Distributed):
         return [share]
 
     def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
-        gathered = self.gathered_bytes(sizes.parameter_bytes)
+        gathered = gathered_bytes(sizes.parameter_bytes, self.precision)
         return sharded_traffic(gathered, sizes.parameter_bytes, self.world_size, accumulate)
-
-    def gathered_bytes(self, fp32_bytes: int) -> int:
-        """Parameters as gathered: in the autocast dtype under bf16/fp16 (half of fp32)."""
-        return fp32_bytes // 2 if self.precision in AUTOCAST_DTYPES else fp32_bytes
 
     def grad_scaler(self, enabled: bool, init_scale: float) -> torch.amp.GradScaler:
         """Each rank holds a shard of every gradient: ShardedGradScaler all-reduces the inf/NaN
@@ -123,6 +112,35 @@ class FSDP(Distributed):
     ) -> None:
         names = dict(enumerate(parameter_names(model, optimizer)))
         set_optimizer_state_dict(model, optimizer, renamed(state, names), options=SPLIT_FROM_FULL)
+
+
+def mixed_precision(precision: str) -> MixedPrecisionPolicy:
+    """FSDP's policy for `trainer.precision`: under bf16 or fp16 the parameters are gathered in
+    that dtype (half the all-gather, and of a gathered unit's memory) and the gradients reduced
+    in fp32, into fp32 shards; under fp32 everything stays fp32."""
+    if precision not in AUTOCAST_DTYPES:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=AUTOCAST_DTYPES[precision], reduce_dtype=torch.float32)
+
+
+def gathered_bytes(fp32_bytes: int, precision: str) -> int:
+    """Parameters of `fp32_bytes` as `mixed_precision(precision)` gathers them."""
+    return fp32_bytes // 2 if precision in AUTOCAST_DTYPES else fp32_bytes
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    policy: MixedPrecisionPolicy,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """FSDP2 over `mesh` (1-D: shards; 2-D (replicate, shard): HSDP) under `policy`, each of
+    `sharding_units` a unit and the root for what is left; with `reshard_after_forward` false,
+    a unit gathered for its forward stays gathered until its gradients are reduced."""
+    options = {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": reshard_after_forward}
+    for unit in sharding_units(model):
+        fully_shard(unit if len(unit) > 1 else unit[0], **options)
+    return fully_shard(model, **options)
 
 
 def sharded_traffic(

@@ -3,8 +3,10 @@ DeviceMesh, adapted to the loop's Strategy interface.
 
 One process per rank, launched like ddp. `wrap` applies the pipeline cut (`stage_parts`: the
 stages this pp rank runs; the other blocks go to the meta device), tensor parallel (`apply_tp`,
-over the whole model) and then FSDP2 over the data-parallel dimensions (`apply_fsdp`: dp_shard
-shards, dp_replicate replicates, both HSDP; under pp, each stage its own FSDP root).
+over the whole model) and then FSDP2 over the data-parallel dimensions (`fsdp.apply_fsdp`, with
+fsdp's mixed-precision policy: dp_shard shards, dp_replicate replicates, both HSDP; under pp,
+each stage its own FSDP root). Each process holds part of the gradients, so fp16's scaler checks
+them all together (`grad_scaler`).
 Data-parallel rank d of D reads `global batch / D` samples; the tp and pp ranks of one
 data-parallel index read the same ones and compute the same loss, which only the data-parallel
 ranks sum.
@@ -29,8 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import loss_parallel
@@ -42,12 +43,14 @@ from src.config.schema import ConfigError, MeshConfig
 from src.parallel.base import DeviceShare, LossFn, ModelSizes, Tree, ring_bytes
 from src.parallel.distributed import Distributed
 from src.parallel.fsdp import (
+    apply_fsdp,
     copy_from_rank0,
     forward_working_set,
+    gathered_bytes,
     gradient_sync,
+    mixed_precision,
     parameter_names,
     sharded_traffic,
-    sharding_units,
     units_in_forward_order,
     working_set,
 )
@@ -70,18 +73,6 @@ from src.parallel.tensor_parallel import (
     tp_plan,
 )
 from src.runtime.ranks import Ranks
-
-
-def apply_fsdp(
-    model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True
-) -> nn.Module:
-    """FSDP2 over `mesh` (1-D: shards; 2-D (replicate, shard): HSDP), each block a unit; with
-    `reshard_after_forward` false, a unit gathered for its forward stays gathered until its
-    gradients are reduced."""
-    for unit in sharding_units(model):
-        root = unit if len(unit) > 1 else unit[0]
-        fully_shard(root, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    return fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -126,8 +117,6 @@ class Mesh(Distributed):
                     "parallel.sequence_parallel and parallel.loss_parallel do not run with "
                     "parallel.pp > 1 yet; set them to false, or parallel.pp=1"
                 )
-        self.world_size = self.layout.dp  # the loop's world: the data-parallel ranks
-        self.process_rank = 0
         self.row_orders: dict[str, torch.Tensor] = {}
         self.loss_kernels = contextlib.ExitStack()
         self.pipeline: PipelineRun | None = None
@@ -135,8 +124,13 @@ class Mesh(Distributed):
         self.parameter_order: list[str] = []  # the whole model's, as single's optimizer has them
 
     @property
-    def is_main(self) -> bool:
-        return self.process_rank == 0
+    def data_shard(self) -> int:
+        """Which data-parallel share this process reads (its tp and pp peers read the same)."""
+        return self.layout.dp_rank(self.rank)
+
+    @property
+    def data_shards(self) -> int:
+        return self.layout.dp
 
     def processes_from_settings(self) -> str:
         return f"data-parallel degree {self.layout.dp} of layout {self.layout.label()}"
@@ -169,8 +163,6 @@ class Mesh(Distributed):
 
     def setup(self) -> None:
         super().setup()
-        self.process_rank = self.rank
-        self.rank = self.layout.dp_rank(self.process_rank)
         self.mesh = self.layout.build_mesh(self.device.type)
         if self.cfg.loss_parallel:
             # Its cross-entropy kernels for the forward in `apply` and the loop's backward.
@@ -184,6 +176,7 @@ class Mesh(Distributed):
         self.parameter_order = [name for name, _ in model.named_parameters()]
         copy_from_rank0(model, self.device)
         data_parallel = self.mesh["dp_replicate", "dp_shard"]
+        policy = mixed_precision(self.precision)
         if self.layout.pp > 1:
             pp_mesh = self.mesh["pp"]
             parts, block_ranks = stage_parts(
@@ -206,12 +199,12 @@ class Mesh(Distributed):
                 # stage's registered parameters, which FSDP would have swapped back to the
                 # sharded ones after each forward, their gradients then never computed.
                 parts = {
-                    s: apply_fsdp(part, data_parallel, reshard_after_forward=False)
+                    s: apply_fsdp(part, data_parallel, policy, reshard_after_forward=False)
                     for s, part in parts.items()
                 }
             self.pipeline = PipelineRun(self.cfg, pp_mesh, self.device, parts, block_ranks)
         elif self.layout.dp > 1:
-            model = apply_fsdp(model, data_parallel)
+            model = apply_fsdp(model, data_parallel, policy)
         self.held_bytes = held_bytes(model)
         return model
 
@@ -252,18 +245,19 @@ class Mesh(Distributed):
             return gradient_sync(model, enabled)
         return contextlib.nullcontext()
 
+    def grad_scaler(self, enabled: bool, init_scale: float) -> torch.amp.GradScaler:
+        """A process holds part of the gradients (its dp_shard's shards, its tp rank's split of a
+        layer, its pp rank's stages): ShardedGradScaler all-reduces the inf/NaN check over every
+        process, so that all skip the step when any part overflowed (each checking its own, one
+        rank would step where another skipped, and their loss scales part)."""
+        return ShardedGradScaler(self.device_type, init_scale=init_scale, enabled=enabled)
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel ranks only: the tp ranks of one hold the same value."""
         reduced = tensor.detach().to(self.device, copy=True)
         if self.layout.dp > 1:
             dist.all_reduce(reduced, group=self.mesh["dp"].get_group())
         return reduced.to(tensor.device)
-
-    def local_peak_memory_mb(self) -> tuple[list[str], list[float]]:
-        labels, megabytes = super().local_peak_memory_mb()
-        if self.device_type == "cpu":  # one process per rank: label it by its process rank
-            labels = [f"cpu:rank{self.process_rank}"]
-        return labels, megabytes
 
     @property
     def default_checkpoint_format(self) -> str:
@@ -512,13 +506,17 @@ class Mesh(Distributed):
     def fsdp_working_set(self, sizes: ModelSizes, blocks: list[int]) -> dict[str, int]:
         """What FSDP adds while the model runs to a rank holding `blocks`: under pp all of its
         stages gathered (they stay so through the schedule's run: `wrap`), else
-        `fsdp.working_set` of its units as a tp rank keeps them; nothing without dp_shard."""
+        `fsdp.working_set` of its units as a tp rank keeps them; nothing without dp_shard.
+        Gathered in the autocast dtype under bf16/fp16 (`fsdp.mixed_precision`)."""
         if self.layout.dp_shard == 1:
             return {}
         if self.layout.pp > 1:
-            return {"parameters": self.kept_bytes(sizes, blocks)}
+            return {"parameters": gathered_bytes(self.kept_bytes(sizes, blocks), self.precision)}
         units = [self.kept_bytes(sizes, unit) for unit in units_in_forward_order(sizes)]
-        gathered, reduced = working_set(units, units, self.layout.dp_shard, self.device_type)
+        gathered_units = [gathered_bytes(unit, self.precision) for unit in units]
+        gathered, reduced = working_set(
+            gathered_units, units, self.layout.dp_shard, self.device_type
+        )
         return {"parameters": gathered, "gradients": reduced}
 
     def fsdp_forward_working_set(self, sizes: ModelSizes, blocks: list[int]) -> dict[str, int]:
@@ -527,7 +525,9 @@ class Mesh(Distributed):
         if self.layout.dp_shard == 1 or self.layout.pp > 1:
             return self.fsdp_working_set(sizes, blocks)
         units = [self.kept_bytes(sizes, unit) for unit in units_in_forward_order(sizes)]
-        return {"parameters": forward_working_set(units)}
+        return {
+            "parameters": forward_working_set([gathered_bytes(u, self.precision) for u in units])
+        }
 
     def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
         """What the busiest rank sends per step over tp (each pair's all-reduce forward and
@@ -560,8 +560,9 @@ class Mesh(Distributed):
         reductions = accumulate if layout.pp > 1 else 1
         if layout.dp_shard > 1:
             gathers = 1 if layout.pp > 1 else 2
+            gathered = gathered_bytes(held, self.precision)
             traffic.update(
-                sharded_traffic(held, held, layout.dp_shard, accumulate, gathers, reductions)
+                sharded_traffic(gathered, held, layout.dp_shard, accumulate, gathers, reductions)
             )
         if layout.dp_replicate > 1:
             traffic["gradient all-reduce"] = reductions * ring_bytes(

@@ -119,7 +119,7 @@ def evaluate_checkpoint(
         "samples": samples,
         "strategy": strategy.name,
         "devices": cfg.parallel.devices,
-        "world_size": strategy.world_size,
+        "world_size": strategy.data_shards,
         **figures,
         **({"predictions": predictions_file(eval_dir).name} if cfg.predict else {}),
     }
@@ -147,7 +147,11 @@ def evaluate_split(
         strategy.load_sharded(model, None, str(blueprint.checkpoint))
     split = named_split(blueprint.data, cfg.split)
     batches = ValBatches(
-        split, settings.eval_batch, strategy.rank, strategy.world_size, input_loading(cfg, strategy)
+        split,
+        settings.eval_batch,
+        strategy.data_shard,
+        strategy.data_shards,
+        input_loading(cfg, strategy),
     )
     outputs = SampleOutputs() if cfg.predict else None
     precision = autocast(strategy.device_type, settings.precision)

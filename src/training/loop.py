@@ -151,7 +151,7 @@ def evaluate(
     `val` is the set, or this rank's `ValBatches` of it (which `batch_size` made). `outputs`,
     if given, keeps the model's outputs for each of this rank's samples (`eval.py predict=true`)."""
     if not isinstance(val, ValBatches):
-        val = ValBatches(val, batch_size, strategy.rank, strategy.world_size)
+        val = ValBatches(val, batch_size, strategy.data_shard, strategy.data_shards)
     model.eval()
     sums, count = None, 0
     with torch.no_grad(), autocast:
@@ -320,7 +320,8 @@ def step_divisor(
     if isinstance(targets_seen, int):
         return targets_seen
     total = strategy.all_reduce_sum(targets_seen.detach().float().clone())
-    return total.clamp(min=1) / strategy.world_size
+    # The data shards' processes are those that all_reduce_sum adds and that average gradients.
+    return total.clamp(min=1) / strategy.data_shards
 
 
 def finite_everywhere(strategy: TrainingStrategy, step_loss: torch.Tensor) -> bool:

@@ -50,7 +50,7 @@ def finish_finished_run(
     summary = {
         "strategy": strategy.name,
         "devices": cfg.parallel.devices,
-        "world_size": strategy.world_size,
+        "world_size": strategy.data_shards,
         "global_batch": cfg.trainer.batch_size,
         "steps": state["step"],
         "final_train_loss": last("train/loss"),

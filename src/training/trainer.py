@@ -369,7 +369,7 @@ class Trainer:
             "strategy": strategy.name,
             **({"chosen_by": cfg.parallel.chosen_by} if cfg.parallel.chosen_by else {}),
             "devices": cfg.parallel.devices,
-            "world_size": strategy.world_size,
+            "world_size": strategy.data_shards,
             "global_batch": cfg.trainer.batch_size,
             "matmul_precision": self.matmul_precision,
             **results,
@@ -417,13 +417,13 @@ def input_batches(
         data.train,
         trainer.batch_size // trainer.accumulate,
         cfg.seed,
-        strategy.rank,
-        strategy.world_size,
+        strategy.data_shard,
+        strategy.data_shards,
         start_batch=start_step * trainer.accumulate,
         loading=loading,
     )
     val, test = (
-        ValBatches(split, trainer.eval_batch, strategy.rank, strategy.world_size, loading)
+        ValBatches(split, trainer.eval_batch, strategy.data_shard, strategy.data_shards, loading)
         for split in (data.val, data.test)
     )
     return TimedBatches(train), val, test
@@ -443,12 +443,13 @@ def speed_figures(
     results: dict[str, Any],
     matmul_precision: str,
 ) -> dict[str, float]:
-    """TFLOP/s of all devices together, and MFU where the devices' peak is known."""
+    """TFLOP/s of all devices together and per device (of every device the job computes on:
+    tp and pp peers, dp's replicas and model_parallel's stages included), and MFU where the
+    devices' peak is known."""
     peak = device_peak_tflops(
         trainer.peak_tflops, strategy.devices[0], trainer.precision, matmul_precision
     )
-    devices = len(strategy.devices) * strategy.world_size
-    return throughput_figures(flops_per_step, results["step_time_ms"], devices, peak)
+    return throughput_figures(flops_per_step, results["step_time_ms"], strategy.job_devices, peak)
 
 
 DEVICE_DATA_FRACTION = 0.1
