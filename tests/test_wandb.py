@@ -89,4 +89,5 @@ def test_the_best_checkpoint_is_the_runs_model_artifact_when_asked(tmp_path):
     assert (artifact.name, artifact.type) == (f"model-{run.run_id}", "model")
     assert "best" in artifact.aliases
     assert json.loads(artifact.metadata)["best_step"] == summary(tmp_path)["best_step"]
-    assert {entry.path for entry in artifact.manifest.contents} == {"checkpoint.pt", "manifest.json"}
+    files = {entry.path for entry in artifact.manifest.contents}
+    assert files == {"checkpoint.pt", "manifest.json"}
