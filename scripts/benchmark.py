@@ -270,15 +270,31 @@ def plain_loop(
     inputs, targets = data.train.inputs.to(device), data.train.targets.to(device)
     generator = torch.Generator().manual_seed(seed)
     order, position = torch.randperm(len(targets), generator=generator).to(device), 0
-    for step in range(steps):
-        if step == WARMUP_STEPS:
-            started = time.perf_counter()
+
+    def loss_of_step() -> torch.Tensor:
+        nonlocal order, position
         if position + batch_size > len(targets):
             order = torch.randperm(len(targets), generator=generator).to(device)
             position = 0
         batch = order[position : position + batch_size]
         position += batch_size
-        loss = F.cross_entropy(model(inputs[batch]), targets[batch])
+        return F.cross_entropy(model(inputs[batch]), targets[batch])
+
+    return timed_steps(steps, batch_size, loss_of_step, optimizer)
+
+
+def timed_steps(
+    steps: int,
+    batch_size: int,
+    loss_of_step: Callable[[], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+) -> float:
+    """samples/s of a hand-written loop's steps after the warm-up: each backpropagates the loss
+    `loss_of_step` returns and steps the optimizer; the loss is read every 50 steps."""
+    for step in range(steps):
+        if step == WARMUP_STEPS:
+            started = time.perf_counter()
+        loss = loss_of_step()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -430,19 +446,13 @@ def plain_gpt2(steps: int) -> float:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.trainer.precision)
     inputs, targets = data.train.inputs.to(device), data.train.targets.to(device)
     batch_size = cfg.trainer.batch_size
-    for step in range(steps):
-        if step == WARMUP_STEPS:
-            started = time.perf_counter()
+
+    def loss_of_step() -> torch.Tensor:
         batch = torch.randint(len(targets), (batch_size,), device=device)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            loss = step_loss(inputs[batch], targets[batch])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step % 50 == 0:
-            loss.item()
-    loss.item()  # wait for the queued steps
-    return (steps - WARMUP_STEPS) * batch_size / (time.perf_counter() - started)
+            return step_loss(inputs[batch], targets[batch])
+
+    return timed_steps(steps, batch_size, loss_of_step, optimizer)
 
 
 def print_gpt2_figures(samples_per_sec: list[float]) -> None:
