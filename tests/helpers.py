@@ -427,7 +427,7 @@ def evaluate_checkpoint(
     from src.components.data import build_data
     from src.config.schema import ParallelConfig, TrainerConfig, typed
     from src.parallel import build_strategy
-    from src.training.loop import evaluate
+    from src.training.step import evaluate
 
     state = checkpoint(run_dir) if checkpoint_dir is None else load_checkpoint(checkpoint_dir)
     cfg = OmegaConf.create(state["config"])

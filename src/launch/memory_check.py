@@ -30,7 +30,7 @@ from src.parallel import build_strategy
 from src.planning.planner import TRACED_STEPS, meta_model_and_inputs
 from src.runtime.ranks import Ranks
 from src.runtime.stopping import StopOnSignal
-from src.training.loop import evaluate, forward_backward
+from src.training.step import evaluate, forward_backward
 
 
 class NoModuleHooks:

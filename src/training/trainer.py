@@ -63,16 +63,14 @@ from src.training.loop import (
     Checkpointing,
     Evaluation,
     History,
-    Monitoring,
     Progress,
-    Stepper,
     Throughput,
-    TimedBatches,
-    forward_backward,
     open_history,
     summary_val_figures,
 )
+from src.training.monitoring import Monitoring
 from src.training.resume import log_resumed_schedule
+from src.training.step import Stepper, TimedBatches, forward_backward
 from src.training.summary import write_summary
 
 log = logging.getLogger(__name__)
