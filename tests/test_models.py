@@ -93,3 +93,15 @@ def test_adamw_decays_matrices_only_unless_told(tmp_path, decay_1d):
     assert (decayed["weight_decay"], undecayed["weight_decay"]) == (0.01, 0.0)
     assert len(decayed["params"]) == sum(dim >= 2 for dim in dims)  # the tied head once
     assert len(undecayed["params"]) == sum(dim < 2 for dim in dims)
+
+
+def test_a_checkpoint_of_other_optimizer_groups_is_refused_in_one_line(tmp_path):
+    """adamw's checkpoints from before decay_1d have one group: resuming them under two groups
+    would put each Adam state on another parameter."""
+    tiny = ("data.num_samples=64", "trainer.batch_size=8", "trainer.eval_every=0", "logger=none")
+    run_train(*tiny, "trainer.max_steps=1", "optimizer.decay_1d=true", run_dir=tmp_path)
+    result = run_train(
+        *tiny, "trainer.max_steps=2", "trainer.resume=auto", run_dir=tmp_path, check=False
+    )
+    assert result.returncode == 2
+    assert "optimizer has parameter groups of [10] parameters, this run's [5, 5]" in result.stdout

@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from src.components.optimizer import lr_schedule, schedule_length
+from src.components.optimizer import lr_schedule, parameter_groups, schedule_length
 from src.config.schema import ConfigError
 
 log = logging.getLogger(__name__)
@@ -29,12 +29,28 @@ def check_resumable(state: dict[str, Any], path: Path, model: nn.Module, cfg: Di
             f"trainer.resume: {path} was trained with optimizer={saved['optimizer']['name']}; "
             "resume with the same optimizer, or start a new run"
         )
+    check_same_groups(state, path, model, cfg)
     if state["step"] >= cfg.trainer.max_steps and not finished(state, cfg):
         raise ConfigError(
             f"trainer.resume: {path} is at step {state['step']} and trainer.max_steps="
             f"{cfg.trainer.max_steps}, so there is nothing left to train; raise trainer.max_steps"
         )
     check_schedule_kept(state, path, cfg)
+
+
+def check_same_groups(state: dict[str, Any], path: Path, model: nn.Module, cfg: DictConfig) -> None:
+    """The checkpoint's optimizer has this run's parameter groups (`optimizer.decay_1d` splits
+    them; checkpoints of adamw from before it have one)."""
+    saved = [len(group["params"]) for group in state["optimizer"]["param_groups"]]
+    groups = parameter_groups(model.parameters(), cfg.optimizer.decay_1d)
+    expected = [len(group["params"]) for group in groups]
+    if saved != expected:
+        raise ConfigError(
+            f"trainer.resume: {path}'s optimizer has parameter groups of {saved} parameters, "
+            f"this run's {expected} (optimizer.decay_1d={str(cfg.optimizer.decay_1d).lower()}); "
+            "resume with the decay_1d it was trained with, or start a new run from its weights "
+            "with trainer.init_from"
+        )
 
 
 def check_same_model(
