@@ -36,10 +36,10 @@ from src.training.build import (
     checkpoint_to_load,
     set_numerics,
 )
+from src.training.inputs import input_loading
 from src.training.predictions import SampleOutputs
 from src.training.resume import check_same_model
 from src.training.step import evaluate
-from src.training.trainer import input_loading
 
 log = logging.getLogger(__name__)
 

@@ -1,18 +1,21 @@
-"""The run's summary: summary.json in the run folder and its lines in the log, also for a run
-found complete on resume."""
+"""The run's summary: the speed and resource figures it reports, summary.json in the run folder
+and its lines in the log, also for a run found complete on resume."""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
+import os
 import textwrap
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig
 
-from src.parallel.base import Strategy
+from src.observe.performance import device_peak_tflops, throughput_figures
+from src.parallel.base import Strategy, usable_cores
 from src.runtime.ranks import Ranks
 from src.runtime.run_folder import metrics_file, summary_file
 from src.training.loop import history_step
@@ -88,3 +91,32 @@ def format_summary(summary: dict[str, Any], run_dir: Path) -> str:
         width=100, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False
     )
     return "\n".join(wrap.wrap(text))
+
+
+def speed_figures(
+    trainer: DictConfig,
+    strategy: Strategy,
+    flops_per_step: int | None,
+    results: dict[str, Any],
+    matmul_precision: str,
+) -> dict[str, float]:
+    """TFLOP/s of all devices together and per device (of every device the job computes on:
+    tp and pp peers, dp's replicas and model_parallel's stages included), and MFU where the
+    devices' peak is known."""
+    peak = device_peak_tflops(
+        trainer.peak_tflops, strategy.devices[0], trainer.precision, matmul_precision
+    )
+    return throughput_figures(flops_per_step, results["step_time_ms"], strategy.job_devices, peak)
+
+
+def cpu_share(strategy: Strategy) -> dict[str, Any]:
+    """This node's processes, each one's intra-op threads, and the cores they may use: with more
+    threads than cores the processes compete for them, and the scaling report says so."""
+    share = {
+        "processes_per_node": strategy.processes_per_node,
+        "threads_per_process": torch.get_num_threads(),
+        "cores": usable_cores(),
+    }
+    if hasattr(os, "sched_getaffinity"):  # which cores: a concurrent sweep gives each job its own
+        share["cpu_affinity"] = sorted(os.sched_getaffinity(0))
+    return share

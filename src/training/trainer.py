@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import statistics
 import time
 from collections.abc import Iterator
@@ -30,21 +29,15 @@ from torch import nn
 
 from src.checkpoint.store import best_dir, rng_state, set_rng_state
 from src.checkpoint.writer import CheckpointWriter, resolved_format
-from src.components.batch_order import Loading, ValBatches, loading_for, train_batches
 from src.components.blocks import CompiledSums
-from src.components.data import Data, tokens_per_sample
+from src.components.data import tokens_per_sample
 from src.components.optimizer import build_optimizer, lr_schedule
 from src.components.state_dicts import tied_keys
 from src.config.base import plain_config, typed
 from src.config.trainer import TrainerConfig
-from src.observe.performance import (
-    device_peak_tflops,
-    step_flops,
-    step_profiler,
-    throughput_figures,
-)
+from src.observe.performance import step_flops, step_profiler
 from src.observe.tracking import Tracker, build_tracker
-from src.parallel.base import Strategy, usable_cores
+from src.parallel.base import Strategy
 from src.runtime.run_folder import metrics_file, profile_trace
 from src.runtime.stopping import Interrupted, StopOnSignal, agree_to_stop
 from src.training.build import (
@@ -54,6 +47,7 @@ from src.training.build import (
     checkpoint_to_load,
     set_numerics,
 )
+from src.training.inputs import input_batches, keep_on_device
 from src.training.loop import (
     Checkpointing,
     Evaluation,
@@ -65,8 +59,8 @@ from src.training.loop import (
 )
 from src.training.monitoring import Monitoring
 from src.training.resume import log_resumed_schedule
-from src.training.step import Stepper, TimedBatches, forward_backward
-from src.training.summary import write_summary
+from src.training.step import Stepper, forward_backward
+from src.training.summary import cpu_share, speed_figures, write_summary
 
 log = logging.getLogger(__name__)
 
@@ -398,78 +392,3 @@ def profiling(
         yield profiler
     if enabled:
         tracker.save(trace)
-
-
-def input_batches(
-    cfg: DictConfig, trainer: TrainerConfig, strategy: Strategy, data: Data, start_step: int
-) -> tuple[TimedBatches, ValBatches, ValBatches]:
-    """This process's training batches from `start_step` on, and its validation and test
-    batches."""
-    loading = input_loading(cfg, strategy)
-    train = train_batches(
-        data.train,
-        trainer.batch_size // trainer.accumulate,
-        cfg.seed,
-        strategy.data_shard,
-        strategy.data_shards,
-        start_batch=start_step * trainer.accumulate,
-        loading=loading,
-    )
-    val, test = (
-        ValBatches(split, trainer.eval_batch, strategy.data_shard, strategy.data_shards, loading)
-        for split in (data.val, data.test)
-    )
-    return TimedBatches(train), val, test
-
-
-def input_loading(cfg: DictConfig, strategy: Strategy) -> Loading:
-    """How this process reads a `Dataset` (`data.num_workers`, ...; see `loading_for`)."""
-    return loading_for(
-        cfg.data, cfg.seed, strategy.device_type, strategy.processes_per_node, usable_cores()
-    )
-
-
-def speed_figures(
-    trainer: DictConfig,
-    strategy: Strategy,
-    flops_per_step: int | None,
-    results: dict[str, Any],
-    matmul_precision: str,
-) -> dict[str, float]:
-    """TFLOP/s of all devices together and per device (of every device the job computes on:
-    tp and pp peers, dp's replicas and model_parallel's stages included), and MFU where the
-    devices' peak is known."""
-    peak = device_peak_tflops(
-        trainer.peak_tflops, strategy.devices[0], trainer.precision, matmul_precision
-    )
-    return throughput_figures(flops_per_step, results["step_time_ms"], strategy.job_devices, peak)
-
-
-DEVICE_DATA_FRACTION = 0.1
-
-
-def keep_on_device(data: Data, device: torch.device) -> Data:
-    """On a GPU, an in-memory dataset that needs at most a tenth of its memory lives there: each
-    batch is then an index on the device, with no host-to-device copy per step (a pageable copy
-    of 3 MB or more blocks the host until the GPU's queue drains). Larger sets stay on the host
-    and are copied batch by batch. Sets read through a DataLoader stay where they are."""
-    if device.type != "cuda" or not data.in_memory:
-        return data
-    budget = DEVICE_DATA_FRACTION * torch.cuda.get_device_properties(device).total_memory
-    if sum(split.nbytes for split in data.splits) > budget:
-        log.info("the dataset stays in host memory; batches are copied to %s each step", device)
-        return data
-    return data.to(device)
-
-
-def cpu_share(strategy: Strategy) -> dict[str, Any]:
-    """This node's processes, each one's intra-op threads, and the cores they may use: with more
-    threads than cores the processes compete for them, and the scaling report says so."""
-    share = {
-        "processes_per_node": strategy.processes_per_node,
-        "threads_per_process": torch.get_num_threads(),
-        "cores": usable_cores(),
-    }
-    if hasattr(os, "sched_getaffinity"):  # which cores: a concurrent sweep gives each job its own
-        share["cpu_affinity"] = sorted(os.sched_getaffinity(0))
-    return share
