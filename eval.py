@@ -16,7 +16,8 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from src.config.schema import ConfigError, register_configs
+from src.config.base import ConfigError
+from src.config.schema import register_configs
 from src.launch.command_line import (
     composition_errors_in_one_line,
     config_composed,

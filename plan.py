@@ -25,7 +25,8 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException, OverrideParseException
 
-from src.config.schema import ConfigError, composition_error_line, register_configs
+from src.config.base import ConfigError
+from src.config.schema import composition_error_line, register_configs
 from src.runtime.torch_private import exit_without_teardown
 
 CONF = Path(__file__).resolve().parent / "conf"

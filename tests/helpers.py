@@ -425,7 +425,9 @@ def evaluate_checkpoint(
     the data its config names."""
     from src.checkpoint.store import load_checkpoint
     from src.components.data import build_data
-    from src.config.schema import ParallelConfig, TrainerConfig, typed
+    from src.config.base import typed
+    from src.config.parallel import ParallelConfig
+    from src.config.trainer import TrainerConfig
     from src.parallel import build_strategy
     from src.training.step import evaluate
 

@@ -9,7 +9,7 @@ from helpers import TINY_SGD, evaluate_checkpoint, metrics, strategy_runs, summa
 
 from src.checkpoint.store import best_dir, is_sharded, load_checkpoint, resume_path
 from src.checkpoint.writer import CheckpointWriter
-from src.config.schema import ParallelConfig
+from src.config.parallel import ParallelConfig
 from src.parallel.base import Strategy
 
 # Evaluations at steps 2, 4 and 6. Under SGD the validation loss falls from step to step, so

@@ -16,7 +16,8 @@ import torch
 from helpers import TINY, needs_gpus, pretend_gpus, reference_run, run_train
 from hydra.errors import ConfigCompositionException, OverrideParseException
 
-from src.config.schema import ConfigError, composition_error_line
+from src.config.base import ConfigError
+from src.config.schema import composition_error_line
 from src.training.build import check_config
 
 HYDRA, CHECK = "hydra", "check"

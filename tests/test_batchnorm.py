@@ -27,7 +27,7 @@ from helpers import (
 from odd_models import BatchNormMLP
 
 from src.components.tasks import loss_sum
-from src.config.schema import PipelineConfig
+from src.config.parallel import PipelineConfig
 from src.parallel import build_strategy
 from src.parallel.mechanisms.deferred_batchnorm import defer_batchnorm
 from src.parallel.mechanisms.stage_pipeline import Pipeline

@@ -12,7 +12,8 @@ from omegaconf.errors import ConfigAttributeError, ValidationError
 
 from src.components.data import build_data
 from src.components.optimizer import build_optimizer
-from src.config.schema import SCHEMAS, ConfigError
+from src.config.base import ConfigError
+from src.config.schema import SCHEMAS
 from src.parallel import build_strategy
 
 GROUPS = ("model", "data", "parallel", "trainer", "optimizer", "logger")
@@ -91,7 +92,7 @@ def test_models_build_from_config_and_run_forward(compose_config, model, data, i
 
 
 def test_no_option_repeats_its_schemas_defaults():
-    """Each default has one source, its schema in src/config/schema.py: an option's YAML sets only
+    """Each default has one source, its schema in src/config/<group>.py: an option's YAML sets only
     the keys it changes (or that name the choice)."""
     for path in sorted((ROOT / "conf").glob("*/*.yaml")):
         options = OmegaConf.to_container(OmegaConf.load(path))

@@ -42,7 +42,7 @@ from helpers import (
 
 import src.parallel.ddp
 from src.components.models import MLP
-from src.config.schema import ConfigError
+from src.config.base import ConfigError
 from src.launch.launcher import (
     adopt_slurm_environment,
     first_node,

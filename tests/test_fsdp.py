@@ -74,7 +74,7 @@ def test_fsdp_checkpoint_is_in_single_s_format_and_single_resumes_from_it(tmp_pa
 # One rank, in a process of its own (a process group outlives a failed test in pytest's).
 WHAT_A_LAYER_SEES = """
 import json, sys, torch
-from src.config.schema import DistributedConfig
+from src.config.parallel import DistributedConfig
 from src.components.models import MLP
 from src.components.tasks import loss_sum
 from src.parallel import build_strategy

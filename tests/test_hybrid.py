@@ -24,7 +24,7 @@ from helpers import (
 )
 
 from src.components.models import MLP
-from src.config.schema import ConfigError
+from src.config.base import ConfigError
 from src.parallel import build_strategy
 from src.runtime.ranks import Ranks
 

@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import SequenceParallel
 from src.components.models import GPT, MLP, ConvNet, Transformer
 from src.components.precision import LossScaling
 from src.components.tasks import loss_sum
-from src.config.schema import ConfigError
+from src.config.base import ConfigError
 from src.parallel import build_strategy
 from src.parallel.layout import Layout
 from src.parallel.pipeline_schedules import LOOPED, ONE_STAGE, SPLIT_BACKWARD, V_SHAPED

@@ -37,7 +37,7 @@ from helpers import (
 
 from src.checkpoint.store import resume_path, saved_checkpoints
 from src.checkpoint.writer import CheckpointWriter
-from src.config.schema import ParallelConfig
+from src.config.parallel import ParallelConfig
 from src.parallel.base import Strategy
 
 # 60 steps, each logged (TINY), a checkpoint every 5: step 6's log line means step 5 is saved.
@@ -296,7 +296,7 @@ save(CheckpointWriter(Path(sys.argv[1]), Strategy(ParallelConfig(), "cpu"), "ful
 """
 
 SAVE = """
-from src.config.schema import ParallelConfig
+from src.config.parallel import ParallelConfig
 
 def save(writer, step):
     model = torch.nn.Linear(10, 10)

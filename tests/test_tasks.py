@@ -21,7 +21,7 @@ from helpers import (
 
 from src.components.models import GPT
 from src.components.tasks import Regression, Segmentation
-from src.config.schema import ConfigError
+from src.config.base import ConfigError
 from src.parallel.mechanisms.stage_pipeline import check_tied_parameters
 
 SEGMENTATION = (

@@ -32,7 +32,7 @@ from vision_files import (  # noqa: E402
 from src.components import vision  # noqa: E402
 from src.components.augment import augment_image  # noqa: E402
 from src.components.resnet import ResNet  # noqa: E402
-from src.config.schema import ConfigError  # noqa: E402
+from src.config.base import ConfigError  # noqa: E402
 from src.training.build import check_config  # noqa: E402
 
 NOT_DATA_OR_MODEL = tuple(o for o in TINY_SGD if not o.startswith(("data.", "model.")))

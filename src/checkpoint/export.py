@@ -27,7 +27,7 @@ import torch
 
 from src.checkpoint.integrity import check_manifest
 from src.checkpoint.store import load_checkpoint, newest_checkpoint, read_torch_file
-from src.config.schema import ConfigError
+from src.config.base import ConfigError
 
 SAFETENSORS = ".safetensors"
 # The train state's keys that describe the model (`Trainer.state_dict`), in a safetensors file's

@@ -16,7 +16,7 @@ import re
 import zlib
 from pathlib import Path
 
-from src.config.schema import ConfigError
+from src.config.base import ConfigError
 
 MANIFEST = "manifest.json"
 CHUNK_BYTES = 8 << 20  # read in pieces: a checkpoint can be larger than memory

@@ -20,7 +20,7 @@ from src.checkpoint.store import (
     load_checkpoint,
     saved_checkpoints,
 )
-from src.config.schema import ConfigError
+from src.config.base import ConfigError
 from src.runtime.run_folder import HYDRA, checkpoints_dir
 
 BEST = "best"  # checkpoints/best: the best checkpoint's folder, in either format

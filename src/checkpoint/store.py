@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 from src.checkpoint.integrity import check_manifest
-from src.config.schema import ConfigError
+from src.config.base import ConfigError
 from src.runtime.run_folder import checkpoints_dir
 
 if TYPE_CHECKING:

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from src.components import batches
 from src.components.batches import Tree
-from src.config.schema import data_builder_config
+from src.config.data import data_builder_config
 
 log = logging.getLogger(__name__)
 

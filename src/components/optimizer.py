@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from hydra.utils import instantiate
 
-from src.config.schema import OWN_KEYS, ConfigError, OptimizerConfig
+from src.config.base import ConfigError
+from src.config.optimizer import OWN_KEYS, OptimizerConfig
 
 
 def build_optimizer(
@@ -21,9 +22,7 @@ def build_optimizer(
     return instantiate(settings, _convert_="all")(parameter_groups(params, cfg.decay_1d))
 
 
-def parameter_groups(
-    params: Iterable[torch.nn.Parameter], decay_1d: bool
-) -> list[dict[str, Any]]:
+def parameter_groups(params: Iterable[torch.nn.Parameter], decay_1d: bool) -> list[dict[str, Any]]:
     """One group of every parameter; without `decay_1d`, the matrices (2 or more dimensions:
     weights, embeddings) and then a group of the rest without weight decay. Each group keeps the
     parameters' order, and a group stays even when this process holds none of its parameters,

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from src.config.schema import Precision
+from src.config.trainer import Precision
 
 AUTOCAST_DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
 

@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterator
 
 from hydra.errors import ConfigCompositionException, OverrideParseException
 
-from src.config.schema import ConfigError, composition_error_line
+from src.config.base import ConfigError
+from src.config.schema import composition_error_line
 
 log = logging.getLogger(__name__)
 # Hydra lets its errors through to the caller, instead of reporting them itself (several lines,

@@ -20,7 +20,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 
-from src.config.schema import SAVED_GROUPS, SAVED_RUN, ConfigError, plain_config, store_saved_run
+from src.config.base import ConfigError, plain_config
+from src.config.schema import SAVED_GROUPS, SAVED_RUN, store_saved_run
 from src.launch.job import check_rendezvous, check_started_ranks, log_config
 from src.launch.launcher import (
     JobFailed,

@@ -20,7 +20,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoint.store import saved_checkpoints
-from src.config.schema import AUTO, ConfigError, plain_config
+from src.config.base import ConfigError, plain_config
+from src.config.parallel import AUTO
 from src.launch.launcher import (
     JobFailed,
     KilledBySignal,

@@ -271,7 +271,7 @@ def start_rank_server_early(parallel: Any) -> None:
     only imported for nothing."""
     from omegaconf import OmegaConf
 
-    from src.config.schema import DistributedConfig
+    from src.config.parallel import DistributedConfig
 
     distributed = issubclass(OmegaConf.get_type(parallel) or object, DistributedConfig)
     if distributed and parallel.devices * parallel.nodes > 1 and started_ranks() is None:

@@ -24,7 +24,8 @@ from src.components.blocks import prepare_blocks
 from src.components.data import Split, build_data, first_samples
 from src.components.optimizer import build_optimizer
 from src.components.precision import LossScaling, autocast
-from src.config.schema import TrainerConfig, typed
+from src.config.base import typed
+from src.config.trainer import TrainerConfig
 from src.launch.launcher import launch
 from src.parallel import build_strategy
 from src.planning.planner import TRACED_STEPS, meta_model_and_inputs

@@ -41,7 +41,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from src.checkpoint.store import saved_checkpoints
-from src.config.schema import ConfigError
+from src.config.base import ConfigError
 from src.launch.launcher import started_ranks
 from src.observe.tracking import wandb_group
 from src.runtime.ranks import Ranks
@@ -49,7 +49,6 @@ from src.runtime.run_folder import status_file, summary_file
 from src.runtime.stopping import Interrupted
 
 log = logging.getLogger(__name__)
-
 
 
 Task = Callable[[DictConfig, Ranks | None], dict[str, Any]]

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from src.config.schema import ConfigError
+from src.config.base import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from src.config.schema import ParallelConfig, typed
+from src.config.base import typed
+from src.config.parallel import ParallelConfig
 from src.parallel.base import ConfigError, Strategy
 
 if TYPE_CHECKING:

@@ -91,7 +91,9 @@ import torch
 from torch import nn
 
 from src.components.batches import Tree
-from src.config.schema import Accelerator, ConfigError, ParallelConfig
+from src.config.base import ConfigError
+from src.config.parallel import ParallelConfig
+from src.config.trainer import Accelerator
 from src.runtime.ranks import Ranks
 
 LossFn = Callable[[Tree, Tree], torch.Tensor]

@@ -16,7 +16,8 @@ from typing import Any
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from src.config.schema import ConfigError, DDPConfig
+from src.config.base import ConfigError
+from src.config.parallel import DDPConfig
 from src.parallel.base import DeviceShare, ModelSizes, ring_bytes
 from src.parallel.distributed import Distributed
 

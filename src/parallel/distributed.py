@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from src.components.batches import Tree, move
-from src.config.schema import ConfigError, DistributedConfig
+from src.config.base import ConfigError
+from src.config.parallel import DistributedConfig
 from src.parallel.base import LossFn, Strategy, usable_cores
 from src.parallel.mechanisms.sync_batchnorm import convert_sync_batchnorm
 from src.runtime.ranks import Ranks
@@ -42,9 +43,7 @@ class Distributed(Strategy):
     settings_schema = DistributedConfig
     spans_nodes = True
 
-    def __init__(
-        self, cfg, device_type: str, precision: str = "fp32", ranks: Ranks | None = None
-    ):
+    def __init__(self, cfg, device_type: str, precision: str = "fp32", ranks: Ranks | None = None):
         super().__init__(cfg, device_type, precision, ranks)
         self.backend = str(cfg.backend or ("nccl" if device_type == "cuda" else "gloo"))
         if self.backend == "nccl" and device_type != "cuda":

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from src.components.batches import Tree
-from src.config.schema import ConfigError, HybridConfig
+from src.config.base import ConfigError
+from src.config.parallel import HybridConfig
 from src.parallel.base import DeviceShare, LossFn, ModelSizes, ring_bytes
 from src.parallel.ddp import DDP
 from src.parallel.stage_cut import StageCut
@@ -26,9 +27,8 @@ from src.runtime.ranks import Ranks
 
 class Hybrid(DDP):
     settings_schema = HybridConfig
-    def __init__(
-        self, cfg, device_type: str, precision: str = "fp32", ranks: Ranks | None = None
-    ):
+
+    def __init__(self, cfg, device_type: str, precision: str = "fp32", ranks: Ranks | None = None):
         super().__init__(cfg, device_type, precision, ranks)
         self.stage_cut = StageCut(cfg, cfg.stages, "parallel.stages")
         self.processes_per_node = cfg.devices // cfg.stages

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from src.config.schema import ConfigError
+from src.config.base import ConfigError
 
 DIMENSIONS = ("pp", "dp_replicate", "dp_shard", "tp")
 

@@ -39,7 +39,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from src.checkpoint.store import dcp_places_rows, renamed, rows_placed
 from src.components.batches import move
 from src.components.precision import AUTOCAST_DTYPES
-from src.config.schema import ConfigError, MeshConfig
+from src.config.base import ConfigError
+from src.config.parallel import MeshConfig
 from src.parallel.base import DeviceShare, LossFn, ModelSizes, Tree, ring_bytes
 from src.parallel.distributed import Distributed
 from src.parallel.fsdp import (
@@ -104,9 +105,7 @@ class Mesh(Distributed):
     stage_points: tuple[int, ...] = ()
     split: TPSplit | None = None
 
-    def __init__(
-        self, cfg, device_type: str, precision: str = "fp32", ranks: Ranks | None = None
-    ):
+    def __init__(self, cfg, device_type: str, precision: str = "fp32", ranks: Ranks | None = None):
         super().__init__(cfg, device_type, precision, ranks)
         degrees = {name: getattr(cfg, name) for name in DIMENSIONS}
         self.layout = Layout.of(self.world_size, **degrees)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from src.components.batches import Tree
-from src.config.schema import PipelineConfig
+from src.config.parallel import PipelineConfig
 from src.parallel.base import DeviceShare, LossFn, ModelSizes, Strategy
 from src.parallel.stage_cut import StageCut
 from src.runtime.ranks import Ranks
@@ -19,9 +19,8 @@ from src.runtime.ranks import Ranks
 
 class ModelParallel(Strategy):
     settings_schema = PipelineConfig
-    def __init__(
-        self, cfg, device_type: str, precision: str = "fp32", ranks: Ranks | None = None
-    ):
+
+    def __init__(self, cfg, device_type: str, precision: str = "fp32", ranks: Ranks | None = None):
         super().__init__(cfg, device_type, precision, ranks)
         self.stage_cut = StageCut(cfg, cfg.devices, "parallel.devices")
 

@@ -33,7 +33,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from src.components.batches import batch_size
-from src.config.schema import ConfigError
+from src.config.base import ConfigError
 from src.parallel.base import tied_block_groups
 from src.parallel.mechanisms.stage_pipeline import balanced_split_points, parameter_count
 from src.runtime.torch_private import pipeline_warmup_skips_own_rank

@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from src.components.batches import Tree
-from src.config.schema import StagesConfig
+from src.config.parallel import StagesConfig
 from src.parallel.base import ConfigError, DeviceShare, ModelSizes
 from src.parallel.mechanisms.deferred_batchnorm import defer_batchnorm
 from src.parallel.mechanisms.stage_pipeline import (

@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from src.components.models import GPT, MLP, CausalSelfAttention, Transformer
-from src.config.schema import ConfigError
+from src.config.base import ConfigError
 
 PLANNED = (MLP, Transformer, GPT)
 

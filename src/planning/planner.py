@@ -48,7 +48,10 @@ from src.components.blocks import prepare_blocks
 from src.components.data import Data, build_data, first_samples
 from src.components.optimizer import build_optimizer
 from src.components.precision import autocast
-from src.config.schema import AUTO, Accelerator, ConfigError, PlanConfig, TrainerConfig, typed
+from src.config.base import ConfigError, typed
+from src.config.parallel import AUTO
+from src.config.plan import PlanConfig
+from src.config.trainer import Accelerator, TrainerConfig
 from src.parallel import build_strategy
 from src.parallel.base import (
     DeviceShare,

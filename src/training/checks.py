@@ -19,7 +19,8 @@ from src.checkpoint.writer import resolved_format
 from src.components.batches import Tree, describe
 from src.components.data import Data, meta_samples
 from src.components.optimizer import build_optimizer, lr_schedule
-from src.config.schema import ConfigError, TrainerConfig, typed
+from src.config.base import ConfigError, typed
+from src.config.trainer import TrainerConfig
 from src.observe.tracking import check_tracker
 from src.parallel import build_strategy
 from src.parallel.base import Strategy, resolve_device_type

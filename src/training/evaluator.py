@@ -23,7 +23,8 @@ from src.checkpoint.store import load_checkpoint
 from src.components.data import Data, Split, ValBatches
 from src.components.precision import autocast
 from src.components.state_dicts import StateDictFit
-from src.config.schema import ConfigError, TrainerConfig, plain_config, typed
+from src.config.base import ConfigError, plain_config, typed
+from src.config.trainer import TrainerConfig
 from src.observe.tracking import build_tracker, wandb_group
 from src.parallel.base import Strategy
 from src.runtime.run_folder import eval_file, predictions_file

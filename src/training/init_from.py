@@ -13,7 +13,7 @@ from torch import nn
 
 from src.checkpoint.export import load_weights
 from src.components.state_dicts import StateDictFit
-from src.config.schema import ConfigError
+from src.config.base import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import torch
 from src.checkpoint.writer import CheckpointWriter
 from src.components.data import ValBatches
 from src.components.tasks import Task
-from src.config.schema import TrainerConfig
+from src.config.trainer import TrainerConfig
 from src.observe.report import rate_text
 from src.observe.tracking import Tracker
 from src.parallel.base import TrainingStrategy

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from src.checkpoint.writer import CheckpointWriter
-from src.config.schema import ConfigError, TrainerConfig
+from src.config.base import ConfigError
+from src.config.trainer import TrainerConfig
 from src.parallel.base import TrainingStrategy
 from src.training.loop import Throughput
 
@@ -51,8 +52,7 @@ class Monitoring:
             return False
         if self.metric not in logged:  # a model that could not run on the meta device escapes
             raise ConfigError(  # the check before training (`checks.check_monitor`)
-                f"trainer.monitor={self.metric} is not logged; this run logs "
-                f"{', '.join(logged)}"
+                f"trainer.monitor={self.metric} is not logged; this run logs {', '.join(logged)}"
             )
         value = logged[self.metric]
         if self.best_value is None or self.better(value, self.best_value):

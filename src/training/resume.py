@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from src.components.optimizer import lr_schedule, parameter_groups, schedule_length
-from src.config.schema import ConfigError
+from src.config.base import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 from src.components.data import Split, ValBatches
 from src.components.precision import LossScaling, autocast
 from src.components.tasks import Task
-from src.config.schema import TrainerConfig
+from src.config.trainer import TrainerConfig
 from src.parallel.base import TrainingStrategy
 from src.runtime.stopping import NonFiniteWatch
 

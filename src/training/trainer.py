@@ -41,7 +41,8 @@ from src.components.data import (
 )
 from src.components.optimizer import build_optimizer, lr_schedule
 from src.components.state_dicts import tied_keys
-from src.config.schema import TrainerConfig, plain_config, typed
+from src.config.base import plain_config, typed
+from src.config.trainer import TrainerConfig
 from src.observe.performance import (
     device_peak_tflops,
     step_flops,

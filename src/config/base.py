@@ -1,0 +1,50 @@
+"""What every config group's schema shares: the error a bad setting raises, fixed choices, and
+turning a composed config into typed objects or plain values."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; raised before any process or run file is created.
+
+    `train.py` prints its message as one line (no traceback) and exits with `exit_code`, so the
+    message names the setting and what to change."""
+
+    exit_code = 2
+
+
+class Choice(str, Enum):
+    """A setting with a fixed set of values: the schema refuses any other while Hydra composes
+    the config, naming the values it takes. Members compare equal to their names, and print as
+    them."""
+
+    @staticmethod
+    def _generate_next_value_(name: str, start: int, count: int, last_values: list) -> str:
+        return name
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def choices(name: str, values: str, module: str) -> type[Choice]:
+    """A `Choice` of the space-separated `values`, defined in `module` (the caller's `__name__`),
+    where pickle finds it when a rank is started with it."""
+    return Choice(name, values, module=module)
+
+
+def typed(schema: type, node: Any) -> Any:
+    """`node` (a composed config group, or a plain dict such as a launched rank's) as an object
+    of its `schema` dataclass, which checks its ranges in `__post_init__`. Plain attributes: an
+    OmegaConf lookup takes microseconds, and the loop makes several a step."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
+
+
+def plain_config(cfg: DictConfig) -> dict[str, Any]:
+    """`cfg` resolved into plain values, each `Choice` as its name: what checkpoints (read with
+    `weights_only`), W&B and the started ranks take."""
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)

@@ -1,0 +1,85 @@
+"""Schemas of `conf/model/`. A model is any `nn.Sequential` built by
+`_target_(input_shape=..., num_classes=..., **sizes)`; the block order is what model-parallel
+strategies split into stages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class MLPConfig:
+    _target_: str = "src.components.models.MLP"
+    hidden: int = 256
+    """Width of every hidden block."""
+    depth: int = 4
+    """Hidden Linear+ReLU blocks (the first also flattens its input); with the classifier head,
+    depth + 1 blocks for a pipeline to split into stages."""
+
+
+@dataclass
+class ConvNetConfig:
+    _target_: str = "src.components.models.ConvNet"
+    width: int = 16
+    """Channels of every conv block."""
+    depth: int = 3
+    """Conv blocks (3x3 conv, GroupNorm, ReLU); the first two also pool 2x2, halving the
+    height and width."""
+    hidden: int = 128
+    """Width of the head's hidden layer."""
+
+
+@dataclass
+class GPTConfig:
+    _target_: str = "src.components.models.GPT"
+    n_layer: int = 2
+    """Transformer blocks; with the embedding and the head, n_layer + 2 blocks for a pipeline to
+    split into stages."""
+    n_head: int = 2
+    """Attention heads per block; n_embd must divide by it."""
+    n_embd: int = 64
+    """Width of the embeddings and of every block (each head gets n_embd / n_head)."""
+    tie_weights: bool = True
+    """The vocabulary head shares the token embedding's weight (GPT-2 does)."""
+    vocab_multiple: int = 1
+    """The embedding and head hold the vocabulary rounded up to a multiple of this (64 takes
+    GPT-2's 50257 to nanoGPT's 50304): GPU matmuls run faster on such widths. The extra logits
+    are never a target, so training pushes them down."""
+
+
+@dataclass
+class FCNConfig:
+    _target_: str = "src.components.models.FCN"
+    hidden: int = 32
+    """Channels of every conv block."""
+    depth: int = 3
+    """3x3 conv blocks (with GroupNorm and ReLU) at full resolution, before the 1x1 conv to
+    per-pixel class logits."""
+
+
+@dataclass
+class ResNetConfig:
+    _target_: str = "src.components.resnet.ResNet"
+    arch: str = "resnet18"
+    """resnet18, resnet34 or resnet50: torchvision's block type and blocks per stage."""
+    width: int = 64
+    """Channels of the stem and the first stage (the later stages have 2, 4 and 8 times as
+    many); torchvision's ResNets have 64."""
+    cifar_stem: bool = False
+    """A 3x3 stride-1 convolution and no max-pool (for 32x32 inputs such as CIFAR's) instead of
+    ImageNet's 7x7 stride-2 convolution and max-pool."""
+    weights: str | None = None
+    """A local state_dict file to start from (this model's keys or torchvision's ResNet's, e.g.
+    saved from `torchvision.models.resnet18()`); None: torchvision's random initialisation.
+    Nothing is downloaded."""
+
+
+@dataclass
+class TransformerConfig:
+    _target_: str = "src.components.models.Transformer"
+    hidden: int = 64
+    """Embedding width; it must divide by `heads`."""
+    depth: int = 2
+    """Transformer blocks."""
+    heads: int = 4
+    """Attention heads per block."""

@@ -1,0 +1,172 @@
+"""Schemas of `conf/parallel/`: how the work is spread over devices."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from src.config.base import ConfigError, choices
+
+Backend = choices("Backend", "gloo nccl", __name__)
+
+
+def at_least_one(config: Any, *keys: str) -> None:
+    """ConfigError, in one line, for the first of the parallel settings `keys` below 1."""
+    for key in keys:
+        if getattr(config, key) < 1:
+            raise ConfigError(f"parallel.{key} must be at least 1, got {getattr(config, key)}")
+
+
+AUTO = "auto"  # parallel=auto: the planner (src/planning/planner.py) chooses the strategy
+
+
+@dataclass
+class ParallelConfig:
+    """How the work is spread over devices: `_target_` is the strategy class (src/parallel/),
+    built with these settings and the device type; `name` labels the runs."""
+
+    _target_: str = "src.parallel.single.Single"
+    name: str = "single"
+    devices: int = 1
+    """Devices per node: GPUs on CUDA; replicas, processes or stages on CPU."""
+    nodes: int = 1
+    """>1: run train.py on every node with the same master_addr/master_port (strategies with
+    one process per replica)."""
+    chosen_by: str | None = None
+    """Set by parallel=auto: why the planner chose this strategy (also in summary.json)."""
+
+    def __post_init__(self) -> None:
+        """Each setting's range, checked where it is defined (`build_strategy` makes the object,
+        before any work)."""
+        at_least_one(self, "devices", "nodes")
+
+
+@dataclass
+class DistributedConfig(ParallelConfig):
+    """Settings shared by every strategy that runs one process per replica; trainer.batch_size
+    is split over all the processes."""
+
+    backend: Backend | None = None
+    """None picks nccl on CUDA and gloo on CPU."""
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    """0 lets the OS choose a free port (single node only)."""
+    timeout_s: float = 600.0
+    """Process-group timeout: a collective that waits longer ends the job instead of hanging
+    (gloo raises; NCCL's watchdog aborts the process). Keep it above the slowest checkpoint
+    write: the other ranks wait for rank 0's meanwhile."""
+    threads_per_rank: int | None = None
+    """Intra-op threads per rank; None divides the cores by the local ranks (or OMP_NUM_THREADS)."""
+    sync_batchnorm: bool = False
+    """Make every BatchNorm a SyncBatchNorm: statistics over the global batch, as `single` has,
+    instead of each rank's share (one all-reduce per BatchNorm layer per forward pass)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.timeout_s <= 0:
+            raise ConfigError(f"parallel.timeout_s must be positive, got {self.timeout_s}")
+        if self.threads_per_rank is not None and self.threads_per_rank < 1:
+            raise ConfigError(
+                f"parallel.threads_per_rank must be at least 1 or null, got {self.threads_per_rank}"
+            )
+
+
+@dataclass
+class StagesConfig:
+    """How a pipeline runs its stages (model_parallel's, and each of hybrid's processes')."""
+
+    microbatches: int = 1
+    """1 runs the naive schedule (one stage busy at a time); M>1 runs a GPipe schedule over M
+    micro-batches (idle share (S-1)/(M+S-1) for S stages)."""
+    split_points: list[int] | None = None
+    """Block indices where stages 1.. start, e.g. [2]; None balances stages by parameter count."""
+    deferred_batchnorm: bool = False
+    """torchgpipe's deferred BatchNorm: with microbatches=M>1 each micro-batch is still
+    normalised by itself, but the running statistics are updated once a step, from the whole
+    batch's statistics, instead of once per micro-batch."""
+
+    def __post_init__(self) -> None:
+        # A mixin ahead of a ParallelConfig in every schema that has it, which checks the rest.
+        at_least_one(self, "microbatches")
+        if self.deferred_batchnorm and getattr(self, "sync_batchnorm", False):
+            raise ConfigError(
+                "parallel.deferred_batchnorm=true and parallel.sync_batchnorm=true both replace "
+                "BatchNorm; choose one"
+            )
+        super().__post_init__()
+
+
+@dataclass
+class PipelineConfig(StagesConfig, ParallelConfig):
+    pass
+
+
+@dataclass
+class DDPConfig(DistributedConfig):
+    broadcast_buffers: bool = True
+    """Copy rank 0's buffers (e.g. BatchNorm running statistics) to every rank before each
+    training forward pass, as torch's DDP does by default; false lets each rank keep its own."""
+    # DistributedDataParallel's own options, as torch's error messages name them.
+    find_unused_parameters: bool = False
+    """Set when some parameters get no gradient in a step (a branch not taken, a frozen head):
+    DDP then marks them ready itself instead of waiting for them forever. Costs a graph walk
+    per step."""
+    static_graph: bool = False
+    """The set of parameters used, and the order of their gradients, is the same every step:
+    lets DDP skip the per-step search for unused parameters after the first step."""
+    gradient_as_bucket_view: bool = False
+    """Gradients are views into DDP's all-reduce buckets: one copy less per step, less memory."""
+    bucket_cap_mb: float | None = None
+    """Size of DDP's gradient buckets (MB); None keeps torch's default (25)."""
+
+
+@dataclass
+class HybridConfig(StagesConfig, DDPConfig):
+    stages: int = 2
+    """Pipeline stages per process: parallel.devices (a multiple of it) / stages processes per
+    node; `microbatches` is per process."""
+
+    def __post_init__(self) -> None:
+        at_least_one(self, "stages")
+        if self.devices % self.stages:
+            raise ConfigError(
+                f"parallel.devices={self.devices} does not divide into processes of "
+                f"parallel.stages={self.stages} devices each; make parallel.devices a multiple of "
+                "parallel.stages"
+            )
+        super().__post_init__()
+
+
+@dataclass
+class MeshConfig(DistributedConfig):
+    """An N-D layout on one DeviceMesh (src/parallel/mesh.py): degrees whose product is the
+    number of processes (parallel.devices x parallel.nodes); -1 takes the ranks the others leave."""
+
+    dp_replicate: int = 1
+    """Data-parallel replicas (ddp; hsdp with dp_shard > 1)."""
+    dp_shard: int = 1
+    """Data-parallel shards (FSDP2): parameters, gradients and optimizer state split this many
+    ways."""
+    tp: int = 1
+    """Tensor-parallel ranks each Linear pair of the model's plan is split over."""
+    pp: int = 1
+    """Pipeline ranks, each holding `stages_per_rank` stages of the model's blocks."""
+    schedule: str = "1F1B"
+    """With pp: torch.distributed.pipelining's schedule, by name: GPipe, 1F1B, Interleaved1F1B,
+    LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV (the last two in a V: rank r
+    holds stages r and 2 pp - 1 - r)."""
+    microbatches: int = 2
+    """With pp: micro-batches each data-parallel share of a micro-step is cut into."""
+    stages_per_rank: int = 1
+    """With pp: stages (virtual stages) per pipeline rank; 2 or more for the looped schedules,
+    exactly 2 for the V-shaped ones."""
+    sequence_parallel: bool = False
+    """With tp: the norms and the residual stream between blocks split along the sequence, each
+    block's all-reduce a reduce-scatter and an all-gather (activation memory / tp)."""
+    loss_parallel: bool = False
+    """With tp: the vocabulary head's logits stay split over the tp ranks into the cross-entropy
+    (no rank holds all of them; an untied head)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        at_least_one(self, "microbatches", "stages_per_rank")

@@ -1,0 +1,171 @@
+"""Schema of `conf/trainer/`: the loop's steps, batches, precision, checkpoints and
+monitoring."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from src.config.base import ConfigError, choices
+
+Precision = choices("Precision", "fp32 bf16 fp16", __name__)
+Accelerator = choices("Accelerator", "auto cpu cuda", __name__)
+CheckpointFormat = choices("CheckpointFormat", "auto full sharded", __name__)
+MatmulPrecision = choices("MatmulPrecision", "auto highest high medium", __name__)
+MonitorMode = choices("MonitorMode", "min max", __name__)
+CheckpointErrors = choices("CheckpointErrors", "fail warn", __name__)
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 300
+    """Optimizer steps to run."""
+    batch_size: int = 128
+    """Global batch per optimizer step, summed over devices and accumulation micro-steps."""
+    accumulate: int = 1
+    """Micro-steps per optimizer step; the batch must divide by it."""
+    log_every: int = 25
+    eval_every: int = 100
+    """0 evaluates only at the end."""
+    eval_batch_size: int | None = None
+    """Samples per evaluation batch, over all devices (split over the ranks as training's are).
+    None: the training micro-batch (batch_size / accumulate), so that no evaluation forward is
+    larger than a training one, which training runs while it also keeps activations for
+    backward and gradients: evaluation needs no more memory than training. In samples, not
+    tokens: a sample is as long in evaluation as in training. (Chunking only the loss would not
+    do: a vocabulary head's forward makes the whole batch's logits first.) A larger batch
+    evaluates in fewer passes at more memory; `python plan.py` predicts that peak too."""
+    precision: Precision = Precision.fp32
+    """fp32, bf16 (autocast) or fp16 (autocast with loss scaling)."""
+    loss_scale_init: float = 65536.0
+    """fp16's first loss scale (torch's GradScaler default); the scaler adapts it as it goes."""
+    grad_clip: float = 0.0
+    """Max global gradient norm; 0 turns clipping off."""
+    checkpoint_every: int = 0
+    """0 checkpoints only at the end (and when stopped)."""
+    checkpoint_format: CheckpointFormat = CheckpointFormat.auto
+    """full (one file, gathered on the main process), sharded (torch.distributed.checkpoint:
+    every rank writes its own shards; single, ddp, fsdp and the mesh layouts) or auto: sharded
+    for fsdp and for a mesh layout that splits the model (tp, pp or dp_shard above 1), else
+    full. Either resumes under any strategy and number of processes."""
+    keep_checkpoints: int = 2
+    """The newest K `checkpoints/step-*` folders are kept (0: all); resume falls back to the one
+    before the newest if that cannot be read."""
+    async_checkpoint: bool = False
+    """Sharded checkpoints are written in the background while training goes on (DCP async)."""
+    checkpoint_errors: CheckpointErrors = CheckpointErrors.fail
+    """What a checkpoint that cannot be written (a full disk, a failing file system) does: fail
+    ends the run (exit code 1), warn logs one warning and trains on, the next checkpoint trying
+    again. Either way its staging folder goes and the previous checkpoint is kept."""
+    accelerator: Accelerator = Accelerator.auto
+    """cpu, cuda, or auto: cuda when a GPU is visible, else cpu."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms(True) (slower on CUDA; turns cudnn.benchmark off)."""
+    matmul_precision: MatmulPrecision = MatmulPrecision.auto
+    """float32 matmuls: highest (true fp32), high (TF32 on NVIDIA GPUs, ~8x faster) or medium;
+    auto is high on CUDA and highest on CPU. Stated in the summary."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of keeping them: less memory,
+    about one more forward pass of compute."""
+    compile: bool = False
+    """torch.compile each block (inductor; the first steps compile, see timing_warmup_steps)."""
+    profile: bool = False
+    """Record a torch.profiler trace of `profile_steps` steps (after 2 steps) on the main process
+    into `profile_trace.json` in the run folder, and to W&B as a file."""
+    profile_steps: int = 3
+    peak_tflops: float | None = None
+    """Peak TFLOP/s of one device (GPU; on CPU, one replica, process or stage) at the run's
+    precision, for `mfu` in the summary; None takes it from a table of common GPUs
+    (`src/observe/performance.py`), and leaves MFU out for other devices."""
+    timing_warmup_steps: int = 5
+    """Steps left out of the reported throughput."""
+    resume: str | None = None
+    """Continue a run: `auto` takes the newest checkpoint of the run folder (pass the old one as
+    hydra.run.dir=...; with no checkpoint there yet, the run starts afresh and says so; a finished
+    run ends at once), or give a checkpoint folder (`checkpoints/step-*`). Model, optimizer, step
+    (hence LR schedule and data order), RNG and W&B run carry on; a cosine schedule stretched by
+    another max_steps needs optimizer.schedule_steps."""
+    init_from: str | None = None
+    """Start a new run (step 0, a fresh optimizer, a new W&B run) from the weights of a checkpoint
+    folder, a run folder (its newest checkpoint), an exported `.pt` or `.safetensors` file, or a
+    state_dict saved from `torchvision.models.resnet18()` (model=resnet), under any strategy. With
+    trainer.resume, a checkpoint to resume wins: a resumed fine-tune continues."""
+    init_strict: bool = True
+    """trainer.init_from's keys must be the model's; false loads the keys that fit, keeps the
+    model's others as initialised and logs both lists (shapes must match either way)."""
+    checkpoint: bool = True
+    """false writes no checkpoint at all, not even at the end or when stopped (debug runs), so
+    the run cannot be resumed or exported."""
+    skip_nonfinite: bool = False
+    """Skip optimizer steps whose loss is NaN/inf instead of stopping the run. Checks every step,
+    which waits on the device once per step (on GPUs this costs overlap)."""
+    test: bool = True
+    """After training, score the model on the data's test split (as evaluation does, in batches
+    of `eval_batch`): `test_loss`, `test_<figure>` in summary.json, `test/<figure>` in the
+    metrics at the last step. After an early stop, the best checkpoint's weights are scored."""
+    monitor: str | None = "val/loss"
+    """The metric (as metrics.jsonl names it: `val/<figure>` or `train/<figure>` of the task)
+    whose best value keeps a checkpoint in `checkpoints/best/`, written at the steps it is logged
+    (evaluation steps for val/*) when it improves; null: no best checkpoint."""
+    monitor_mode: MonitorMode = MonitorMode.min
+    """min: lower is better (losses); max: higher is better (accuracy, IoU)."""
+    early_stop_patience: int = 0
+    """Stop after this many values of `monitor` in a row without improvement (for val/*:
+    evaluations); 0: never stop early."""
+
+    def __post_init__(self) -> None:
+        """Each setting's range, checked where it is defined (by `typed`, before any work)."""
+        for key in (
+            "max_steps",
+            "batch_size",
+            "accumulate",
+            "log_every",
+            "profile_steps",
+        ):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"trainer.{key} must be at least 1, got {getattr(self, key)}")
+        if self.eval_batch_size is not None and self.eval_batch_size < 1:
+            raise ConfigError(
+                f"trainer.eval_batch_size must be at least 1 (or null), got {self.eval_batch_size}"
+            )
+        for key in (
+            "eval_every",
+            "checkpoint_every",
+            "grad_clip",
+            "timing_warmup_steps",
+            "early_stop_patience",
+        ):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"trainer.{key} must be 0 or more, got {getattr(self, key)}")
+        if self.batch_size % self.accumulate:
+            raise ConfigError(
+                f"trainer.batch_size={self.batch_size} does not divide into "
+                f"trainer.accumulate={self.accumulate} micro-batches; make the batch a multiple "
+                "of trainer.accumulate"
+            )
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ConfigError(f"trainer.peak_tflops must be above 0, got {self.peak_tflops}")
+        if self.loss_scale_init <= 0:
+            raise ConfigError(
+                f"trainer.loss_scale_init must be above 0, got {self.loss_scale_init}"
+            )
+        if self.keep_checkpoints < 0:
+            raise ConfigError(
+                "trainer.keep_checkpoints must be 0 (keep all) or more, got "
+                f"{self.keep_checkpoints}"
+            )
+        if self.early_stop_patience and self.monitor is None:
+            raise ConfigError(
+                f"trainer.early_stop_patience={self.early_stop_patience} watches trainer.monitor, "
+                "which is null; name a metric (e.g. trainer.monitor=val/loss) or set "
+                "trainer.early_stop_patience=0"
+            )
+        if self.early_stop_patience and self.eval_every == 0 and self.monitor.startswith("val/"):
+            raise ConfigError(
+                f"trainer.early_stop_patience={self.early_stop_patience} counts evaluations, but "
+                "trainer.eval_every=0 evaluates only after the last step; set trainer.eval_every"
+            )
+
+    @property
+    def eval_batch(self) -> int:
+        """Samples per evaluation batch, over all devices: `eval_batch_size` or its default."""
+        return self.eval_batch_size or self.batch_size // self.accumulate
