@@ -14,7 +14,7 @@ from odd_models import DictInDictOutMLP
 from odd_tasks import LabelAndValue
 from torch.utils._pytree import tree_flatten
 
-from src.components.data import SplitSamples, ValBatches, train_batches
+from src.components.batch_order import SplitSamples, ValBatches, train_batches
 from src.config.base import ConfigError
 from src.parallel.mechanisms.stage_pipeline import Pipeline
 from src.training.build import check_config

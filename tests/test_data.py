@@ -22,11 +22,9 @@ from helpers import (
     write_tokens,
 )
 
+from src.components.batch_order import Loading, SplitSamples, ValBatches, train_batches
 from src.components.data import (
-    Loading,
     Split,
-    SplitSamples,
-    ValBatches,
     logged_progress,
     synthetic_classification,
     synthetic_regression,
@@ -34,7 +32,6 @@ from src.components.data import (
     synthetic_tokens,
     tokens,
     tokens_per_sample,
-    train_batches,
 )
 
 

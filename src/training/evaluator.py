@@ -20,7 +20,8 @@ from torch.utils.data import Dataset
 
 from src.checkpoint.export import load_weights
 from src.checkpoint.store import load_checkpoint
-from src.components.data import Data, Split, ValBatches
+from src.components.batch_order import ValBatches
+from src.components.data import Data, Split
 from src.components.precision import autocast
 from src.components.state_dicts import StateDictFit
 from src.config.base import ConfigError, plain_config, typed

@@ -21,7 +21,7 @@ from typing import Any, TextIO
 import torch
 
 from src.checkpoint.writer import CheckpointWriter
-from src.components.data import ValBatches
+from src.components.batch_order import ValBatches
 from src.components.tasks import Task
 from src.config.trainer import TrainerConfig
 from src.observe.report import rate_text

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import Dataset
 
-from src.components.data import Split, ValBatches
+from src.components.batch_order import ValBatches
+from src.components.data import Split
 from src.components.precision import LossScaling, autocast
 from src.components.tasks import Task
 from src.config.trainer import TrainerConfig

@@ -30,15 +30,9 @@ from torch import nn
 
 from src.checkpoint.store import best_dir, rng_state, set_rng_state
 from src.checkpoint.writer import CheckpointWriter, resolved_format
+from src.components.batch_order import Loading, ValBatches, loading_for, train_batches
 from src.components.blocks import CompiledSums
-from src.components.data import (
-    Data,
-    Loading,
-    ValBatches,
-    loading_for,
-    tokens_per_sample,
-    train_batches,
-)
+from src.components.data import Data, tokens_per_sample
 from src.components.optimizer import build_optimizer, lr_schedule
 from src.components.state_dicts import tied_keys
 from src.config.base import plain_config, typed

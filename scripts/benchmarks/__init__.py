@@ -1,0 +1,1 @@
+"""The comparisons of `scripts/benchmark.py`, one module per kind."""
