@@ -15,7 +15,7 @@ checkpoints undo it.
 
 Plans are keyed by model class and found along its MRO, so a subclass of a planned model has
 its parent's plan. Register where the model's class is defined: every process that builds the
-model (each rank of `train.py`, `plan.py`, `eval.py`) imports that module for Hydra's
+model (each rank of `train.py`; `plan.py`) imports that module for Hydra's
 `model._target_`, so the plan is there before `tp_plan` asks for it, with nothing to configure
 or to send between processes. The built-in models' plans, in src/parallel/tp_plans.py, are
 registered the same way.
@@ -77,6 +77,17 @@ def tensor_parallel_plan(
     return register
 
 
+def planned_names(option: str | None = None) -> str:
+    """The planned model classes (those whose plans take `option`), by name: one name for a
+    class imported under two module names, as a test's own model may be."""
+    names = {
+        kind.__name__
+        for kind, spec in REGISTERED.items()
+        if option is None or option in spec.options
+    }
+    return ", ".join(sorted(names))
+
+
 def registered_spec(model: nn.Module, tp: int) -> TensorParallelSpec:
     """The plan registered for `model`'s class or the nearest of its bases; ConfigError, in one
     line, when there is none."""
@@ -85,7 +96,7 @@ def registered_spec(model: nn.Module, tp: int) -> TensorParallelSpec:
             return REGISTERED[model_class]
     raise ConfigError(
         f"parallel.tp={tp}: no tensor-parallel plan for {type(model).__name__} (plans: "
-        f"{', '.join(sorted(kind.__name__ for kind in REGISTERED))}); a model brings its own with "
+        f"{planned_names()}); a model brings its own with "
         "@tensor_parallel_plan (src/parallel/tp_registry.py, docs/strategies.md), or use "
         "parallel.tp=1"
     )
@@ -95,13 +106,10 @@ def check_options(model: nn.Module, spec: TensorParallelSpec, **chosen: bool) ->
     """ConfigError, in one line, for a chosen option that `model`'s plan does not take."""
     for option, on in chosen.items():
         if on and option not in spec.options:
-            takers = sorted(
-                kind.__name__ for kind, other in REGISTERED.items() if option in other.options
-            )
             raise ConfigError(
                 f"parallel.{option}=true (which {OPTIONS[option]}): the tensor-parallel plan for "
                 f"{type(model).__name__} does not take it; set it to false (plans that take it: "
-                f"{', '.join(takers)})"
+                f"{planned_names(option)})"
             )
 
 
