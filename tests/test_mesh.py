@@ -27,6 +27,7 @@ from helpers import (
     summary,
     sweep_runs,
 )
+from planned_models import ResidualFeedForward
 from slurm_cluster import free_port
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import SequenceParallel
@@ -57,6 +58,8 @@ WORKLOADS = {
     "mlp": (*TINY_SGD, "trainer.accumulate=2", "trainer.grad_clip=0.05"),
     "transformer": TINY_TRANSFORMER_SGD,
     "gpt": TINY_GPT_SGD,  # tied embedding and head, replicated over the tp ranks
+    # A model of the test's own, whose plan comes through the hook (tests/planned_models.py).
+    "own-plan": (*TINY_SGD, "model._target_=tests.planned_models.ResidualFeedForward"),
 }
 
 
@@ -67,7 +70,7 @@ def layout_runs(workload: str, *layouts: str) -> dict[str, Path]:
 
 
 @pytest.mark.equivalence
-@pytest.mark.parametrize("workload", ["mlp", "gpt"])
+@pytest.mark.parametrize("workload", ["mlp", "gpt", "own-plan"])
 def test_tensor_parallel_trains_exactly_like_single(workload):
     runs = layout_runs(workload, "tp")
     assert_same_training(runs["parallel=single"], runs["parallel=tp"])
@@ -279,7 +282,8 @@ def test_a_tp_checkpoint_is_single_s_state_dict():
         (
             ConvNet(input_shape=(1, 16, 16), num_classes=10, width=8, depth=2, hidden=16),
             {},
-            "parallel.tp=2: no tensor-parallel plan for ConvNet (plans: MLP, Transformer, GPT",
+            "parallel.tp=2: no tensor-parallel plan for ConvNet (plans: GPT, MLP, "
+            "ResidualFeedForward, Transformer); a model brings its own with @tensor_parallel_plan",
         ),
         (
             GPT(input_shape=(9,), num_classes=16, n_layer=1, n_head=3, n_embd=24),
@@ -294,7 +298,15 @@ def test_a_tp_checkpoint_is_single_s_state_dict():
         (
             MLP(input_shape=(9,), num_classes=10, hidden=32, depth=3),
             {"sequence_parallel": True},
-            "parallel.sequence_parallel and parallel.loss_parallel split a sequence of tokens",
+            "parallel.sequence_parallel=true (which splits each sequence of tokens over the tp "
+            "ranks): the tensor-parallel plan for MLP does not take it; set it to false (plans "
+            "that take it: GPT, Transformer)",
+        ),
+        (
+            ResidualFeedForward(input_shape=(9,), num_classes=10, hidden=16, depth=1),
+            {"loss_parallel": True},
+            "parallel.loss_parallel=true (which keeps the logits split over the vocabulary into "
+            "the loss): the tensor-parallel plan for ResidualFeedForward does not take it",
         ),
         (
             Transformer(input_shape=(9,), num_classes=16, hidden=16, depth=1, heads=2),
@@ -302,7 +314,14 @@ def test_a_tp_checkpoint_is_single_s_state_dict():
             "parallel.tp=2 does not divide the model's 9 tokens per sequence",
         ),
     ],
-    ids=["no-plan", "heads", "loss-parallel-tied", "sequence-parallel-mlp", "sequence-length"],
+    ids=[
+        "no-plan",
+        "heads",
+        "loss-parallel-tied",
+        "sequence-parallel-mlp",
+        "loss-parallel-own-plan",
+        "sequence-length",
+    ],
 )
 def test_a_model_tp_cannot_split_is_refused(model, settings, message):
     strategy = build_strategy(parallel_config("tp", **settings), "cpu")
@@ -322,6 +341,7 @@ def test_train_py_refuses_tp_for_a_model_without_a_plan_in_one_line(tmp_path):
     assert result.returncode == 2
     errors = [line for line in result.stdout.splitlines() if "[ERROR]" in line]
     assert len(errors) == 1 and "no tensor-parallel plan for ConvNet" in errors[0]
+    assert "@tensor_parallel_plan" in errors[0]  # the hook a model brings its plan through
     assert "Traceback" not in result.stdout + result.stderr
 
 

@@ -367,6 +367,19 @@ def test_tensor_parallel_splits_the_planned_linears_and_all_reduces_each_pair(co
     assert tp.traffic == {"activation all-reduce": 2 * 2 * (2 - 1) * (40 * FLOAT * 16) // 2}
 
 
+def test_a_model_s_own_tensor_parallel_plan_reaches_the_planner(compose_config):
+    """tests/planned_models.py's model, planned through its hook on MESH_MLP's sizes, depth 1:
+    stem 544, block 2112 (up) + 2080 (down) and head 264 floats, 5000 in all. Its plan splits up's
+    weight and bias and down's weight, 4160 floats: each of 2 tp ranks keeps 5000 - 4160 / 2."""
+    own = ("model._target_=tests.planned_models.ResidualFeedForward", "model.depth=1")
+    cfg = compose_config(*MESH_MLP, *own)
+    single, tp = plan_all(
+        cfg, [cfg.parallel, compose_config(*MESH_MLP, *own, "parallel=tp").parallel]
+    )
+    assert single.device_plans[0].parameters == 5000 * FLOAT
+    assert tp.device_plans[0].parameters == pytest.approx(2920 * FLOAT, abs=1)
+
+
 def test_sequence_parallel_sends_an_all_gather_and_a_reduce_scatter_for_each_all_reduce(
     compose_config,
 ):
@@ -384,6 +397,9 @@ def test_sequence_parallel_sends_an_all_gather_and_a_reduce_scatter_for_each_all
     plain, sequence = plan_all(cfg, [cfg.parallel, parallel])
     summed = 4 * 8 * 32 * FLOAT * 16
     assert plain.traffic == {"activation all-reduce": 2 * 2 * (2 - 1) * summed // 2}
+    # Where the tokens are, not the work: the same FLOPs per tp rank (the plan's layout change
+    # around a whole attention once counted it as split a second time: a rank's FLOPs at 0).
+    assert sequence.device_plans[0].flops == plain.device_plans[0].flops
     assert sequence.traffic == {
         "activation all-gather": 2 * (2 - 1) * summed // 2,
         "activation reduce-scatter": 2 * (2 - 1) * summed // 2,

@@ -101,12 +101,16 @@ class CausalSelfAttention(nn.Module):
         if hidden % heads:
             raise ValueError(f"model.hidden ({hidden}) must divide by model.heads ({heads})")
         self.heads = heads
+        self.head_width = hidden // heads
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.proj = nn.Linear(hidden, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # As many heads as qkv's output holds: all of them here, a share of them when its rows
+        # are split (each share's q, k and v rows together).
         batch, length, _ = x.shape
-        q, k, v = self.qkv(x).view(batch, length, 3, self.heads, -1).transpose(1, 3).unbind(2)
+        qkv = self.qkv(x).view(batch, length, 3, -1, self.head_width)
+        q, k, v = qkv.transpose(1, 3).unbind(2)
         y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(batch, length, -1))
 

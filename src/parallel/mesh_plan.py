@@ -4,9 +4,9 @@ work, the tensor-parallel, pipeline and data-parallel traffic of a step.
 Tensor parallel splits the planned Linears (`tensor_parallel.tp_plan`) over the tp ranks: a
 ColwiseParallel Linear's weight and bias, a RowwiseParallel one's weight (its bias is
 replicated), and so their gradients and optimizer state; the FLOPs of those Linears and of the
-attention between them (each rank runs its heads), and the activations saved for backward
-between a ColwiseParallel module and the RowwiseParallel one after it (`saved_bytes`). Everything
-else is replicated.
+work between them in a module that holds a pair (an attention over its heads: `pair_holders`),
+and the activations saved for backward between a ColwiseParallel module and the RowwiseParallel
+one after it (`saved_bytes`). Everything else is replicated.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torch.utils.flop_counter import FlopCounterMode
 
 from src.components.batches import Tree, batch_size
-from src.components.models import CausalSelfAttention
 
 
 @dataclass(frozen=True)
@@ -67,6 +66,16 @@ def block_of(name: str) -> int:
     return int(name.split(".")[0])
 
 
+def pair_holders(plan: dict[str, ParallelStyle]) -> set[str]:
+    """The modules inside a block with a ColwiseParallel and a RowwiseParallel child: what their
+    own forward runs between the two (an attention over its heads) is on each rank's share."""
+
+    def parents(style: type[ParallelStyle]) -> set[str]:
+        return {name.rpartition(".")[0] for name, s in plan.items() if isinstance(s, style)}
+
+    return {name for name in parents(ColwiseParallel) & parents(RowwiseParallel) if name}
+
+
 def tp_split(model: nn.Sequential, plan: dict[str, ParallelStyle], inputs: Tree) -> TPSplit:
     """`plan`'s split of `model` (on the meta device), from one forward pass of `inputs`."""
     split_bytes = [0] * len(model)
@@ -99,12 +108,15 @@ def tp_split(model: nn.Sequential, plan: dict[str, ParallelStyle], inputs: Tree)
     flops, split_flops = [0] * len(model), [0] * len(model)
     for index in range(len(model)):
         flops[index] = by_module.get(str(index), 0) // samples
-    for name in plan:
-        split_flops[block_of(name)] += by_module.get(name, 0) // samples
-    for name, module in model.named_modules():
-        if isinstance(module, CausalSelfAttention):  # its attention over the heads, between
-            inner = by_module.get(name, 0) - by_module.get(f"{name}.qkv", 0)
-            split_flops[block_of(name)] += (inner - by_module.get(f"{name}.proj", 0)) // samples
+    # The split Linears only: a layout change around a whole module (sequence parallel's
+    # PrepareModuleInput on an attention) splits none of its work, and counted it twice.
+    for name, style in plan.items():
+        if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            split_flops[block_of(name)] += by_module.get(name, 0) // samples
+    for name in pair_holders(plan):  # their own work between the pair: attention over heads
+        children = (f"{name}.{child}" for child, _ in model.get_submodule(name).named_children())
+        inner = by_module.get(name, 0) - sum(by_module.get(child, 0) for child in children)
+        split_flops[block_of(name)] += inner // samples
     per_sample = [[size // samples for size in sizes] for sizes in (saved.whole, saved.split)]
     return TPSplit(split_bytes, flops, split_flops, outputs, *per_sample)
 
