@@ -36,11 +36,11 @@ def main(overrides: list[str]) -> int:
     from src.planning.planner import (
         candidate_parallels,
         format_table,
-        measured_speed,
         plan_all,
         planned_device_type,
         recommendation,
     )
+    from src.planning.step_time import measured_speed
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):

@@ -15,16 +15,10 @@ from torch.distributed._tools.mem_tracker import _MemRefType
 
 import src.planning.planner
 from src.launch.memory_check import measured_peaks_mb
-from src.planning.planner import (
-    MB,
-    RUNNING,
-    STEPPING,
-    DeviceSpeed,
-    Plan,
-    choose,
-    plan_all,
-    resolve_auto,
-)
+from src.planning.memory_trace import RUNNING, STEPPING
+from src.planning.planner import choose, plan_all, resolve_auto
+from src.planning.plans import MB, Plan
+from src.planning.step_time import DeviceSpeed
 
 TINY_MLP = ("model.hidden=64", "model.depth=3", "trainer.batch_size=64", "logger=none")
 TINY_GPT = (

@@ -28,7 +28,7 @@ from src.config.base import typed
 from src.config.trainer import TrainerConfig
 from src.launch.launcher import launch
 from src.parallel import build_strategy
-from src.planning.planner import TRACED_STEPS, meta_model_and_inputs
+from src.planning.memory_trace import TRACED_STEPS, meta_model_and_inputs
 from src.runtime.ranks import Ranks
 from src.runtime.stopping import StopOnSignal
 from src.training.step import evaluate, forward_backward

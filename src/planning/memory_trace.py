@@ -1,0 +1,306 @@
+"""Each device's share of a training step and of an evaluation batch, traced on fake
+tensors: the model is built under torch's FakeTensorMode (shapes, dtypes and storage sizes,
+no data) and its share runs under `MemTracker`, whose peaks by category become the device's
+`DevicePlan`, shared out as the strategy says (`DeviceShare`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _State
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+from torch.utils.flop_counter import FlopCounterMode
+
+from src.components.blocks import prepare_blocks
+from src.components.data import Data, first_samples
+from src.components.optimizer import build_optimizer
+from src.components.precision import autocast
+from src.parallel.base import DeviceShare, ModelSizes, tied_block_groups
+from src.planning.plans import DevicePlan
+
+# Measured (src/launch/memory_check.py): the second step's peak has the optimizer state.
+TRACED_STEPS = 2
+# MemTracker's categories, summed into the plan's four.
+TRACKED_AS = {
+    _MemRefType.PARAM: "parameters",
+    _MemRefType.BUFFER: "parameters",
+    _MemRefType.GRAD: "gradients",
+    _MemRefType.OPT: "optimizer",
+    _MemRefType.ACT: "activations",
+    _MemRefType.TEMP: "activations",
+    _MemRefType.OTH: "activations",
+}
+
+
+# The two moments of a step whose peaks the planner compares: while the model runs (forward,
+# loss and backward; what a strategy holds then, such as FSDP's gathered units, is added to
+# this one) and the rest (the optimizer step).
+RUNNING, STEPPING = "running", "stepping"
+
+
+# The two moments of a step whose peaks the planner compares: while the model runs (forward,
+# loss and backward; what a strategy holds then, such as FSDP's gathered units, is added to
+# this one) and the rest (the optimizer step).
+RUNNING, STEPPING = "running", "stepping"
+
+
+class StepMemTracker(MemTracker):
+    """`MemTracker` for whole training steps: the model may run several times per step
+    (accumulation micro-steps), which MemTracker refuses for a root module. Its per-module
+    statistics are dropped at each new forward pass of the root; the peak of the one device
+    traced is kept, and apart for the moments `RUNNING` and `STEPPING` (`phase_peaks`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase_peaks: dict[str, dict[Any, int]] = {}
+
+    def _update_peak_stats(self, peak_state: _State) -> None:
+        super()._update_peak_stats(peak_state)
+        tracker = self._mod_tracker
+        running = not self._in_opt and (tracker.is_bw or len(tracker.parents) > 1)  # not Global
+        phase = RUNNING if running else STEPPING
+        for snapshot in self._curr_mem_snap.values():
+            if snapshot[_TOTAL_KEY] > self.phase_peaks.get(phase, {}).get(_TOTAL_KEY, -1):
+                self.phase_peaks[phase] = dict(snapshot)
+
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        tracker = self._mod_tracker
+        root = set(tracker.parents) - {tracker.get_known_fqn(module)} == {"Global"}
+        if root and module in self.memory_tracking and not tracker.is_bw:
+            self.reset_mod_stats()
+        super()._pre_fw_hook(module, inputs)
+
+
+def meta_model_and_inputs(cfg: DictConfig, data: Data, samples: int) -> tuple[nn.Module, Any]:
+    """The model on the meta device and `samples` samples' meta inputs."""
+    with torch.device("meta"):
+        model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+    inputs, _ = first_samples(data.train, 2)
+    shape = (samples, *inputs.shape[1:])
+    return model, torch.empty(shape, dtype=inputs.dtype, device="meta")
+
+
+def model_sizes(cfg: DictConfig, data: Data) -> ModelSizes:
+    """Bytes per block (parameters) and per sample (inputs, each block's output), from the model
+    run on the meta device."""
+    model, inputs = meta_model_and_inputs(cfg, data, 1)
+    outputs, value = [], inputs
+    with torch.no_grad():
+        for block in model:
+            value = block(value)
+            outputs.append(sum(leaf.nbytes for leaf in tree_leaves(value) if torch.is_tensor(leaf)))
+    seen: set[int] = set()
+    block_parameters = []
+    for block in model:
+        owned = [p for p in block.parameters() if id(p) not in seen]  # a tied one counts once
+        seen.update(id(p) for p in owned)
+        block_parameters.append(sum(p.nbytes for p in owned))
+    return ModelSizes(
+        block_parameter_bytes=block_parameters,
+        input_bytes=inputs.nbytes,
+        block_output_bytes=outputs,
+        shared_blocks=tied_block_groups(model),
+    )
+
+
+@dataclass(frozen=True)
+class TracedShare:
+    """What tracing a share found: its peaks by MemTracker's categories, while the model runs
+    and at the optimizer step (`RUNNING`, `STEPPING`), and while it evaluates one batch; its
+    FLOPs per optimizer step."""
+
+    peaks: dict[str, dict[Any, int]]
+    flops: int
+    evaluation: dict[Any, int]
+
+
+def share_key(share: DeviceShare) -> tuple:
+    """What a share's trace depends on: shares equal in these trace the same (the label, the
+    sharding and what the strategy adds are applied after, in `device_plan`)."""
+    return (
+        share.samples,
+        share.blocks,
+        share.later_stages,
+        share.parts,
+        share.gather,
+        share.replica_only,
+    )
+
+
+def trace_share(
+    cfg: DictConfig, data: Data, share: DeviceShare, eval_share: DeviceShare
+) -> TracedShare:
+    """`share`'s part of two training steps on fake tensors, then `eval_share`'s part of one
+    evaluation batch. The first step creates the optimizer state and counts the FLOPs (apart
+    from the tracker: under FlopCounterMode, checkpointed activations stay alive); the second,
+    tracked by MemTracker with that state held, gives the peaks by category (the first step's
+    are never higher: it holds no optimizer state). The evaluation runs as the loop's does: the
+    model in eval mode, under no_grad, beside the optimizer state (the gradients are gone)."""
+    trainer = cfg.trainer
+    task = instantiate(cfg.task)
+    sample_inputs, sample_targets = first_samples(data.train, 1)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+        prepare_blocks(model, trainer.activation_checkpointing, False)
+        ranges = share.stage_blocks(len(model))
+        stages = nn.ModuleList(nn.Sequential(*list(model)[start:end]) for start, end in ranges)
+        optimizer = build_optimizer(cfg.optimizer, stages.parameters())
+        lasts = [end == len(model) for _, end in ranges]
+        step = ShareStep(stages, share, task, lasts)
+        templates = [
+            stage_inputs(model, start, share.samples, sample_inputs) for start, _ in ranges
+        ]
+        eval_step = ShareStep(stages, eval_share, task, lasts)
+        eval_templates = [
+            stage_inputs(model, start, eval_share.samples, sample_inputs) for start, _ in ranges
+        ]
+
+        def training_step() -> None:
+            for _ in range(trainer.accumulate):
+                inputs = [
+                    fresh_inputs(template, from_stage=start > 0)
+                    for template, (start, _) in zip(templates, ranges, strict=True)
+                ]
+                targets = sample_targets.new_zeros(share.samples, *sample_targets.shape[1:])
+                with autocast("cpu", trainer.precision):
+                    loss = step(inputs, targets)
+                loss.backward()
+            if not share.replica_only:  # a replica's gradients go to the output device
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        def evaluation_batch() -> None:
+            inputs = [fresh_inputs(template, from_stage=False) for template in eval_templates]
+            targets = sample_targets.new_zeros(eval_share.samples, *sample_targets.shape[1:])
+            stages.eval()
+            with torch.no_grad(), autocast("cpu", trainer.precision):
+                eval_step(inputs, targets)
+            stages.train()
+
+        with FlopCounterMode(display=False) as flops:
+            training_step()
+        tracker = StepMemTracker()
+        tracker.track_external(step, optimizer)
+        with tracker:
+            training_step()
+        # Where MemTracker's internals recorded no phases (another torch's), its whole-step
+        # peak, taken as the model's: what the strategy holds while it runs is added to it.
+        (whole_step,) = tracker.get_tracker_snapshot("peak").values()
+        peaks = dict(tracker.phase_peaks) or {RUNNING: dict(whole_step)}
+        with tracker:  # entered again: its peak starts again from what is alive
+            evaluation_batch()
+        (evaluation,) = tracker.get_tracker_snapshot("peak").values()
+    return TracedShare(peaks, flops.get_total_flops(), dict(evaluation))
+
+
+def device_plan(traced: TracedShare, share: DeviceShare, eval_share: DeviceShare) -> DevicePlan:
+    """`share`'s device at the higher of its traced peaks, each in the plan's categories,
+    shared out, with what the strategy adds while the model runs (`share.running_bytes`) on
+    the one taken then; and its evaluation's peak (`eval_share`'s)."""
+    flops = int(traced.flops * share.flops_kept)
+    devices = [
+        shared_out(in_categories(peak, share, flops), share, running=phase == RUNNING)
+        for phase, peak in traced.peaks.items()
+    ]
+    device = max(devices, key=lambda device: device.peak)
+    device.evaluation = evaluation_peak(traced.evaluation, eval_share)
+    return device
+
+
+def evaluation_peak(peak: dict[Any, int], share: DeviceShare) -> int:
+    """A traced evaluation peak (by MemTracker's categories) shared out as `share`'s device,
+    with what the strategy adds while the model runs forward alone (`share.forward_bytes`)."""
+    device = shared_out(in_categories(peak, share, flops=0), share, running=False)
+    return device.peak + sum(share.forward_bytes.values())
+
+
+def in_categories(peak: dict[Any, int], share: DeviceShare, flops: int) -> DevicePlan:
+    """A traced peak (by MemTracker's categories) as `share`'s device, in the plan's."""
+    device = DevicePlan(share.label, share.devices, flops=flops)
+    for kind, size in peak.items():
+        if kind in TRACKED_AS:
+            name = TRACKED_AS[kind]
+            setattr(device, name, getattr(device, name) + size)
+    return device
+
+
+def shared_out(device: DevicePlan, share: DeviceShare, running: bool) -> DevicePlan:
+    """`device` with its parameters, gradients and optimizer state cut to `share.state_kept`
+    and split `share.state_shards` ways, its activations cut to `share.activations_kept`, plus
+    what the strategy adds on top (`share.extra_bytes`; `share.running_bytes` too if the model
+    is `running`)."""
+    split = {
+        name: int(getattr(device, name) * share.state_kept) // share.state_shards
+        for name in ("parameters", "gradients", "optimizer")
+    }
+    split["activations"] = int(device.activations * share.activations_kept)
+    if share.replica_only:
+        split.update(gradients=0, optimizer=0)
+    device = dataclasses.replace(device, **split)
+    running_bytes = share.running_bytes if running else {}
+    for name, size in [*share.extra_bytes.items(), *running_bytes.items()]:
+        setattr(device, name, getattr(device, name) + size)
+    return device
+
+
+def stage_inputs(
+    model: nn.Sequential, start: int, samples: int, sample_inputs: torch.Tensor
+) -> Any:
+    """What block `start` takes for `samples` samples (fake): the data, or (before tracking
+    starts) the previous blocks' output, as a template for `fresh_inputs`."""
+    inputs = sample_inputs.new_zeros(samples, *sample_inputs.shape[1:])
+    if start == 0:
+        return inputs
+    with torch.no_grad():
+        return nn.Sequential(*list(model)[:start])(inputs)
+
+
+def fresh_inputs(template: Any, from_stage: bool) -> Any:
+    """A new micro-batch shaped like `template`; a previous stage's activations (`from_stage`)
+    arrive needing the gradient this stage sends back."""
+
+    def fresh(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(tensor).requires_grad_(from_stage and tensor.is_floating_point())
+
+    return tree_map(fresh, template)
+
+
+class ShareStep(nn.Module):
+    """A device's forward pass and loss: what it backpropagates, over each of its stages (one,
+    unless an interleaved pipeline gives it several), all of them kept for one backward."""
+
+    def __init__(self, stages: nn.ModuleList, share: DeviceShare, task: Any, lasts: list[bool]):
+        super().__init__()
+        self.stages, self.share, self.task, self.lasts = stages, share, task, lasts
+
+    def forward(self, inputs: list[Any], targets: torch.Tensor) -> torch.Tensor:
+        pairs = zip(self.stages, inputs, self.lasts, strict=True)
+        return sum(self.stage_loss(stage, x, targets, last) for stage, x, last in pairs)
+
+    def stage_loss(
+        self, stage: nn.Sequential, inputs: Any, targets: torch.Tensor, last: bool
+    ) -> torch.Tensor:
+        """The loss sum (over `share.parts` parts, their outputs concatenated first when
+        `share.gather`), or, before the last stage, its outputs' sum (whose gradient stands for
+        the one the next stage sends back)."""
+        parts = [stage(part) for part in split_parts(inputs, self.share.parts)]
+        if not last:
+            return sum(leaf.float().sum() for part in parts for leaf in tree_leaves(part))
+        if self.share.gather:
+            return self.task.sums(torch.cat(parts), targets)[0]
+        target_parts = targets.tensor_split(len(parts))
+        pairs = zip(parts, target_parts, strict=True)
+        return sum(self.task.sums(out, tgt)[0] for out, tgt in pairs)
+
+
+def split_parts(inputs: Any, parts: int) -> list[Any]:
+    leaves, spec = tree_flatten(inputs)
+    chunks = [leaf.tensor_split(parts) for leaf in leaves]
+    return [tree_unflatten([c[i] for c in chunks], spec) for i in range(parts)]

@@ -1,0 +1,59 @@
+"""What a plan is: one device's predicted peak memory by what holds it (`DevicePlan`), and
+one strategy's devices, traffic, step time and fit at one device count (`Plan`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from omegaconf import DictConfig
+
+MB = 2**20
+# What holds a device's memory, as the plan counts it.
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
+
+
+@dataclass
+class DevicePlan:
+    """One device's predicted peak, split by what holds the memory (bytes)."""
+
+    label: str
+    devices: int = 1  # that this entry stands for (see DeviceShare.devices)
+    parameters: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    flops: int = 0
+    evaluation: int = 0
+    """The peak while it evaluates one batch: its state, and the forward's live activations."""
+
+    @property
+    def peak(self) -> int:
+        return sum(getattr(self, name) for name in CATEGORIES)
+
+
+@dataclass
+class Plan:
+    """One strategy at one device count: its devices, its traffic, and whether it fits."""
+
+    strategy: str
+    devices: int
+    parallel: DictConfig
+    device_plans: list[DevicePlan] = field(default_factory=list)
+    traffic: dict[str, int] = field(default_factory=dict)
+    step_time_s: float = math.nan
+    fits: bool = False
+    problem: str | None = None  # why it cannot run (the ConfigError it raises)
+
+    @property
+    def peak(self) -> int:
+        return max((device.peak for device in self.device_plans), default=0)
+
+    @property
+    def eval_peak(self) -> int:
+        return max((device.evaluation for device in self.device_plans), default=0)
+
+    @property
+    def needed(self) -> int:
+        """The memory a run needs of its fullest device: training's or evaluation's peak."""
+        return max(self.peak, self.eval_peak)
