@@ -22,8 +22,9 @@ where the experts are. Their weights are stacked (experts x in x out) for it to 
 
 The blocks hand on one tensor, the residual stream with one extra channel that carries each
 token's load-balancing loss so far, so that the model stays an `nn.Sequential` of blocks whose
-boundaries pipeline stages can cut anywhere. The head returns {"logits", "aux_loss"}: the
-weighted loss summed over each sample's tokens, which `tasks.LanguageModel` adds to its loss.
+boundaries pipeline stages can cut anywhere. The head returns (logits, aux loss), the aux loss
+weighted and summed over each sample's tokens, which `tasks.LanguageModel` adds to its loss (a
+tuple, not a dict: torch's pipeline stages take a tensor or a tuple of tensors, the last too).
 """
 
 from __future__ import annotations
@@ -231,24 +232,24 @@ class MoEEmbedding(TokenEmbedding):
 
 
 class MoEHead(nn.Module):
-    """Final norm and bias-free vocabulary head: {"logits": (batch, seq, vocab), "aux_loss":
-    (batch,), each sample's aux loss summed over its tokens}."""
+    """Final norm and bias-free vocabulary head: (logits (batch, seq, vocab), aux loss (batch,),
+    each sample's summed over its tokens)."""
 
     def __init__(self, width: int, vocab: int):
         super().__init__()
         self.norm = nn.LayerNorm(width)
         self.linear = nn.Linear(width, vocab, bias=False)
 
-    def forward(self, stream: torch.Tensor) -> dict[str, torch.Tensor]:
+    def forward(self, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, aux_loss = split_aux_loss(stream)
-        return {"logits": self.linear(self.norm(x)), "aux_loss": aux_loss.float().sum(1)}
+        return self.linear(self.norm(x)), aux_loss.float().sum(1)
 
 
 class MoEGPT(nn.Sequential):
     """GPT (`models.GPT`) whose blocks' feed-forwards are mixtures of `experts` experts, `top_k`
     (1 or 2) per token, under `capacity_factor`, with the load-balancing loss at
-    `aux_loss_weight` per block. Input: token ids (batch, seq_len); output: {"logits": (batch,
-    seq_len, vocab), "aux_loss": (batch,)}."""
+    `aux_loss_weight` per block. Input: token ids (batch, seq_len); output: (logits (batch,
+    seq_len, vocab), aux loss (batch,))."""
 
     def __init__(
         self,

@@ -86,24 +86,26 @@ class LanguageModel(Classification):
     next tokens; perplexity is exp(mean cross-entropy).
 
     A model may also return an auxiliary loss (a mixture of experts' load balancing): outputs
-    {"logits": ..., "aux_loss": (batch,)}, each sample's aux loss summed over its tokens. It is
-    added to the loss (what training minimises) and logged on its own as aux_loss, both means
-    over the tokens."""
+    (logits, aux loss (batch,)), each sample's aux loss summed over its tokens. It is added to
+    the loss (what training minimises) and logged on its own as aux_loss, both means over the
+    tokens."""
 
     def check(self, outputs: Any, targets: torch.Tensor, num_classes: int) -> str | None:
-        if isinstance(outputs, dict) and set(outputs) == {"logits", "aux_loss"}:
-            if outputs["aux_loss"].shape != targets.shape[:1]:
-                return "its aux_loss must be one sum per sample"
-            return super().check(outputs["logits"], targets, num_classes)
+        if isinstance(outputs, tuple) and len(outputs) == 2:
+            logits, aux_loss = outputs
+            if not torch.is_tensor(aux_loss) or aux_loss.shape != targets.shape[:1]:
+                return "its second part, the aux loss, must be one sum per sample"
+            return super().check(logits, targets, num_classes)
         return super().check(outputs, targets, num_classes)
 
     def sums(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
         """[summed loss, correct predictions], and the summed aux loss when the outputs carry
         one (which the summed loss includes)."""
-        if not isinstance(outputs, dict):
+        if not isinstance(outputs, tuple):
             return super().sums(outputs, targets)
-        cross_entropy, correct = super().sums(outputs["logits"], targets)
-        aux_loss = outputs["aux_loss"].float().sum()
+        logits, aux_loss = outputs
+        cross_entropy, correct = super().sums(logits, targets)
+        aux_loss = aux_loss.float().sum()
         return torch.stack([cross_entropy + aux_loss, correct, aux_loss])
 
     def figures(self, sums: list[float], count: float) -> dict[str, float]:
