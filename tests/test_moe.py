@@ -74,7 +74,6 @@ def test_choices_past_capacity_are_dropped_and_their_tokens_keep_only_the_residu
     tokens = torch.tensor([[[1.0, 2, 3, 4], [2, 1, 0, 1], [3, 0, 1, 2], [1, 1, 1, 1]]])
     routing = route(layer.router(tokens).softmax(-1), top_k=1, capacity=2)
     assert routing.kept.flatten().tolist() == [True, True, False, False]
-    assert routing.dropped().tolist() == [2]
     output, _ = layer(tokens)
     assert output[0, 2:].eq(0).all() and output[0, :2].ne(0).all()
 

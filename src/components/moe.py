@@ -86,10 +86,6 @@ class Routing:
         chosen = F.one_hot(self.expert.flatten(1), experts)
         return chosen.sum(1)
 
-    def dropped(self) -> torch.Tensor:
-        """Choices past capacity per sequence: (batch,)."""
-        return (~self.kept).flatten(1).sum(1)
-
 
 def route(probabilities: torch.Tensor, top_k: int, capacity: int) -> Routing:
     """The `top_k` likeliest experts of each token in `probabilities` (batch, seq, experts), and
