@@ -290,6 +290,12 @@ ROWS = [
         id="heads",
     ),
     pytest.param(
+        ["model=moe", "data=synthetic_tokens", "task=language_model", "model.top_k=3"],
+        CHECK,
+        "model.top_k must be 1 or 2 and at most model.experts (4), got 3",
+        id="moe-top-k",
+    ),
+    pytest.param(
         ["data.augment=true"],
         CHECK,
         "data.augment=true crops and flips images (channels, height, width), but this set's "

@@ -139,11 +139,11 @@ GPT2_STD = 0.02
 
 def init_like_gpt2(model: nn.Module) -> None:
     """GPT-2's initialisation (as nanoGPT's): normal(0, 0.02) for every Linear and Embedding
-    weight, zero biases, and the residual projections' weights at 0.02 / sqrt(2 x blocks), so
-    that the residual stream's variance does not grow with depth. A tied head is initialised
-    once, through its embedding. torch's default (uniform, scaled by fan-in) leaves a tied head's
-    N(0, 1) embedding with logits of norm ~sqrt(width), and the first loss far above
-    ln(vocabulary)."""
+    weight, zero biases, and the weights of every block's `residual_projections()` at
+    0.02 / sqrt(2 x blocks), so that the residual stream's variance does not grow with depth.
+    A tied head is initialised once, through its embedding. torch's default (uniform, scaled by
+    fan-in) leaves a tied head's N(0, 1) embedding with logits of norm ~sqrt(width), and the
+    first loss far above ln(vocabulary)."""
     drawn: set[int] = set()
     for module in model.modules():
         if isinstance(module, nn.Linear | nn.Embedding) and id(module.weight) not in drawn:
@@ -151,7 +151,7 @@ def init_like_gpt2(model: nn.Module) -> None:
             nn.init.normal_(module.weight, std=GPT2_STD)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
-    blocks = [module for module in model.modules() if isinstance(module, TransformerBlock)]
+    blocks = [module for module in model.modules() if hasattr(module, "residual_projections")]
     for block in blocks:
         for projection in block.residual_projections():
             nn.init.normal_(projection.weight, std=GPT2_STD / math.sqrt(2 * len(blocks)))
@@ -176,6 +176,13 @@ class Transformer(nn.Sequential):
         init_like_gpt2(self)
 
 
+def padded_vocab(num_classes: int, vocab_multiple: int) -> int:
+    """`num_classes` rounded up to a multiple of `vocab_multiple` (model.vocab_multiple)."""
+    if vocab_multiple < 1:
+        raise ValueError(f"model.vocab_multiple must be at least 1, got {vocab_multiple}")
+    return -(-num_classes // vocab_multiple) * vocab_multiple
+
+
 class GPT(nn.Sequential):
     """A GPT-2-style decoder: token + position embedding, `n_layer` pre-norm blocks of `n_head`
     heads, final norm and a bias-free vocabulary head, with the head's weight tied to the token
@@ -194,9 +201,7 @@ class GPT(nn.Sequential):
         vocab_multiple: int = 1,
     ):
         (seq_len,) = input_shape
-        if vocab_multiple < 1:
-            raise ValueError(f"model.vocab_multiple must be at least 1, got {vocab_multiple}")
-        vocab = -(-num_classes // vocab_multiple) * vocab_multiple
+        vocab = padded_vocab(num_classes, vocab_multiple)
         embedding = TokenEmbedding(vocab, seq_len, n_embd)
         head = nn.Sequential(nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab, bias=False))
         if tie_weights:

@@ -83,11 +83,38 @@ class Classification:
 
 class LanguageModel(Classification):
     """Next-token cross-entropy and accuracy, (batch, seq, vocab) logits against the (batch, seq)
-    next tokens; perplexity is exp(mean loss)."""
+    next tokens; perplexity is exp(mean cross-entropy).
+
+    A model may also return an auxiliary loss (a mixture of experts' load balancing): outputs
+    (logits, aux loss (batch,)), each sample's aux loss summed over its tokens. It is added to
+    the loss (what training minimises) and logged on its own as aux_loss, both means over the
+    tokens."""
+
+    def check(self, outputs: Any, targets: torch.Tensor, num_classes: int) -> str | None:
+        if isinstance(outputs, tuple) and len(outputs) == 2:
+            logits, aux_loss = outputs
+            if not torch.is_tensor(aux_loss) or aux_loss.shape != targets.shape[:1]:
+                return "its second part, the aux loss, must be one sum per sample"
+            return super().check(logits, targets, num_classes)
+        return super().check(outputs, targets, num_classes)
+
+    def sums(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        """[summed loss, correct predictions], and the summed aux loss when the outputs carry
+        one (which the summed loss includes)."""
+        if not isinstance(outputs, tuple):
+            return super().sums(outputs, targets)
+        logits, aux_loss = outputs
+        cross_entropy, correct = super().sums(logits, targets)
+        aux_loss = aux_loss.float().sum()
+        return torch.stack([cross_entropy + aux_loss, correct, aux_loss])
 
     def figures(self, sums: list[float], count: float) -> dict[str, float]:
-        figures = super().figures(sums, count)
-        return {**figures, "perplexity": math.exp(min(figures["loss"], 700.0))}  # no overflow
+        loss, correct, *aux_loss = sums
+        figures = super().figures([loss, correct], count)
+        if aux_loss:
+            figures["aux_loss"] = aux_loss[0] / count
+        cross_entropy = figures["loss"] - figures.get("aux_loss", 0.0)
+        return {**figures, "perplexity": math.exp(min(cross_entropy, 700.0))}  # no overflow
 
 
 class Segmentation:

@@ -48,6 +48,22 @@ class GPTConfig:
 
 
 @dataclass
+class MoEConfig(GPTConfig):
+    _target_: str = "src.components.moe.MoEGPT"
+    experts: int = 4
+    """Feed-forward experts per block, their weights stacked (experts x in x out)."""
+    top_k: int = 2
+    """Experts each token goes to (1: Switch, 2: GShard), weighted by the router's
+    probabilities."""
+    capacity_factor: float = 1.25
+    """Each expert takes at most capacity_factor x top_k x seq_len / experts of a sequence's
+    tokens (rounded up); choices past it are dropped (the token keeps its residual)."""
+    aux_loss_weight: float = 0.01
+    """Weight of each block's load-balancing loss (Switch's, per sequence) in the loss; logged
+    as aux_loss."""
+
+
+@dataclass
 class FCNConfig:
     _target_: str = "src.components.models.FCN"
     hidden: int = 32

@@ -34,6 +34,7 @@ from src.config.model import (
     FCNConfig,
     GPTConfig,
     MLPConfig,
+    MoEConfig,
     ResNetConfig,
     TransformerConfig,
 )
@@ -97,6 +98,7 @@ SCHEMAS = {
         "transformer": TransformerConfig,
         "fcn": FCNConfig,
         "gpt": GPTConfig,
+        "moe": MoEConfig,
         "resnet": ResNetConfig,
     },
     "data": {
