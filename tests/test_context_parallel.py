@@ -1,8 +1,8 @@
 """Context parallel's ring attention on CPU (src/parallel/context_parallel.py), on real gloo
 process groups: causal attention of the template's shapes, split over 2 and 4 ranks, gives
 single-process SDPA's outputs and gradients; torch's own `context_parallel` fails on CPU without
-`ring_cpu_flash_attention` and runs with it. About 6 s a world size on an idle machine, most of
-it the ranks' start."""
+`ring_cpu_flash_attention` and runs with it. The 4 ranks, forked from the rank server (which has
+imported torch), take about 1.2 s of CPU each."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import context_parallel
 from torch.distributed.tensor.experimental._context_parallel import _attention
 
@@ -22,6 +23,8 @@ from src.components.models import GPT, MLP, CausalSelfAttention
 from src.config.base import ConfigError
 from src.launch.launcher import start_rank_server
 from src.parallel.context_parallel import (
+    CPU_FLASH,
+    CPU_FLASH_BACKWARD,
     check_attention,
     check_sequence_length,
     check_torch_ring,
@@ -56,6 +59,9 @@ def torch_rings_cpu_only_when_told(mesh: DeviceMesh) -> None:
     until `ring_cpu_flash_attention` has run; then it gives single's output on this rank's
     share, cut as `shard_sequence` cuts it."""
     (q, k, v, _), (out, *_) = single_attention()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    rules = {**propagator.op_strategy_funcs, **propagator.op_single_dim_strategy_funcs}
+    assert CPU_FLASH not in rules and CPU_FLASH_BACKWARD not in rules  # `sequence_sharding`'s own
     native = [t.clone() for t in (q, k, v)]
     with (
         pytest.raises(NotImplementedError, match="flash_attention_for_cpu"),
@@ -68,6 +74,16 @@ def torch_rings_cpu_only_when_told(mesh: DeviceMesh) -> None:
     with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2]):
         ringed = F.scaled_dot_product_attention(*buffers, is_causal=True)
     assert_close(ringed, shard_sequence(mesh, [out], [2])[0], "torch's context_parallel")
+
+
+def ring_refuses_inputs_not_split_along_the_sequence(mesh: DeviceMesh) -> None:
+    """Replicated or head-split inputs reach the ring's handler only by a direct call: it
+    refuses them rather than ring whole tensors."""
+    q = torch.randn(BATCH, HEADS, LENGTH, HEAD_SIZE)
+    for placement in (Replicate(), Shard(1)):
+        d = distribute_tensor(q, mesh, [placement])
+        with ring_attention(mesh), pytest.raises(RuntimeError, match="split along the sequence"):
+            CPU_FLASH(d, d, d, 0.0, True)
 
 
 def sdpa_rings_as_single(mesh: DeviceMesh) -> None:
@@ -133,6 +149,7 @@ def cp_rank(rank: int, store: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4)
     dp_by_cp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
     torch_rings_cpu_only_when_told(dp_by_cp["cp"])
+    ring_refuses_inputs_not_split_along_the_sequence(dp_by_cp["cp"])
     for mesh in (dp_by_cp["cp"], init_device_mesh("cpu", (4,))):
         sdpa_rings_as_single(mesh)
         attention_layer_rings_as_single(mesh)

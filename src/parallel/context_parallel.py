@@ -17,14 +17,14 @@ torch's. `tests/test_context_parallel.py` fails once torch rings the CPU kernel 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._op_schema import OpSchema, OpStrategy
+from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, OutputSharding
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 from torch.distributed.tensor.experimental._context_parallel import _attention, _load_balancer
 from torch.overrides import TorchFunctionMode
@@ -90,7 +90,7 @@ def ring_on_cpu(
     return dispatcher.wrap(local, sharding.output_spec)
 
 
-def sequence_sharding(op_call: torch._ops.OpOverload, schema: OpSchema) -> object:
+def sequence_sharding(op_call: torch._ops.OpOverload, schema: OpSchema) -> OutputSharding:
     """DTensor's sharding of the op's outputs, by the rule that every tensor it takes and gives
     is split along the sequence. The rule is DTensor's only while this runs: registered for
     good, it would let the kernel run on such shards outside the ring, each attending to its own
@@ -227,7 +227,13 @@ class AttentionCalls(TorchFunctionMode):
         super().__init__()
         self.masks: list[str] = []
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_function__(
+        self,
+        func: Callable,
+        types: tuple[type, ...],
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
+    ) -> object:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             self.masks.append(mask_kind(*args, **kwargs))
