@@ -1,0 +1,275 @@
+"""Context parallel's parts (issue #43): attention as a ring over the cp ranks, each holding a
+load-balanced share of every sequence; the sharding of a batch along the sequence; and cp's
+refusals. The `cp` degree of the mesh calls them; nothing here knows the other degrees.
+
+The ring is torch's own (`torch.distributed.tensor.experimental._context_parallel`): under it,
+SDPA's query, key and value become DTensors split along the sequence, and DTensor hands SDPA's
+fused kernels to the ring's handlers. torch gives its CUDA kernels (flash, efficient, cuDNN) a
+handler and a sharding rule; SDPA's CPU kernel, `_scaled_dot_product_flash_attention_for_cpu`,
+gets neither, so on CPU `context_parallel` fails (torch 2.11 to 2.14.1: "... does not have a
+sharding strategy registered"). `ring_cpu_flash_attention` gives it both, in the way torch gives
+the CUDA ones theirs: its forward and backward run torch's ring (`_templated_ring_attention` and
+its backward) with the CPU kernel in place of the CUDA one. The rest (head-tail load balancing,
+the merge of the blocks' outputs by their log-sum-exp, the rotation of keys and values) is
+torch's. `tests/test_context_parallel.py` fails once torch rings the CPU kernel itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, OutputSharding
+from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+from torch.distributed.tensor.experimental._context_parallel import _attention, _load_balancer
+from torch.overrides import TorchFunctionMode
+
+from src.components.batches import Tree
+from src.config.base import ConfigError
+
+SEQUENCE_DIM = 2
+"""Of SDPA's query, key and value: (batch, heads, sequence, head size)."""
+
+aten = torch.ops.aten
+CPU_FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
+CPU_FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+TORCH_RING = (
+    (_attention, "_templated_ring_attention"),
+    (_attention, "_templated_ring_attention_backward"),
+    (_attention, "custom_ops"),
+    (_attention, "_cp_options"),
+    (_attention, "_enable_context_parallel_dispatcher_impl"),
+    (_attention, "_disable_context_parallel_dispatcher_impl"),
+    (_load_balancer, "_HeadTailLoadBalancer"),
+    (DTensor._op_dispatcher, "unwrap_to_op_info"),
+    (DTensor._op_dispatcher, "wrap"),
+    (DTensor._op_dispatcher.sharding_propagator, "propagate_op_sharding_non_cached"),
+    (DTensor._op_dispatcher.sharding_propagator, "op_strategy_funcs"),
+)
+"""The private parts of torch's ring and of DTensor's dispatcher that this module calls."""
+
+
+def check_torch_ring() -> None:
+    """ConfigError, in one line, when this torch lacks the parts of its ring that cp uses."""
+    missing = [name for module, name in TORCH_RING if not hasattr(module, name)]
+    if missing:
+        raise ConfigError(
+            f"parallel.cp needs torch's ring attention, and torch {torch.__version__} lacks "
+            f"{', '.join(missing)} (torch 2.11 to 2.14 have it); install one of those, or set "
+            "parallel.cp=1"
+        )
+
+
+def ring_cpu_flash_attention() -> None:
+    """Gives SDPA's CPU kernel, forward and backward, a handler in torch's ring: while torch's
+    context parallel is on (it installs `_attention.custom_ops` then), DTensor hands the kernel's
+    calls to `ring_on_cpu`. Idempotent."""
+    _attention.custom_ops[CPU_FLASH] = ring_on_cpu
+    _attention.custom_ops[CPU_FLASH_BACKWARD] = ring_on_cpu
+
+
+def ring_on_cpu(
+    op_call: torch._ops.OpOverload, args: tuple[object, ...], kwargs: dict[str, object]
+) -> object:
+    """As torch's `_sdpa_handler` for the CUDA kernels: the local shards through the ring, the
+    results DTensors split along the sequence as the inputs are."""
+    dispatcher = DTensor._op_dispatcher
+    op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+    sharding = sequence_sharding(op_call, op_info.schema)
+    if sharding.needs_redistribute:
+        raise RuntimeError(f"{op_call} under cp takes inputs split along the sequence only")
+    ring = ring_forward if op_call == CPU_FLASH else ring_backward
+    group = op_info.compute_mesh.get_group()
+    local = ring(group, *op_info.local_args, **op_info.local_kwargs)
+    return dispatcher.wrap(local, sharding.output_spec)
+
+
+def sequence_sharding(op_call: torch._ops.OpOverload, schema: OpSchema) -> OutputSharding:
+    """DTensor's sharding of the op's outputs, by the rule that every tensor it takes and gives
+    is split along the sequence. The rule is DTensor's only while this runs: registered for
+    good, it would let the kernel run on such shards outside the ring, each attending to its own
+    keys alone. Uncached, for the same reason (torch's CUDA rules leave theirs in the cache)."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.op_strategy_funcs[op_call] = split_along_sequence
+    try:
+        return propagator.propagate_op_sharding_non_cached(schema)
+    finally:
+        del propagator.op_strategy_funcs[op_call]
+
+
+def split_along_sequence(op_schema: OpSchema) -> OpStrategy:
+    outputs = len(op_schema.op._schema.returns)
+    inputs = sum(isinstance(arg, OpStrategy) for arg in op_schema.args_schema)
+    return expand_to_full_mesh_op_strategy(
+        op_schema.get_mesh_from_args(),
+        op_schema,
+        [[Shard(SEQUENCE_DIM)] * (outputs + inputs)],
+        input_index=outputs,
+    )
+
+
+def ring_forward(
+    group: torch.distributed.ProcessGroup,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """The CPU kernel's (output, logsumexp) of this rank's queries over every rank's keys."""
+    if attn_mask is not None:  # `check_attention` refuses such models before any work
+        raise NotImplementedError("ring attention takes is_causal, not an attn_mask")
+    return _attention._templated_ring_attention(
+        group,
+        SEQUENCE_DIM,
+        CPU_FLASH,
+        query,
+        key,
+        value,
+        is_causal=is_causal,
+        dropout_p=dropout_p,
+        scale=scale,
+    )
+
+
+def ring_backward(
+    group: torch.distributed.ProcessGroup,
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """The gradients of this rank's query, key and value shards."""
+    return _attention._templated_ring_attention_backward(
+        group,
+        SEQUENCE_DIM,
+        CPU_FLASH_BACKWARD,
+        grad_out=grad_out,
+        grad_out_name="grad_out",
+        query=query,
+        key=key,
+        value=value,
+        out=out,
+        logsumexp=logsumexp,
+        is_causal=is_causal,
+        dropout_p=dropout_p,
+        scale=scale,
+    )
+
+
+@contextlib.contextmanager
+def ring_attention(mesh: DeviceMesh) -> Iterator[None]:
+    """While open, every `F.scaled_dot_product_attention` call runs as torch's load-balanced
+    ring over `mesh` (1-D, the cp ranks), forward and backward, on CUDA or CPU: its query, key
+    and value must be this rank's shards as `shard_sequence` cuts them. torch's
+    `context_parallel` without its buffers, which it shards for one block only: the loop's
+    backward runs after `apply` returns, so the ring must outlive both."""
+    ring_cpu_flash_attention()
+    options = _attention._cp_options
+    balanced = options.enable_load_balance
+    options.enable_load_balance = True  # shard_sequence's head-tail order
+    _attention._enable_context_parallel_dispatcher_impl(seq_dim=SEQUENCE_DIM, mesh=mesh)
+    try:
+        yield
+    finally:
+        _attention._disable_context_parallel_dispatcher_impl()
+        options.enable_load_balance = balanced
+
+
+def shard_sequence(
+    mesh: DeviceMesh, tensors: Sequence[torch.Tensor], seq_dims: Sequence[int]
+) -> list[torch.Tensor]:
+    """This cp rank's share of each tensor (token ids, labels, positions, ...) along its
+    sequence dimension: torch's head-tail load balancing cuts the sequence into 2 x cp chunks
+    and gives rank r chunks r and 2 x cp - 1 - r, so that under a causal mask every rank attends
+    to as many keys. Each rank keeps its tokens' labels and positions beside them."""
+    length = tensors[0].shape[seq_dims[0]]
+    check_sequence_length(length, mesh.size())
+    rank = mesh.get_local_rank()
+    order = _load_balancer._HeadTailLoadBalancer(length, mesh.size(), tensors[0].device)
+    index = order._generate_indices()[0]
+    return [
+        t.index_select(dim, index.to(t.device)).chunk(mesh.size(), dim)[rank]
+        for t, dim in zip(tensors, seq_dims, strict=True)
+    ]
+
+
+def check_sequence_length(length: int, cp: int) -> None:
+    """Head-tail load balancing cuts each sequence into 2 x cp equal chunks."""
+    if length % (2 * cp):
+        raise ConfigError(
+            f"parallel.cp={cp} cuts each sequence into 2 x cp = {2 * cp} equal chunks, and its "
+            f"{length} tokens (data.seq_len) do not divide by {2 * cp}; change data.seq_len or "
+            "parallel.cp"
+        )
+
+
+class AttentionCalls(TorchFunctionMode):
+    """Records the mask kind of every SDPA call made while it is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.masks: list[str] = []
+
+    def __torch_function__(
+        self,
+        func: Callable,
+        types: tuple[type, ...],
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
+    ) -> object:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            self.masks.append(mask_kind(*args, **kwargs))
+        return func(*args, **kwargs)
+
+
+def mask_kind(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    **_: object,
+) -> str:
+    """'causal', or what the ring cannot take: 'an explicit attn_mask', 'no (full attention)'."""
+    if attn_mask is not None:
+        return "an explicit attn_mask"
+    return "causal" if is_causal else "no (full attention)"
+
+
+def check_attention(model: nn.Module, inputs: Tree) -> None:
+    """ConfigError, in one line, for a model that runs no SDPA (nothing for cp to split) or runs
+    it with a mask the ring cannot take (causal only). Runs the model once on `inputs` (meta
+    tensors, as `check_model` has them, cost nothing)."""
+    with torch.no_grad(), AttentionCalls() as calls:
+        model(inputs)
+    if not calls.masks:
+        raise ConfigError(
+            "parallel.cp splits sequences for attention, and the model runs none "
+            "(F.scaled_dot_product_attention); use model=transformer or model=gpt, or parallel.cp=1"
+        )
+    unsupported = sorted(set(calls.masks) - {"causal"})
+    if unsupported:
+        raise ConfigError(
+            f"parallel.cp's ring attention takes causal masks only, and the model's attention has "
+            f"{unsupported[0]} mask; use a causal model (model=transformer or model=gpt), or "
+            "parallel.cp=1"
+        )
