@@ -140,7 +140,12 @@ def run_faulty_job(
         # Rank 1 stops; rank 0's next collective gives up after parallel.timeout_s (5 s). The
         # stuck rank cannot answer the agent's SIGTERM, so torch's elastic agent SIGKILLs it
         # after its fixed 30 s grace for a failed worker group.
-        ("hang", 0, "failed: RuntimeError: ", 60),
+        (
+            "hang",
+            0,
+            "failed: a collective timed out after 5 s (parallel.timeout_s) waiting for rank 1",
+            60,
+        ),
     ],
 )
 def test_failing_rank_stops_the_whole_job_and_is_named(

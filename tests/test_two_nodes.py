@@ -14,7 +14,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import TINY_SGD, TrainRun, assert_same_training, network_namespace, reference_run
+from helpers import (
+    TINY_SGD,
+    TrainRun,
+    assert_same_training,
+    network_namespace,
+    processes_of_session,
+    reference_run,
+    wait_until,
+)
+
+from src.launch.rendezvous import STORE_ANSWER_S
 
 SUBNET = "10.213.0"
 PORTS = iter(range(29611, 29700))  # the namespaces are this test's own: no other listener
@@ -102,6 +112,61 @@ def test_killing_one_node_ends_the_job_on_the_other_and_it_resumes(hosts, tmp_pa
         run.finish(timeout=240, check=True)
     assert "at step 2, learning rate" in (tmp_path / "train.log").read_text()
     assert_same_training(reference_run(*TINY_SGD), tmp_path)
+
+
+def test_a_partition_ends_the_job_on_both_nodes_in_one_line_and_it_resumes(hosts, tmp_path):
+    """The link between the hosts goes down mid-run: each node's rank gives up on its collective
+    after parallel.timeout_s, and each node ends with one line naming the timeout and the peer.
+    The far side's rank cannot reach the store to report (its launcher hosts none), so it and its
+    launcher give up on the store after STORE_ANSWER_S each: 16.6 s measured with timeout_s=5."""
+    timeout_s = 5
+    longer = ("trainer.max_steps=60", "trainer.checkpoint_every=2")  # a page ahead at most
+    overrides = two_node_overrides(
+        next(PORTS), "parallel=ddp", *TINY_SGD, *longer, f"parallel.timeout_s={timeout_s}"
+    )
+    first, second = start_nodes(hosts, overrides, tmp_path)
+    first.wait_for("step 3/60")
+    with link_down(hosts[1]):
+        down = time.monotonic()
+        results = [first.finish(timeout=120), second.finish(timeout=120)]
+        elapsed = time.monotonic() - down
+    assert elapsed < timeout_s + 2 * STORE_ANSWER_S + 15, f"ended {elapsed:.0f} s after"
+    assert_ended_in_one_line(first, results[0], f"{timeout_s} s", "rank 1 (node 2 of 2)")
+    assert_ended_in_one_line(second, results[1], f"{timeout_s} s", "rank 0 (node 1 of 2)")
+
+    command = results[0].stdout.rsplit("resume with:", 1)[1].split()
+    assert command[-2:] == ["trainer.resume=auto", f"hydra.run.dir={tmp_path}"]
+    first, second = start_nodes(hosts, (*overrides, "trainer.resume=auto"), tmp_path)
+    for run in (first, second):
+        run.finish(timeout=240, check=True)
+    assert "resuming from" in (tmp_path / "train.log").read_text()
+    assert_same_training(reference_run(*TINY_SGD, *longer), tmp_path)
+
+
+def assert_ended_in_one_line(run: TrainRun, result, timeout: str, peer: str) -> None:
+    """The node's launcher ended it (exit 1) with one line naming the collective's timeout and
+    the peer, and no process of it runs 10 s later."""
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    (line,) = [line for line in output.splitlines() if line.startswith("[launcher]")][-1:]
+    assert "[ERROR]" in line and f"a collective timed out after {timeout}" in line, line
+    assert f"waiting for {peer}, which stopped answering" in line, line
+    assert line.endswith("resume with:"), line
+    assert "ChildFailedError" not in output and "Error executing job" not in output
+    gone = wait_until(lambda: not processes_of_session(run.process.pid), within_s=10)
+    assert gone, processes_of_session(run.process.pid)
+
+
+@contextlib.contextmanager
+def link_down(host: str) -> Iterator[None]:
+    """`host`'s link to the bridge down (its veth's bridge end, as `hosts` names it), and up
+    again after."""
+    veth = host[: host.rindex("n")] + "v" + host[host.rindex("n") + 1 :]
+    ip("link", "set", veth, "down")
+    try:
+        yield
+    finally:
+        ip("link", "set", veth, "up")
 
 
 def test_torchrun_on_two_hosts_trains_singles_weights(hosts, tmp_path):

@@ -61,6 +61,8 @@ AGENT_FAILURE_LOGGERS = (
 )
 AGENT_HANDLED_SIGNALS = "SIGHUP,SIGQUIT"  # torch's agent stops the ranks at once on these
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+# A gloo collective that gave up after parallel.timeout_s, in the error it raises.
+GLOO_TIMEOUT = re.compile(r"Timed out waiting (\d+)ms for (\w+) operation to complete")
 
 
 class KilledBySignal(BaseException):
@@ -208,11 +210,10 @@ def failure_order() -> int:
 
 def reported_failures(add: int) -> int | None:
     """The job's count of failed ranks after adding `add`; None if the store is gone (it dies
-    with the launcher, or under srun with rank 0)."""
-    try:
-        return int(rank_store().add(FAILURES_KEY, add))
-    except Exception:  # noqa: BLE001 - whatever the error, the store is unreachable
-        return None
+    with the launcher, or under srun with rank 0) or out of reach (a lost node, a partition)."""
+    from src.launch.rendezvous import STORE_ANSWER_S, answer_within
+
+    return answer_within(STORE_ANSWER_S, lambda: int(rank_store().add(FAILURES_KEY, add)))
 
 
 def start_rank_server() -> int | None:
@@ -387,7 +388,8 @@ def launch(
             except ChildFailedError as failed:
                 if killing:  # the ranks died of it, but its exception was dropped
                     raise KilledBySignal(killing[0]) from None
-                raise JobFailed(first_to_die(failed, server_pid)) from None
+                ended = first_to_die(failed, server_pid, processes_per_node, nodes)
+                raise JobFailed(ended) from None
             if killing:
                 raise KilledBySignal(killing[0])
     result = results[min(results)]
@@ -396,10 +398,11 @@ def launch(
     return result
 
 
-def first_to_die(failed: Any, server_pid: int | None) -> str:
+def first_to_die(failed: Any, server_pid: int | None, processes_per_node: int, nodes: int) -> str:
     """Which process of the job ended it, from torch's `ChildFailedError`: the rank server if
     it has died (its ranks die with it, and the agent sees them exit 255, with no cause), or
-    else the rank that failed first, with its error or the signal that killed it."""
+    else the rank that failed first, with its error or the signal that killed it (a collective
+    that timed out named as such, with the peers it waited for)."""
     server_end = child_end(server_pid) if server_pid is not None else None
     if server_end is not None:
         return f"the rank server (pid {server_pid}), which forks the ranks, {server_end}"
@@ -412,7 +415,33 @@ def first_to_die(failed: Any, server_pid: int | None) -> str:
     # A wrapped error ("...Failed: backend='inductor' raised:") names its cause on the next line.
     line = " ".join(lines[:2] if lines[:1] and lines[0].endswith(":") else lines[:1])
     line = line or f"exit code {failure.exitcode}"
+    timed_out = GLOO_TIMEOUT.search(line)
+    if timed_out:
+        peers = peers_of(rank, processes_per_node, nodes)
+        line = (
+            f"a collective timed out after {int(timed_out[1]) / 1000:g} s (parallel.timeout_s) "
+            f"waiting for {peers}, which stopped answering: it hung or died, or the network to "
+            f"it is down (gloo: {timed_out[0]})"
+        )
     return f"rank {rank} (pid {failure.pid}) failed: {line} (its traceback is in train.log)"
+
+
+def peers_of(rank: int, processes_per_node: int, nodes: int) -> str:
+    """The ranks a collective of `rank` may have waited for: on several nodes those of the other
+    nodes (a lost node or a partition cuts off all of a node's ranks; torch numbers the ranks node
+    by node), on one node the others; with their nodes, counted from 1."""
+    node = rank // processes_per_node
+    peers = [
+        peer
+        for peer in range(processes_per_node * nodes)
+        if peer != rank and (nodes == 1 or peer // processes_per_node != node)
+    ]
+    ranks = f"rank {peers[0]}" if len(peers) == 1 else f"ranks {', '.join(map(str, peers))}"
+    if nodes == 1:
+        return ranks
+    their_nodes = sorted({peer // processes_per_node + 1 for peer in peers})
+    named = "node" if len(their_nodes) == 1 else "nodes"
+    return f"{ranks} ({named} {', '.join(map(str, their_nodes))} of {nodes})"
 
 
 def child_end(pid: int) -> str | None:
@@ -435,6 +464,8 @@ def launch_config(processes_per_node: int, nodes: int, parallel: Any, error_dir:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
+    from src.launch.rendezvous import BACKEND
+
     rendezvous: dict[str, Any] = {"timeout": int(parallel.timeout_s)}
     node_address = None
     if nodes == 1 and parallel.master_port == 0:
@@ -455,7 +486,7 @@ def launch_config(processes_per_node: int, nodes: int, parallel: Any, error_dir:
         max_nodes=nodes,
         nproc_per_node=processes_per_node,
         run_id=run_id,
-        rdzv_backend="c10d",
+        rdzv_backend=BACKEND,
         rdzv_endpoint=endpoint,
         rdzv_configs=rendezvous,
         local_addr=node_address,
