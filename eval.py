@@ -18,13 +18,14 @@ from omegaconf import DictConfig
 
 from src.config.base import ConfigError
 from src.config.schema import register_configs
+from src.launch.as_rank import follow_rank0_run_dir
 from src.launch.command_line import (
     composition_errors_in_one_line,
     config_composed,
     exit_with_error,
     expected_failures_in_one_line,
 )
-from src.launch.launcher import follow_rank0_run_dir, start_rank_server_early
+from src.launch.forking import start_rank_server_early
 from src.runtime.torch_private import exit_without_teardown
 
 

@@ -264,7 +264,7 @@ def wait_until(condition: Callable[[], bool], within_s: float) -> bool:
 
 def rank_pids(launcher_pid: int) -> list[int]:
     """The rank processes of a multi-process job started by `launcher_pid` (train.py): forked by
-    its rank server (`launch.start_rank_server`, multiprocessing's forkserver), a new interpreter
+    its rank server (`forking.start_rank_server`, multiprocessing's forkserver), a new interpreter
     or, in a preloaded run, a fork of the launcher (whose command line it keeps)."""
 
     def children(pid: int) -> list[int]:

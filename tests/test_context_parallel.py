@@ -21,7 +21,7 @@ from torch.distributed.tensor.experimental._context_parallel import _attention
 
 from src.components.models import GPT, MLP, CausalSelfAttention
 from src.config.base import ConfigError
-from src.launch.launcher import start_rank_server
+from src.launch.forking import start_rank_server
 from src.parallel.context_parallel import (
     CPU_FLASH,
     CPU_FLASH_BACKWARD,

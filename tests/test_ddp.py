@@ -43,13 +43,9 @@ from helpers import (
 import src.parallel.ddp
 from src.components.models import MLP
 from src.config.base import ConfigError
-from src.launch.launcher import (
-    adopt_slurm_environment,
-    first_node,
-    launch,
-    launch_config,
-    start_rank_server,
-)
+from src.launch.as_rank import adopt_slurm_environment, first_node
+from src.launch.forking import start_rank_server
+from src.launch.launcher import launch, launch_config
 from src.parallel import build_strategy
 from src.runtime.ranks import Ranks
 from src.training.build import check_config
@@ -490,7 +486,7 @@ import sys
 from multiprocessing import forkserver
 from hydra import compose, initialize_config_dir
 from src.config.schema import register_configs
-from src.launch.launcher import start_rank_server_early
+from src.launch.forking import start_rank_server_early
 
 register_configs()
 with initialize_config_dir(config_dir=sys.argv[1], version_base="1.3"):

@@ -14,7 +14,7 @@ each job on its own, sized from that job's config:
                    model_parallel, which drive all their GPUs from one process
 
 In each task, the ranks come from SLURM's environment
-(`src.launch.launcher.adopt_slurm_environment`, as under a plain `srun train.py`), so a ddp job
+(`src.launch.as_rank.adopt_slurm_environment`, as under a plain `srun train.py`), so a ddp job
 joins the ranks SLURM started instead of launching its own. All jobs are submitted, then waited for,
 so they run as the cluster allows; a job that sbatch refuses ends the sweep with sbatch's reason
 (exit 2), and cancels the jobs submitted before it. A combination that cannot run gets a one-task
@@ -95,7 +95,7 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
         # Noted from now on, instead of submitit's handler: importing torch takes seconds.
         received = []
         signal.signal(requeue_signal, lambda signum, frame: received.append(signum))
-        from src.launch.launcher import adopt_slurm_environment
+        from src.launch.as_rank import adopt_slurm_environment
         from src.runtime.stopping import stopping_also_on
 
         adopt_slurm_environment()

@@ -22,15 +22,9 @@ from omegaconf import DictConfig, OmegaConf
 from src.checkpoint.store import saved_checkpoints
 from src.config.base import ConfigError, plain_config
 from src.config.parallel import AUTO
-from src.launch.launcher import (
-    JobFailed,
-    KilledBySignal,
-    configure_logging,
-    join_started_ranks,
-    launch,
-    run_as_rank,
-    start_rank_server,
-)
+from src.launch.as_rank import configure_logging, join_started_ranks, run_as_rank
+from src.launch.forking import start_rank_server
+from src.launch.launcher import JobFailed, KilledBySignal, launch
 from src.launch.sweep import run_job
 from src.observe.tracking import wandb_group
 from src.parallel.base import Strategy

@@ -1,4 +1,4 @@
-"""Imported once by the rank server (see `launch.start_rank_server`), the process that forks the
+"""Imported once by the rank server (see `forking.start_rank_server`), the process that forks the
 ranks `launch` starts: what every rank would otherwise import itself, taking seconds each.
 
 It imports `torch._dynamo` too: a `torch.optim` optimizer imports it on construction, and it
@@ -9,18 +9,18 @@ import os
 import signal
 
 # The environment its ranks are forked with; each swaps it for the launcher's at launch
-# (`launch.take_launcher_environment`), keeping what changed since: what torch's agent set for
+# (`forking.take_launcher_environment`), keeping what changed since: what torch's agent set for
 # the rank, and (taken before these imports) whatever the imports set.
 ENVIRONMENT = dict(os.environ)
 
 import importlib  # noqa: E402
 
-from src.launch.launcher import RANK_SERVER_IMPORTS, die_with_parent  # noqa: E402
+from src.launch.forking import RANK_SERVER_IMPORTS, die_with_parent  # noqa: E402
 
 for module in RANK_SERVER_IMPORTS:
     importlib.import_module(module)
 
-# The server dies with the launcher, and its ranks with it (`launch.end_with_launcher`). (By
+# The server dies with the launcher, and its ranks with it (`forking.end_with_launcher`). (By
 # itself it would live on while a rank did: each holds its end of the pipe it watches.) Until
 # it has run this line, no rank exists and that pipe tells it when the launcher has gone.
 die_with_parent()

@@ -42,7 +42,7 @@ from omegaconf import DictConfig
 
 from src.checkpoint.store import saved_checkpoints
 from src.config.base import ConfigError
-from src.launch.launcher import started_ranks
+from src.launch.as_rank import started_ranks
 from src.observe.tracking import wandb_group
 from src.runtime.ranks import Ranks
 from src.runtime.run_folder import status_file, summary_file

@@ -73,7 +73,7 @@ class StopOnSignal:
     A process on its own stops after the current step, and the previous handlers come straight
     back, so that a second signal stops it at once. The ranks of a multi-process job must stop
     after the same step: they settle it in `agree_to_stop`, and hold their handler from start to
-    exit (`launch.run_as_rank`), so that a signal while they start up or finish
+    exit (`as_rank.run_as_rank`), so that a signal while they start up or finish
     cannot kill one of them alone. They keep every later signal to themselves, because one
     Ctrl-C reaches each rank twice (from the terminal, and passed on by the launcher); stopping
     them at once is the launcher's call (SIGKILL after a second signal, or parallel.timeout_s).
