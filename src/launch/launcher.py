@@ -201,7 +201,8 @@ def child_end(pid: int) -> str | None:
 
 def launch_config(processes_per_node: int, nodes: int, parallel: Any, error_dir: str) -> Any:
     """What `torchrun --standalone` would set up (or, on several nodes, a rendezvous at
-    parallel.master_addr:master_port), with no restarts; the ranks' error files in `error_dir`."""
+    parallel.master_addr:master_port), with no restarts and a rendezvous of fixed size
+    (`src/launch/rendezvous.py`); the ranks' error files in `error_dir`."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
