@@ -45,7 +45,7 @@ ROWS = [
         ["model=nosuch"],
         HYDRA,
         "Could not find 'model/nosuch'; choose one of convnet, fcn, gpt, gpt2_124m, mlp, "
-        "resnet, transformer",
+        "moe, resnet, transformer",
         id="model",
     ),
     pytest.param(

@@ -24,7 +24,7 @@ from helpers import (
     wait_until,
 )
 
-from src.launch.rendezvous import STORE_ANSWER_S
+from src.launch.store_answers import STORE_ANSWER_S
 
 SUBNET = "10.213.0"
 PORTS = iter(range(29611, 29700))  # the namespaces are this test's own: no other listener

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from src.launch.store_answers import STORE_ANSWER_S, answer_within
 from src.runtime.ranks import Ranks
 
 log = logging.getLogger(__name__)
@@ -169,6 +170,4 @@ def failure_order() -> int:
 def reported_failures(add: int) -> int | None:
     """The job's count of failed ranks after adding `add`; None if the store is gone (it dies
     with the launcher, or under srun with rank 0) or out of reach (a lost node, a partition)."""
-    from src.launch.rendezvous import STORE_ANSWER_S, answer_within
-
     return answer_within(STORE_ANSWER_S, lambda: int(rank_store().add(FAILURES_KEY, add)))

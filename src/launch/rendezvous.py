@@ -10,11 +10,6 @@ failing. Leaving the rendezvous at the end is bounded the same way: it writes to
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable
-from typing import TypeVar
-
 from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousInfo,
@@ -22,31 +17,9 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
+from src.launch.store_answers import STORE_ANSWER_S, answer_within
+
 BACKEND = "template-c10d"  # the name `launch_config` gives torch's agent
-# How long a launched rank, or a launcher leaving the rendezvous, waits for the job's store (the
-# first node's launcher hosts it) to answer what takes it milliseconds: longer, and the store is
-# gone, or the network to it (a lost node, a partition). Without this bound, a rank failing on the
-# far side of a partition waits 30 minutes to report it, and its launcher 60 s to leave.
-STORE_ANSWER_S = 5.0
-
-Answer = TypeVar("Answer")
-
-
-def answer_within(seconds: float, question: Callable[[], Answer]) -> Answer | None:
-    """`question()`'s answer, or None if it raised or has not answered within `seconds` (it then
-    goes on in a daemon thread that nothing waits for). torch's TCPStore bounds a wait for a key
-    by its timeout, but not a question to a server out of reach: seen, an `add` across a
-    partition still blocked after 40 s, its timeout 5 s."""
-    answers = []
-
-    def ask() -> None:
-        with contextlib.suppress(Exception):
-            answers.append(question())
-
-    asking = threading.Thread(target=ask, daemon=True)
-    asking.start()
-    asking.join(seconds)
-    return answers[0] if answers else None
 
 
 class FixedSizeRendezvous(RendezvousHandler):
