@@ -15,6 +15,7 @@ from helpers import (
     FP16_TOLERANCE,
     TINY,
     TINY_TRANSFORMER,
+    TINY_TRANSFORMER_SGD,
     assert_same_training,
     metrics,
     reference_run,
@@ -28,6 +29,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from src.components.blocks import keep_kernels_apart_by_aten_capability, prepare_blocks
 from src.components.models import MLP, Transformer
 from src.components.tasks import Classification
+from src.config.trainer import Recomputation, TrainerConfig
 from src.observe.performance import table_peak_tflops, throughput_figures
 from src.observe.report import Row, markdown_table
 from src.training.loop import progress_line
@@ -157,22 +159,41 @@ def test_activation_checkpointing_trains_exactly_like_the_run_without_it(strateg
     assert_same_training(reference_run(*SGD), runs[strategy])
 
 
+# Selective recomputation holds blocks in every kind of unit: DDP's hooks, FSDP2's per-block
+# units, tp's DTensors (the policy sees their ops), pp's stages (backward by autograd.grad).
+SELECTIVE = ("ddp", "fsdp", "tp", "pp")
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("strategy", ["single", *SELECTIVE])
+def test_selective_activation_checkpointing_trains_exactly_like_the_run_without_it(strategy):
+    """The transformer, whose blocks keep their matmuls' and attention's outputs and recompute
+    their norms, GELUs and residual sums."""
+    selective = (*TINY_TRANSFORMER_SGD, "trainer.activation_checkpointing=selective")
+    runs = strategy_runs(*selective, strategies=SELECTIVE)
+    assert_same_training(reference_run(*TINY_TRANSFORMER_SGD), runs[strategy])
+
+
 def test_activation_checkpointing_saves_activation_memory():
     """torch's own count of tensor memory (MemTracker, on CPU too) over a forward and backward
-    pass: checkpointed blocks keep only their inputs for backward."""
+    pass: fully checkpointed blocks keep only their inputs for backward, selectively
+    checkpointed ones their matmuls' outputs too."""
     inputs = torch.randint(0, 16, (32, 64))
+    checkpoint_ops = TrainerConfig().checkpoint_ops
 
-    def peak_bytes(activation_checkpointing: bool) -> int:
+    def peak_bytes(recomputation: Recomputation) -> int:
         torch.manual_seed(0)
         model = Transformer(input_shape=(64,), num_classes=16, hidden=64, depth=4, heads=2)
-        prepare_blocks(model, activation_checkpointing, compile=False)
+        prepare_blocks(model, recomputation, compile=False, checkpoint_ops=checkpoint_ops)
         tracker = MemTracker()
         tracker.track_external(model)
         with tracker:
             Classification().sums(model(inputs), inputs)[0].backward()
         return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
-    assert peak_bytes(True) < 0.5 * peak_bytes(False)
+    kept = {mode: peak_bytes(mode) for mode in Recomputation}
+    assert kept["full"] < 0.5 * kept["none"]
+    assert kept["full"] < kept["selective"] < 0.9 * kept["none"]
 
 
 # Inductor fuses and reorders float arithmetic, so compiled runs agree with eager ones to float
@@ -187,7 +208,7 @@ def test_compile_compiles_blocks_of_torch_modules_and_copies_share_their_graphs(
     counters.clear()
     torch.manual_seed(0)
     model = MLP(input_shape=(32,), num_classes=10, hidden=32, depth=3)
-    prepare_blocks(model, activation_checkpointing=False, compile=True)
+    prepare_blocks(model, Recomputation.none, compile=True)
     replica = copy.deepcopy(model)
     with torch.no_grad():
         replica[3].bias.add_(1.0)

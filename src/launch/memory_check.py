@@ -105,7 +105,7 @@ def step_peaks_mb(
             model = instantiate(
                 cfg.model, input_shape=data.input_shape, num_classes=data.num_classes
             )
-            prepare_blocks(model, trainer.activation_checkpointing, False)
+            prepare_blocks(model, trainer.activation_checkpointing, False, trainer.checkpoint_ops)
             model = strategy.wrap(model)
             optimizer = build_optimizer(cfg.optimizer, strategy.trained_parameters(model))
             scaling = LossScaling(strategy.grad_scaler(trainer.precision == "fp16", 2.0**16))

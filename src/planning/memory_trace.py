@@ -22,6 +22,8 @@ from src.components.blocks import prepare_blocks
 from src.components.data import Data, first_samples
 from src.components.optimizer import build_optimizer
 from src.components.precision import autocast
+from src.config.base import typed
+from src.config.trainer import TrainerConfig
 from src.parallel.base import DeviceShare, ModelSizes, tied_block_groups
 from src.planning.plans import DevicePlan
 
@@ -148,7 +150,8 @@ def trace_share(
     sample_inputs, sample_targets = first_samples(data.train, 1)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
-        prepare_blocks(model, trainer.activation_checkpointing, False)
+        settings = typed(TrainerConfig, trainer)
+        prepare_blocks(model, settings.activation_checkpointing, False, settings.checkpoint_ops)
         ranges = share.stage_blocks(len(model))
         stages = nn.ModuleList(nn.Sequential(*list(model)[start:end]) for start, end in ranges)
         optimizer = build_optimizer(cfg.optimizer, stages.parameters())
