@@ -31,7 +31,8 @@ from src.components.models import MLP, Transformer
 from src.components.tasks import Classification
 from src.config.trainer import Recomputation, TrainerConfig
 from src.observe.performance import table_peak_tflops, throughput_figures
-from src.observe.report import Row, markdown_table
+from src.observe.report import markdown_table
+from src.observe.sweep_rows import Row
 from src.training.loop import progress_line
 
 
