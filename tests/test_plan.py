@@ -56,6 +56,10 @@ RESNET_CASES = {
             id="gpt-single-checkpointing",
         ),
         pytest.param(
+            (*TINY_GPT, "parallel=single", "trainer.activation_checkpointing=selective"),
+            id="gpt-single-selective-checkpointing",
+        ),
+        pytest.param(
             (
                 *TINY_GPT,
                 "parallel=model_parallel",

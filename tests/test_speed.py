@@ -33,6 +33,7 @@ from src.config.trainer import Recomputation, TrainerConfig
 from src.observe.performance import table_peak_tflops, throughput_figures
 from src.observe.report import markdown_table
 from src.observe.sweep_rows import Row
+from src.planning.planner import MB, plan_all
 from src.training.loop import progress_line
 
 
@@ -163,6 +164,7 @@ def test_activation_checkpointing_trains_exactly_like_the_run_without_it(strateg
 # Selective recomputation holds blocks in every kind of unit: DDP's hooks, FSDP2's per-block
 # units, tp's DTensors (the policy sees their ops), pp's stages (backward by autograd.grad).
 SELECTIVE = ("ddp", "fsdp", "tp", "pp")
+SELECTIVE_RUN = (*TINY_TRANSFORMER_SGD, "trainer.activation_checkpointing=selective")
 
 
 @pytest.mark.equivalence
@@ -170,9 +172,20 @@ SELECTIVE = ("ddp", "fsdp", "tp", "pp")
 def test_selective_activation_checkpointing_trains_exactly_like_the_run_without_it(strategy):
     """The transformer, whose blocks keep their matmuls' and attention's outputs and recompute
     their norms, GELUs and residual sums."""
-    selective = (*TINY_TRANSFORMER_SGD, "trainer.activation_checkpointing=selective")
-    runs = strategy_runs(*selective, strategies=SELECTIVE)
+    runs = strategy_runs(*SELECTIVE_RUN, strategies=SELECTIVE)
     assert_same_training(reference_run(*TINY_TRANSFORMER_SGD), runs[strategy])
+
+
+@pytest.mark.parametrize("strategy", ["single", *SELECTIVE])
+def test_a_run_s_tensor_peak_is_the_planned_peak(compose_config, strategy):
+    """summary.json's tensor_peak_mb (MemTracker over the first steps and evaluation, on CPU)
+    is the planner's peak within 10%, on the device where each is highest; the process's
+    resident peak, interpreter and libraries included, is far above both."""
+    summary_figures = summary(strategy_runs(*SELECTIVE_RUN, strategies=SELECTIVE)[strategy])
+    cfg = compose_config(*SELECTIVE_RUN, f"parallel={strategy}")
+    (plan,) = plan_all(cfg, [cfg.parallel])
+    assert max(summary_figures["tensor_peak_mb"]) == pytest.approx(plan.needed / MB, rel=0.10)
+    assert min(summary_figures["peak_memory_mb"]) > 10 * max(summary_figures["tensor_peak_mb"])
 
 
 def test_activation_checkpointing_saves_activation_memory():

@@ -54,7 +54,8 @@ COLUMN_TITLES = {
     "threads": "threads",
     "cores": "cores",
     "predicted_peak_mb": "predicted peak MB",
-    "peak_memory_max_mb": "measured peak MB (max)",
+    "tensor_peak_max_mb": "tensor peak MB (max)",
+    "peak_memory_max_mb": "process peak MB (max)",
     "peak_memory_spread_mb": "peak MB (spread)",
     "output_device_memory_ratio": "output device memory",
     "pipeline_bubble": "bubble (theory)",
@@ -90,7 +91,7 @@ def format_cell(name: str, value: Any) -> str:
         return rate_text(value)
     if name in ("peak_memory_max_mb", "peak_memory_spread_mb"):
         return f"{value:,.0f}"
-    if name == "predicted_peak_mb":
+    if name in ("predicted_peak_mb", "tensor_peak_max_mb"):
         return f"{value:,.3g}"
     if name in ("step_time_ms", "tflops_per_sec"):
         return f"{value:.3g}"

@@ -79,7 +79,13 @@ class Row:
     predicted_peak_mb: float | None = None
     """The planner's prediction of the largest peak (src/planning/planner.py), next to the measured
     one."""
+    tensor_peak_max_mb: float | None = None
+    """The largest measured peak of tensor memory over the job's devices, what the planner
+    predicts: on CPU MemTracker's count over the first steps and evaluation
+    (`src/observe/tensor_memory.py`), on CUDA the allocator's peak."""
     peak_memory_max_mb: float | None = None
+    """The largest peak over the job's devices: on CPU the process's resident memory (the
+    interpreter, libraries and data included), on CUDA the allocator's."""
     peak_memory_spread_mb: float | None = None
     """Largest minus smallest peak over the job's devices: the load imbalance."""
     output_device_memory_ratio: float | None = None
@@ -179,6 +185,9 @@ def fill_from_summary(row: Row, summary: dict[str, Any]) -> None:
     if "pipeline" in summary:
         row.pipeline_bubble = summary["pipeline"]["bubble_fraction"]
         row.pipeline_idle = summary["pipeline"]["idle_fraction_per_rank"]
+    tensor_memory = [mb for mb in summary.get("tensor_peak_mb", []) if not math.isnan(mb)]
+    if tensor_memory:  # not counted around compiled blocks; older summaries lack it
+        row.tensor_peak_max_mb = max(tensor_memory)
     memory = summary["peak_memory_mb"]
     if memory:
         row.peak_memory_max_mb = max(memory)

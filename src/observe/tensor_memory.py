@@ -1,0 +1,98 @@
+"""Tensor memory counted as the planner counts it: torch's `MemTracker`, every tensor storage
+alive per device, on CPU too, where the process's resident peak also holds the interpreter,
+torch's libraries, the data set and the allocator's caches (696 MB for the default MLP, whose
+tensors peak at about 4 MB).
+
+A training run counts its first `TRACED_STEPS` steps (the second holds the optimizer state, as
+the planner's trace does) and its first evaluation, and reports the highest peak of them beside
+the planner's prediction (`summary.json`'s `tensor_peak_mb`, the sweep report's `tensor peak MB`
+column). Counting costs each op of those passes a Python call; later steps run as before."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn, optim
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from src.planning.planner import MB, TRACED_STEPS
+
+
+class NoModuleHooks:
+    """What MemTracker asks of its module tracker, tracking no module: no hooks, never in a
+    backward pass."""
+
+    is_bw = False
+
+    def register_user_hooks(self, *hooks: Any) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def __enter__(self) -> NoModuleHooks:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        pass
+
+
+class StorageTracker(MemTracker):
+    """MemTracker counting every tensor storage per device, without its module hooks: their
+    gradient hooks break the pipeline schedules' `autograd.grad` ("A leaf node was passed to
+    _will_engine_execute_node", torch 2.14.1). The peak's Total is the same; what the module
+    hooks would label (parameters, gradients, backward temporaries) counts as activations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mod_tracker = NoModuleHooks()
+
+
+def peak_mb(tracker: MemTracker) -> dict[str, float]:
+    """The tracker's peak on the device where it is highest, by category and `Total`, in MB."""
+    peaks = tracker.get_tracker_snapshot("peak").values()
+    peak = max(peaks, key=lambda snapshot: snapshot["Total"])
+    return {str(kind): size / MB for kind, size in peak.items()}
+
+
+class TensorPeak:
+    """This process's peak tensor memory over the first `TRACED_STEPS` training steps and the
+    first evaluation (`step`, `evaluation`), when `counted`; else nothing is tracked."""
+
+    def __init__(self, model: nn.Module, optimizer: optim.Optimizer, counted: bool):
+        self.tracker = StorageTracker() if counted else None
+        if self.tracker:
+            self.tracker.track_external(model, optimizer)  # created before the first step
+        self.steps_left, self.evaluations_left = TRACED_STEPS, 1
+        self.peak: float | None = None
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """A training step, counted if it is one of the first."""
+        counted = self.steps_left > 0
+        self.steps_left -= 1
+        with self.counting(counted):
+            yield
+
+    @contextlib.contextmanager
+    def evaluation(self) -> Iterator[None]:
+        """An evaluation, counted if it is the first."""
+        counted = self.evaluations_left > 0
+        self.evaluations_left -= 1
+        with self.counting(counted):
+            yield
+
+    @contextlib.contextmanager
+    def counting(self, counted: bool) -> Iterator[None]:
+        if not (counted and self.tracker):
+            yield
+            return
+        with self.tracker:  # entered again, its peak starts again from what is alive
+            yield
+        self.peak = max(self.peak or 0.0, peak_mb(self.tracker)["Total"])
+
+    def peak_mb(self) -> float:
+        """The highest peak counted (MB); NaN if nothing was (on CUDA the allocator counts)."""
+        return float("nan") if self.peak is None else self.peak
