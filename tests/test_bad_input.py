@@ -188,6 +188,25 @@ ROWS = [
         id="selective-checkpointing-compiled",
     ),
     pytest.param(
+        ["parallel=fsdp", "parallel.offload=cpu", "trainer.accelerator=cpu"],
+        CHECK,
+        "parallel.offload=cpu moves FSDP's shards from GPU memory to the host, and this run is "
+        "on the CPU",
+        id="offload-on-cpu",
+    ),
+    pytest.param(
+        ["parallel=tp", "parallel.offload=cpu"],
+        CHECK,
+        "parallel.offload=cpu moves FSDP's shards to the host, but parallel.dp_shard=1",
+        id="offload-without-dp-shard",
+    ),
+    pytest.param(
+        ["parallel=ddp", "parallel.offload=cpu"],
+        HYDRA,
+        "Key 'offload' not in",
+        id="offload-under-ddp",
+    ),
+    pytest.param(
         ["parallel=ddp", "trainer.accelerator=cpu", "parallel.backend=mpi"],
         HYDRA,
         "Invalid value 'mpi', expected one of [gloo, nccl]",

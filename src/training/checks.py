@@ -21,6 +21,7 @@ from src.components.blocks import saved_ops
 from src.components.data import Data, meta_samples
 from src.components.optimizer import build_optimizer, lr_schedule
 from src.config.base import ConfigError, typed
+from src.config.parallel import Offload
 from src.config.trainer import Recomputation, TrainerConfig
 from src.observe.tracking import check_tracker
 from src.parallel import build_strategy
@@ -53,6 +54,13 @@ def check_settings(cfg: DictConfig, ranks: Ranks | None) -> Strategy:
     if recomputation == Recomputation.selective:
         saved_ops(settings.checkpoint_ops)
     strategy = build_strategy(cfg.parallel, device_type, trainer.precision, ranks)
+    if cfg.parallel.get("offload") == Offload.cpu and device_type != "cuda":
+        # Refused, not ignored: on the CPU the shards are in host memory already, and a run that
+        # said it offloaded would report the same memory as one that did not.
+        raise ConfigError(
+            "parallel.offload=cpu moves FSDP's shards from GPU memory to the host, and this run "
+            "is on the CPU; set parallel.offload=none (or train on a GPU)"
+        )
     strategy.check_visible_gpus()
     strategy.check_batch(trainer.batch_size // trainer.accumulate)
     strategy.check_accumulate(trainer.accumulate)
