@@ -33,7 +33,8 @@ from src.config.trainer import Recomputation, TrainerConfig
 from src.observe.performance import table_peak_tflops, throughput_figures
 from src.observe.report import markdown_table
 from src.observe.sweep_rows import Row
-from src.planning.planner import MB, plan_all
+from src.planning.planner import plan_all
+from src.planning.plans import MB
 from src.training.loop import progress_line
 
 

@@ -17,7 +17,8 @@ from typing import Any
 from torch import nn, optim
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from src.planning.planner import MB, TRACED_STEPS
+from src.planning.memory_trace import TRACED_STEPS
+from src.planning.plans import MB
 
 
 class NoModuleHooks:
