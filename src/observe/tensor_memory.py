@@ -66,28 +66,21 @@ class TensorPeak:
         self.tracker = StorageTracker() if counted else None
         if self.tracker:
             self.tracker.track_external(model, optimizer)  # created before the first step
-        self.steps_left, self.evaluations_left = TRACED_STEPS, 1
+        self.left = {"step": TRACED_STEPS, "evaluation": 1}  # passes still to count, by kind
         self.peak: float | None = None
 
-    @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
+    def step(self) -> contextlib.AbstractContextManager:
         """A training step, counted if it is one of the first."""
-        counted = self.steps_left > 0
-        self.steps_left -= 1
-        with self.counting(counted):
-            yield
+        return self.counted("step")
 
-    @contextlib.contextmanager
-    def evaluation(self) -> Iterator[None]:
+    def evaluation(self) -> contextlib.AbstractContextManager:
         """An evaluation, counted if it is the first."""
-        counted = self.evaluations_left > 0
-        self.evaluations_left -= 1
-        with self.counting(counted):
-            yield
+        return self.counted("evaluation")
 
     @contextlib.contextmanager
-    def counting(self, counted: bool) -> Iterator[None]:
-        if not (counted and self.tracker):
+    def counted(self, kind: str) -> Iterator[None]:
+        self.left[kind] -= 1
+        if self.tracker is None or self.left[kind] < 0:
             yield
             return
         with self.tracker:  # entered again, its peak starts again from what is alive
