@@ -51,11 +51,12 @@ out of both.
                     (compiling happens in the warm-up steps, which are not timed)
     bf16, fp16      the same transformer under trainer.precision=bf16 or fp16 / fp32; on a CPU
                     these say how CPU autocast does, nothing of a GPU's tensor cores
-    activation_ckpt
-                    the same transformer with trainer.activation_checkpointing=true / without:
-                    the time recomputation costs; then the peak tensor memory of a forward and
-                    backward pass with and without it (torch's own count of tensor memory,
-                    MemTracker, on CPU; the CUDA allocator's peak on a GPU)
+    checkpointing   the same transformer under trainer.activation_checkpointing=none,
+                    selective and full (three sides, not two): seconds per step of each (the
+                    median over the rounds) against none's, the time recomputation costs; and
+                    the peak tensor memory of a forward and backward pass under each (torch's
+                    own count of tensor memory, MemTracker, on CPU; the CUDA allocator's peak on
+                    a GPU)
     startup         wall time of a one-step `python train.py` (single, and ddp x2 on CPU) over
                     that of `python -c "import torch"`: what a sweep of short jobs pays per job;
                     and over its floor: `plain step` (import torch, one SGD step of a Linear),
@@ -103,10 +104,10 @@ from benchmarks.startup import startup  # noqa: E402
 from benchmarks.template_options import (  # noqa: E402
     TRANSFORMER_BATCH_SIZE,
     TRANSFORMER_COMPARISONS,
+    activation_checkpointing,
     loader_speed,
     model_parallel_naive,
     model_parallel_pipelined,
-    print_activation_memory,
     transformer_speed,
 )
 from benchmarks.workload import (  # noqa: E402
@@ -173,13 +174,6 @@ COMPARISONS: dict[str, tuple[tuple[str, Run], tuple[str, Run]]] = {
         ("fp16", lambda steps: transformer_speed(steps, "trainer.precision=fp16")),
         ("fp32", transformer_speed),
     ),
-    "activation_ckpt": (
-        (
-            "checkpointed",
-            lambda steps: transformer_speed(steps, "trainer.activation_checkpointing=true"),
-        ),
-        ("kept", transformer_speed),
-    ),
 }
 
 
@@ -200,7 +194,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--only",
-        choices=[*sorted(COMPARISONS), "checkpoint", "plan", "pp", "startup"],
+        choices=[*sorted(COMPARISONS), "checkpoint", "checkpointing", "plan", "pp", "startup"],
         action="append",
     )
     parser.add_argument("--rounds", type=int, default=5)
@@ -228,9 +222,12 @@ def main() -> None:
     )
     sides = "".join(f"  {side:<16}{'samples/s':>11}{'ms/step':>9}" for side in ("first", "second"))
     print(f"{'comparison':<16}{sides}{'ratio':>8}  (rounds' ratios: min-max)")
-    for name in args.only or [*COMPARISONS, "checkpoint", "pp", "startup"]:
+    for name in args.only or [*COMPARISONS, "checkpoint", "checkpointing", "pp", "startup"]:
         if name == "checkpoint":
             checkpoint_blocking(args.rounds, args.steps)
+            continue
+        if name == "checkpointing":
+            activation_checkpointing(args.rounds, args.steps)
             continue
         if name == "pp":
             pipeline_idle(args.rounds, args.steps)
@@ -264,8 +261,6 @@ def main() -> None:
             print(f"{'':<16}  {where_launched()}")
         if name in ("bf16", "fp16") and workload.DEVICE == "cpu":
             print(f"{'':<16}  CPU figures (autocast on the CPU): they say nothing of a GPU")
-        if name == "activation_ckpt":
-            print_activation_memory()
         if name == "gpt2":
             print_gpt2_figures(speeds)
 

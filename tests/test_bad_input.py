@@ -165,8 +165,46 @@ ROWS = [
             "trainer.activation_checkpointing=true",
         ],
         CHECK,
-        "parallel.deferred_batchnorm=true cannot run with trainer.activation_checkpointing=true",
+        "parallel.deferred_batchnorm=true cannot run with trainer.activation_checkpointing=full",
         id="deferred-batchnorm-with-activation-checkpointing",
+    ),
+    pytest.param(
+        ["trainer.activation_checkpointing=some"],
+        CHECK,
+        "trainer.activation_checkpointing must be one of none, full, selective (or true, false), "
+        "got 'some'",
+        id="activation-checkpointing",
+    ),
+    pytest.param(
+        ["trainer.activation_checkpointing=selective", "trainer.checkpoint_ops=[mm,matmull]"],
+        CHECK,
+        "trainer.checkpoint_ops: torch has no aten op 'matmull'",
+        id="checkpoint-ops",
+    ),
+    pytest.param(
+        ["trainer.activation_checkpointing=selective", "trainer.compile=true"],
+        CHECK,
+        "trainer.activation_checkpointing=selective cannot run with trainer.compile=true",
+        id="selective-checkpointing-compiled",
+    ),
+    pytest.param(
+        ["parallel=fsdp", "parallel.offload=cpu", "trainer.accelerator=cpu"],
+        CHECK,
+        "parallel.offload=cpu moves FSDP's shards from GPU memory to the host, and this run is "
+        "on the CPU",
+        id="offload-on-cpu",
+    ),
+    pytest.param(
+        ["parallel=tp", "parallel.offload=cpu"],
+        CHECK,
+        "parallel.offload=cpu moves FSDP's shards to the host, but parallel.dp_shard=1",
+        id="offload-without-dp-shard",
+    ),
+    pytest.param(
+        ["parallel=ddp", "parallel.offload=cpu"],
+        HYDRA,
+        "Key 'offload' not in",
+        id="offload-under-ddp",
     ),
     pytest.param(
         ["parallel=ddp", "trainer.accelerator=cpu", "parallel.backend=mpi"],

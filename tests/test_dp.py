@@ -24,7 +24,8 @@ from torch import nn
 
 from src.components.models import MLP, Transformer
 from src.components.tasks import loss_sum
-from src.observe.report import Row, markdown_table
+from src.observe.report import markdown_table
+from src.observe.sweep_rows import Row
 from src.parallel import build_strategy
 from src.parallel.dp_criterion import parallel_criterion
 from src.parallel.mechanisms.replicas import DataParallel, gather

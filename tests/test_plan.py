@@ -16,7 +16,7 @@ from torch.distributed._tools.mem_tracker import _MemRefType
 import src.planning.planner
 from src.launch.memory_check import measured_peaks_mb
 from src.planning.memory_trace import RUNNING, STEPPING
-from src.planning.planner import choose, plan_all, resolve_auto
+from src.planning.planner import choose, format_table, plan_all, resolve_auto
 from src.planning.plans import MB, Plan
 from src.planning.step_time import DeviceSpeed
 
@@ -54,6 +54,10 @@ RESNET_CASES = {
         pytest.param(
             (*TINY_GPT, "parallel=single", "trainer.activation_checkpointing=true"),
             id="gpt-single-checkpointing",
+        ),
+        pytest.param(
+            (*TINY_GPT, "parallel=single", "trainer.activation_checkpointing=selective"),
+            id="gpt-single-selective-checkpointing",
         ),
         pytest.param(
             (
@@ -110,6 +114,21 @@ def test_predicted_mesh_peak_of_rank_0_within_10_percent_of_measured(compose_con
     assert rank_0.peak / MB == pytest.approx(measured["training"]["Total"], rel=0.10)
     if cfg.parallel.get("pp", 1) == 1:
         assert rank_0.evaluation / MB == pytest.approx(measured["evaluation"]["Total"], rel=0.10)
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp_tp"])
+def test_offload_plans_the_shards_in_host_memory(compose_config, layout):
+    """parallel.offload=cpu, planned for GPUs (it is refused on CPU): a device keeps FSDP's
+    gathered units, the unsharded gradients and the activations; its shards of the parameters,
+    gradients and optimizer state are in the host-memory column, outside the peak."""
+    overrides = (*TINY_MLP, "optimizer=adamw", "plan.accelerator=cuda", f"parallel={layout}")
+    cfg = compose_config(*overrides)
+    offloaded = compose_config(*overrides, "parallel.offload=cpu").parallel
+    (kept,), (moved,) = (plan_all(cfg, [p]).pop().device_plans for p in (cfg.parallel, offloaded))
+    assert kept.host == 0 and moved.optimizer == 0
+    assert moved.activations == kept.activations
+    assert moved.host >= kept.peak - moved.peak > 0.3 * kept.peak
+    assert "host MB" in format_table([plan_all(cfg, [offloaded])[0]], 80).splitlines()[1]
 
 
 def test_plan_splits_state_and_adds_what_the_strategy_holds(compose_config):

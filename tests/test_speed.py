@@ -15,6 +15,7 @@ from helpers import (
     FP16_TOLERANCE,
     TINY,
     TINY_TRANSFORMER,
+    TINY_TRANSFORMER_SGD,
     assert_same_training,
     metrics,
     reference_run,
@@ -28,8 +29,12 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from src.components.blocks import keep_kernels_apart_by_aten_capability, prepare_blocks
 from src.components.models import MLP, Transformer
 from src.components.tasks import Classification
+from src.config.trainer import Recomputation, TrainerConfig
 from src.observe.performance import table_peak_tflops, throughput_figures
-from src.observe.report import Row, markdown_table
+from src.observe.report import markdown_table
+from src.observe.sweep_rows import Row
+from src.planning.planner import plan_all
+from src.planning.plans import MB
 from src.training.loop import progress_line
 
 
@@ -157,22 +162,53 @@ def test_activation_checkpointing_trains_exactly_like_the_run_without_it(strateg
     assert_same_training(reference_run(*SGD), runs[strategy])
 
 
+# Selective recomputation holds blocks in every kind of unit: DDP's hooks, FSDP2's per-block
+# units, tp's DTensors (the policy sees their ops), pp's stages (backward by autograd.grad).
+SELECTIVE = ("ddp", "fsdp", "tp", "pp")
+SELECTIVE_RUN = (*TINY_TRANSFORMER_SGD, "trainer.activation_checkpointing=selective")
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("strategy", ["single", *SELECTIVE])
+def test_selective_activation_checkpointing_trains_exactly_like_the_run_without_it(strategy):
+    """The transformer, whose blocks keep their matmuls' and attention's outputs and recompute
+    their norms, GELUs and residual sums."""
+    runs = strategy_runs(*SELECTIVE_RUN, strategies=SELECTIVE)
+    assert_same_training(reference_run(*TINY_TRANSFORMER_SGD), runs[strategy])
+
+
+@pytest.mark.parametrize("strategy", ["single", *SELECTIVE])
+def test_a_run_s_tensor_peak_is_the_planned_peak(compose_config, strategy):
+    """summary.json's tensor_peak_mb (MemTracker over the first steps and evaluation, on CPU)
+    is the planner's peak within 10%, on the device where each is highest; the process's
+    resident peak, interpreter and libraries included, is far above both."""
+    summary_figures = summary(strategy_runs(*SELECTIVE_RUN, strategies=SELECTIVE)[strategy])
+    cfg = compose_config(*SELECTIVE_RUN, f"parallel={strategy}")
+    (plan,) = plan_all(cfg, [cfg.parallel])
+    assert max(summary_figures["tensor_peak_mb"]) == pytest.approx(plan.needed / MB, rel=0.10)
+    assert min(summary_figures["peak_memory_mb"]) > 10 * max(summary_figures["tensor_peak_mb"])
+
+
 def test_activation_checkpointing_saves_activation_memory():
     """torch's own count of tensor memory (MemTracker, on CPU too) over a forward and backward
-    pass: checkpointed blocks keep only their inputs for backward."""
+    pass: fully checkpointed blocks keep only their inputs for backward, selectively
+    checkpointed ones their matmuls' outputs too."""
     inputs = torch.randint(0, 16, (32, 64))
+    checkpoint_ops = TrainerConfig().checkpoint_ops
 
-    def peak_bytes(activation_checkpointing: bool) -> int:
+    def peak_bytes(recomputation: Recomputation) -> int:
         torch.manual_seed(0)
         model = Transformer(input_shape=(64,), num_classes=16, hidden=64, depth=4, heads=2)
-        prepare_blocks(model, activation_checkpointing, compile=False)
+        prepare_blocks(model, recomputation, compile=False, checkpoint_ops=checkpoint_ops)
         tracker = MemTracker()
         tracker.track_external(model)
         with tracker:
             Classification().sums(model(inputs), inputs)[0].backward()
         return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
-    assert peak_bytes(True) < 0.5 * peak_bytes(False)
+    kept = {mode: peak_bytes(mode) for mode in Recomputation}
+    assert kept["full"] < 0.5 * kept["none"]
+    assert kept["full"] < kept["selective"] < 0.9 * kept["none"]
 
 
 # Inductor fuses and reorders float arithmetic, so compiled runs agree with eager ones to float
@@ -187,7 +223,7 @@ def test_compile_compiles_blocks_of_torch_modules_and_copies_share_their_graphs(
     counters.clear()
     torch.manual_seed(0)
     model = MLP(input_shape=(32,), num_classes=10, hidden=32, depth=3)
-    prepare_blocks(model, activation_checkpointing=False, compile=True)
+    prepare_blocks(model, Recomputation.none, compile=True)
     replica = copy.deepcopy(model)
     with torch.no_grad():
         replica[3].bias.add_(1.0)

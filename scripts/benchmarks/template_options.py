@@ -1,8 +1,10 @@
 """The template against itself with one setting changed, on one device: model_parallel's
-schedules, the loader's workers, and compile, bf16, fp16 and activation checkpointing on a
-small transformer."""
+schedules, the loader's workers, and compile, bf16, fp16 and the three kinds of activation
+checkpointing on a small transformer."""
 
 from __future__ import annotations
+
+import statistics
 
 import torch
 from hydra.utils import instantiate
@@ -16,6 +18,7 @@ from benchmarks.workload import (
 )
 from src.components.blocks import prepare_blocks
 from src.components.data import build_data
+from src.config.trainer import Recomputation, TrainerConfig
 
 
 def model_parallel_pipelined(steps: int) -> float:
@@ -40,22 +43,23 @@ TRANSFORMER_WORKLOAD = (
     "data=synthetic_tokens",
     f"trainer.batch_size={TRANSFORMER_BATCH_SIZE}",
 )
-TRANSFORMER_COMPARISONS = ("compile", "bf16", "fp16", "activation_ckpt")
+TRANSFORMER_COMPARISONS = ("compile", "bf16", "fp16")
 
 
 def transformer_speed(steps: int, *overrides: str) -> float:
     return template_speed(steps, "parallel=single", *overrides, workload=TRANSFORMER_WORKLOAD)
 
 
-def transformer_memory_mb(activation_checkpointing: bool) -> float:
+def transformer_memory_mb(recomputation: Recomputation) -> float:
     """Peak tensor memory, in MB, of one forward and backward pass of the transformer over a
-    batch (parameters and gradients included): torch's MemTracker on CPU (its own count of the
-    tensors' storage, not the process's RSS), the allocator's peak on CUDA."""
+    batch (parameters and gradients included) under `recomputation`: torch's MemTracker on CPU
+    (its own count of the tensors' storage, not the process's RSS), the allocator's peak on
+    CUDA."""
     cfg = compose_config(*TRANSFORMER_WORKLOAD)
     data = build_data(cfg.data, cfg.seed)
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
-    prepare_blocks(model, activation_checkpointing, compile=False)
+    prepare_blocks(model, recomputation, False, TrainerConfig().checkpoint_ops)
     model.to(workload.DEVICE)
     inputs = data.train.inputs[:TRANSFORMER_BATCH_SIZE].to(workload.DEVICE)
     targets = data.train.targets[:TRANSFORMER_BATCH_SIZE].to(workload.DEVICE)
@@ -72,11 +76,25 @@ def transformer_memory_mb(activation_checkpointing: bool) -> float:
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] / 2**20
 
 
-def print_activation_memory() -> None:
-    kept, recomputed = transformer_memory_mb(False), transformer_memory_mb(True)
-    counted = "CUDA allocator peak" if workload.DEVICE == "cuda" else "CPU, MemTracker tensor peak"
-    print(
-        f"{'':<16}  peak tensor memory of a step ({counted}): {kept:.1f} MB without, "
-        f"{recomputed:.1f} MB with activation checkpointing ({kept - recomputed:.1f} MB, "
-        f"{(kept - recomputed) / kept:.0%} saved)"
-    )
+def activation_checkpointing(rounds: int, steps: int) -> None:
+    """The transformer under trainer.activation_checkpointing=none, selective and full: the
+    median time per step over the rounds (each round runs the three, its first one turning
+    round by round, so that none always follows another), against none's, and the peak tensor
+    memory of a step."""
+    modes = list(Recomputation)
+    step_s: dict[Recomputation, list[float]] = {mode: [] for mode in modes}
+    for round_index in range(rounds):
+        turn = round_index % len(modes)
+        for mode in modes[turn:] + modes[:turn]:
+            speed = transformer_speed(steps, f"trainer.activation_checkpointing={mode}")
+            step_s[mode].append(TRANSFORMER_BATCH_SIZE / speed)
+    where = "CUDA" if workload.DEVICE == "cuda" else "CPU figures"
+    counted = "CUDA allocator peak" if workload.DEVICE == "cuda" else "MemTracker tensor peak"
+    print(f"{'checkpointing':<16}  {where}; time per step, and peak memory ({counted})")
+    baseline = statistics.median(step_s[Recomputation.none])
+    for mode in modes:
+        seconds = statistics.median(step_s[mode])
+        print(
+            f"{'':<16}  {str(mode):<10}{seconds:>10.4f} s/step ({seconds / baseline:.2f}x "
+            f"none's){transformer_memory_mb(mode):>9.2f} MB"
+        )

@@ -5,31 +5,67 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
+from torch._ops import OpOverloadPacket
 from torch.distributed._composable import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from src.components.tasks import Task
+from src.config.base import ConfigError
+from src.config.trainer import Recomputation
 
 
-def prepare_blocks(model: nn.Sequential, activation_checkpointing: bool, compile: bool) -> None:
+def prepare_blocks(
+    model: nn.Sequential,
+    recomputation: Recomputation,
+    compile: bool,
+    checkpoint_ops: Sequence[str] = (),
+) -> None:
     """Activation checkpointing, then torch.compile, on every block of the plain model, in
     place, before a strategy wraps it (torchtitan's order): the parameter names and state_dict
     keys stay `single`'s, and each strategy's own units (DDP's hooks and buckets, FSDP's
     per-block sharding, pipeline stages, dp's replicas) hold the prepared blocks.
 
     Checkpointing is non-reentrant (`torch.distributed._composable.checkpoint`, hooks on the
-    block rather than a wrapper module): a block keeps only its input for backward and runs its
-    forward again there, trading that compute for the activations' memory. It works with DDP
+    block rather than a wrapper module): under `full` a block keeps only its input for backward
+    and runs its forward again there, trading that compute for the activations' memory; under
+    `selective` it also keeps the outputs of `checkpoint_ops` (aten op names) and takes them
+    from there instead of running those ops again (torch's op-level policy). It works with DDP
     without `static_graph`, with FSDP2 and with compiled blocks."""
     if compile:
         keep_kernels_apart_by_aten_capability()
+    context = {}
+    if recomputation == Recomputation.selective:
+        policy = functools.partial(keep_outputs_of, saved_ops(checkpoint_ops))
+        context = {"context_fn": functools.partial(create_selective_checkpoint_contexts, policy)}
     for block in model:
-        if activation_checkpointing:
-            checkpoint(block)
+        if recomputation != Recomputation.none:
+            checkpoint(block, **context)
         if compile:
             block.__class__ = compiled_class(type(block))
+
+
+def saved_ops(names: Sequence[str]) -> frozenset[OpOverloadPacket]:
+    """The aten ops named (trainer.checkpoint_ops); a name that is none is a ConfigError."""
+    unknown = [name for name in names if not hasattr(torch.ops.aten, name)]
+    if unknown:
+        raise ConfigError(
+            f"trainer.checkpoint_ops: torch has no aten op {unknown[0]!r}; name ops as "
+            "torch.ops.aten spells them (mm, addmm, bmm, ...)"
+        )
+    return frozenset(getattr(torch.ops.aten, name) for name in names)
+
+
+def keep_outputs_of(
+    ops: frozenset[OpOverloadPacket], context: Any, op: Any, *args: Any, **kwargs: Any
+) -> CheckpointPolicy:
+    """Selective checkpointing's policy: keep the outputs of `ops`, recompute the rest."""
+    kept = getattr(op, "overloadpacket", None) in ops
+    return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def keep_kernels_apart_by_aten_capability() -> None:

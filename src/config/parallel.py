@@ -8,6 +8,7 @@ from typing import Any
 from src.config.base import ConfigError, choices
 
 Backend = choices("Backend", "gloo nccl", __name__)
+Offload = choices("Offload", "none cpu", __name__)
 
 
 def at_least_one(config: Any, *keys: str) -> None:
@@ -69,6 +70,17 @@ class DistributedConfig(ParallelConfig):
             raise ConfigError(
                 f"parallel.threads_per_rank must be at least 1 or null, got {self.threads_per_rank}"
             )
+
+
+@dataclass
+class FSDPConfig(DistributedConfig):
+    """FSDP2's settings: `parallel=fsdp`, and the mesh layouts' dp_shard."""
+
+    offload: Offload = Offload.none
+    """cpu: FSDP2's CPUOffloadPolicy: each rank's shards of the parameters, gradients and
+    optimizer state live in pinned host memory, copied to the GPU unit by unit for compute, and
+    the optimizer steps on the CPU (device memory for time). CUDA only: a run on CPU is refused
+    (exit 2) rather than run as if offloaded, as is a mesh layout without dp_shard."""
 
 
 @dataclass
@@ -138,7 +150,7 @@ class HybridConfig(StagesConfig, DDPConfig):
 
 
 @dataclass
-class MeshConfig(DistributedConfig):
+class MeshConfig(FSDPConfig):
     """An N-D layout on one DeviceMesh (src/parallel/mesh.py): degrees whose product is the
     number of processes (parallel.devices x parallel.nodes); -1 takes the ranks the others leave."""
 
@@ -169,4 +181,9 @@ class MeshConfig(DistributedConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.offload == Offload.cpu and self.dp_shard == 1:
+            raise ConfigError(
+                "parallel.offload=cpu moves FSDP's shards to the host, but parallel.dp_shard=1 "
+                "shards nothing; set parallel.dp_shard above 1 (or -1), or parallel.offload=none"
+            )
         at_least_one(self, "microbatches", "stages_per_rank")

@@ -42,6 +42,7 @@ from src.config.optimizer import AdamWConfig, SGDConfig
 from src.config.parallel import (
     DDPConfig,
     DistributedConfig,
+    FSDPConfig,
     HybridConfig,
     MeshConfig,
     ParallelConfig,
@@ -120,6 +121,7 @@ SCHEMAS = {
         "base": ParallelConfig,
         "distributed": DistributedConfig,
         "ddp": DDPConfig,
+        "fsdp": FSDPConfig,
         "pipeline": PipelineConfig,
         "hybrid": HybridConfig,
         "mesh": MeshConfig,

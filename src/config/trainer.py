@@ -3,7 +3,8 @@ monitoring."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from src.config.base import ConfigError, choices
 
@@ -13,6 +14,9 @@ CheckpointFormat = choices("CheckpointFormat", "auto full sharded", __name__)
 MatmulPrecision = choices("MatmulPrecision", "auto highest high medium", __name__)
 MonitorMode = choices("MonitorMode", "min max", __name__)
 CheckpointErrors = choices("CheckpointErrors", "fail warn", __name__)
+Recomputation = choices("Recomputation", "none full selective", __name__)
+# What trainer.activation_checkpointing's true and false, its values before `selective`, mean.
+RECOMPUTATION_OF_BOOL = {True: Recomputation.full, False: Recomputation.none}
 
 
 @dataclass
@@ -63,9 +67,22 @@ class TrainerConfig:
     matmul_precision: MatmulPrecision = MatmulPrecision.auto
     """float32 matmuls: highest (true fp32), high (TF32 on NVIDIA GPUs, ~8x faster) or medium;
     auto is high on CUDA and highest on CPU. Stated in the summary."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in backward instead of keeping them: less memory,
-    about one more forward pass of compute."""
+    activation_checkpointing: Any = "none"
+    """none; full: each block keeps only its input for backward and runs its forward again
+    there (least memory, about one more forward pass of compute); selective: each block keeps
+    the outputs of `checkpoint_ops` (its matmuls) and recomputes the rest (memory and compute
+    between the two). true and false, the setting's values before selective, are full and none.
+    (`Any`: a schema's enum takes no bool.)"""
+    checkpoint_ops: list[str] = field(
+        default_factory=lambda: [
+            *("mm", "addmm", "bmm", "baddbmm"),
+            *("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention"),
+            *("_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"),
+        ]
+    )
+    """Under activation_checkpointing=selective, the aten ops (`torch.ops.aten.<name>`, every
+    overload) whose outputs are kept: by default the matmuls and attention's fused kernels,
+    the costly ops to run again (torchtitan's choice)."""
     compile: bool = False
     """torch.compile each block (inductor; the first steps compile, see timing_warmup_steps)."""
     profile: bool = False
@@ -114,6 +131,15 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         """Each setting's range, checked where it is defined (by `typed`, before any work)."""
+        self.activation_checkpointing = recomputation(self.activation_checkpointing)
+        if self.activation_checkpointing == Recomputation.selective and self.compile:
+            # Its policy sees the ops of an eager forward; a compiled block's kernels write
+            # into the outputs it kept (torch 2.14.1: "Tensor cached during selective
+            # activation checkpoint has been mutated").
+            raise ConfigError(
+                "trainer.activation_checkpointing=selective cannot run with trainer.compile=true; "
+                "use activation_checkpointing=full or compile=false"
+            )
         for key in (
             "max_steps",
             "batch_size",
@@ -169,3 +195,16 @@ class TrainerConfig:
     def eval_batch(self) -> int:
         """Samples per evaluation batch, over all devices: `eval_batch_size` or its default."""
         return self.eval_batch_size or self.batch_size // self.accumulate
+
+
+def recomputation(value: Any) -> Recomputation:
+    """trainer.activation_checkpointing as a `Recomputation` (true and false too)."""
+    if isinstance(value, bool):
+        return RECOMPUTATION_OF_BOOL[value]
+    if value not in Recomputation.__members__:
+        names = ", ".join(Recomputation.__members__)
+        raise ConfigError(
+            f"trainer.activation_checkpointing must be one of {names} (or true, false), "
+            f"got {value!r}"
+        )
+    return Recomputation(value)

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed._tools.mem_tracker import MemTracker
 
 from src.components.blocks import prepare_blocks
 from src.components.data import Split, build_data, first_samples
@@ -27,41 +26,12 @@ from src.components.precision import LossScaling, autocast
 from src.config.base import typed
 from src.config.trainer import TrainerConfig
 from src.launch.launcher import launch
+from src.observe.tensor_memory import StorageTracker, peak_mb
 from src.parallel import build_strategy
 from src.planning.memory_trace import TRACED_STEPS, meta_model_and_inputs
 from src.runtime.ranks import Ranks
 from src.runtime.stopping import StopOnSignal
 from src.training.step import evaluate, forward_backward
-
-
-class NoModuleHooks:
-    """What MemTracker asks of its module tracker, tracking no module: no hooks, never in a
-    backward pass."""
-
-    is_bw = False
-
-    def register_user_hooks(self, *hooks: Any) -> None:
-        pass
-
-    def clear_user_hooks(self) -> None:
-        pass
-
-    def __enter__(self) -> NoModuleHooks:
-        return self
-
-    def __exit__(self, *args: Any) -> None:
-        pass
-
-
-class StorageTracker(MemTracker):
-    """MemTracker counting every tensor storage per device, without its module hooks: their
-    gradient hooks break the pipeline schedules' `autograd.grad` ("A leaf node was passed to
-    _will_engine_execute_node", torch 2.14.1). The peak's Total is the same; what the module
-    hooks would label (parameters, gradients, backward temporaries) counts as activations."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._mod_tracker = NoModuleHooks()
 
 
 def measured_peaks_mb(cfg: DictConfig) -> dict[str, dict[str, float]]:
@@ -105,7 +75,7 @@ def step_peaks_mb(
             model = instantiate(
                 cfg.model, input_shape=data.input_shape, num_classes=data.num_classes
             )
-            prepare_blocks(model, trainer.activation_checkpointing, False)
+            prepare_blocks(model, trainer.activation_checkpointing, False, trainer.checkpoint_ops)
             model = strategy.wrap(model)
             optimizer = build_optimizer(cfg.optimizer, strategy.trained_parameters(model))
             scaling = LossScaling(strategy.grad_scaler(trainer.precision == "fp16", 2.0**16))
@@ -130,10 +100,3 @@ def step_peaks_mb(
     finally:
         strategy.teardown()
     return {"training": training, "evaluation": evaluation}
-
-
-def peak_mb(tracker: MemTracker) -> dict[str, float]:
-    """The tracker's peak on the device where it is highest, by category and `Total`, in MB."""
-    peaks = tracker.get_tracker_snapshot("peak").values()
-    peak = max(peaks, key=lambda snapshot: snapshot["Total"])
-    return {str(kind): size / 2**20 for kind, size in peak.items()}

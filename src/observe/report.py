@@ -5,16 +5,10 @@ hand on an existing sweep directory, to rebuild the table and the plot:
 
     python -m src.observe.report outputs/multirun/2026-05-09/12-00-00-000000
 
-Each job directory holds `.hydra/` (its config and overrides), `status.json` (see
-`src/launch/sweep.py`) and, when it trained, `summary.json`. Speed-up is over the sweep's `single`
-job (the one with the same swept settings outside `parallel`); scaling efficiency is speed-up /
-devices. A mesh layout's job is named by its degrees (`fsdp2xtp2`, `tp2`, `pp2-1F1B`: its
-summary.json's `layout`); a pipeline's shows its schedule's theoretical bubble beside each pp
-rank's measured idle fraction. Numbers that cannot be trusted are flagged in the table and the
-plot, with the reason under the table: more threads than cores, step times that disagree between
-logging windows, and efficiencies over 100%. The sweep exits non-zero when a job failed, or when
-no job could run at all; a combination that cannot run is reported as skipped and is not an
-error.
+The rows are read from the jobs' folders by `src/observe/sweep_rows.py`, and the plot drawn by
+`src/observe/scaling_plot.py`. Numbers that cannot be trusted are flagged in the table and the
+plot, with the reason under the table. The sweep exits non-zero when a job failed, or when no job
+could run at all; a combination that cannot run is reported as skipped and is not an error.
 
 At the end of a multirun with `logger=wandb`, one more W&B run in the sweep's group, named
 `scaling-report`, holds the table and the plot (a rebuild by hand logs nothing).
@@ -26,221 +20,20 @@ is still written.
 from __future__ import annotations
 
 import csv
-import json
 import logging
 import math
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from src.runtime.run_folder import hydra_file, status_file, summary_file
+from src.observe.scaling_plot import plot
+from src.observe.sweep_rows import FLAG_REASONS, STATUSES, Row, collect, job_dirs
 
 log = logging.getLogger(__name__)
-
-SWEPT_BY_STRATEGY = ("parallel", "parallel.devices")
-STATUSES = ("ok", "skipped", "failed")  # a job's outcome (src/launch/sweep.py)
-# A job whose logging windows' step times differ by more than this fraction of their median was
-# disturbed while it ran (see `Throughput` in src/training/loop.py).
-NOISY_SPREAD = 0.5
-
-# Why a flagged number cannot be trusted, and what to do about it (printed under the table).
-FLAG_REASONS = {
-    "oversubscribed": (
-        "more threads (processes x intra-op threads) than cores: the processes compete for the "
-        "cores, so the speed measures the machine more than the strategy. Lower "
-        "parallel.threads_per_rank (or OMP_NUM_THREADS) or parallel.devices until processes x "
-        "threads <= cores."
-    ),
-    "noisy": (
-        f"step times differ by more than {NOISY_SPREAD:.0%} of their median between logging "
-        "windows: something else ran on the machine. Rerun on a quiet machine, or with more "
-        "trainer.max_steps."
-    ),
-    "efficiency > 100%": (
-        "faster per device than the single job: not a real speed-up. The single baseline or this "
-        "job was disturbed (see noisy), or the baseline was oversubscribed; rerun on a quiet "
-        "machine."
-    ),
-}
-
-
-@dataclass
-class Row:
-    job: str
-    strategy: str
-    devices: int
-    """Devices of the whole job: parallel.devices x parallel.nodes."""
-    variant: str
-    """The job's swept settings other than the strategy and device count, e.g. `model=mlp`."""
-    world_size: int | None = None
-    samples_per_sec: float | None = None
-    tokens_per_sec: float | None = None
-    """Input tokens per second, for token sequences (language models)."""
-    tflops_per_sec: float | None = None
-    """Model FLOP/s of all the job's devices together, in TFLOP/s."""
-    mfu: float | None = None
-    """Model FLOPs utilisation, where the devices' peak is known (trainer.peak_tflops)."""
-    speedup: float | None = None
-    efficiency: float | None = None
-    step_time_ms: float | None = None
-    step_time_spread: float | None = None
-    """(Slowest - fastest) / median step time over the job's logging windows."""
-    threads: int | None = None
-    """Compute threads on the node: processes per node x intra-op threads per process."""
-    cores: int | None = None
-    predicted_peak_mb: float | None = None
-    """The planner's prediction of the largest peak (src/planning/planner.py), next to the measured
-    one."""
-    peak_memory_max_mb: float | None = None
-    peak_memory_spread_mb: float | None = None
-    """Largest minus smallest peak over the job's devices: the load imbalance."""
-    output_device_memory_ratio: float | None = None
-    """dp, dp_criterion on 2+ GPUs: the output device's peak over the other devices' mean."""
-    pipeline_bubble: float | None = None
-    """pp layouts: the schedule's theoretical bubble, (p - 1) / (m + p - 1) or its interleaved
-    form (`pipeline_schedules.schedule_bubble`)."""
-    pipeline_idle: list[float] | None = None
-    """pp layouts: each pp rank's measured share of a step spent waiting (`StageClock`)."""
-    final_train_loss: float | None = None
-    final_val_loss: float | None = None
-    test_loss: float | None = None
-    """The test pass's loss (trainer.test); absent from older summaries."""
-    status: str = "failed"
-    reason: str = ""
-    flags: str = ""
-    """Why the job's numbers cannot be trusted, comma-separated keys of FLAG_REASONS."""
-
-
-# ------------------------------------------------------------------------------- reading the jobs
-
-
-def job_dirs(sweep_dir: Path) -> list[Path]:
-    """Directories of the sweep's jobs (they hold `.hydra/config.yaml`), in job order."""
-    found = [path.parent.parent for path in sweep_dir.glob("*/.hydra/config.yaml")]
-    return sorted(found, key=lambda d: (len(d.name), d.name))  # 2 before 10
-
-
-def read_overrides(job_dir: Path) -> dict[str, str]:
-    overrides = OmegaConf.load(hydra_file(job_dir, "overrides.yaml"))
-    return dict(override.partition("=")[::2] for override in overrides)  # `~key` has no value
-
-
-def swept_variants(all_overrides: list[dict[str, str]]) -> list[str]:
-    """For each job, its overrides that differ across the sweep, strategy and devices left out."""
-    keys = {key for overrides in all_overrides for key in overrides}
-    swept = sorted(
-        key
-        for key in keys - set(SWEPT_BY_STRATEGY)
-        if len({overrides.get(key) for overrides in all_overrides}) > 1
-    )
-    return [
-        " ".join(f"{key}={overrides[key]}" for key in swept if key in overrides)
-        for overrides in all_overrides
-    ]
-
-
-def read_row(job_dir: Path, variant: str) -> Row:
-    config = OmegaConf.load(hydra_file(job_dir, "config.yaml"))
-    row = Row(
-        job=job_dir.name,
-        strategy=config.parallel.name,
-        devices=config.parallel.devices * config.parallel.nodes,
-        variant=variant,
-    )
-    status_path, summary_path = status_file(job_dir), summary_file(job_dir)
-    if status_path.exists():
-        status = json.loads(status_path.read_text())
-        row.status, row.reason = status["status"], status["reason"]
-    elif summary_path.exists():
-        row.status = "ok"  # a job that ran without src/launch/sweep.py, e.g. from an older sweep
-    else:
-        row.reason = "no summary.json or status.json: the job did not finish (killed?)"
-    if row.status == "ok" and summary_path.exists():
-        fill_from_summary(row, json.loads(summary_path.read_text()))
-        row.predicted_peak_mb = predicted_peak_mb(config)
-    return row
-
-
-def predicted_peak_mb(config: DictConfig) -> float | None:
-    """The planner's predicted peak memory per device for a job's config, in MB (training's or
-    evaluation's, whichever is higher: a run's measured peak covers both); None when it cannot
-    trace the model (or the config predates the planner)."""
-    from src.planning.planner import MB, plan_all
-
-    try:
-        (plan,) = plan_all(config, [config.parallel])
-    except Exception:  # noqa: BLE001 - the table goes on without the prediction
-        log.debug("no prediction for this job", exc_info=True)
-        return None
-    return plan.needed / MB if plan.problem is None else None
-
-
-def fill_from_summary(row: Row, summary: dict[str, Any]) -> None:
-    row.strategy = summary.get("layout", row.strategy)  # a mesh layout by its degrees
-    row.world_size = summary["world_size"]
-    row.samples_per_sec = summary["samples_per_sec"]
-    row.tokens_per_sec = summary.get("tokens_per_sec")
-    row.step_time_ms = summary["step_time_ms"]
-    row.tflops_per_sec = summary.get("tflops_per_sec")
-    row.mfu = summary.get("mfu")
-    row.step_time_spread = summary.get("step_time_spread")  # older summaries lack these
-    if "threads_per_process" in summary:
-        row.threads = summary["processes_per_node"] * summary["threads_per_process"]
-        row.cores = summary["cores"]
-    row.final_train_loss = summary["final_train_loss"]
-    row.final_val_loss = summary["final_val_loss"]
-    row.test_loss = summary.get("test_loss")
-    row.output_device_memory_ratio = summary.get("output_device_memory_ratio")
-    if "pipeline" in summary:
-        row.pipeline_bubble = summary["pipeline"]["bubble_fraction"]
-        row.pipeline_idle = summary["pipeline"]["idle_fraction_per_rank"]
-    memory = summary["peak_memory_mb"]
-    if memory:
-        row.peak_memory_max_mb = max(memory)
-        row.peak_memory_spread_mb = max(memory) - min(memory)
-
-
-def add_speedups(rows: list[Row]) -> None:
-    """Speed-up over the `single` job of the same variant, and speed-up per device."""
-    baselines: dict[str, float] = {}
-    for row in rows:
-        if row.strategy == "single" and row.status == "ok":
-            baselines.setdefault(non_parallel(row.variant), row.samples_per_sec)
-    for row in rows:
-        baseline = baselines.get(non_parallel(row.variant))
-        if row.status == "ok" and baseline and not math.isnan(baseline):
-            row.speedup = row.samples_per_sec / baseline
-            row.efficiency = row.speedup / row.devices
-
-
-def add_flags(rows: list[Row]) -> None:
-    for row in rows:
-        flags = []
-        if row.threads is not None and row.threads > row.cores:
-            flags.append("oversubscribed")
-        if row.step_time_spread is not None and row.step_time_spread > NOISY_SPREAD:
-            flags.append("noisy")
-        if row.efficiency is not None and row.efficiency >= 1.005:  # shown as over 100%
-            flags.append("efficiency > 100%")
-        row.flags = ", ".join(flags)
-
-
-def non_parallel(variant: str) -> str:
-    return " ".join(part for part in variant.split() if not part.startswith("parallel."))
-
-
-def collect(sweep_dir: Path) -> list[Row]:
-    dirs = job_dirs(sweep_dir)
-    variants = swept_variants([read_overrides(job_dir) for job_dir in dirs])
-    rows = [read_row(job_dir, variant) for job_dir, variant in zip(dirs, variants, strict=True)]
-    add_speedups(rows)
-    add_flags(rows)
-    return rows
-
 
 # ------------------------------------------------------------------------------- writing the report
 
@@ -261,7 +54,8 @@ COLUMN_TITLES = {
     "threads": "threads",
     "cores": "cores",
     "predicted_peak_mb": "predicted peak MB",
-    "peak_memory_max_mb": "measured peak MB (max)",
+    "tensor_peak_max_mb": "tensor peak MB (max)",
+    "peak_memory_max_mb": "process peak MB (max)",
     "peak_memory_spread_mb": "peak MB (spread)",
     "output_device_memory_ratio": "output device memory",
     "pipeline_bubble": "bubble (theory)",
@@ -297,7 +91,7 @@ def format_cell(name: str, value: Any) -> str:
         return rate_text(value)
     if name in ("peak_memory_max_mb", "peak_memory_spread_mb"):
         return f"{value:,.0f}"
-    if name == "predicted_peak_mb":
+    if name in ("predicted_peak_mb", "tensor_peak_max_mb"):
         return f"{value:,.3g}"
     if name in ("step_time_ms", "tflops_per_sec"):
         return f"{value:.3g}"
@@ -347,83 +141,6 @@ def write_csv(rows: list[Row], path: Path) -> None:
         writer = csv.DictWriter(file, fieldnames=[f.name for f in fields(Row)])
         writer.writeheader()
         writer.writerows(asdict(row) for row in rows)
-
-
-def scaling_figure(rows: list[Row], title: str) -> Any:
-    """Throughput and scaling efficiency against device count, one line per strategy; flagged
-    jobs ringed in red. The legend sits outside both plots, where it hides no point."""
-    from matplotlib.figure import Figure  # no pyplot: no global backend, Agg renders the file
-
-    figure = Figure(figsize=(12, 4.2), layout="constrained")
-    throughput, efficiency = figure.subplots(1, 2)
-    for label, points in strategy_lines(rows).items():
-        devices = [row.devices for row in points]
-        throughput.plot(devices, [row.samples_per_sec for row in points], "o-", label=label)
-        if any(row.efficiency is not None for row in points):
-            efficiency.plot(devices, [row.efficiency for row in points], "o-", label=label)
-    efficiency.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="ideal")
-    ring_flagged([row for row in rows if row.flags], throughput, efficiency)
-    label_axes(throughput, efficiency, sorted({row.devices for row in rows}))
-    handles, labels = both_legends(throughput, efficiency)
-    figure.legend(handles, labels, loc="outside right upper", fontsize="small")
-    figure.suptitle(title, fontsize="small")
-    return figure
-
-
-def strategy_lines(rows: list[Row]) -> dict[str, list[Row]]:
-    """The jobs that ran, by line (strategy and variant), each line's in device order."""
-    lines: dict[str, list[Row]] = {}
-    for row in rows:
-        if row.status == "ok":
-            label = f"{row.strategy} {row.variant}".strip()
-            lines.setdefault(label, []).append(row)
-    for points in lines.values():
-        points.sort(key=lambda row: row.devices)
-    return lines
-
-
-def ring_flagged(flagged: list[Row], throughput: Any, efficiency: Any) -> None:
-    """A red ring around each flagged job's points."""
-    for axes, value in ((throughput, "samples_per_sec"), (efficiency, "efficiency")):
-        marked = [row for row in flagged if getattr(row, value) is not None]
-        if not marked:
-            continue
-        axes.scatter(
-            [row.devices for row in marked],
-            [getattr(row, value) for row in marked],
-            s=160,
-            facecolors="none",
-            edgecolors="red",
-            linewidths=1.5,
-            zorder=3,
-            label="flagged: see summary.md",
-        )
-
-
-def label_axes(throughput: Any, efficiency: Any, all_devices: list[int]) -> None:
-    for axes, ylabel in ((throughput, "samples/s"), (efficiency, "speed-up / devices")):
-        axes.set_xlabel("devices")
-        axes.set_ylabel(ylabel)
-        axes.set_xticks(all_devices)
-        axes.set_ylim(bottom=0)
-        axes.grid(alpha=0.3)
-    throughput.set_title("throughput")
-    efficiency.set_title("scaling efficiency (vs single)")
-
-
-def both_legends(throughput: Any, efficiency: Any) -> tuple[list, list[str]]:
-    """The efficiency plot's legend entries, then the throughput plot's that it lacks."""
-    handles, labels = efficiency.get_legend_handles_labels()
-    known = set(labels)
-    for handle, label in zip(*throughput.get_legend_handles_labels(), strict=True):
-        if label not in known:  # a strategy without efficiencies (no single job to compare)
-            handles.append(handle)
-            labels.append(label)
-    return handles, labels
-
-
-def plot(rows: list[Row], path: Path, title: str) -> None:
-    scaling_figure(rows, title).savefig(path, dpi=110)
 
 
 def write_report(sweep_dir: Path) -> list[Row]:

@@ -67,8 +67,10 @@ Now and then:
                                  steps; every step with trainer.skip_nonfinite)
     strategy.barrier()
     strategy.synchronize()       wait for queued device work (timing)
-    strategy.local_peak_memory_mb()   (labels, megabytes) for this process's devices
-    strategy.peak_memory_mb()    the same for every device the job used (all processes)
+    strategy.local_peak_memory_mb(cpu_mb)   (labels, megabytes) for this process's devices:
+                                 the allocator's peak on CUDA, `cpu_mb()` (default: the
+                                 process's resident peak) on CPU
+    strategy.peak_memory_mb(cpu_mb)    the same for every device the job used (all processes)
     strategy.report()            strategy-specific figures for summary.json (e.g. bubble)
     strategy.teardown()
 For the planner (`src/planning/planner.py`), after check_batch and check_model, touching no device:
@@ -265,9 +267,13 @@ class TrainingStrategy(Protocol):
 
     def synchronize(self) -> None: ...
 
-    def peak_memory_mb(self) -> tuple[list[str], list[float]]: ...
+    def peak_memory_mb(
+        self, cpu_mb: Callable[[], float] = process_peak_memory_mb
+    ) -> tuple[list[str], list[float]]: ...
 
-    def local_peak_memory_mb(self) -> tuple[list[str], list[float]]: ...
+    def local_peak_memory_mb(
+        self, cpu_mb: Callable[[], float] = process_peak_memory_mb
+    ) -> tuple[list[str], list[float]]: ...
 
     def report(self) -> dict[str, Any]: ...
 
@@ -481,10 +487,14 @@ class Strategy:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
 
-    def peak_memory_mb(self) -> tuple[list[str], list[float]]:
-        return self.local_peak_memory_mb()
+    def peak_memory_mb(
+        self, cpu_mb: Callable[[], float] = process_peak_memory_mb
+    ) -> tuple[list[str], list[float]]:
+        return self.local_peak_memory_mb(cpu_mb)
 
-    def local_peak_memory_mb(self) -> tuple[list[str], list[float]]:
+    def local_peak_memory_mb(
+        self, cpu_mb: Callable[[], float] = process_peak_memory_mb
+    ) -> tuple[list[str], list[float]]:
         """One entry per CUDA device; on CPU, one per process (replicas share its memory)."""
         if self.device_type == "cuda":
             devices = sorted(set(self.devices), key=lambda d: d.index)
@@ -492,7 +502,7 @@ class Strategy:
                 [str(d) for d in devices],
                 [torch.cuda.max_memory_allocated(d) / 2**20 for d in devices],
             )
-        return [f"cpu:rank{self.rank}"], [process_peak_memory_mb()]
+        return [f"cpu:rank{self.rank}"], [cpu_mb()]
 
     def report(self) -> dict[str, Any]:
         return {}

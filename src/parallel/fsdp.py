@@ -44,11 +44,18 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from src.checkpoint.store import renamed
 from src.components.precision import AUTOCAST_DTYPES
+from src.config.parallel import FSDPConfig, Offload
 from src.parallel.base import DeviceShare, ModelSizes, tied_block_groups
 from src.parallel.distributed import Distributed
 
@@ -59,6 +66,7 @@ SPLIT_FROM_FULL = StateDictOptions(full_state_dict=True)
 
 
 class FSDP(Distributed):
+    settings_schema = FSDPConfig
     sharded_checkpoints = True
     default_checkpoint_format = "sharded"  # no rank can hold the whole model
 
@@ -66,7 +74,7 @@ class FSDP(Distributed):
         model = self.with_batchnorm_synced(model)
         copy_from_rank0(model, self.device)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        return apply_fsdp(model, mesh, mixed_precision(self.precision))
+        return apply_fsdp(model, mesh, mixed_precision(self.precision), offload=self.cfg.offload)
 
     def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
         """Rank 0's device: its share of the batch, its shard of the model's state, and, while
@@ -133,11 +141,14 @@ def apply_fsdp(
     mesh: DeviceMesh,
     policy: MixedPrecisionPolicy,
     reshard_after_forward: bool = True,
+    offload: Offload = Offload.none,
 ) -> nn.Module:
     """FSDP2 over `mesh` (1-D: shards; 2-D (replicate, shard): HSDP) under `policy`, each of
     `sharding_units` a unit and the root for what is left; with `reshard_after_forward` false,
-    a unit gathered for its forward stays gathered until its gradients are reduced."""
+    a unit gathered for its forward stays gathered until its gradients are reduced; `offload`
+    cpu keeps the shards (and their gradients and optimizer state) in host memory."""
     options = {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": reshard_after_forward}
+    options["offload_policy"] = CPUOffloadPolicy() if offload == Offload.cpu else OffloadPolicy()
     for unit in sharding_units(model):
         fully_shard(unit if len(unit) > 1 else unit[0], **options)
     return fully_shard(model, **options)

@@ -175,7 +175,7 @@ class Mesh(Distributed):
         self.parameter_order = [name for name, _ in model.named_parameters()]
         copy_from_rank0(model, self.device)
         data_parallel = self.mesh["dp_replicate", "dp_shard"]
-        policy = mixed_precision(self.precision)
+        policy, offload = mixed_precision(self.precision), self.cfg.offload
         if self.layout.pp > 1:
             pp_mesh = self.mesh["pp"]
             parts, block_ranks = stage_parts(
@@ -198,12 +198,14 @@ class Mesh(Distributed):
                 # stage's registered parameters, which FSDP would have swapped back to the
                 # sharded ones after each forward, their gradients then never computed.
                 parts = {
-                    s: apply_fsdp(part, data_parallel, policy, reshard_after_forward=False)
+                    s: apply_fsdp(
+                        part, data_parallel, policy, reshard_after_forward=False, offload=offload
+                    )
                     for s, part in parts.items()
                 }
             self.pipeline = PipelineRun(self.cfg, pp_mesh, self.device, parts, block_ranks)
         elif self.layout.dp > 1:
-            model = apply_fsdp(model, data_parallel, policy)
+            model = apply_fsdp(model, data_parallel, policy, offload=offload)
         self.held_bytes = held_bytes(model)
         return model
 

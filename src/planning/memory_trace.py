@@ -22,6 +22,8 @@ from src.components.blocks import prepare_blocks
 from src.components.data import Data, first_samples
 from src.components.optimizer import build_optimizer
 from src.components.precision import autocast
+from src.config.base import typed
+from src.config.trainer import TrainerConfig
 from src.parallel.base import DeviceShare, ModelSizes, tied_block_groups
 from src.planning.plans import DevicePlan
 
@@ -148,7 +150,8 @@ def trace_share(
     sample_inputs, sample_targets = first_samples(data.train, 1)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
-        prepare_blocks(model, trainer.activation_checkpointing, False)
+        settings = typed(TrainerConfig, trainer)
+        prepare_blocks(model, settings.activation_checkpointing, False, settings.checkpoint_ops)
         ranges = share.stage_blocks(len(model))
         stages = nn.ModuleList(nn.Sequential(*list(model)[start:end]) for start, end in ranges)
         optimizer = build_optimizer(cfg.optimizer, stages.parameters())
@@ -200,24 +203,28 @@ def trace_share(
     return TracedShare(peaks, flops.get_total_flops(), dict(evaluation))
 
 
-def device_plan(traced: TracedShare, share: DeviceShare, eval_share: DeviceShare) -> DevicePlan:
+def device_plan(
+    traced: TracedShare, share: DeviceShare, eval_share: DeviceShare, offloaded: bool = False
+) -> DevicePlan:
     """`share`'s device at the higher of its traced peaks, each in the plan's categories,
     shared out, with what the strategy adds while the model runs (`share.running_bytes`) on
-    the one taken then; and its evaluation's peak (`eval_share`'s)."""
+    the one taken then; and its evaluation's peak (`eval_share`'s). `offloaded`
+    (parallel.offload=cpu): its share of the state is in host memory, at the most it holds."""
     flops = int(traced.flops * share.flops_kept)
     devices = [
-        shared_out(in_categories(peak, share, flops), share, running=phase == RUNNING)
+        shared_out(in_categories(peak, share, flops), share, phase == RUNNING, offloaded)
         for phase, peak in traced.peaks.items()
     ]
     device = max(devices, key=lambda device: device.peak)
-    device.evaluation = evaluation_peak(traced.evaluation, eval_share)
+    device.host = max(device.host for device in devices)
+    device.evaluation = evaluation_peak(traced.evaluation, eval_share, offloaded)
     return device
 
 
-def evaluation_peak(peak: dict[Any, int], share: DeviceShare) -> int:
+def evaluation_peak(peak: dict[Any, int], share: DeviceShare, offloaded: bool = False) -> int:
     """A traced evaluation peak (by MemTracker's categories) shared out as `share`'s device,
     with what the strategy adds while the model runs forward alone (`share.forward_bytes`)."""
-    device = shared_out(in_categories(peak, share, flops=0), share, running=False)
+    device = shared_out(in_categories(peak, share, flops=0), share, False, offloaded)
     return device.peak + sum(share.forward_bytes.values())
 
 
@@ -231,18 +238,23 @@ def in_categories(peak: dict[Any, int], share: DeviceShare, flops: int) -> Devic
     return device
 
 
-def shared_out(device: DevicePlan, share: DeviceShare, running: bool) -> DevicePlan:
+def shared_out(
+    device: DevicePlan, share: DeviceShare, running: bool, offloaded: bool = False
+) -> DevicePlan:
     """`device` with its parameters, gradients and optimizer state cut to `share.state_kept`
-    and split `share.state_shards` ways, its activations cut to `share.activations_kept`, plus
-    what the strategy adds on top (`share.extra_bytes`; `share.running_bytes` too if the model
-    is `running`)."""
+    and split `share.state_shards` ways (moved to `host` if `offloaded`), its activations cut
+    to `share.activations_kept`, plus what the strategy adds on top (`share.extra_bytes`;
+    `share.running_bytes` too if the model is `running`: FSDP's gathered units stay on the
+    device when the shards are offloaded)."""
+    state = ("parameters", "gradients", "optimizer")
     split = {
-        name: int(getattr(device, name) * share.state_kept) // share.state_shards
-        for name in ("parameters", "gradients", "optimizer")
+        name: int(getattr(device, name) * share.state_kept) // share.state_shards for name in state
     }
     split["activations"] = int(device.activations * share.activations_kept)
     if share.replica_only:
         split.update(gradients=0, optimizer=0)
+    if offloaded:
+        split.update(host=sum(split[name] for name in state), **dict.fromkeys(state, 0))
     device = dataclasses.replace(device, **split)
     running_bytes = share.running_bytes if running else {}
     for name, size in [*share.extra_bytes.items(), *running_bytes.items()]:

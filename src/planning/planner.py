@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.components.data import Data, build_data
 from src.config.base import ConfigError, typed
-from src.config.parallel import AUTO
+from src.config.parallel import AUTO, Offload
 from src.config.plan import PlanConfig
 from src.config.trainer import Accelerator, TrainerConfig
 from src.parallel import build_strategy
@@ -158,7 +158,8 @@ def plan_one(
         key = (share_key(share), share_key(eval_share))
         if key not in traces:
             traces[key] = trace_share(cfg, data, share, eval_share)
-        plan.device_plans.append(device_plan(traces[key], share, eval_share))
+        offloaded = parallel.get("offload") == Offload.cpu
+        plan.device_plans.append(device_plan(traces[key], share, eval_share, offloaded))
     plan.traffic = strategy.step_traffic(sizes, micro_batch, trainer.accumulate)
     plan.fits = plan.needed <= cfg.plan.device_memory_gb * 2**30
     speed = speed or measured_speed(strategy.device_type, cfg.plan)
@@ -181,7 +182,8 @@ def format_table(plans: Sequence[Plan], device_memory_gb: float, brief: bool = F
     that cannot run in one line at the end instead of a row each with the reason."""
     header = (
         f"{'strategy':<15}{'devices':>8}  {'device':<12}{'params':>9}{'grads':>9}{'optim':>9}"
-        f"{'activ':>9}{'peak MB':>10}{'eval peak MB':>14}{'traffic MB':>12}{'fits':>6}"
+        f"{'activ':>9}{'peak MB':>10}{'eval peak MB':>14}{'host MB':>9}{'traffic MB':>12}"
+        f"{'fits':>6}"
     )
     lines = [f"device memory: {device_memory_gb:g} GB (plan.device_memory_gb)", header]
     for plan in plans:
@@ -197,7 +199,7 @@ def format_table(plans: Sequence[Plan], device_memory_gb: float, brief: bool = F
             lines.append(
                 f"{plan.strategy if first else '':<15}{plan.devices if first else '':>8}  "
                 f"{device.label:<12}{figures}{device.peak / MB:>10.2f}"
-                f"{device.evaluation / MB:>14.2f}"
+                f"{device.evaluation / MB:>14.2f}{device.host / MB:>9.2f}"
                 + (f"{traffic:>12.2f}{'yes' if plan.fits else 'NO':>6}" if first else "")
             )
         if plan.traffic:

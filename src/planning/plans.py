@@ -26,6 +26,9 @@ class DevicePlan:
     flops: int = 0
     evaluation: int = 0
     """The peak while it evaluates one batch: its state, and the forward's live activations."""
+    host: int = 0
+    """Held in host memory instead, outside the peak: the state parallel.offload=cpu moves
+    there (its parameters, gradients and optimizer state)."""
 
     @property
     def peak(self) -> int:

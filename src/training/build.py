@@ -21,6 +21,8 @@ from torch import nn
 from src.checkpoint.store import is_sharded, load_checkpoint, resume_path
 from src.components.blocks import prepare_blocks
 from src.components.data import Data, build_data, first_samples
+from src.config.base import typed
+from src.config.trainer import TrainerConfig
 from src.parallel.base import Strategy
 from src.runtime.ranks import Ranks
 from src.training.checks import blame, check_data, check_model, check_settings
@@ -137,7 +139,8 @@ def build_wrapped_model(
     if init_from is not None:
         strict = cfg.trainer.init_strict
         load_init_weights(model, init_from, strict, announce=strategy.is_main)
-    prepare_blocks(model, cfg.trainer.activation_checkpointing, cfg.trainer.compile)
+    trainer = typed(TrainerConfig, cfg.trainer)
+    prepare_blocks(model, trainer.activation_checkpointing, trainer.compile, trainer.checkpoint_ops)
     return strategy.wrap(model)
 
 

@@ -17,10 +17,12 @@ from torch import nn
 
 from src.checkpoint.writer import resolved_format
 from src.components.batches import Tree, describe
+from src.components.blocks import saved_ops
 from src.components.data import Data, meta_samples
 from src.components.optimizer import build_optimizer, lr_schedule
 from src.config.base import ConfigError, typed
-from src.config.trainer import TrainerConfig
+from src.config.parallel import Offload
+from src.config.trainer import Recomputation, TrainerConfig
 from src.observe.tracking import check_tracker
 from src.parallel import build_strategy
 from src.parallel.base import Strategy, resolve_device_type
@@ -33,7 +35,7 @@ def check_settings(cfg: DictConfig, ranks: Ranks | None) -> Strategy:
     """The checks of the settings themselves (no data, no model); returns the unstarted
     strategy. `ranks`: the ranks torchrun or srun started, this process among them, if any."""
     trainer = cfg.trainer
-    typed(TrainerConfig, trainer)  # its ranges
+    settings = typed(TrainerConfig, trainer)  # its ranges
     device_type = resolve_device_type(trainer.accelerator)
     if (
         trainer.precision == "bf16"
@@ -42,13 +44,23 @@ def check_settings(cfg: DictConfig, ranks: Ranks | None) -> Strategy:
         and not torch.cuda.is_bf16_supported(including_emulation=False)
     ):
         raise ConfigError("trainer.precision=bf16 but this GPU has no bf16 support; use fp32")
-    if trainer.activation_checkpointing and cfg.parallel.get("deferred_batchnorm"):
+    recomputation = settings.activation_checkpointing
+    if recomputation != Recomputation.none and cfg.parallel.get("deferred_batchnorm"):
         raise ConfigError(
             "parallel.deferred_batchnorm=true cannot run with trainer.activation_checkpointing="
-            "true: the recomputed forward passes would update the running statistics again; set "
-            "one of them to false"
+            f"{recomputation}: the recomputed forward passes would update the running statistics "
+            "again; set deferred_batchnorm=false or activation_checkpointing=none"
         )
+    if recomputation == Recomputation.selective:
+        saved_ops(settings.checkpoint_ops)
     strategy = build_strategy(cfg.parallel, device_type, trainer.precision, ranks)
+    if cfg.parallel.get("offload") == Offload.cpu and device_type != "cuda":
+        # Refused, not ignored: on the CPU the shards are in host memory already, and a run that
+        # said it offloaded would report the same memory as one that did not.
+        raise ConfigError(
+            "parallel.offload=cpu moves FSDP's shards from GPU memory to the host, and this run "
+            "is on the CPU; set parallel.offload=none (or train on a GPU)"
+        )
     strategy.check_visible_gpus()
     strategy.check_batch(trainer.batch_size // trainer.accumulate)
     strategy.check_accumulate(trainer.accumulate)

@@ -286,9 +286,11 @@ class Evaluation:
         batches: ValBatches,
         speed: Throughput,
         split: str = "val",
+        counting: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ):
+        """`counting`: a context for each evaluation, such as `TensorPeak.evaluation`."""
         self.trainer, self.strategy, self.task, self.speed = trainer, strategy, task, speed
-        self.batches, self.split = batches, split
+        self.batches, self.split, self.counting = batches, split, counting
         self.figures: dict[str, float] = {"loss": math.nan}
 
     def due(self, step: int) -> bool:
@@ -305,7 +307,7 @@ class Evaluation:
     def run(
         self, step: int, model: torch.nn.Module, precision: Any, history: History
     ) -> dict[str, float]:
-        with self.speed.paused():
+        with self.speed.paused(), self.counting():
             self.figures = evaluate(
                 model, self.strategy, self.task, self.batches, self.trainer.eval_batch, precision
             )

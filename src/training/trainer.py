@@ -36,6 +36,7 @@ from src.components.state_dicts import tied_keys
 from src.config.base import plain_config, typed
 from src.config.trainer import TrainerConfig
 from src.observe.performance import step_flops, step_profiler
+from src.observe.tensor_memory import TensorPeak
 from src.observe.tracking import Tracker, build_tracker
 from src.parallel.base import Strategy
 from src.runtime.run_folder import metrics_file, profile_trace
@@ -140,6 +141,10 @@ class Trainer:
         if cfg.trainer.compile:
             self.task = CompiledSums(self.task)
         self.stepper = Stepper(self.settings, strategy, self.model, self.optimizer)
+        # On CPU, beside the process's resident peak; not around compiled blocks, whose
+        # graphs dynamo would build for the tracker's dispatch mode.
+        counted = strategy.device_type == "cpu" and not cfg.trainer.compile
+        self.tensor_peak = TensorPeak(self.model, self.optimizer, counted)
         if state is not None:
             self.load_state_dict(state)
         self.tracker = build_tracker(
@@ -154,7 +159,10 @@ class Trainer:
             tokens_per_sample(blueprint.data.train),
         )
         self.progress = Progress(settings, strategy, self.task, self.speed)
-        self.evaluation = Evaluation(settings, strategy, self.task, self.val, self.speed)
+        counting = self.tensor_peak.evaluation
+        self.evaluation = Evaluation(
+            settings, strategy, self.task, self.val, self.speed, counting=counting
+        )
         self.testing = Evaluation(settings, strategy, self.task, self.test, self.speed, "test")
         writer = CheckpointWriter(
             self.run_dir,
@@ -238,16 +246,18 @@ class Trainer:
             for step in range(start_step + 1, settings.max_steps + 1):
                 self.step = step
                 lr = self.lr_at(step - 1)
-                step_sums, targets = forward_backward(
-                    model,
-                    strategy,
-                    self.task,
-                    self.batches,
-                    stepper.precision,
-                    settings.accumulate,
-                    stepper.scaling,
-                )
-                if stepper.update(step, lr, step_sums):
+                with self.tensor_peak.step():
+                    step_sums, targets = forward_backward(
+                        model,
+                        strategy,
+                        self.task,
+                        self.batches,
+                        stepper.precision,
+                        settings.accumulate,
+                        stepper.scaling,
+                    )
+                    updated = stepper.update(step, lr, step_sums)
+                if updated:
                     self.progress.add(step_sums, targets)
                 self.speed.step_done(strategy, self.batches.take_wait())
                 profiler.step()
@@ -329,6 +339,7 @@ class Trainer:
 
     def final_figures(self) -> dict[str, Any]:
         memory_devices, memory_mb = self.strategy.peak_memory_mb()
+        _, tensor_mb = self.strategy.peak_memory_mb(self.tensor_peak.peak_mb)
         tested = self.tested_step is not None
         test_figures = {f"test_{name}": value for name, value in self.testing.figures.items()}
         return {
@@ -342,6 +353,7 @@ class Trainer:
             "scaler_skipped_steps": self.stepper.scaling.skipped_steps,
             **self.speed.summary(),
             "peak_memory_mb": memory_mb,
+            "tensor_peak_mb": tensor_mb,
             "memory_devices": memory_devices,
             "wall_time_s": time.perf_counter() - self.speed.started,
             # What a checkpoint costs the training (trainer.async_checkpoint: staging only).

@@ -1,0 +1,92 @@
+"""Tensor memory counted as the planner counts it: torch's `MemTracker`, every tensor storage
+alive per device, on CPU too, where the process's resident peak also holds the interpreter,
+torch's libraries, the data set and the allocator's caches (696 MB for the default MLP, whose
+tensors peak at about 4 MB).
+
+A training run counts its first `TRACED_STEPS` steps (the second holds the optimizer state, as
+the planner's trace does) and its first evaluation, and reports the highest peak of them beside
+the planner's prediction (`summary.json`'s `tensor_peak_mb`, the sweep report's `tensor peak MB`
+column). Counting costs each op of those passes a Python call; later steps run as before."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn, optim
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from src.planning.memory_trace import TRACED_STEPS
+from src.planning.plans import MB
+
+
+class NoModuleHooks:
+    """What MemTracker asks of its module tracker, tracking no module: no hooks, never in a
+    backward pass."""
+
+    is_bw = False
+
+    def register_user_hooks(self, *hooks: Any) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def __enter__(self) -> NoModuleHooks:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        pass
+
+
+class StorageTracker(MemTracker):
+    """MemTracker counting every tensor storage per device, without its module hooks: their
+    gradient hooks break the pipeline schedules' `autograd.grad` ("A leaf node was passed to
+    _will_engine_execute_node", torch 2.14.1). The peak's Total is the same; what the module
+    hooks would label (parameters, gradients, backward temporaries) counts as activations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mod_tracker = NoModuleHooks()
+
+
+def peak_mb(tracker: MemTracker) -> dict[str, float]:
+    """The tracker's peak on the device where it is highest, by category and `Total`, in MB."""
+    peaks = tracker.get_tracker_snapshot("peak").values()
+    peak = max(peaks, key=lambda snapshot: snapshot["Total"])
+    return {str(kind): size / MB for kind, size in peak.items()}
+
+
+class TensorPeak:
+    """This process's peak tensor memory over the first `TRACED_STEPS` training steps and the
+    first evaluation (`step`, `evaluation`), when `counted`; else nothing is tracked."""
+
+    def __init__(self, model: nn.Module, optimizer: optim.Optimizer, counted: bool):
+        self.tracker = StorageTracker() if counted else None
+        if self.tracker:
+            self.tracker.track_external(model, optimizer)  # created before the first step
+        self.left = {"step": TRACED_STEPS, "evaluation": 1}  # passes still to count, by kind
+        self.peak: float | None = None
+
+    def step(self) -> contextlib.AbstractContextManager:
+        """A training step, counted if it is one of the first."""
+        return self.counted("step")
+
+    def evaluation(self) -> contextlib.AbstractContextManager:
+        """An evaluation, counted if it is the first."""
+        return self.counted("evaluation")
+
+    @contextlib.contextmanager
+    def counted(self, kind: str) -> Iterator[None]:
+        self.left[kind] -= 1
+        if self.tracker is None or self.left[kind] < 0:
+            yield
+            return
+        with self.tracker:  # entered again, its peak starts again from what is alive
+            yield
+        self.peak = max(self.peak or 0.0, peak_mb(self.tracker)["Total"])
+
+    def peak_mb(self) -> float:
+        """The highest peak counted (MB); NaN if nothing was (on CUDA the allocator counts)."""
+        return float("nan") if self.peak is None else self.peak
