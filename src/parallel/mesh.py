@@ -590,7 +590,7 @@ class Mesh(Distributed):
             # each boundary a rank's stages touch: activations forward, gradients back, per run
             boundaries = -(-2 * len(self.stage_points) // layout.pp)
             crossing = boundary_bytes(self.stage_points, sizes, samples // parts)
-            each = crossing // len(self.stage_points)
+            each = crossing // (2 * len(self.stage_points))  # one way over one boundary
             messages.append(Messages("send", 2 * runs * boundaries, each, 2))
         held = max(self.kept_bytes(sizes, blocks) for blocks in ranks)
         reductions = accumulate if layout.pp > 1 else 1
