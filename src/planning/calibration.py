@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,9 +59,12 @@ class Calibration:
     """By intra-op threads."""
     elementwise_bytes_per_s: dict[str, float]
     """By intra-op threads: bytes read and written by an in-place add."""
+    step_s: dict[str, float]
+    """By intra-op threads: a training step's fixed seconds, beyond its ops (the optimizer's
+    Python, mostly)."""
     op_s: dict[str, float]
-    """By intra-op threads: seconds per aten op of a tiny training step (its arithmetic is
-    negligible): Python, autograd and dispatch."""
+    """By intra-op threads: seconds per aten op beyond its arithmetic: dispatch, autograd,
+    launch."""
     collectives: dict[str, dict[str, list[float]]]
     """By collective, then process count: [latency s, s per byte]."""
     seconds: float = 0.0
@@ -108,16 +112,17 @@ def calibrate(device_type: str) -> Calibration:
     cores = usable_cores()
     device = torch.device(device_type)
     thread_counts = sorted({max(1, cores // processes) for processes in (1, 2, 4, 8, cores)})
-    matmul, elementwise, op = {}, {}, {}
+    matmul, elementwise, step, op = {}, {}, {}, {}
     for threads in thread_counts:
         with intra_op_threads(threads):
             matmul[str(threads)] = matmul_flops_per_s(device)
             elementwise[str(threads)] = elementwise_bytes_per_s(device)
-            op[str(threads)] = seconds_per_op(device)
+            step[str(threads)], op[str(threads)] = step_and_op_s(device)
     return Calibration(
         device_type,
         matmul,
         elementwise,
+        step,
         op,
         collective_figures(device_type),
         seconds=time.perf_counter() - started,
@@ -166,15 +171,23 @@ def elementwise_bytes_per_s(device: torch.device) -> float:
     return 3 * x.nbytes / best_time_s(lambda: x.add_(y), device, repeats=5)
 
 
-def seconds_per_op(device: torch.device) -> float:
-    """Seconds per aten op of a tiny model's training step (forward, loss, backward, SGD's
-    step, zero_grad): the fixed cost of an op, its arithmetic being next to nothing."""
+def step_and_op_s(device: torch.device) -> tuple[float, float]:
+    """(seconds per step, seconds per aten op) of a tiny model's training step (forward, loss,
+    backward, SGD's step, zero_grad), whose arithmetic is next to nothing, from two depths: a
+    step's fixed cost (the optimizer's Python, mostly) and each op's (dispatch, autograd,
+    launch)."""
+    shallow, deep = tiny_step_s_and_ops(device, 2), tiny_step_s_and_ops(device, 10)
+    per_op = max(0.0, (deep[0] - shallow[0]) / (deep[1] - shallow[1]))
+    return max(0.0, shallow[0] - shallow[1] * per_op), per_op
+
+
+def tiny_step_s_and_ops(device: torch.device, depth: int) -> tuple[float, int]:
+    """A training step's seconds and aten ops, for an MLP of `depth` 16-wide Linears."""
     torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1)
-    ).to(device)
+    layers = [module for _ in range(depth) for module in (nn.Linear(16, 16), nn.ReLU())]
+    model = nn.Sequential(*layers).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    inputs, targets = torch.randn(8, 16, device=device), torch.randn(8, 1, device=device)
+    inputs, targets = torch.randn(8, 16, device=device), torch.randn(8, 16, device=device)
 
     def step() -> None:
         loss = nn.functional.mse_loss(model(inputs), targets)
@@ -185,7 +198,7 @@ def seconds_per_op(device: torch.device) -> float:
     counter = OpCounter()
     with counter:
         step()
-    return best_time_s(step, device, repeats=20) / counter.ops
+    return best_time_s(step, device, repeats=20), counter.ops
 
 
 def collective_figures(device_type: str) -> dict[str, dict[str, list[float]]]:
@@ -228,6 +241,8 @@ def measure_collectives(rank: int, world: str, device_type: str, folder: str, re
     """One rank's part of `collective_figures` (its command-line arguments): rank 0 writes them
     to `results`."""
     world = int(world)
+    # torch 2.14 renamed the tensor collectives (the old names warn); torch 2.11 has only those.
+    warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(max(1, usable_cores() // world))
     backend = "nccl" if device_type == "cuda" else "gloo"
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
@@ -274,4 +289,4 @@ def collective_s(
         "send": lambda: (dist.send if rank == 0 else dist.recv)(whole, 1 - rank, group=group),
     }
     dist.barrier(group=group)
-    return best_time_s(operations[name], device, repeats=10)
+    return best_time_s(operations[name], device, repeats=5)

@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 from src.parallel.base import Messages, PlannedStrategy
 from src.planning.calibration import Calibration, calibration
-from src.planning.plans import Plan
+from src.planning.plans import DevicePlan, Plan
 
 # The share of a step's compute that is backward, behind which DDP's bucketed all-reduce and
 # FSDP's prefetched gathers and reduce-scatters run (backward costs about twice the forward).
@@ -25,6 +25,10 @@ class DeviceSpeed:
     one takes them from the settings (`plan.device_tflops`, `plan.link_gb_per_s`; no latency):
     GPUs the planner does not see."""
 
+    overlaps = True
+    """Whether messages run beside compute: a GPU's collectives have engines and streams of
+    their own; gloo's threads on CPU take turns on the cores the compute runs on."""
+
     def __init__(self, settings: DictConfig):
         self.settings = settings
 
@@ -32,6 +36,10 @@ class DeviceSpeed:
         return self.settings.device_tflops * 1e12
 
     def op_s(self, threads: int) -> float:
+        return 0.0
+
+    def fixed_step_s(self, threads: int) -> float:
+        """A training step's seconds beyond its ops and FLOPs."""
         return 0.0
 
     def message_s(self, messages: Messages) -> float:
@@ -56,12 +64,16 @@ class CalibratedSpeed(DeviceSpeed):
 
     def __init__(self, figures: Calibration):
         self.figures = figures
+        self.overlaps = figures.device_type != "cpu"
 
     def flops_per_s(self, threads: int) -> float:
         return self.figures.at_threads(self.figures.matmul_flops_per_s, threads)
 
     def op_s(self, threads: int) -> float:
         return self.figures.at_threads(self.figures.op_s, threads, best=min)
+
+    def fixed_step_s(self, threads: int) -> float:
+        return self.figures.at_threads(self.figures.step_s, threads, best=min)
 
     def message_s(self, messages: Messages) -> float:
         each = self.figures.message_s(messages.collective, messages.ranks, messages.size)
@@ -104,7 +116,8 @@ def measured_speed(device_type: str, settings: DictConfig) -> DeviceSpeed:
 def step_time_s(plan: Plan, strategy: PlannedStrategy, speed: DeviceSpeed, cores: int) -> float:
     """The predicted time of a step: the busiest device's compute, stretched by its pipeline's
     idle share, plus the messages it waits for (`plan.messages`; those that run during backward
-    only as far as they outlast it); within one process, traffic is a copy in memory.
+    only as far as they outlast it, where the device `overlaps`); within one process, traffic
+    is a copy in memory.
 
     GPUs run side by side. On CPU a one-process strategy's devices (see `DeviceShare.devices`)
     share its cores, so they run one after another, at the rate of all its threads; each of
@@ -112,7 +125,7 @@ def step_time_s(plan: Plan, strategy: PlannedStrategy, speed: DeviceSpeed, cores
     processes = strategy.processes_per_node
     threads = max(1, cores // processes) if strategy.device_type == "cpu" else 1
 
-    def compute_s(device) -> float:  # noqa: ANN001 - a DevicePlan
+    def compute_s(device: DevicePlan) -> float:
         return device.flops / speed.flops_per_s(threads) + device.ops * speed.op_s(threads)
 
     if strategy.device_type == "cpu" and processes == 1:
@@ -123,8 +136,11 @@ def step_time_s(plan: Plan, strategy: PlannedStrategy, speed: DeviceSpeed, cores
         turns = max(1.0, processes / cores) if strategy.device_type == "cpu" else 1.0
         idle = strategy.idle_fraction() if busiest.devices == 1 else 0.0
         compute = share * turns / (1 - idle)
+    compute += speed.fixed_step_s(threads)
     if processes == 1:
         return compute + sum(plan.traffic.values()) / speed.copy_bytes_per_s()
     exposed = sum(speed.message_s(m) for m in plan.messages if not m.overlapped)
     hidden = sum(speed.message_s(m) for m in plan.messages if m.overlapped)
+    if not speed.overlaps:
+        return compute + exposed + hidden
     return compute + exposed + max(0.0, hidden - BACKWARD_SHARE * compute)
