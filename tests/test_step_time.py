@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +15,8 @@ import pytest
 from helpers import ROOT, TINY_SGD, run_sweep
 
 from src.observe.report import NOISY_SPREAD, Row, collect
-from src.parallel.base import Messages, usable_cores
-from src.planning.calibration import Calibration, cache_path, calibration
+from src.parallel.base import Messages
+from src.planning.calibration import Calibration, cache_path, calibration, load_per_core
 from src.planning.step_time import CalibratedSpeed
 
 LAYOUTS = ("single", "ddp", "fsdp", "model_parallel", "tp", "pp", "fsdp_tp")
@@ -36,15 +35,14 @@ MAX_LOAD_PER_CORE = 0.75
 RATIO = 1.5
 
 
-def load_per_core() -> float:
-    return os.getloadavg()[0] / usable_cores()
-
-
 def why_untimed(rows: list[Row]) -> str | None:
     """Why a sweep's step times cannot be held to the prediction: the machine's load, or
     logging windows that disagree; None on a quiet machine."""
     if load_per_core() > MAX_LOAD_PER_CORE:
         return f"machine loaded: {load_per_core():.2f} runnable per core (over {MAX_LOAD_PER_CORE})"
+    calibrated = calibration("cpu").load_per_core
+    if calibrated > MAX_LOAD_PER_CORE:
+        return f"calibrated on a loaded machine: {calibrated:.2f} runnable per core"
     noisy = [row.strategy for row in rows if (row.step_time_spread or 0) > NOISY_SPREAD]
     if noisy:
         return f"step times noisy (windows differ by over {NOISY_SPREAD:.0%}): {noisy}"

@@ -35,6 +35,7 @@ MATMUL = (256, 512, 512)  # m, k, n: a layer's work at a small batch
 ELEMENTWISE = 2**20  # floats added in place: memory-bound, as optimizers and activations are
 SIZES = (2**10, 2**20)  # bytes per message: latency, then bandwidth
 PROCESS_COUNTS = (2, 4)
+CALMER = 0.5
 ROUNDS = 3  # each figure is the best of these: the machine's speed, not its neighbours'
 
 
@@ -95,11 +96,14 @@ def cache_path(device_type: str) -> Path:
 
 
 def calibration(device_type: str, refresh: bool = False) -> Calibration:
-    """The cached calibration of `device_type` on this machine, measured now if there is none
-    or `refresh`."""
+    """The cached calibration of `device_type` on this machine, measured now if there is none,
+    or `refresh`, or the machine is calmer now than when it was measured (by over `CALMER`
+    runnable processes per core: a loaded machine's figures are slower than its own)."""
     path = cache_path(device_type)
     if path.exists() and not refresh:
-        return Calibration(**json.loads(path.read_text()))
+        cached = Calibration(**json.loads(path.read_text()))
+        if cached.load_per_core <= load_per_core() + CALMER:
+            return cached
     measured = calibrate(device_type)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dataclasses.asdict(measured), indent=1))
@@ -126,8 +130,13 @@ def calibrate(device_type: str) -> Calibration:
         op,
         collective_figures(device_type),
         seconds=time.perf_counter() - started,
-        load_per_core=os.getloadavg()[0] / cores,
+        load_per_core=load_per_core(),
     )
+
+
+def load_per_core() -> float:
+    """The 1-minute load average per usable core."""
+    return os.getloadavg()[0] / usable_cores()
 
 
 class intra_op_threads:  # noqa: N801 - used as a context manager
