@@ -31,7 +31,8 @@ from src.parallel.base import COLLECTIVES, usable_cores
 
 PROJECT = "parallel-training-template"
 ROOT = Path(__file__).resolve().parents[2]
-MATMUL = (256, 512, 512)  # m, k, n: a layer's work at a small batch
+# m, k, n: a layer's work at a small batch on CPU; a GPU's is larger, or it measures launches
+MATMUL = {"cpu": (256, 512, 512), "cuda": (4096, 4096, 4096)}
 ELEMENTWISE = 2**20  # floats added in place: memory-bound, as optimizers and activations are
 SIZES = (2**10, 2**20)  # bytes per message: latency, then bandwidth
 PROCESS_COUNTS = (2, 4)
@@ -170,7 +171,7 @@ def best_time_s(work: Callable[[], Any], device: torch.device, repeats: int = 1)
 
 
 def matmul_flops_per_s(device: torch.device) -> float:
-    m, k, n = MATMUL
+    m, k, n = MATMUL[device.type]
     a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
     return 2 * m * k * n / best_time_s(lambda: a @ b, device, repeats=5)
 
