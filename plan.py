@@ -12,9 +12,12 @@ stderr.
     python plan.py model=gpt data=synthetic_tokens task=language_model parallel=fsdp
     python plan.py plan.strategies=[ddp,fsdp,hybrid] plan.devices=[2,4,8]
     python plan.py parallel=auto plan.device_memory_gb=16      # what parallel=auto would pick
+    python plan.py plan.compare=multirun/2026-12-04/10-00-00   # predicted vs measured step time
 
 plan.* settings: device_memory_gb (one device's memory), strategies, devices, device_tflops and
-link_gb_per_s (for the predicted step time the recommendation and parallel=auto rank by).
+link_gb_per_s (for the predicted step time on GPUs the planner does not see), calibrate (measure
+this machine again for the predicted step time), compare (a sweep folder: each job's predicted
+step time against its measured one).
 """
 
 import logging
@@ -46,6 +49,9 @@ def main(overrides: list[str]) -> int:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         try:
             cfg = compose(config_name="config", overrides=overrides)
+            if cfg.plan.compare:
+                print(compared_step_times(Path(cfg.plan.compare)))
+                return 0
             every = not names_a_strategy(overrides)
             parallels = candidate_parallels(cfg, every)
             plans = plan_all(cfg, parallels, progress if len(parallels) > 1 else None)
@@ -60,6 +66,28 @@ def main(overrides: list[str]) -> int:
             print(f"plan.py: error: {error}", file=sys.stderr)
             return error.exit_code
     return 0
+
+
+def compared_step_times(sweep_dir: Path) -> str:
+    """Each finished job of a sweep folder: its predicted step time against its measured one."""
+    from src.observe.report import collect
+
+    if not sweep_dir.is_dir():
+        raise ConfigError(f"plan.compare: no sweep folder at {sweep_dir}")
+    header = f"{'job':<6}{'strategy':<18}{'devices':>8}{'predicted ms':>14}{'measured ms':>13}"
+    lines = [f"{header}{'ratio':>8}"]
+    for row in collect(sweep_dir):
+        if row.step_time_ms is None or row.predicted_step_ms is None:
+            lines.append(
+                f"{row.job:<6}{row.strategy:<18}{row.devices:>8}  {row.status}: no step time"
+            )
+            continue
+        ratio = row.predicted_step_ms / row.step_time_ms
+        lines.append(
+            f"{row.job:<6}{row.strategy:<18}{row.devices:>8}{row.predicted_step_ms:>14.3g}"
+            f"{row.step_time_ms:>13.3g}{ratio:>8.2f}"
+        )
+    return "\n".join(lines)
 
 
 def names_a_strategy(overrides: list[str]) -> bool:

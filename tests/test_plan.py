@@ -15,10 +15,11 @@ from torch.distributed._tools.mem_tracker import _MemRefType
 
 import src.planning.planner
 from src.launch.memory_check import measured_peaks_mb
+from src.parallel.base import Messages
 from src.planning.memory_trace import RUNNING, STEPPING
 from src.planning.planner import choose, format_table, plan_all, resolve_auto
 from src.planning.plans import MB, Plan
-from src.planning.step_time import DeviceSpeed
+from src.planning.step_time import BACKWARD_SHARE, DeviceSpeed
 
 TINY_MLP = ("model.hidden=64", "model.depth=3", "trainer.batch_size=64", "logger=none")
 TINY_GPT = (
@@ -304,7 +305,8 @@ def test_a_trace_keeps_the_peak_while_the_model_runs_apart_from_the_optimizer_st
 
 
 class FixedCPU(DeviceSpeed):
-    """A CPU with given figures: FLOP/s by intra-op threads, loopback and in-memory bytes/s."""
+    """A CPU with given figures: FLOP/s by intra-op threads, a message's bytes/s between
+    processes and in-memory bytes/s (no per-op cost or latency)."""
 
     def __init__(self, flops_per_s: dict[int, float], link: float, copy: float):
         self.rates, self.link, self.copy = flops_per_s, link, copy
@@ -312,8 +314,8 @@ class FixedCPU(DeviceSpeed):
     def flops_per_s(self, threads: int) -> float:
         return self.rates[threads]
 
-    def link_bytes_per_s(self) -> float:
-        return self.link
+    def message_s(self, messages: Messages) -> float:
+        return messages.count * messages.size / self.link
 
     def copy_bytes_per_s(self) -> float:
         return self.copy
@@ -343,9 +345,11 @@ def test_auto_on_cpu_ranks_by_the_measured_speed(compose_config, monkeypatch, sp
     assert stages.step_time_s == pytest.approx(
         flops / speed.rates[2] + sum(stages.traffic.values()) / speed.copy
     )
-    assert ddp.step_time_s == pytest.approx(
-        flops / 2 / speed.rates[1] + sum(ddp.traffic.values()) / speed.link, rel=0.01
-    )
+    compute = flops / 2 / speed.rates[1]
+    (all_reduce,) = ddp.messages  # during backward: only what outlasts it counts
+    assert all_reduce.overlapped
+    after_backward = max(0, all_reduce.size / speed.link - BACKWARD_SHARE * compute)
+    assert ddp.step_time_s == pytest.approx(compute + after_backward, rel=0.01)
     assert choose([ddp, stages])[0].strategy == chosen
 
 
@@ -464,3 +468,4 @@ def test_pipeline_ranks_hold_their_stages_and_send_their_boundaries(
     busiest = max(device.flops for device in pp.device_plans)
     expected = busiest / 1e9 / (1 - bubble) + sum(pp.traffic.values()) / 1e9
     assert pp.step_time_s == pytest.approx(expected)
+    assert sum(m.count * m.size for m in pp.messages) == sum(pp.traffic.values())

@@ -26,6 +26,13 @@ class PlanConfig:
     """One device's sustained TFLOP/s, for the predicted step time that ranks the strategies."""
     link_gb_per_s: float = 50.0
     """Bytes per second (GB/s) one device sends to another, for the same."""
+    calibrate: bool = False
+    """Measure this machine again for the predicted step time (a few seconds), instead of using
+    its cached calibration (`src/planning/calibration.py`; GPUs the planner does not see use
+    device_tflops and link_gb_per_s)."""
+    compare: str | None = None
+    """A sweep folder: `plan.py` prints each of its jobs' predicted step time against the
+    measured one, instead of planning."""
 
     def __post_init__(self) -> None:
         """Each setting's range (checked by `typed`, before any tracing)."""

@@ -50,6 +50,7 @@ COLUMN_TITLES = {
     "speedup": "speed-up",
     "efficiency": "efficiency",
     "step_time_ms": "step ms",
+    "predicted_step_ms": "predicted step ms",
     "step_time_spread": "step ms spread",
     "threads": "threads",
     "cores": "cores",
@@ -93,7 +94,7 @@ def format_cell(name: str, value: Any) -> str:
         return f"{value:,.0f}"
     if name in ("predicted_peak_mb", "tensor_peak_max_mb"):
         return f"{value:,.3g}"
-    if name in ("step_time_ms", "tflops_per_sec"):
+    if name in ("step_time_ms", "predicted_step_ms", "tflops_per_sec"):
         return f"{value:.3g}"
     if isinstance(value, float):
         return f"{value:.4f}"

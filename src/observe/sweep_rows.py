@@ -76,6 +76,8 @@ class Row:
     threads: int | None = None
     """Compute threads on the node: processes per node x intra-op threads per process."""
     cores: int | None = None
+    predicted_step_ms: float | None = None
+    """The planner's predicted step time (src/planning/step_time.py), next to the measured one."""
     predicted_peak_mb: float | None = None
     """The planner's prediction of the largest peak (src/planning/planner.py), next to the measured
     one."""
@@ -148,22 +150,24 @@ def read_row(job_dir: Path, variant: str) -> Row:
         row.reason = "no summary.json or status.json: the job did not finish (killed?)"
     if row.status == "ok" and summary_path.exists():
         fill_from_summary(row, json.loads(summary_path.read_text()))
-        row.predicted_peak_mb = predicted_peak_mb(config)
+        row.predicted_step_ms, row.predicted_peak_mb = predicted(config)
     return row
 
 
-def predicted_peak_mb(config: DictConfig) -> float | None:
-    """The planner's predicted peak memory per device for a job's config, in MB (training's or
-    evaluation's, whichever is higher: a run's measured peak covers both); None when it cannot
-    trace the model (or the config predates the planner)."""
+def predicted(config: DictConfig) -> tuple[float | None, float | None]:
+    """The planner's predicted step time (ms) and peak memory per device (MB: training's or
+    evaluation's, whichever is higher: a run's measured peak covers both) for a job's config;
+    None when it cannot trace the model (or the config predates the planner)."""
     from src.planning.planner import MB, plan_all
 
     try:
         (plan,) = plan_all(config, [config.parallel])
     except Exception:  # noqa: BLE001 - the table goes on without the prediction
         log.debug("no prediction for this job", exc_info=True)
-        return None
-    return plan.needed / MB if plan.problem is None else None
+        return None, None
+    if plan.problem is not None:
+        return None, None
+    return plan.step_time_s * 1e3, plan.needed / MB
 
 
 def fill_from_summary(row: Row, summary: dict[str, Any]) -> None:

@@ -77,6 +77,8 @@ For the planner (`src/planning/planner.py`), after check_batch and check_model, 
     strategy.device_shares(sizes, micro_batch)   what each device holds and runs in a step
     strategy.step_traffic(sizes, micro_batch, accumulate)   bytes sent per step, by transfer
     strategy.idle_fraction()                     share of the step a device waits (bubble)
+    strategy.step_messages(sizes, micro_batch, accumulate)  the messages between processes a
+                                                 rank sends per step, for the predicted time
 """
 
 from __future__ import annotations
@@ -169,6 +171,29 @@ class DeviceShare:
         return [self.blocks or (0, blocks), *self.later_stages]
 
 
+# The collectives the planner times (`src/planning/calibration.py` measures each).
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+
+
+@dataclass(frozen=True)
+class Messages:
+    """Messages of one kind that one rank takes part in per optimizer step, as the planner
+    times them: each costs the collective's latency plus its bytes over its bandwidth, both
+    measured at `ranks` processes."""
+
+    collective: str
+    """One of `COLLECTIVES` (`send`: a point-to-point send or receive)."""
+    count: int
+    """Per optimizer step."""
+    size: int
+    """Bytes of each message's tensor on one rank (all_gather: the gathered output;
+    reduce_scatter: the input; all_reduce, all_to_all, send: the tensor)."""
+    ranks: int
+    overlapped: bool = False
+    """It runs while backward computes (DDP's buckets, FSDP's prefetched gathers), so only what
+    outlasts the backward adds to the step."""
+
+
 def tied_block_groups(model: nn.Sequential) -> list[list[int]]:
     """Blocks that share a parameter, grouped (each block alone when it shares none)."""
     groups: list[tuple[set[int], list[int]]] = []
@@ -184,6 +209,17 @@ def tied_block_groups(model: nn.Sequential) -> list[list[int]]:
 def ring_bytes(size: int, ranks: int) -> int:
     """Bytes each rank sends in a ring all-reduce of `size` bytes."""
     return 2 * (ranks - 1) * size // ranks
+
+
+# DDP's buckets (torch's defaults): the first, reduced as soon as backward starts, is small.
+FIRST_BUCKET_BYTES, BUCKET_BYTES = 2**20, 25 * 2**20
+
+
+def bucketed_all_reduce(size: int, ranks: int, times: int = 1) -> Messages:
+    """`size` bytes of gradients all-reduced in DDP's buckets `times` per step, while backward
+    computes."""
+    buckets = 1 + max(0, -(-(size - FIRST_BUCKET_BYTES) // BUCKET_BYTES))
+    return Messages("all_reduce", times * buckets, size // buckets, ranks, overlapped=True)
 
 
 def resolve_device_type(accelerator: Accelerator) -> str:
@@ -301,6 +337,10 @@ class PlannedStrategy(Protocol):
     ) -> dict[str, int]: ...
 
     def idle_fraction(self) -> float: ...
+
+    def step_messages(
+        self, sizes: ModelSizes, micro_batch: int, accumulate: int
+    ) -> list[Messages]: ...
 
 
 class Strategy:
@@ -523,3 +563,8 @@ class Strategy:
     def idle_fraction(self) -> float:
         """Share of a step each device waits for others (a pipeline's bubble)."""
         return 0.0
+
+    def step_messages(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> list[Messages]:
+        """The messages between processes a rank takes part in per optimizer step (one
+        process sends none: its devices share its memory, `step_traffic` says how much)."""
+        return []

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from src.config.base import ConfigError
 from src.config.parallel import DDPConfig
-from src.parallel.base import DeviceShare, ModelSizes, ring_bytes
+from src.parallel.base import DeviceShare, Messages, ModelSizes, bucketed_all_reduce, ring_bytes
 from src.parallel.distributed import Distributed
 
 
@@ -71,6 +71,10 @@ class DDP(Distributed):
 
     def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
         return {"gradient all-reduce": ring_bytes(sizes.parameter_bytes, self.world_size)}
+
+    def step_messages(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> list[Messages]:
+        """The gradients' bucketed all-reduce, once per step (no_sync skips the others)."""
+        return [bucketed_all_reduce(sizes.parameter_bytes, self.world_size)]
 
     def teardown(self) -> None:
         # DDP's reducer holds the process group, and a DDP module sits in reference cycles, so

@@ -56,7 +56,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from src.checkpoint.store import renamed
 from src.components.precision import AUTOCAST_DTYPES
 from src.config.parallel import FSDPConfig, Offload
-from src.parallel.base import DeviceShare, ModelSizes, tied_block_groups
+from src.parallel.base import DeviceShare, Messages, ModelSizes, tied_block_groups
 from src.parallel.distributed import Distributed
 
 # Full tensors, gathered onto rank 0's CPU (the other ranks get nothing back).
@@ -94,6 +94,11 @@ class FSDP(Distributed):
     def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
         gathered = gathered_bytes(sizes.parameter_bytes, self.precision)
         return sharded_traffic(gathered, sizes.parameter_bytes, self.world_size, accumulate)
+
+    def step_messages(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> list[Messages]:
+        units = unit_bytes(sizes)
+        gathered = [gathered_bytes(unit, self.precision) for unit in units]
+        return sharded_messages(gathered, units, self.world_size, accumulate)
 
     def grad_scaler(self, enabled: bool, init_scale: float) -> torch.amp.GradScaler:
         """Each rank holds a shard of every gradient: ShardedGradScaler all-reduces the inf/NaN
@@ -171,6 +176,30 @@ def sharded_traffic(
         "parameter all-gather": int(gathers_per_micro_step * accumulate * others * gathered_bytes),
         "gradient reduce-scatter": int(reductions * others * gradient_bytes),
     }
+
+
+def sharded_messages(
+    gathered: list[int],
+    reduced: list[int],
+    shards: int,
+    accumulate: int,
+    gathers_per_micro_step: int = 2,
+    reductions: int = 1,
+) -> list[Messages]:
+    """FSDP's messages per step, from each unit's bytes as gathered and as reduced: every unit
+    gathered `gathers_per_micro_step` times in each micro-step, its gradients reduce-scattered
+    `reductions` times. Each gather but a micro-step's first is prefetched while the previous
+    unit computes, and each reduce-scatter runs while the next unit's backward does."""
+    units = len(gathered)
+    if not units:
+        return []
+    gathers = gathers_per_micro_step * accumulate
+    each, reduced_each = sum(gathered) // units, sum(reduced) // units
+    return [
+        Messages("all_gather", accumulate, each, shards),
+        Messages("all_gather", gathers * units - accumulate, each, shards, overlapped=True),
+        Messages("reduce_scatter", reductions * units, reduced_each, shards, overlapped=True),
+    ]
 
 
 def copy_from_rank0(model: nn.Module, device: torch.device) -> None:

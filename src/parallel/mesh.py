@@ -41,7 +41,15 @@ from src.components.batches import move
 from src.components.precision import AUTOCAST_DTYPES
 from src.config.base import ConfigError
 from src.config.parallel import MeshConfig
-from src.parallel.base import DeviceShare, LossFn, ModelSizes, Tree, ring_bytes
+from src.parallel.base import (
+    DeviceShare,
+    LossFn,
+    Messages,
+    ModelSizes,
+    Tree,
+    bucketed_all_reduce,
+    ring_bytes,
+)
 from src.parallel.distributed import Distributed
 from src.parallel.fsdp import (
     apply_fsdp,
@@ -51,6 +59,7 @@ from src.parallel.fsdp import (
     gradient_sync,
     mixed_precision,
     parameter_names,
+    sharded_messages,
     sharded_traffic,
     units_in_forward_order,
     working_set,
@@ -570,6 +579,61 @@ class Mesh(Distributed):
                 held // layout.dp_shard, layout.dp_replicate
             )
         return traffic
+
+    def step_messages(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> list[Messages]:
+        """The busiest rank's messages per step over tp, pp and data parallel (as
+        `step_traffic` counts their bytes)."""
+        layout, samples = self.layout, micro_batch // self.layout.dp
+        ranks = self.rank_blocks(len(sizes.block_parameter_bytes))
+        parts = self.cfg.microbatches if layout.pp > 1 else 1
+        runs = accumulate * parts  # the forward and backward passes a rank runs per step
+        messages = self.tp_messages(ranks, samples // parts, runs) if self.split else []
+        if layout.pp > 1:
+            # each boundary a rank's stages touch: activations forward, gradients back, per run
+            boundaries = -(-2 * len(self.stage_points) // layout.pp)
+            crossing = boundary_bytes(self.stage_points, sizes, samples // parts)
+            each = crossing // (2 * len(self.stage_points))  # one way over one boundary
+            messages.append(Messages("send", 2 * runs * boundaries, each, 2))
+        held = max(self.kept_bytes(sizes, blocks) for blocks in ranks)
+        reductions = accumulate if layout.pp > 1 else 1
+        if layout.dp_shard > 1:
+            if layout.pp > 1:  # a rank's stages gathered once per micro-step
+                units = [self.kept_bytes(sizes, blocks) for blocks in ranks[:1]]
+            else:
+                units = [self.kept_bytes(sizes, unit) for unit in units_in_forward_order(sizes)]
+            gathered = [gathered_bytes(unit, self.precision) for unit in units]
+            gathers = 1 if layout.pp > 1 else 2
+            messages += sharded_messages(
+                gathered, units, layout.dp_shard, accumulate, gathers, reductions
+            )
+        if layout.dp_replicate > 1:
+            size = held // layout.dp_shard
+            messages.append(bucketed_all_reduce(size, layout.dp_replicate, reductions))
+        return messages
+
+    def tp_messages(self, ranks: list[list[int]], samples: int, runs: int) -> list[Messages]:
+        """The busiest rank's tp messages in `runs` passes of `samples` samples: each pair's
+        all-reduce forward and backward (with sequence_parallel, an all-gather and a
+        reduce-scatter each way), which the next layer waits for."""
+        pairs = max(
+            (
+                [size for block, size in self.split.pair_outputs if block in blocks]
+                for blocks in ranks
+            ),
+            key=sum,
+        )
+        if not pairs:
+            return []
+        size = samples * sum(pairs) // len(pairs)
+        if self.precision in AUTOCAST_DTYPES:  # the Linears' outputs, in the autocast dtype
+            size //= 2
+        tp, count = self.layout.tp, 2 * len(pairs) * runs
+        if self.cfg.sequence_parallel:
+            return [
+                Messages("all_gather", count, size, tp),
+                Messages("reduce_scatter", count, size, tp),
+            ]
+        return [Messages("all_reduce", count, size, tp)]
 
     def idle_fraction(self) -> float:
         if self.layout.pp == 1:

@@ -13,9 +13,7 @@ from src.runtime.ranks import Ranks
 class Single(Strategy):
     sharded_checkpoints = True
 
-    def __init__(
-        self, cfg, device_type: str, precision: str = "fp32", ranks: Ranks | None = None
-    ):
+    def __init__(self, cfg, device_type: str, precision: str = "fp32", ranks: Ranks | None = None):
         super().__init__(cfg, device_type, precision, ranks)
         if cfg.devices != 1:
             raise ConfigError(

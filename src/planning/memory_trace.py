@@ -25,6 +25,7 @@ from src.components.precision import autocast
 from src.config.base import typed
 from src.config.trainer import TrainerConfig
 from src.parallel.base import DeviceShare, ModelSizes, tied_block_groups
+from src.planning.calibration import OpCounter
 from src.planning.plans import DevicePlan
 
 # Measured (src/launch/memory_check.py): the second step's peak has the optimizer state.
@@ -116,10 +117,11 @@ def model_sizes(cfg: DictConfig, data: Data) -> ModelSizes:
 class TracedShare:
     """What tracing a share found: its peaks by MemTracker's categories, while the model runs
     and at the optimizer step (`RUNNING`, `STEPPING`), and while it evaluates one batch; its
-    FLOPs per optimizer step."""
+    FLOPs and aten ops per optimizer step."""
 
     peaks: dict[str, dict[Any, int]]
     flops: int
+    ops: int
     evaluation: dict[Any, int]
 
 
@@ -187,7 +189,7 @@ def trace_share(
                 eval_step(inputs, targets)
             stages.train()
 
-        with FlopCounterMode(display=False) as flops:
+        with FlopCounterMode(display=False) as flops, OpCounter() as ops:
             training_step()
         tracker = StepMemTracker()
         tracker.track_external(step, optimizer)
@@ -200,7 +202,7 @@ def trace_share(
         with tracker:  # entered again: its peak starts again from what is alive
             evaluation_batch()
         (evaluation,) = tracker.get_tracker_snapshot("peak").values()
-    return TracedShare(peaks, flops.get_total_flops(), dict(evaluation))
+    return TracedShare(peaks, flops.get_total_flops(), ops.ops, dict(evaluation))
 
 
 def device_plan(
@@ -212,7 +214,9 @@ def device_plan(
     (parallel.offload=cpu): its share of the state is in host memory, at the most it holds."""
     flops = int(traced.flops * share.flops_kept)
     devices = [
-        shared_out(in_categories(peak, share, flops), share, phase == RUNNING, offloaded)
+        shared_out(
+            in_categories(peak, share, flops, traced.ops), share, phase == RUNNING, offloaded
+        )
         for phase, peak in traced.peaks.items()
     ]
     device = max(devices, key=lambda device: device.peak)
@@ -228,9 +232,9 @@ def evaluation_peak(peak: dict[Any, int], share: DeviceShare, offloaded: bool = 
     return device.peak + sum(share.forward_bytes.values())
 
 
-def in_categories(peak: dict[Any, int], share: DeviceShare, flops: int) -> DevicePlan:
+def in_categories(peak: dict[Any, int], share: DeviceShare, flops: int, ops: int = 0) -> DevicePlan:
     """A traced peak (by MemTracker's categories) as `share`'s device, in the plan's."""
-    device = DevicePlan(share.label, share.devices, flops=flops)
+    device = DevicePlan(share.label, share.devices, flops=flops, ops=ops)
     for kind, size in peak.items():
         if kind in TRACKED_AS:
             name = TRACKED_AS[kind]

@@ -163,6 +163,7 @@ def plan_one(
     plan.traffic = strategy.step_traffic(sizes, micro_batch, trainer.accumulate)
     plan.fits = plan.needed <= cfg.plan.device_memory_gb * 2**30
     speed = speed or measured_speed(strategy.device_type, cfg.plan)
+    plan.messages = strategy.step_messages(sizes, micro_batch, trainer.accumulate)
     plan.step_time_s = step_time_s(plan, strategy, speed, usable_cores())
     return plan
 

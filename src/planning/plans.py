@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
+from src.parallel.base import Messages
+
 MB = 2**20
 # What holds a device's memory, as the plan counts it.
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
@@ -24,6 +26,8 @@ class DevicePlan:
     optimizer: int = 0
     activations: int = 0
     flops: int = 0
+    ops: int = 0
+    """Aten ops per optimizer step (forward, backward, optimizer), as traced."""
     evaluation: int = 0
     """The peak while it evaluates one batch: its state, and the forward's live activations."""
     host: int = 0
@@ -44,6 +48,8 @@ class Plan:
     parallel: DictConfig
     device_plans: list[DevicePlan] = field(default_factory=list)
     traffic: dict[str, int] = field(default_factory=dict)
+    messages: list[Messages] = field(default_factory=list)
+    """Between processes, per step (`Strategy.step_messages`)."""
     step_time_s: float = math.nan
     fits: bool = False
     problem: str | None = None  # why it cannot run (the ConfigError it raises)

@@ -1,27 +1,33 @@
-"""The predicted time of a step: what a device computes and sends, at the speed measured on
-this CPU or given for GPUs (`plan.device_tflops`, `plan.link_gb_per_s`)."""
+"""The predicted time of a step: what a device computes (FLOPs at the measured rate, plus a
+fixed cost per op: launch and dispatch) and the messages it waits for (latency plus bytes over
+bandwidth, each collective's own), from this machine's calibration (`calibration.py`) or, for
+GPUs the planner does not see, the settings (`plan.device_tflops`, `plan.link_gb_per_s`)."""
 
 from __future__ import annotations
 
 import functools
-import socket
-import threading
-import time
-from collections.abc import Callable
-from typing import Any
 
 import torch
 from omegaconf import DictConfig
 
-from src.parallel.base import PlannedStrategy
-from src.planning.plans import MB, Plan
+from src.parallel.base import Messages, PlannedStrategy
+from src.planning.calibration import Calibration, calibration
+from src.planning.plans import DevicePlan, Plan
+
+# The share of a step's compute that is backward, behind which DDP's bucketed all-reduce and
+# FSDP's prefetched gathers and reduce-scatters run (backward costs about twice the forward).
+BACKWARD_SHARE = 2 / 3
 
 
 class DeviceSpeed:
-    """What the predicted step time takes a device to do: FLOP/s at a number of intra-op
-    threads, and bytes/s sent between processes (`link`) and within one (`copy`). This one
-    takes them from the settings (`plan.device_tflops`, `plan.link_gb_per_s`): GPUs, which the
-    planner need not see."""
+    """What the predicted step time takes a device to do: FLOP/s and seconds per op at a
+    number of intra-op threads, a message's seconds, and bytes/s copied within a process. This
+    one takes them from the settings (`plan.device_tflops`, `plan.link_gb_per_s`; no latency):
+    GPUs the planner does not see."""
+
+    overlaps = True
+    """Whether messages run beside compute: a GPU's collectives have engines and streams of
+    their own; gloo's threads on CPU take turns on the cores the compute runs on."""
 
     def __init__(self, settings: DictConfig):
         self.settings = settings
@@ -29,143 +35,112 @@ class DeviceSpeed:
     def flops_per_s(self, threads: int) -> float:
         return self.settings.device_tflops * 1e12
 
-    def link_bytes_per_s(self) -> float:
-        return self.settings.link_gb_per_s * 1e9
+    def op_s(self, threads: int) -> float:
+        return 0.0
+
+    def fixed_step_s(self, threads: int) -> float:
+        """A training step's seconds beyond its ops and FLOPs."""
+        return 0.0
+
+    def message_s(self, messages: Messages) -> float:
+        """All of `messages`' seconds."""
+        return messages.count * messages.size / self.copy_bytes_per_s()
 
     def copy_bytes_per_s(self) -> float:
-        return self.link_bytes_per_s()
+        return self.settings.link_gb_per_s * 1e9
 
     def describe(self) -> str:
         return (
             f"step times at {self.settings.device_tflops:g} TFLOP/s per device "
             f"(plan.device_tflops), {self.settings.link_gb_per_s:g} GB/s between devices "
-            "(plan.link_gb_per_s)"
+            "(plan.link_gb_per_s), no latency"
         )
 
 
-class MeasuredCPU(DeviceSpeed):
-    """This machine's CPU, measured (each figure once, in well under a second): a CPU 'device'
-    is no chip of its own but a share of the cores, so the rate to plan with is what a matmul
-    reaches on the threads a process gets; processes talk over loopback sockets (gloo), a
-    process's devices through its own memory."""
+class CalibratedSpeed(DeviceSpeed):
+    """This machine's devices, as calibrated (`calibration.Calibration`): on CPU a 'device' is
+    no chip of its own but a share of the cores, so its rates are those at the threads a
+    process gets."""
 
-    MATMUL = (256, 512, 512)  # m, k, n: a layer's work at a small batch
-    SENT_BYTES = 8 * MB
-
-    def __init__(self) -> None:
-        self.figures: dict[str, float] = {}
-
-    def measured(self, name: str, measure: Callable[[], float]) -> float:
-        if name not in self.figures:
-            self.figures[name] = measure()
-        return self.figures[name]
+    def __init__(self, figures: Calibration):
+        self.figures = figures
+        self.overlaps = figures.device_type != "cpu"
 
     def flops_per_s(self, threads: int) -> float:
-        return self.measured(f"flops/{threads}", lambda: matmul_flops_per_s(self.MATMUL, threads))
+        return self.figures.at_threads(self.figures.matmul_flops_per_s, threads)
 
-    def link_bytes_per_s(self) -> float:
-        return self.measured("link", lambda: socket_bytes_per_s(self.SENT_BYTES))
+    def op_s(self, threads: int) -> float:
+        return self.figures.at_threads(self.figures.op_s, threads, best=min)
+
+    def fixed_step_s(self, threads: int) -> float:
+        return self.figures.at_threads(self.figures.step_s, threads, best=min)
+
+    def message_s(self, messages: Messages) -> float:
+        each = self.figures.message_s(messages.collective, messages.ranks, messages.size)
+        return messages.count * each
 
     def copy_bytes_per_s(self) -> float:
-        return self.measured("copy", lambda: copy_bytes_per_s(self.SENT_BYTES))
+        return max(self.figures.elementwise_bytes_per_s.values())
 
     def describe(self) -> str:
-        rates = sorted(
-            (int(name.split("/")[1]), rate)
-            for name, rate in self.figures.items()
-            if name.startswith("flops/")
+        figures = self.figures
+        rates = ", ".join(
+            f"{float(rate) / 1e9:.3g} GFLOP/s and {figures.op_s[threads] * 1e6:.3g} us/op on "
+            f"{threads} thread(s)"
+            for threads, rate in sorted(figures.matmul_flops_per_s.items(), key=lambda x: int(x[0]))
         )
-        flops = ", ".join(
-            f"{rate / 1e9:.3g} GFLOP/s on {threads} thread(s)" for threads, rate in rates
+        latency = figures.collectives["all_reduce"]
+        ranks = min(latency, key=int)
+        return (
+            f"step times from this {figures.device_type.upper()}'s calibration ({rates}; "
+            f"all-reduce on {ranks} processes {latency[ranks][0] * 1e6:.0f} us + "
+            f"{1e-9 / max(latency[ranks][1], 1e-15):.3g} GB/s; measured at load "
+            f"{figures.load_per_core:.1f} per core; plan.calibrate=true measures again)"
         )
-        moved = [
-            f"{label} {self.figures[name] / 1e9:.3g} GB/s"
-            for name, label in (("link", "loopback socket"), ("copy", "memory copy"))
-            if name in self.figures
-        ]
-        return f"step times from this CPU, measured now: {', '.join([flops, *moved])}"
 
 
 @functools.cache
-def measured_cpu() -> MeasuredCPU:
-    """This process's measurements of the CPU (one set, shared by every plan)."""
-    return MeasuredCPU()
+def calibrated_speed(device_type: str, refresh: bool) -> CalibratedSpeed:
+    """This machine's calibrated speed (measured at most once per process when `refresh`)."""
+    return CalibratedSpeed(calibration(device_type, refresh))
 
 
 def measured_speed(device_type: str, settings: DictConfig) -> DeviceSpeed:
-    """The speed to plan `device_type` with: the CPU measured, GPUs from the settings."""
-    return measured_cpu() if device_type == "cpu" else DeviceSpeed(settings)
-
-
-def best_time_s(work: Callable[[], Any], repeats: int = 5) -> float:
-    """The shortest of `repeats` timed runs of `work` (after one untimed): the machine's speed,
-    not what else it ran meanwhile."""
-    work()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - started)
-    return min(times)
-
-
-def matmul_flops_per_s(shape: tuple[int, int, int], threads: int) -> float:
-    m, k, n = shape
-    a, b = torch.randn(m, k), torch.randn(k, n)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return 2 * m * k * n / best_time_s(lambda: a @ b)
-    finally:
-        torch.set_num_threads(previous)
-
-
-def copy_bytes_per_s(size: int) -> float:
-    source = torch.empty(size // 4)
-    target = torch.empty_like(source)
-    return size / best_time_s(lambda: target.copy_(source))
-
-
-def socket_bytes_per_s(size: int) -> float:
-    """Bytes/s through a loopback TCP connection, sent by one thread, read by another."""
-    payload = bytes(size)
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        sender = socket.create_connection(server.getsockname())
-        receiver, _ = server.accept()
-        with sender, receiver:
-            buffer = bytearray(size)
-
-            def send_and_read() -> None:
-                thread = threading.Thread(target=sender.sendall, args=(payload,))
-                thread.start()
-                view, received = memoryview(buffer), 0
-                while received < size:
-                    received += receiver.recv_into(view[received:])
-                thread.join()
-
-            return size / best_time_s(send_and_read, repeats=3)
+    """The speed to plan `device_type` with: calibrated where this machine has it (the CPU, a
+    visible GPU), else from the settings."""
+    if device_type == "cpu" or torch.cuda.is_available():
+        return calibrated_speed(device_type, bool(settings.get("calibrate", False)))
+    return DeviceSpeed(settings)
 
 
 def step_time_s(plan: Plan, strategy: PlannedStrategy, speed: DeviceSpeed, cores: int) -> float:
-    """A rough time per step: compute, plus the step's traffic, not overlapped.
+    """The predicted time of a step: the busiest device's compute, stretched by its pipeline's
+    idle share, plus the messages it waits for (`plan.messages`; those that run during backward
+    only as far as they outlast it, where the device `overlaps`); within one process, traffic
+    is a copy in memory.
 
-    GPUs run side by side: the busiest device's FLOPs, stretched by a pipeline's idle share.
-    On CPU a one-process strategy's devices (see `DeviceShare.devices`) share its cores, so they
-    run one after another: all their FLOPs at the rate of its threads. Each device of a
-    strategy of several processes is a process, the cores split over them: the busiest one's
-    FLOPs at its threads' rate, stretched by the idle share where its pipeline's stages are
-    processes of their own (not several stages in one process, `devices` > 1). Traffic between
-    processes goes over the link; within one process (every device of a one-process strategy)
-    it is a copy in memory."""
+    GPUs run side by side. On CPU a one-process strategy's devices (see `DeviceShare.devices`)
+    share its cores, so they run one after another, at the rate of all its threads; each of
+    several processes gets its share of the cores (more processes than cores take turns)."""
     processes = strategy.processes_per_node
+    threads = max(1, cores // processes) if strategy.device_type == "cpu" else 1
+
+    def compute_s(device: DevicePlan) -> float:
+        return device.flops / speed.flops_per_s(threads) + device.ops * speed.op_s(threads)
+
     if strategy.device_type == "cpu" and processes == 1:
-        compute = sum(device.flops for device in plan.device_plans) / speed.flops_per_s(cores)
-    elif strategy.device_type == "cpu":
-        busiest = max(plan.device_plans, key=lambda device: device.flops)
-        idle = strategy.idle_fraction() if busiest.devices == 1 else 0.0
-        compute = busiest.flops / speed.flops_per_s(max(1, cores // processes)) / (1 - idle)
+        compute = sum(compute_s(device) for device in plan.device_plans)
     else:
-        busiest = max(device.flops / device.devices for device in plan.device_plans)
-        compute = busiest / speed.flops_per_s(1) / (1 - strategy.idle_fraction())
-    rate = speed.link_bytes_per_s() if processes > 1 else speed.copy_bytes_per_s()
-    return compute + sum(plan.traffic.values()) / rate
+        busiest = max(plan.device_plans, key=compute_s)
+        share = compute_s(busiest) / (busiest.devices if strategy.device_type != "cpu" else 1)
+        turns = max(1.0, processes / cores) if strategy.device_type == "cpu" else 1.0
+        idle = strategy.idle_fraction() if busiest.devices == 1 else 0.0
+        compute = share * turns / (1 - idle)
+    compute += speed.fixed_step_s(threads)
+    if processes == 1:
+        return compute + sum(plan.traffic.values()) / speed.copy_bytes_per_s()
+    exposed = sum(speed.message_s(m) for m in plan.messages if not m.overlapped)
+    hidden = sum(speed.message_s(m) for m in plan.messages if m.overlapped)
+    if not speed.overlaps:
+        return compute + exposed + hidden
+    return compute + exposed + max(0.0, hidden - BACKWARD_SHARE * compute)

@@ -1,0 +1,302 @@
+"""A short calibration of this machine, for the predicted step time: matmul and elementwise
+throughput at the threads a process gets, the time each op costs beyond its arithmetic (launch
+and dispatch: what dominates small models), and each collective's latency and bandwidth at a
+few sizes and process counts (gloo on CPU, NCCL on CUDA). Measured once (a few seconds) and
+cached per machine, device type, torch version and core count in a small JSON file,
+`cache_path()` (`~/.cache/parallel-training-template/`, or under `$XDG_CACHE_HOME`); measured
+again with `plan.calibrate=true`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from src.parallel.base import COLLECTIVES, usable_cores
+
+PROJECT = "parallel-training-template"
+ROOT = Path(__file__).resolve().parents[2]
+# m, k, n: a layer's work at a small batch on CPU; a GPU's is larger, or it measures launches
+MATMUL = {"cpu": (256, 512, 512), "cuda": (4096, 4096, 4096)}
+ELEMENTWISE = 2**20  # floats added in place: memory-bound, as optimizers and activations are
+SIZES = (2**10, 2**20)  # bytes per message: latency, then bandwidth
+PROCESS_COUNTS = (2, 4)
+CALMER = 0.5
+ROUNDS = 3  # each figure is the best of these: the machine's speed, not its neighbours'
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops run under it (forward, backward and optimizer alike)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass
+class Calibration:
+    """This machine's figures. Thread counts and process counts are JSON keys (strings)."""
+
+    device_type: str
+    matmul_flops_per_s: dict[str, float]
+    """By intra-op threads."""
+    elementwise_bytes_per_s: dict[str, float]
+    """By intra-op threads: bytes read and written by an in-place add."""
+    step_s: dict[str, float]
+    """By intra-op threads: a training step's fixed seconds, beyond its ops (the optimizer's
+    Python, mostly)."""
+    op_s: dict[str, float]
+    """By intra-op threads: seconds per aten op beyond its arithmetic: dispatch, autograd,
+    launch."""
+    collectives: dict[str, dict[str, list[float]]]
+    """By collective, then process count: [latency s, s per byte]."""
+    seconds: float = 0.0
+    """How long measuring took."""
+    load_per_core: float = 0.0
+    """The 1-minute load average per core while it measured."""
+
+    def at_threads(self, figures: dict[str, float], threads: int, best: Callable = max) -> float:
+        """A per-thread figure at `threads`: the `best` of those measured at up to `threads`
+        (more threads never make a rate worse; under load a measurement can look as if)."""
+        measured = [value for key, value in figures.items() if int(key) <= threads]
+        return best(measured or [figures[min(figures, key=int)]])
+
+    def message_s(self, collective: str, ranks: int, size: int) -> float:
+        """One message's seconds: latency plus bytes over bandwidth, at the nearest process
+        count measured (below `ranks` where there is one)."""
+        by_ranks = self.collectives[collective]
+        measured = sorted(int(key) for key in by_ranks)
+        below = [count for count in measured if count <= ranks] or measured[:1]
+        latency, per_byte = by_ranks[str(below[-1])]
+        return latency + size * per_byte
+
+
+def cache_path(device_type: str) -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    key = f"{socket.gethostname()}-{device_type}-torch{torch.__version__}-{usable_cores()}cores"
+    return base / PROJECT / f"calibration-{key}.json"
+
+
+def calibration(device_type: str, refresh: bool = False) -> Calibration:
+    """The cached calibration of `device_type` on this machine, measured now if there is none,
+    or `refresh`, or the machine is calmer now than when it was measured (by over `CALMER`
+    runnable processes per core: a loaded machine's figures are slower than its own)."""
+    path = cache_path(device_type)
+    if path.exists() and not refresh:
+        cached = Calibration(**json.loads(path.read_text()))
+        if cached.load_per_core <= load_per_core() + CALMER:
+            return cached
+    measured = calibrate(device_type)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dataclasses.asdict(measured), indent=1))
+    return measured
+
+
+def calibrate(device_type: str) -> Calibration:
+    """Measure this machine's figures (`Calibration`) for `device_type`."""
+    started = time.perf_counter()
+    cores = usable_cores()
+    device = torch.device(device_type)
+    thread_counts = sorted({max(1, cores // processes) for processes in (1, 2, 4, 8, cores)})
+    matmul, elementwise, step, op = {}, {}, {}, {}
+    for threads in thread_counts:
+        with intra_op_threads(threads):
+            matmul[str(threads)] = matmul_flops_per_s(device)
+            elementwise[str(threads)] = elementwise_bytes_per_s(device)
+            step[str(threads)], op[str(threads)] = step_and_op_s(device)
+    return Calibration(
+        device_type,
+        matmul,
+        elementwise,
+        step,
+        op,
+        collective_figures(device_type),
+        seconds=time.perf_counter() - started,
+        load_per_core=load_per_core(),
+    )
+
+
+def load_per_core() -> float:
+    """The 1-minute load average per usable core."""
+    return os.getloadavg()[0] / usable_cores()
+
+
+class intra_op_threads:  # noqa: N801 - used as a context manager
+    def __init__(self, threads: int):
+        self.threads, self.previous = threads, torch.get_num_threads()
+
+    def __enter__(self) -> None:
+        torch.set_num_threads(self.threads)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_num_threads(self.previous)
+
+
+def best_time_s(work: Callable[[], Any], device: torch.device, repeats: int = 1) -> float:
+    """The shortest of `ROUNDS` timed runs of `work` `repeats` times (after one untimed), per
+    run of `work`."""
+
+    def synchronized() -> None:
+        for _ in range(repeats):
+            work()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    synchronized()
+    times = []
+    for _ in range(ROUNDS):
+        started = time.perf_counter()
+        synchronized()
+        times.append((time.perf_counter() - started) / repeats)
+    return min(times)
+
+
+def matmul_flops_per_s(device: torch.device) -> float:
+    m, k, n = MATMUL[device.type]
+    a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
+    return 2 * m * k * n / best_time_s(lambda: a @ b, device, repeats=5)
+
+
+def elementwise_bytes_per_s(device: torch.device) -> float:
+    x, y = torch.zeros(ELEMENTWISE, device=device), torch.ones(ELEMENTWISE, device=device)
+    return 3 * x.nbytes / best_time_s(lambda: x.add_(y), device, repeats=5)
+
+
+def step_and_op_s(device: torch.device) -> tuple[float, float]:
+    """(seconds per step, seconds per aten op) of a tiny model's training step (forward, loss,
+    backward, SGD's step, zero_grad), whose arithmetic is next to nothing, from two depths: a
+    step's fixed cost (the optimizer's Python, mostly) and each op's (dispatch, autograd,
+    launch)."""
+    shallow, deep = tiny_step_s_and_ops(device, 2), tiny_step_s_and_ops(device, 10)
+    per_op = max(0.0, (deep[0] - shallow[0]) / (deep[1] - shallow[1]))
+    return max(0.0, shallow[0] - shallow[1] * per_op), per_op
+
+
+def tiny_step_s_and_ops(device: torch.device, depth: int) -> tuple[float, int]:
+    """A training step's seconds and aten ops, for an MLP of `depth` 16-wide Linears."""
+    torch.manual_seed(0)
+    layers = [module for _ in range(depth) for module in (nn.Linear(16, 16), nn.ReLU())]
+    model = nn.Sequential(*layers).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    inputs, targets = torch.randn(8, 16, device=device), torch.randn(8, 16, device=device)
+
+    def step() -> None:
+        loss = nn.functional.mse_loss(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    counter = OpCounter()
+    with counter:
+        step()
+    return best_time_s(step, device, repeats=20), counter.ops
+
+
+def collective_figures(device_type: str) -> dict[str, dict[str, list[float]]]:
+    """Each collective's [latency, s per byte] at each of `PROCESS_COUNTS` processes (the
+    largest in one job of that many processes, the others in groups of its first ranks)."""
+    world = max(PROCESS_COUNTS)
+    if device_type == "cuda":
+        world = min(world, torch.cuda.device_count())
+        if world < 2:
+            return {name: {"2": [0.0, 0.0]} for name in COLLECTIVES}
+    with tempfile.TemporaryDirectory() as folder:
+        results = Path(folder) / "collectives.json"
+        # Fresh interpreters, whatever the caller's main module (spawn would import it again).
+        code = "import sys; from src.planning.calibration import measure_collectives as m; " + (
+            "m(int(sys.argv[1]), *sys.argv[2:])"
+        )
+        environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+        ranks = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    code,
+                    str(rank),
+                    str(world),
+                    device_type,
+                    folder,
+                    str(results),
+                ],
+                env=environment,
+            )
+            for rank in range(world)
+        ]
+        if any(process.wait(timeout=120) for process in ranks):
+            raise RuntimeError("the calibration's collectives failed (see their errors above)")
+        return json.loads(results.read_text())
+
+
+def measure_collectives(rank: int, world: str, device_type: str, folder: str, results: str) -> None:
+    """One rank's part of `collective_figures` (its command-line arguments): rank 0 writes them
+    to `results`."""
+    world = int(world)
+    # torch 2.14 renamed the tensor collectives (the old names warn); torch 2.11 has only those.
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(max(1, usable_cores() // world))
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend, init_method=f"file://{folder}/store", rank=rank, world_size=world
+    )
+    figures: dict[str, dict[str, list[float]]] = {name: {} for name in COLLECTIVES}
+    try:
+        for ranks in [count for count in PROCESS_COUNTS if count <= world]:
+            group = dist.new_group(list(range(ranks)))
+            for name in COLLECTIVES:
+                if name == "send" and ranks > 2:
+                    continue  # point to point is two processes at any size of job
+                if rank < ranks:
+                    times = [collective_s(name, size, ranks, rank, group, device) for size in SIZES]
+                    figures[name][str(ranks)] = latency_and_per_byte(times)
+                dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        Path(results).write_text(json.dumps(figures))
+
+
+def latency_and_per_byte(times: list[float]) -> list[float]:
+    """[latency, s per byte] from the times at `SIZES` (the slope never below zero)."""
+    small, large = SIZES
+    return [times[0], max(0.0, (times[1] - times[0]) / (large - small))]
+
+
+def collective_s(
+    name: str, size: int, ranks: int, rank: int, group: Any, device: torch.device
+) -> float:
+    """The seconds one `name` of `size` bytes takes among `ranks` processes, on this rank."""
+    floats = size // 4
+    whole = torch.ones(floats, device=device)
+    part = torch.ones(floats // ranks, device=device)
+    operations: dict[str, Callable[[], Any]] = {
+        "all_reduce": lambda: dist.all_reduce(whole, group=group),
+        "all_gather": lambda: dist.all_gather_into_tensor(whole, part, group=group),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, whole, group=group),
+        "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(whole), whole, group=group),
+        "send": lambda: (dist.send if rank == 0 else dist.recv)(whole, 1 - rank, group=group),
+    }
+    dist.barrier(group=group)
+    return best_time_s(operations[name], device, repeats=5)
