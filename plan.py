@@ -70,7 +70,7 @@ def main(overrides: list[str]) -> int:
 
 def compared_step_times(sweep_dir: Path) -> str:
     """Each finished job of a sweep folder: its predicted step time against its measured one."""
-    from src.observe.report import collect
+    from src.observe.sweep_rows import collect
 
     if not sweep_dir.is_dir():
         raise ConfigError(f"plan.compare: no sweep folder at {sweep_dir}")

@@ -107,7 +107,11 @@ def calibration(device_type: str, refresh: bool = False) -> Calibration:
             return cached
     measured = calibrate(device_type)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dataclasses.asdict(measured), indent=1))
+    # Written whole, then renamed: processes planning at once (a sweep's jobs, test workers)
+    # read either the old file or the new one, never half of one.
+    written = path.with_suffix(f".{os.getpid()}.tmp")
+    written.write_text(json.dumps(dataclasses.asdict(measured), indent=1))
+    written.replace(path)
     return measured
 
 
