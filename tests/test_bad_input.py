@@ -38,7 +38,7 @@ ROWS = [
         ["parallel=nosuch"],
         HYDRA,
         "Could not find 'parallel/nosuch'; choose one of auto, ddp, dp, dp_criterion, fsdp, "
-        "fsdp_tp, fsdp_tp_pp, hybrid, model_parallel, pp, single, tp",
+        "fsdp_tp, fsdp_tp_pp, hybrid, mesh, model_parallel, pp, single, tp",
         id="strategy",
     ),
     pytest.param(
