@@ -1,7 +1,8 @@
-"""What every strategy with one process per replica shares: the process group and its ranks.
+"""The process-group part of `Mesh` (every layout of one process per rank): the group and its
+ranks.
 
-Each process drives its `local_devices()` (for ddp `cuda:<local rank>` among the GPUs it sees, or
-the CPU; hybrid overrides them with its stages' devices) and joins a torch.distributed process
+Each process drives its `local_devices()` (`cuda:<local rank>` among the GPUs it sees, or the
+CPU; under the stage cut, `Mesh` gives it its stages' devices) and joins a torch.distributed process
 group: NCCL on CUDA, gloo on CPU, unless `parallel.backend` says otherwise. The ranks are the
 job's `strategy.ranks` (`src/launch/launcher.py` reads them once from the environment that torchrun,
 srun or `launch` set); a job of one process has none.
