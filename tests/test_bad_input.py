@@ -153,6 +153,20 @@ ROWS = [
         id="hybrid-static-graph-accumulate",
     ),
     pytest.param(
+        ["parallel=fsdp", "parallel.static_graph=true"],
+        CHECK,
+        "parallel.static_graph=true: DDP's reducer options, but the layout fsdp2 is not "
+        "dp_replicate alone and runs FSDP2",
+        id="fsdp-reducer-option",
+    ),
+    pytest.param(
+        ["parallel=fsdp_tp", "parallel.stages=2"],
+        CHECK,
+        "parallel.stages=2 cuts each process's model over its own devices under dp_replicate "
+        "alone (DDP); with tp, pp or dp_shard set, use parallel.pp",
+        id="stages-beside-tp",
+    ),
+    pytest.param(
         ["parallel=hybrid", "parallel.deferred_batchnorm=true", "parallel.sync_batchnorm=true"],
         CHECK,
         "parallel.deferred_batchnorm=true and parallel.sync_batchnorm=true both replace BatchNorm",

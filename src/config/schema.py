@@ -39,14 +39,7 @@ from src.config.model import (
     TransformerConfig,
 )
 from src.config.optimizer import AdamWConfig, SGDConfig
-from src.config.parallel import (
-    DDPConfig,
-    DistributedConfig,
-    HybridConfig,
-    MeshConfig,
-    ParallelConfig,
-    PipelineConfig,
-)
+from src.config.parallel import MeshConfig, ParallelConfig, PipelineConfig
 from src.config.plan import PlanConfig
 from src.config.task import (
     LanguageModelConfig,
@@ -118,10 +111,7 @@ SCHEMAS = {
     },
     "parallel": {
         "base": ParallelConfig,
-        "distributed": DistributedConfig,
-        "ddp": DDPConfig,
         "pipeline": PipelineConfig,
-        "hybrid": HybridConfig,
         "mesh": MeshConfig,
     },
     "trainer": {"default": TrainerConfig},

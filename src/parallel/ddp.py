@@ -13,6 +13,7 @@ rank 0's on every rank before each training forward pass, unless
 from __future__ import annotations
 
 import inspect
+import json
 from typing import Any
 
 from torch import nn
@@ -36,7 +37,7 @@ def check_reducer_options(cfg: MeshConfig, layout_label: str) -> None:
     """ConfigError, in one line, for a reducer option set under a layout that DDP does not run
     (`layout_label`: the layout by its degrees)."""
     changed = [
-        f"parallel.{name}={getattr(cfg, name)}"
+        f"parallel.{name}={json.dumps(getattr(cfg, name))}"  # as written: true, not True
         for name, default in REDUCER_DEFAULTS.items()
         if getattr(cfg, name) != default
     ]
