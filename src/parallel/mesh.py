@@ -301,12 +301,13 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
 
     def names_its_layout(self) -> bool:
         """Whether the preset's name says the layout already: one data-parallel degree over
-        every process (`ddp` for ddp2, `fsdp` for fsdp4), or the stage cut (hybrid, whose
-        report is its stages), so that reports and sweep tables keep the preset's name."""
+        every process (`ddp` for ddp2, `fsdp` for fsdp4) or a job of one process (`single`),
+        or the stage cut (hybrid, whose report is its stages), so that reports and sweep tables
+        keep the preset's name."""
         if self.stage_cut is not None:
             return True
         one_degree = re.sub(r"\d+", "", self.layout.label())
-        return self.data_parallel_only and one_degree == self.name
+        return self.data_parallel_only and one_degree in (self.name, "single")
 
     def report(self) -> dict[str, Any]:
         """The stage cut's stages; the layout's name unless the preset's says it; for a
