@@ -38,7 +38,7 @@ ROWS = [
         ["parallel=nosuch"],
         HYDRA,
         "Could not find 'parallel/nosuch'; choose one of auto, ddp, dp, dp_criterion, fsdp, "
-        "fsdp_tp, fsdp_tp_pp, hybrid, model_parallel, pp, single, tp",
+        "fsdp_tp, fsdp_tp_pp, hybrid, mesh, model_parallel, pp, single, tp",
         id="strategy",
     ),
     pytest.param(
@@ -151,6 +151,20 @@ ROWS = [
         CHECK,
         "parallel.static_graph=true cannot run with trainer.accumulate=2",
         id="hybrid-static-graph-accumulate",
+    ),
+    pytest.param(
+        ["parallel=fsdp", "parallel.static_graph=true"],
+        CHECK,
+        "parallel.static_graph=true: DDP's reducer options, but the layout fsdp2 is not "
+        "dp_replicate alone and runs FSDP2",
+        id="fsdp-reducer-option",
+    ),
+    pytest.param(
+        ["parallel=fsdp_tp", "parallel.stages=2"],
+        CHECK,
+        "parallel.stages=2 cuts each process's model over its own devices under dp_replicate "
+        "alone (DDP); with tp, pp or dp_shard set, use parallel.pp",
+        id="stages-beside-tp",
     ),
     pytest.param(
         ["parallel=hybrid", "parallel.deferred_batchnorm=true", "parallel.sync_batchnorm=true"],

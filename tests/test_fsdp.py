@@ -74,12 +74,12 @@ def test_fsdp_checkpoint_is_in_single_s_format_and_single_resumes_from_it(tmp_pa
 # One rank, in a process of its own (a process group outlives a failed test in pytest's).
 WHAT_A_LAYER_SEES = """
 import json, sys, torch
-from src.config.parallel import FSDPConfig
+from src.config.parallel import MeshConfig
 from src.components.models import MLP
 from src.components.tasks import loss_sum
 from src.parallel import build_strategy
 
-config = FSDPConfig(_target_="src.parallel.fsdp.FSDP", name="fsdp", devices=1)
+config = MeshConfig(_target_="src.parallel.mesh.Mesh", name="fsdp", devices=1, dp_shard=-1)
 strategy = build_strategy(config, "cpu", sys.argv[1])
 strategy.setup()
 model = strategy.wrap(MLP(input_shape=(32,), num_classes=10, hidden=32, depth=3))

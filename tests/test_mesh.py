@@ -219,6 +219,15 @@ def test_2d_layouts_of_dp_tp_and_pp_train_exactly_like_single(degrees):
 
 
 @pytest.mark.equivalence
+def test_the_mesh_preset_s_2_by_2_hsdp_trains_exactly_like_single(tmp_path):
+    """`parallel=mesh` takes the degrees directly: 2 replicas of FSDP2 over 2 shards (FSDP2's
+    HSDP, not DDP: dp_shard is set). About 15 s on 2 CPU cores."""
+    degrees = ("parallel.dp_replicate=2", "parallel.dp_shard=2")
+    run_train(*WORKLOADS["mlp"], "parallel=mesh", *degrees, run_dir=tmp_path)
+    assert_trains_like_single(tmp_path, "hsdp2xfsdp2")
+
+
+@pytest.mark.equivalence
 def test_tp_2_by_pp_2_under_a_v_schedule_trains_exactly_like_single(tmp_path):
     """ZBVZeroBubble's V: the MLP's 4 blocks as 4 stages, 2 per pp rank, each split over 2 tp
     ranks."""

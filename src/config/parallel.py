@@ -73,17 +73,6 @@ class DistributedConfig(ParallelConfig):
 
 
 @dataclass
-class FSDPConfig(DistributedConfig):
-    """FSDP2's settings: `parallel=fsdp`, and the mesh layouts' dp_shard."""
-
-    offload: Offload = Offload.none
-    """cpu: FSDP2's CPUOffloadPolicy: each rank's shards of the parameters, gradients and
-    optimizer state live in pinned host memory, copied to the GPU unit by unit for compute, and
-    the optimizer steps on the CPU (device memory for time). CUDA only: a run on CPU is refused
-    (exit 2) rather than run as if offloaded, as is a mesh layout without dp_shard."""
-
-
-@dataclass
 class StagesConfig:
     """How a pipeline runs its stages (model_parallel's, and each of hybrid's processes')."""
 
@@ -114,11 +103,13 @@ class PipelineConfig(StagesConfig, ParallelConfig):
 
 
 @dataclass
-class DDPConfig(DistributedConfig):
+class ReducerConfig:
+    """DistributedDataParallel's own options, as torch's error messages name them: a layout of
+    dp_replicate alone runs DDP (src/parallel/ddp.py); any other refuses them set."""
+
     broadcast_buffers: bool = True
     """Copy rank 0's buffers (e.g. BatchNorm running statistics) to every rank before each
     training forward pass, as torch's DDP does by default; false lets each rank keep its own."""
-    # DistributedDataParallel's own options, as torch's error messages name them.
     find_unused_parameters: bool = False
     """Set when some parameters get no gradient in a step (a branch not taken, a frozen head):
     DDP then marks them ready itself instead of waiting for them forever. Costs a graph walk
@@ -133,29 +124,14 @@ class DDPConfig(DistributedConfig):
 
 
 @dataclass
-class HybridConfig(StagesConfig, DDPConfig):
-    stages: int = 2
-    """Pipeline stages per process: parallel.devices (a multiple of it) / stages processes per
-    node; `microbatches` is per process."""
-
-    def __post_init__(self) -> None:
-        at_least_one(self, "stages")
-        if self.devices % self.stages:
-            raise ConfigError(
-                f"parallel.devices={self.devices} does not divide into processes of "
-                f"parallel.stages={self.stages} devices each; make parallel.devices a multiple of "
-                "parallel.stages"
-            )
-        super().__post_init__()
-
-
-@dataclass
-class MeshConfig(FSDPConfig):
+class MeshConfig(StagesConfig, ReducerConfig, DistributedConfig):
     """An N-D layout on one DeviceMesh (src/parallel/mesh.py): degrees whose product is the
-    number of processes (parallel.devices x parallel.nodes); -1 takes the ranks the others leave."""
+    number of processes (parallel.devices / parallel.stages x parallel.nodes); -1 takes the ranks
+    the others leave. ddp, fsdp, hybrid, tp, pp, fsdp_tp, fsdp_tp_pp and mesh are presets of it."""
 
     dp_replicate: int = 1
-    """Data-parallel replicas (ddp; hsdp with dp_shard > 1)."""
+    """Data-parallel replicas: torch's DDP when no other degree is set, else FSDP2's (HSDP with
+    dp_shard)."""
     dp_shard: int = 1
     """Data-parallel shards (FSDP2): parameters, gradients and optimizer state split this many
     ways."""
@@ -163,12 +139,17 @@ class MeshConfig(FSDPConfig):
     """Tensor-parallel ranks each Linear pair of the model's plan is split over."""
     pp: int = 1
     """Pipeline ranks, each holding `stages_per_rank` stages of the model's blocks."""
+    stages: int = 1
+    """Pipeline stages within each process, on its own `stages` devices (hybrid: DDP over
+    pipelines; with dp_replicate alone): parallel.devices (a multiple of it) / stages processes
+    per node."""
     schedule: str = "1F1B"
     """With pp: torch.distributed.pipelining's schedule, by name: GPipe, 1F1B, Interleaved1F1B,
     LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV (the last two in a V: rank r
     holds stages r and 2 pp - 1 - r)."""
     microbatches: int = 2
-    """With pp: micro-batches each data-parallel share of a micro-step is cut into."""
+    """Micro-batches each data-parallel share of a micro-step is cut into, with pp or stages (the
+    hybrid preset sets 1: the naive schedule)."""
     stages_per_rank: int = 1
     """With pp: stages (virtual stages) per pipeline rank; 2 or more for the looped schedules,
     exactly 2 for the V-shaped ones."""
@@ -178,12 +159,23 @@ class MeshConfig(FSDPConfig):
     loss_parallel: bool = False
     """With tp: the vocabulary head's logits stay split over the tp ranks into the cross-entropy
     (no rank holds all of them; an untied head)."""
+    offload: Offload = Offload.none
+    """cpu: FSDP2's CPUOffloadPolicy: each rank's shards of the parameters, gradients and
+    optimizer state live in pinned host memory, copied to the GPU unit by unit for compute, and
+    the optimizer steps on the CPU (device memory for time). CUDA only: a run on CPU is refused
+    (exit 2) rather than run as if offloaded, as is a layout without dp_shard."""
 
     def __post_init__(self) -> None:
+        at_least_one(self, "stages", "stages_per_rank")
+        if self.devices % self.stages:
+            raise ConfigError(
+                f"parallel.devices={self.devices} does not divide into processes of "
+                f"parallel.stages={self.stages} devices each; make parallel.devices a multiple of "
+                "parallel.stages"
+            )
         super().__post_init__()
         if self.offload == Offload.cpu and self.dp_shard == 1:
             raise ConfigError(
                 "parallel.offload=cpu moves FSDP's shards to the host, but parallel.dp_shard=1 "
                 "shards nothing; set parallel.dp_shard above 1 (or -1), or parallel.offload=none"
             )
-        at_least_one(self, "microbatches", "stages_per_rank")

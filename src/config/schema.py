@@ -39,15 +39,7 @@ from src.config.model import (
     TransformerConfig,
 )
 from src.config.optimizer import AdamWConfig, SGDConfig
-from src.config.parallel import (
-    DDPConfig,
-    DistributedConfig,
-    FSDPConfig,
-    HybridConfig,
-    MeshConfig,
-    ParallelConfig,
-    PipelineConfig,
-)
+from src.config.parallel import MeshConfig, ParallelConfig, PipelineConfig
 from src.config.plan import PlanConfig
 from src.config.task import (
     LanguageModelConfig,
@@ -119,11 +111,7 @@ SCHEMAS = {
     },
     "parallel": {
         "base": ParallelConfig,
-        "distributed": DistributedConfig,
-        "ddp": DDPConfig,
-        "fsdp": FSDPConfig,
         "pipeline": PipelineConfig,
-        "hybrid": HybridConfig,
         "mesh": MeshConfig,
     },
     "trainer": {"default": TrainerConfig},

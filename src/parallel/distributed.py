@@ -1,9 +1,10 @@
-"""What every strategy with one process per replica shares: the process group and its ranks.
+"""The process-group part of `Mesh` (every layout of one process per rank): the group and its
+ranks.
 
-Each process drives its `local_devices()` (for ddp `cuda:<local rank>` among the GPUs it sees, or
-the CPU; hybrid overrides them with its stages' devices) and joins a torch.distributed process
+Each process drives its `local_devices()` (`cuda:<local rank>` among the GPUs it sees, or the
+CPU; under the stage cut, `Mesh` gives it its stages' devices) and joins a torch.distributed process
 group: NCCL on CUDA, gloo on CPU, unless `parallel.backend` says otherwise. The ranks are the
-job's `strategy.ranks` (`src/launch/launcher.py` reads them once from the environment that torchrun,
+job's `strategy.ranks` (`src/launch/as_rank.py` reads them once from the environment that torchrun,
 srun or `launch` set); a job of one process has none.
 """
 
@@ -145,6 +146,6 @@ class Distributed(Strategy):
     def teardown(self) -> None:
         # A failing rank (an exception on its way through `train`) leaves its group open until
         # the process exits: its peers then fail only after it has reported its failure (see
-        # `launch.run_as_rank`), so that the launcher names this rank rather than one of them.
+        # `as_rank.run_as_rank`), so that the launcher names this rank rather than one of them.
         if dist.is_initialized() and sys.exc_info()[0] is None:
             dist.destroy_process_group()

@@ -1,30 +1,31 @@
-"""`parallel=fsdp`: fully sharded data parallel (PyTorch's FSDP2), one process per device.
+"""The data-parallel degree `dp_shard` (`parallel=fsdp`, and every layout but dp_replicate
+alone): FSDP2's `apply_fsdp`, its mixed-precision policy, its scaler, its memory share and its
+traffic.
 
-Launched and fed like ddp: each rank trains on `global batch / world size` samples, starting from
-rank 0's weights. Unlike ddp, no rank holds the whole model. Every block of the `nn.Sequential`
-(blocks that share a parameter together; then the root, for what is left) is sharded: each parameter
-is split along its first dimension into `world size` pieces (DTensors), and so are its gradient and
-optimizer state. A block's full parameters are all-gathered just before its forward pass and again
-before its backward pass, and freed after; its gradients are reduce-scattered (averaged), so each
-rank gets the gradient of its own shard and steps the optimizer on it. Parameters, gradients and
-optimizer state take 1/world size of the memory per device, for a second all-gather per block per
-step (ddp: one all-reduce). On the accumulation micro-steps that do not step the optimizer,
-gradients stay whole on each rank until the last one reduce-scatters them (communication saved for
-memory, as in DDP's no_sync).
+Launched and fed like ddp: each data-parallel rank trains on `global batch / dp` samples,
+starting from rank 0's weights. Every block of the `nn.Sequential` (blocks that share a parameter
+together; then the root, for what is left) is sharded: each parameter is split along its first
+dimension into `dp_shard` pieces (DTensors), and so are its gradient and optimizer state (over a
+2-D (dp_replicate, dp_shard) mesh, HSDP: replicated across the first). A block's full parameters
+are all-gathered just before its forward pass and again before its backward pass, and freed
+after; its gradients are reduce-scattered (averaged), so each rank gets the gradient of its own
+shard and steps the optimizer on it. Parameters, gradients and optimizer state take 1/dp_shard of
+the memory per device, for a second all-gather per block per step (ddp: one all-reduce). On the
+accumulation micro-steps that do not step the optimizer, gradients stay whole on each rank until
+the last one reduce-scatters them (communication saved for memory, as in DDP's no_sync).
 
 With `trainer.precision=bf16` the gathered parameters are bf16 (half the all-gather traffic and
 the memory of the unsharded block) while the shards, the gradient reduction and the optimizer
-stay fp32; fp16 alike, its gradients unscaled by a scaler that checks every rank's shard.
-The loop's autocast still runs on top: it leaves bf16 matmuls as they are and casts to
-fp32 where it always does (softmax, norms, the loss), so the two agree.
+stay fp32; fp16 alike, its gradients unscaled by a scaler that checks every rank's shard
+(`sharded_scaler`). The loop's autocast still runs on top: it leaves bf16 matmuls as they are
+and casts to fp32 where it always does (softmax, norms, the loss), so the two agree.
 
-Checkpoints are sharded by default (`trainer.checkpoint_format=auto`): every rank writes its own
-shards through torch.distributed.checkpoint and reads back its own, resharded to however many
-ranks resume, so no rank holds the whole model (it is still built whole in each process's host
-memory before `wrap` shards it). `full` gathers them on rank 0 into single's
-format instead (full state_dict; the optimizer state keyed by parameter index); resuming from one,
-the weights are loaded before sharding and the optimizer state is split on loading, so the whole
-model then passes through each process's host memory.
+Checkpoints (`mesh_checkpoints.py`) are sharded by default when dp_shard is set: every rank
+writes its own shards through torch.distributed.checkpoint and reads back its own, resharded to
+however many ranks resume, so no rank holds the whole model (it is still built whole in each
+process's host memory before `wrap` shards it). `full` gathers them into single's format
+instead; resuming from one, the weights are loaded before sharding and the optimizer state is
+split on loading, so the whole model then passes through each process's host memory.
 """
 
 from __future__ import annotations
@@ -32,18 +33,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -53,78 +47,9 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from src.checkpoint.store import renamed
 from src.components.precision import AUTOCAST_DTYPES
-from src.config.parallel import FSDPConfig, Offload
-from src.parallel.base import DeviceShare, Messages, ModelSizes, tied_block_groups
-from src.parallel.distributed import Distributed
-
-# Full tensors, gathered onto rank 0's CPU (the other ranks get nothing back).
-GATHERED_ON_MAIN = StateDictOptions(full_state_dict=True, cpu_offload=True)
-# Every rank passes the full state (each one read the checkpoint) and keeps its own shards.
-SPLIT_FROM_FULL = StateDictOptions(full_state_dict=True)
-
-
-class FSDP(Distributed):
-    settings_schema = FSDPConfig
-    sharded_checkpoints = True
-    default_checkpoint_format = "sharded"  # no rank can hold the whole model
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        model = self.with_batchnorm_synced(model)
-        copy_from_rank0(model, self.device)
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
-        return apply_fsdp(model, mesh, mixed_precision(self.precision), offload=self.cfg.offload)
-
-    def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
-        """Rank 0's device: its share of the batch, its shard of the model's state, and, while
-        the model runs, FSDP's working set (`working_set`)."""
-        units = unit_bytes(sizes)
-        units_gathered = [gathered_bytes(u, self.precision) for u in units]
-        gathered, reduced = working_set(units_gathered, units, self.world_size, self.device_type)
-        share = DeviceShare(
-            f"{self.device_type}:0",
-            micro_batch // self.world_size,
-            state_shards=self.world_size,
-            running_bytes={"parameters": gathered, "gradients": reduced},
-            forward_bytes={"parameters": forward_working_set(units_gathered)},
-        )
-        return [share]
-
-    def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
-        gathered = gathered_bytes(sizes.parameter_bytes, self.precision)
-        return sharded_traffic(gathered, sizes.parameter_bytes, self.world_size, accumulate)
-
-    def step_messages(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> list[Messages]:
-        units = unit_bytes(sizes)
-        gathered = [gathered_bytes(unit, self.precision) for unit in units]
-        return sharded_messages(gathered, units, self.world_size, accumulate)
-
-    def grad_scaler(self, enabled: bool, init_scale: float) -> torch.amp.GradScaler:
-        """Each rank holds a shard of every gradient: ShardedGradScaler all-reduces the inf/NaN
-        check, so that every rank skips the step when any shard overflowed."""
-        return ShardedGradScaler(self.device_type, init_scale=init_scale, enabled=enabled)
-
-    def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
-        return gradient_sync(model, enabled)
-
-    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return get_model_state_dict(model, options=GATHERED_ON_MAIN)
-
-    def optimizer_state_dict(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer
-    ) -> dict[str, Any]:
-        state = get_optimizer_state_dict(model, optimizer, options=GATHERED_ON_MAIN)
-        if not self.is_main:
-            return {}
-        index = {name: i for i, name in enumerate(parameter_names(model, optimizer))}
-        return renamed(state, index)
-
-    def load_optimizer_state_dict(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
-    ) -> None:
-        names = dict(enumerate(parameter_names(model, optimizer)))
-        set_optimizer_state_dict(model, optimizer, renamed(state, names), options=SPLIT_FROM_FULL)
+from src.config.parallel import Offload
+from src.parallel.base import Messages, ModelSizes, tied_block_groups
 
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:
@@ -134,6 +59,14 @@ def mixed_precision(precision: str) -> MixedPrecisionPolicy:
     if precision not in AUTOCAST_DTYPES:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=AUTOCAST_DTYPES[precision], reduce_dtype=torch.float32)
+
+
+def sharded_scaler(device_type: str, enabled: bool, init_scale: float) -> torch.amp.GradScaler:
+    """fp16's scaler for a process that holds part of the gradients (its shards, its tp rank's
+    split of a layer, its pp rank's stages): ShardedGradScaler all-reduces the inf/NaN check over
+    every process, so that all skip the step when any part overflowed (each checking its own,
+    one rank would step where another skipped, and their loss scales part)."""
+    return ShardedGradScaler(device_type, init_scale=init_scale, enabled=enabled)
 
 
 def gathered_bytes(fp32_bytes: int, precision: str) -> int:

@@ -2,7 +2,7 @@
 devices. `StageCut` checks the pipeline's settings before any work, plans the split points on the
 meta model, builds the `Pipeline` (`mechanisms/stage_pipeline.py`) and gives the planner its
 figures. `model_parallel` is a `StageCut` on the process's `parallel.devices` devices; `hybrid`
-is DDP over one on each process's `parallel.stages` devices.
+(`hybrid.py`) is DDP over one on each process's `parallel.stages` devices.
 """
 
 from __future__ import annotations
