@@ -14,23 +14,18 @@ from __future__ import annotations
 
 import inspect
 import json
+from dataclasses import fields
 from typing import Any
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from src.config.base import ConfigError
-from src.config.parallel import MeshConfig
+from src.config.parallel import MeshConfig, ReducerConfig
 from src.parallel.base import ModelSizes, ring_bytes
 
 # The reducer's options as the schema defaults them: set otherwise, they ask for DDP.
-REDUCER_DEFAULTS = {
-    "broadcast_buffers": True,
-    "find_unused_parameters": False,
-    "static_graph": False,
-    "gradient_as_bucket_view": False,
-    "bucket_cap_mb": None,
-}
+REDUCER_DEFAULTS = {option.name: option.default for option in fields(ReducerConfig)}
 
 
 def check_reducer_options(cfg: MeshConfig, layout_label: str) -> None:
