@@ -15,7 +15,7 @@ from torch.distributed._tools.mem_tracker import _MemRefType
 
 import src.planning.planner
 from src.launch.memory_check import measured_peaks_mb
-from src.parallel.base import Messages
+from src.parallel.shares import Messages
 from src.planning.memory_trace import RUNNING, STEPPING
 from src.planning.planner import choose, format_table, plan_all, resolve_auto
 from src.planning.plans import MB, Plan

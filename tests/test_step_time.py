@@ -15,7 +15,7 @@ import pytest
 from helpers import ROOT, TINY_SGD, run_sweep
 
 from src.observe.sweep_rows import NOISY_SPREAD, Row, collect
-from src.parallel.base import Messages
+from src.parallel.shares import Messages
 from src.planning.calibration import Calibration, cache_path, calibration, load_per_core
 from src.planning.step_time import CalibratedSpeed
 

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from src.config.base import ConfigError
 from src.config.parallel import MeshConfig, ReducerConfig
-from src.parallel.base import ModelSizes, ring_bytes
+from src.parallel.shares import ModelSizes, ring_bytes
 
 # The reducer's options as the schema defaults them: set otherwise, they ask for DDP.
 REDUCER_DEFAULTS = {option.name: option.default for option in fields(ReducerConfig)}

@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from src.components.batches import Tree, move
-from src.parallel.base import DeviceShare, LossFn, ModelSizes, Strategy
+from src.parallel.base import LossFn, Strategy
 from src.parallel.mechanisms.replicas import DataParallel
+from src.parallel.shares import DeviceShare, ModelSizes
 
 log = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from src.components.precision import AUTOCAST_DTYPES
 from src.config.parallel import Offload
-from src.parallel.base import Messages, ModelSizes, tied_block_groups
+from src.parallel.shares import Messages, ModelSizes, tied_block_groups
 
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:

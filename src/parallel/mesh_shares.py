@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from src.components.precision import AUTOCAST_DTYPES
 from src.config.parallel import MeshConfig
-from src.parallel.base import DeviceShare, Messages, ModelSizes, bucketed_all_reduce, ring_bytes
 from src.parallel.ddp import bucket_bytes, ddp_traffic
 from src.parallel.fsdp import (
     forward_working_set,
@@ -23,6 +22,7 @@ from src.parallel.layout import Layout
 from src.parallel.mechanisms.stage_pipeline import boundary_bytes
 from src.parallel.mesh_plan import TPSplit
 from src.parallel.pipeline_schedules import schedule_bubble, stage_ranks
+from src.parallel.shares import DeviceShare, Messages, ModelSizes, bucketed_all_reduce, ring_bytes
 from src.parallel.stage_cut import StageCut
 
 

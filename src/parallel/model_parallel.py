@@ -12,7 +12,8 @@ from torch import nn
 
 from src.components.batches import Tree
 from src.config.parallel import PipelineConfig
-from src.parallel.base import DeviceShare, LossFn, ModelSizes, Strategy
+from src.parallel.base import LossFn, Strategy
+from src.parallel.shares import DeviceShare, ModelSizes
 from src.parallel.stage_cut import StageCut
 from src.runtime.ranks import Ranks
 

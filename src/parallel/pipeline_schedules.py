@@ -34,8 +34,8 @@ from torch.distributed.pipelining.schedules import (
 
 from src.components.batches import batch_size
 from src.config.base import ConfigError
-from src.parallel.base import tied_block_groups
 from src.parallel.mechanisms.stage_pipeline import balanced_split_points, parameter_count
+from src.parallel.shares import tied_block_groups
 from src.runtime.torch_private import pipeline_warmup_skips_own_rank
 
 ONE_STAGE = ("GPipe", "1F1B")  # one stage per rank

@@ -15,7 +15,7 @@ from torch import nn
 
 from src.components.batches import Tree
 from src.config.parallel import StagesConfig
-from src.parallel.base import ConfigError, DeviceShare, ModelSizes
+from src.parallel.base import ConfigError
 from src.parallel.mechanisms.deferred_batchnorm import defer_batchnorm
 from src.parallel.mechanisms.stage_pipeline import (
     Pipeline,
@@ -29,6 +29,7 @@ from src.parallel.mechanisms.stage_pipeline import (
     stage_shares,
     unmovable_boundaries,
 )
+from src.parallel.shares import DeviceShare, ModelSizes
 
 
 class StageCut:

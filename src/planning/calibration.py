@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from src.parallel.base import COLLECTIVES, usable_cores
+from src.parallel.base import usable_cores
+from src.parallel.shares import COLLECTIVES
 
 PROJECT = "parallel-training-template"
 ROOT = Path(__file__).resolve().parents[2]

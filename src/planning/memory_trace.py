@@ -24,7 +24,7 @@ from src.components.optimizer import build_optimizer
 from src.components.precision import autocast
 from src.config.base import typed
 from src.config.trainer import TrainerConfig
-from src.parallel.base import DeviceShare, ModelSizes, tied_block_groups
+from src.parallel.shares import DeviceShare, ModelSizes, tied_block_groups
 from src.planning.calibration import OpCounter
 from src.planning.plans import DevicePlan
 

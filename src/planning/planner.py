@@ -39,7 +39,8 @@ from src.config.parallel import AUTO, Offload
 from src.config.plan import PlanConfig
 from src.config.trainer import Accelerator, TrainerConfig
 from src.parallel import build_strategy
-from src.parallel.base import ModelSizes, resolve_device_type, usable_cores
+from src.parallel.base import resolve_device_type, usable_cores
+from src.parallel.shares import ModelSizes
 from src.planning.memory_trace import (
     TracedShare,
     device_plan,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
-from src.parallel.base import Messages
+from src.parallel.shares import Messages
 
 MB = 2**20
 # What holds a device's memory, as the plan counts it.

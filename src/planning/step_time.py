@@ -10,7 +10,8 @@ import functools
 import torch
 from omegaconf import DictConfig
 
-from src.parallel.base import Messages, PlannedStrategy
+from src.parallel.base import PlannedStrategy
+from src.parallel.shares import Messages
 from src.planning.calibration import Calibration, calibration
 from src.planning.plans import DevicePlan, Plan
 

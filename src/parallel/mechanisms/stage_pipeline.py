@@ -26,7 +26,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from src.components.batches import Tree, batch_size, move, split
-from src.parallel.base import ConfigError, DeviceShare, LossFn, ModelSizes
+from src.parallel.base import ConfigError, LossFn
+from src.parallel.shares import DeviceShare, ModelSizes
 
 log = logging.getLogger(__name__)
 

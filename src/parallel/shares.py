@@ -1,0 +1,128 @@
+"""What a strategy tells the planner (src/planning/) about a step, touching no device: the model's
+sizes, each device's share of the state and the work (`DeviceShare`), and the messages a rank
+sends (`Messages`), with the arithmetic every strategy shares (ring and bucket sizes, tied
+blocks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """What the planner knows of the model before tracing it (bytes, from the meta device)."""
+
+    block_parameter_bytes: list[int]
+    """Each block's parameters (one shared by several blocks counted at the first)."""
+    input_bytes: int
+    """One sample's inputs."""
+    block_output_bytes: list[int]
+    """One sample's output of each block."""
+    shared_blocks: list[list[int]]
+    """The blocks grouped by shared parameters (each block alone when it shares none)."""
+
+    @property
+    def parameter_bytes(self) -> int:
+        return sum(self.block_parameter_bytes)
+
+    def blocks_bytes(self, start: int, end: int) -> int:
+        return sum(self.block_parameter_bytes[start:end])
+
+
+@dataclass(frozen=True)
+class DeviceShare:
+    """One device's part of a training step, as the planner traces it."""
+
+    label: str
+    samples: int
+    """Samples per micro-step through this device's blocks."""
+    blocks: tuple[int, int] | None = None
+    """The blocks it runs, [start, end); None: all."""
+    later_stages: tuple[tuple[int, int], ...] = ()
+    """The blocks of further pipeline stages it runs, each [start, end) (a looped schedule's
+    rank holds stages r, r + pp, ...)."""
+    parts: int = 1
+    """The samples run in this many parts (replicas, pipeline micro-batches), all kept for
+    backward."""
+    gather: bool = False
+    """The parts' outputs are concatenated before the loss (DataParallel's gather)."""
+    state_shards: int = 1
+    """Parameters, gradients and optimizer state split this many ways (FSDP)."""
+    state_kept: float = 1.0
+    """The share of its parameters, gradients and optimizer state it holds before those are
+    sharded (tensor parallel: the replicated ones and 1/tp of the split ones)."""
+    activations_kept: float = 1.0
+    """The share of its traced activations it holds (tensor parallel: those inside a pair are
+    split)."""
+    flops_kept: float = 1.0
+    """The share of its blocks' FLOPs it runs (tensor parallel: 1/tp of the split layers')."""
+    replica_only: bool = False
+    """It holds a copy of the parameters but no gradients or optimizer state of its own."""
+    extra_bytes: dict[str, int] = field(default_factory=dict)
+    """What the strategy adds, by category (parameters, gradients, optimizer, activations)."""
+    running_bytes: dict[str, int] = field(default_factory=dict)
+    """What the strategy adds only while the model runs (forward and backward, not at the
+    optimizer step), by category: FSDP's gathered units and the gradients it reduce-scatters."""
+    forward_bytes: dict[str, int] = field(default_factory=dict)
+    """What the strategy adds while the model runs forward alone (evaluation), by category:
+    FSDP's gathered units."""
+    devices: int = 1
+    """The devices whose work this share stands for: on CPU one process runs all of a dp's
+    replicas or a pipeline's stages, which on GPUs run side by side."""
+
+    def stage_blocks(self, blocks: int) -> list[tuple[int, int]]:
+        """Each [start, end) range of the `blocks` blocks that it runs as a stage of its own."""
+        return [self.blocks or (0, blocks), *self.later_stages]
+
+
+# The collectives the planner times (`src/planning/calibration.py` measures each).
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+
+
+@dataclass(frozen=True)
+class Messages:
+    """Messages of one kind that one rank takes part in per optimizer step, as the planner
+    times them: each costs the collective's latency plus its bytes over its bandwidth, both
+    measured at `ranks` processes."""
+
+    collective: str
+    """One of `COLLECTIVES` (`send`: a point-to-point send or receive)."""
+    count: int
+    """Per optimizer step."""
+    size: int
+    """Bytes of each message's tensor on one rank (all_gather: the gathered output;
+    reduce_scatter: the input; all_reduce, all_to_all, send: the tensor)."""
+    ranks: int
+    overlapped: bool = False
+    """It runs while backward computes (DDP's buckets, FSDP's prefetched gathers), so only what
+    outlasts the backward adds to the step."""
+
+
+def tied_block_groups(model: nn.Sequential) -> list[list[int]]:
+    """Blocks that share a parameter, grouped (each block alone when it shares none)."""
+    groups: list[tuple[set[int], list[int]]] = []
+    for index, block in enumerate(model):
+        params = {id(p) for p in block.parameters()}
+        sharing = [g for g in groups if g[0] & params]
+        groups = [g for g in groups if g not in sharing]
+        merged_ids = params.union(*(g[0] for g in sharing))
+        groups.append((merged_ids, sorted([i for g in sharing for i in g[1]] + [index])))
+    return [blocks for _, blocks in groups]
+
+
+def ring_bytes(size: int, ranks: int) -> int:
+    """Bytes each rank sends in a ring all-reduce of `size` bytes."""
+    return 2 * (ranks - 1) * size // ranks
+
+
+# DDP's buckets (torch's defaults): the first, reduced as soon as backward starts, is small.
+FIRST_BUCKET_BYTES, BUCKET_BYTES = 2**20, 25 * 2**20
+
+
+def bucketed_all_reduce(size: int, ranks: int, times: int = 1) -> Messages:
+    """`size` bytes of gradients all-reduced in DDP's buckets `times` per step, while backward
+    computes."""
+    buckets = 1 + max(0, -(-(size - FIRST_BUCKET_BYTES) // BUCKET_BYTES))
+    return Messages("all_reduce", times * buckets, size // buckets, ranks, overlapped=True)
