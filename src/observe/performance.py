@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,10 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from src.components.data import Data, meta_samples
+from src.config.trainer import TrainerConfig
+from src.observe.tracking import Tracker
+from src.parallel.base import Strategy
+from src.runtime.run_folder import profile_trace
 
 # Dense peak TFLOP/s per GPU from NVIDIA's data sheets (SXM parts unless named), by arithmetic:
 # tf32 is what fp32 matmuls run at with trainer.matmul_precision high/medium (auto on CUDA).
@@ -113,3 +118,17 @@ def step_profiler(
         on_trace_ready=lambda profiler: profiler.export_chrome_trace(str(trace_path)),
         record_shapes=True,
     )
+
+
+@contextlib.contextmanager
+def profiling(
+    trainer: TrainerConfig, strategy: Strategy, run_dir: Path, tracker: Tracker
+) -> Iterator:
+    """`trainer.profile`'s profiler, on the main process (a no-op otherwise); the trace it writes
+    as it closes goes to the tracker too, unless training failed."""
+    enabled = trainer.profile and strategy.is_main
+    trace = profile_trace(run_dir)
+    with step_profiler(enabled, trainer.profile_steps, strategy.device_type, trace) as profiler:
+        yield profiler
+    if enabled:
+        tracker.save(trace)

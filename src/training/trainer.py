@@ -19,7 +19,6 @@ import contextlib
 import logging
 import statistics
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +34,11 @@ from src.components.optimizer import build_optimizer, lr_schedule
 from src.components.state_dicts import tied_keys
 from src.config.base import plain_config, typed
 from src.config.trainer import TrainerConfig
-from src.observe.performance import step_flops, step_profiler
+from src.observe.performance import profiling, step_flops
 from src.observe.tensor_memory import TensorPeak
 from src.observe.tracking import Tracker, build_tracker
 from src.parallel.base import Strategy
-from src.runtime.run_folder import metrics_file, profile_trace
+from src.runtime.run_folder import metrics_file
 from src.runtime.stopping import Interrupted, StopOnSignal, agree_to_stop
 from src.training.build import (
     Blueprint,
@@ -390,17 +389,3 @@ def reset_peak_memory(strategy: Strategy) -> None:
         torch.cuda.init()
     for device in cuda_devices:
         torch.cuda.reset_peak_memory_stats(device)
-
-
-@contextlib.contextmanager
-def profiling(
-    trainer: TrainerConfig, strategy: Strategy, run_dir: Path, tracker: Tracker
-) -> Iterator:
-    """`trainer.profile`'s profiler, on the main process (a no-op otherwise); the trace it writes
-    as it closes goes to the tracker too, unless training failed."""
-    enabled = trainer.profile and strategy.is_main
-    trace = profile_trace(run_dir)
-    with step_profiler(enabled, trainer.profile_steps, strategy.device_type, trace) as profiler:
-        yield profiler
-    if enabled:
-        tracker.save(trace)
