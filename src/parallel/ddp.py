@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from src.config.base import ConfigError
 from src.config.parallel import MeshConfig, ReducerConfig
-from src.parallel.shares import ModelSizes, ring_bytes
+from src.parallel.shares import Messages, ring_bytes
 
 # The reducer's options as the schema defaults them: set otherwise, they ask for DDP.
 REDUCER_DEFAULTS = {option.name: option.default for option in fields(ReducerConfig)}
@@ -83,9 +83,21 @@ def bucket_bytes(cfg: MeshConfig, parameter_bytes: int) -> int:
     return 0 if cfg.gradient_as_bucket_view else parameter_bytes
 
 
-def ddp_traffic(sizes: ModelSizes, replicas: int) -> dict[str, int]:
-    """What each replica sends per step: one ring all-reduce of the gradients."""
-    return {"gradient all-reduce": ring_bytes(sizes.parameter_bytes, replicas)}
+def replica_traffic(shard_bytes: int, replicas: int, reductions: int = 1) -> dict[str, int]:
+    """What each of `replicas` sends per step: a ring all-reduce of its `shard_bytes` of
+    gradients, `reductions` times."""
+    return {"gradient all-reduce": reductions * ring_bytes(shard_bytes, replicas)}
+
+
+# DDP's buckets (torch's defaults): the first, reduced as soon as backward starts, is small.
+FIRST_BUCKET_BYTES, BUCKET_BYTES = 2**20, 25 * 2**20
+
+
+def bucketed_all_reduce(size: int, ranks: int, times: int = 1) -> Messages:
+    """`size` bytes of gradients all-reduced in DDP's buckets `times` per step, while backward
+    computes."""
+    buckets = 1 + max(0, -(-(size - FIRST_BUCKET_BYTES) // BUCKET_BYTES))
+    return Messages("all_reduce", times * buckets, size // buckets, ranks, overlapped=True)
 
 
 def reducer_options(cfg: MeshConfig) -> dict[str, Any]:

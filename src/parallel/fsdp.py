@@ -92,47 +92,61 @@ def apply_fsdp(
     return fully_shard(model, **options)
 
 
+def micro_step_counts(staged: bool, accumulate: int) -> tuple[int, int]:
+    """How often a unit is gathered per micro-step, and its gradients reduced per step: under
+    pp (`staged`) each micro-step's schedule run gathers a rank's stages once and reduces their
+    gradients; else each unit is gathered for forward and again for backward, and reduced once
+    (the micro-steps before the last skip the sync)."""
+    return (1, accumulate) if staged else (2, 1)
+
+
 def sharded_traffic(
-    gathered_bytes: int,
-    gradient_bytes: int,
-    shards: int,
-    accumulate: int,
-    gathers_per_micro_step: int = 2,
-    reductions: int = 1,
+    held: int, shards: int, accumulate: int, staged: bool, precision: str
 ) -> dict[str, int]:
-    """What each of `shards` ranks sends per step: every unit is gathered
-    `gathers_per_micro_step` times (for forward and again for backward) in each of the
-    `accumulate` micro-steps, its gradients reduce-scattered `reductions` times per step (each
-    rank sends (N - 1) / N of each)."""
+    """What each of `shards` ranks holding `held` bytes (fp32) sends per step: every unit
+    gathered (in the autocast dtype under bf16/fp16) and its gradients reduce-scattered as
+    `micro_step_counts` says (each rank sends (N - 1) / N of each)."""
+    gathers_per_micro_step, reductions = micro_step_counts(staged, accumulate)
     others = (shards - 1) / shards
+    gathered = gathered_bytes(held, precision)
     return {
-        "parameter all-gather": int(gathers_per_micro_step * accumulate * others * gathered_bytes),
-        "gradient reduce-scatter": int(reductions * others * gradient_bytes),
+        "parameter all-gather": int(gathers_per_micro_step * accumulate * others * gathered),
+        "gradient reduce-scatter": int(reductions * others * held),
     }
 
 
 def sharded_messages(
-    gathered: list[int],
-    reduced: list[int],
-    shards: int,
-    accumulate: int,
-    gathers_per_micro_step: int = 2,
-    reductions: int = 1,
+    units: list[int], shards: int, accumulate: int, staged: bool, precision: str
 ) -> list[Messages]:
-    """FSDP's messages per step, from each unit's bytes as gathered and as reduced: every unit
-    gathered `gathers_per_micro_step` times in each micro-step, its gradients reduce-scattered
-    `reductions` times. Each gather but a micro-step's first is prefetched while the previous
-    unit computes, and each reduce-scatter runs while the next unit's backward does."""
-    units = len(gathered)
+    """FSDP's messages per step, from each unit's bytes (fp32; under pp a rank's stages are one
+    unit), gathered and reduced as `micro_step_counts` says. Each gather but a micro-step's
+    first is prefetched while the previous unit computes, and each reduce-scatter runs while
+    the next unit's backward does."""
     if not units:
         return []
+    gathers_per_micro_step, reductions = micro_step_counts(staged, accumulate)
     gathers = gathers_per_micro_step * accumulate
-    each, reduced_each = sum(gathered) // units, sum(reduced) // units
+    gathered = [gathered_bytes(unit, precision) for unit in units]
+    each, reduced_each = sum(gathered) // len(units), sum(units) // len(units)
     return [
         Messages("all_gather", accumulate, each, shards),
-        Messages("all_gather", gathers * units - accumulate, each, shards, overlapped=True),
-        Messages("reduce_scatter", reductions * units, reduced_each, shards, overlapped=True),
+        Messages("all_gather", gathers * len(units) - accumulate, each, shards, overlapped=True),
+        Messages("reduce_scatter", reductions * len(units), reduced_each, shards, overlapped=True),
     ]
+
+
+def sharded_working_set(
+    units: list[int], held: int, staged: bool, shards: int, precision: str, device_type: str
+) -> dict[str, int]:
+    """What FSDP adds while the model runs to a rank holding `held` bytes (fp32), its units'
+    `units` in forward order: under pp (`staged`) all of its stages gathered (they stay so
+    through the schedule's run: `Mesh.wrap`), else `working_set` of its units. Gathered in the
+    autocast dtype under bf16/fp16 (`mixed_precision`)."""
+    if staged:
+        return {"parameters": gathered_bytes(held, precision)}
+    gathered = [gathered_bytes(unit, precision) for unit in units]
+    parameters, gradients = working_set(gathered, units, shards, device_type)
+    return {"parameters": parameters, "gradients": gradients}
 
 
 def copy_from_rank0(model: nn.Module, device: torch.device) -> None:
@@ -186,11 +200,12 @@ def working_set(
     return max(moments, key=sum, default=(0, 0))
 
 
-def forward_working_set(gathered: list[int]) -> int:
+def forward_working_set(units: list[int], precision: str) -> dict[str, int]:
     """FSDP2's largest working set in a forward pass alone (evaluation: nothing to reduce), from
-    each unit's bytes as gathered (in forward order): a unit gathered, and the next one gathered
+    each unit's bytes (fp32, in forward order): a unit gathered, and the next one gathered
     ahead of it."""
-    return max((sum(gathered[i : i + 2]) for i in range(len(gathered))), default=0)
+    gathered = [gathered_bytes(unit, precision) for unit in units]
+    return {"parameters": max((sum(gathered[i : i + 2]) for i in range(len(gathered))), default=0)}
 
 
 def sharding_units(model: nn.Sequential) -> list[list[nn.Module]]:

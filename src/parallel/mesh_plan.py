@@ -19,6 +19,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torch.utils.flop_counter import FlopCounterMode
 
 from src.components.batches import Tree, batch_size
+from src.components.precision import AUTOCAST_DTYPES
+from src.parallel.shares import Messages, ModelSizes, ring_bytes
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,78 @@ class TPSplit:
         total = sum(self.saved_bytes[b] for b in blocks)
         split = sum(self.split_saved_bytes[b] for b in blocks)
         return 1 - (1 - 1 / tp) * split / total if total else 1.0
+
+
+def tp_kept_bytes(split: TPSplit | None, tp: int, sizes: ModelSizes, blocks: list[int]) -> int:
+    """The parameter bytes of `blocks` one of `tp` ranks holds (before FSDP shards them)."""
+    whole = sum(sizes.block_parameter_bytes[b] for b in blocks)
+    if split is None:
+        return whole
+    split_bytes = sum(split.split_parameter_bytes[b] for b in blocks)
+    return int(whole - (1 - 1 / tp) * split_bytes)
+
+
+def tp_kept(
+    split: TPSplit | None, tp: int, sizes: ModelSizes, blocks: list[int]
+) -> tuple[float, float, float]:
+    """The shares of `blocks`' parameters (and so gradients and optimizer state), of their FLOPs
+    and of their traced activations that one of `tp` ranks keeps (tp splits the activations
+    inside its pairs: traced whole, they overstated a tp rank's peak by a third on a tiny GPT)."""
+    if split is None:
+        return 1.0, 1.0, 1.0
+    whole = sum(sizes.block_parameter_bytes[b] for b in blocks)
+    state_kept = tp_kept_bytes(split, tp, sizes, blocks) / whole if whole else 1.0
+    return state_kept, split.flops_kept(blocks, tp), split.activations_kept(blocks, tp)
+
+
+def busiest_pairs(split: TPSplit, ranks: list[list[int]]) -> list[int]:
+    """The bytes per sample of each pair's sum on the pp rank (by its blocks in `ranks`) whose
+    pairs sum the most."""
+    pairs = ([size for block, size in split.pair_outputs if block in blocks] for blocks in ranks)
+    return max(pairs, key=sum)
+
+
+def in_compute_dtype(size: int, precision: str) -> int:
+    """`size` fp32 bytes of the Linears' outputs, as they are in the autocast dtype."""
+    return size // 2 if precision in AUTOCAST_DTYPES else size
+
+
+def tp_traffic(
+    split: TPSplit, tp: int, ranks: list[list[int]], samples: int, precision: str, sp: bool
+) -> dict[str, int]:
+    """What the busiest rank sends per step over tp in passes of `samples` samples in all: each
+    pair's all-reduce forward and backward; with sequence parallel (`sp`) an all-gather and a
+    reduce-scatter each way, as much together."""
+    size = in_compute_dtype(samples * sum(busiest_pairs(split, ranks)), precision)
+    if sp:
+        each = int(2 * (tp - 1) / tp * size)
+        return {"activation all-gather": each, "activation reduce-scatter": each}
+    return {"activation all-reduce": 2 * ring_bytes(size, tp)}
+
+
+def tp_messages(
+    split: TPSplit,
+    tp: int,
+    ranks: list[list[int]],
+    samples: int,
+    runs: int,
+    precision: str,
+    sp: bool,
+) -> list[Messages]:
+    """The busiest rank's tp messages in `runs` passes of `samples` samples: each pair's
+    all-reduce forward and backward (with sequence parallel, `sp`, an all-gather and a
+    reduce-scatter each way), which the next layer waits for."""
+    pairs = busiest_pairs(split, ranks)
+    if not pairs:
+        return []
+    size = in_compute_dtype(samples * sum(pairs) // len(pairs), precision)
+    count = 2 * len(pairs) * runs
+    if sp:
+        return [
+            Messages("all_gather", count, size, tp),
+            Messages("reduce_scatter", count, size, tp),
+        ]
+    return [Messages("all_reduce", count, size, tp)]
 
 
 def split_parameters(module: nn.Module, style: ParallelStyle) -> list[nn.Parameter]:

@@ -34,8 +34,12 @@ from torch.distributed.pipelining.schedules import (
 
 from src.components.batches import batch_size
 from src.config.base import ConfigError
-from src.parallel.mechanisms.stage_pipeline import balanced_split_points, parameter_count
-from src.parallel.shares import tied_block_groups
+from src.parallel.mechanisms.stage_pipeline import (
+    balanced_split_points,
+    boundary_bytes,
+    parameter_count,
+)
+from src.parallel.shares import Messages, ModelSizes, tied_block_groups
 from src.runtime.torch_private import pipeline_warmup_skips_own_rank
 
 ONE_STAGE = ("GPipe", "1F1B")  # one stage per rank
@@ -120,6 +124,24 @@ def stage_ranks(schedule: str, pp: int, stages_per_rank: int) -> list[int]:
     if schedule in V_SHAPED:
         return [*range(pp), *reversed(range(pp))]
     return [stage % pp for stage in range(pp * stages_per_rank)]
+
+
+def stage_traffic(
+    points: tuple[int, ...], sizes: ModelSizes, samples: int, accumulate: int
+) -> dict[str, int]:
+    """What crosses the stages' boundaries (before blocks `points`) per step of `accumulate`
+    micro-steps of `samples` samples: activations forward, gradients back."""
+    return {"stage activations": accumulate * boundary_bytes(points, sizes, samples)}
+
+
+def stage_messages(
+    points: tuple[int, ...], sizes: ModelSizes, samples: int, runs: int, pp: int
+) -> list[Messages]:
+    """The busiest rank's sends in `runs` passes of `samples` samples: each boundary its stages
+    touch, activations forward and gradients back."""
+    boundaries = -(-2 * len(points) // pp)
+    each = boundary_bytes(points, sizes, samples) // (2 * len(points))  # one way, one boundary
+    return [Messages("send", 2 * runs * boundaries, each, 2)]
 
 
 def stage_parts(

@@ -115,14 +115,3 @@ def tied_block_groups(model: nn.Sequential) -> list[list[int]]:
 def ring_bytes(size: int, ranks: int) -> int:
     """Bytes each rank sends in a ring all-reduce of `size` bytes."""
     return 2 * (ranks - 1) * size // ranks
-
-
-# DDP's buckets (torch's defaults): the first, reduced as soon as backward starts, is small.
-FIRST_BUCKET_BYTES, BUCKET_BYTES = 2**20, 25 * 2**20
-
-
-def bucketed_all_reduce(size: int, ranks: int, times: int = 1) -> Messages:
-    """`size` bytes of gradients all-reduced in DDP's buckets `times` per step, while backward
-    computes."""
-    buckets = 1 + max(0, -(-(size - FIRST_BUCKET_BYTES) // BUCKET_BYTES))
-    return Messages("all_reduce", times * buckets, size // buckets, ranks, overlapped=True)
