@@ -93,10 +93,10 @@ class Layout:
         ]
         return "x".join(parts) or "single"
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
+    def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
         """One DeviceMesh with every dimension named (those of size 1 too, so that code can ask
-        for `mesh["tp"]` whatever the layout), and `dp` the two data-parallel ones flattened."""
+        for `mesh["tp"]` whatever the layout), and the two data-parallel ones flattened into
+        one, kept: torch warns that slicing a flattened dimension from the root is going away."""
         shape = tuple(getattr(self, name) for name in DIMENSIONS)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=DIMENSIONS)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        return mesh
+        return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")

@@ -158,7 +158,8 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
     def setup(self) -> None:
         super().setup()
         if not self.runs_ddp:  # DDP reduces over the whole group
-            self.mesh = self.layout.build_mesh(self.device.type)
+            self.mesh, data_parallel = self.layout.build_mesh(self.device.type)
+            self.data_parallel_group = data_parallel.get_group()
         if self.cfg.loss_parallel:
             # Its cross-entropy kernels for the forward in `apply` and the loop's backward.
             self.loss_kernels.enter_context(loss_parallel())
@@ -293,7 +294,7 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
             return super().all_reduce_sum(tensor)
         reduced = tensor.detach().to(self.device, copy=True)
         if self.layout.dp > 1:
-            dist.all_reduce(reduced, group=self.mesh["dp"].get_group())
+            dist.all_reduce(reduced, group=self.data_parallel_group)
         return reduced.to(tensor.device)
 
     def layout_name(self) -> str:
