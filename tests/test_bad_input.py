@@ -215,6 +215,12 @@ ROWS = [
         id="offload-without-dp-shard",
     ),
     pytest.param(
+        ["parallel=ddp", "trainer.accelerator=cpu", "parallel.microbatches=4"],
+        CHECK,
+        "parallel.microbatches=4: pipeline settings, but this layout has no pipeline",
+        id="pipeline-setting-without-pipeline",
+    ),
+    pytest.param(
         ["parallel=ddp", "parallel.offload=cpu"],
         CHECK,
         "parallel.offload=cpu moves FSDP's shards to the host, but parallel.dp_shard=1",

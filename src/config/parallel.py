@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from src.config.base import ConfigError, choices
@@ -178,4 +178,24 @@ class MeshConfig(StagesConfig, ReducerConfig, DistributedConfig):
             raise ConfigError(
                 "parallel.offload=cpu moves FSDP's shards to the host, but parallel.dp_shard=1 "
                 "shards nothing; set parallel.dp_shard above 1 (or -1), or parallel.offload=none"
+            )
+        self.check_pipeline_settings()
+
+    def check_pipeline_settings(self) -> None:
+        """ConfigError, in one line, for a pipeline's settings under a layout without one (ddp,
+        fsdp, tp: the schema they share has the keys, which would otherwise do nothing)."""
+        unused = ("schedule", "stages_per_rank") if self.pp == 1 else ()
+        if self.pp == 1 and self.stages == 1:
+            unused += ("microbatches", "split_points", "deferred_batchnorm")
+        defaults = {option.name: option.default for option in fields(MeshConfig)}
+        changed = [
+            f"parallel.{name}={getattr(self, name)}"
+            for name in unused
+            if getattr(self, name) != defaults[name]
+        ]
+        if changed:
+            raise ConfigError(
+                f"{', '.join(changed)}: pipeline settings, but this layout has no pipeline "
+                f"(parallel.pp={self.pp}, parallel.stages={self.stages}); leave them out, or set "
+                "parallel.pp (parallel=pp) or parallel.stages (parallel=hybrid)"
             )
