@@ -69,6 +69,17 @@ TINY_TRANSFORMER = (
 # rate per step (seen: 2e-5 after TINY_TRANSFORMER's 6 steps). Adam runs compare their losses.
 SGD = ("optimizer=sgd", "optimizer.warmup_steps=0")
 TINY_SGD = (*TINY, *SGD)
+# A 2-block GPT on tiny synthetic token sequences, for runs compared with single's weights.
+TINY_GPT_SGD = (
+    *(override for override in TINY_SGD if not override.startswith("model.")),
+    "model=gpt",
+    "data=synthetic_tokens",
+    "data.seq_len=8",
+    "data.vocab_size=16",
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=32",
+)
 TINY_TRANSFORMER_SGD = (*TINY_TRANSFORMER, *SGD)
 
 # SGD with clipping and accumulation: the scaler must unscale before clipping, and scale every

@@ -17,6 +17,7 @@ from helpers import (
     FP16,
     FP16_TOLERANCE,
     TINY,
+    TINY_GPT_SGD,
     TINY_SGD,
     TINY_TRANSFORMER_SGD,
     assert_same_training,
@@ -42,16 +43,6 @@ from src.parallel.pipeline_schedules import LOOPED, ONE_STAGE, SPLIT_BACKWARD, V
 from src.parallel.tensor_parallel import tp_plan
 from src.runtime.ranks import Ranks
 
-TINY_GPT_SGD = (
-    *(override for override in TINY_SGD if not override.startswith("model.")),
-    "model=gpt",
-    "data=synthetic_tokens",
-    "data.seq_len=8",
-    "data.vocab_size=16",
-    "model.n_layer=2",
-    "model.n_head=2",
-    "model.n_embd=32",
-)
 WORKLOADS = {
     # Accumulation too: two micro-steps per optimizer step; and clipping, by the norm of the
     # whole model's gradients (a pp rank holds its own stages' only).

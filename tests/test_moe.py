@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from helpers import TINY_SGD, assert_same_training, metrics, strategy_runs, train_losses
+from helpers import TINY_GPT_SGD, assert_same_training, metrics, strategy_runs, train_losses
 
 from src.components.moe import (
     MoEFeedForward,
@@ -23,15 +23,9 @@ from src.components.moe import (
 # 4 experts, 2 per token, 8 tokens a sequence: 3 slots per expert (0.75 x 2 x 8 / 4), 12 for a
 # sequence's 16 choices, so every sequence drops at least 4.
 MOE_SGD = (
-    *(override for override in TINY_SGD if not override.startswith("model.")),
+    *(override for override in TINY_GPT_SGD if override != "model=gpt"),
     "model=moe",
     "task=language_model",
-    "data=synthetic_tokens",
-    "data.seq_len=8",
-    "data.vocab_size=16",
-    "model.n_layer=2",
-    "model.n_head=2",
-    "model.n_embd=32",
     "model.experts=4",
     "model.capacity_factor=0.75",
     "model.aux_loss_weight=0.1",

@@ -44,8 +44,9 @@ def machine_load() -> str | None:
 def why_untimed(rows: list[Row]) -> str | None:
     """Why a sweep's step times cannot be held to the prediction: the machine's load, or
     logging windows that disagree; None on a quiet machine."""
-    if machine_load() is not None:
-        return machine_load()
+    loaded = machine_load()
+    if loaded is not None:
+        return loaded
     calibrated = calibration("cpu").load_per_core
     if calibrated > MAX_LOAD_PER_CORE:
         return f"calibrated on a loaded machine: {calibrated:.2f} runnable per core"
