@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -136,17 +137,47 @@ def sharded_messages(
 
 
 def sharded_working_set(
-    units: list[int], held: int, staged: bool, shards: int, precision: str, device_type: str
+    units: list[int],
+    spans: list[bool],
+    held: int,
+    staged: bool,
+    shards: int,
+    precision: str,
+    device_type: str,
 ) -> dict[str, int]:
     """What FSDP adds while the model runs to a rank holding `held` bytes (fp32), its units'
-    `units` in forward order: under pp (`staged`) all of its stages gathered (they stay so
-    through the schedule's run: `Mesh.wrap`), else `working_set` of its units. Gathered in the
-    autocast dtype under bf16/fp16 (`mixed_precision`)."""
+    `units` in forward order (`spans`: `unit_spans`): under pp (`staged`) all of its stages
+    gathered (they stay so through the schedule's run: `Mesh.wrap`), else `working_set` of its
+    units. Gathered in the autocast dtype under bf16/fp16 (`mixed_precision`)."""
     if staged:
         return {"parameters": gathered_bytes(held, precision)}
     gathered = [gathered_bytes(unit, precision) for unit in units]
-    parameters, gradients = working_set(gathered, units, shards, device_type)
+    parameters, gradients = working_set(gathered, units, spans, shards, device_type)
     return {"parameters": parameters, "gradients": gradients}
+
+
+def sharded_share(
+    units: list[int],
+    spans: list[bool],
+    held: int,
+    staged: bool,
+    shards: int,
+    precision: str,
+    device_type: str,
+) -> dict[str, Any]:
+    """What FSDP adds to a rank's `DeviceShare` (its fields), the rank as
+    `sharded_working_set`'s: that working set while a block runs, and while one runs forward
+    alone (evaluation, `forward_working_set`); under pp its gathered stages while the loss runs
+    too; its gradients whole between syncs outside pp (`gradient_sync`); its parameters run in
+    the autocast dtype under bf16/fp16 (`mixed_precision`)."""
+    running = sharded_working_set(units, spans, held, staged, shards, precision, device_type)
+    return {
+        "running_bytes": running,
+        "forward_bytes": running if staged else forward_working_set(units, spans, precision),
+        "loss_bytes": running if staged else {},
+        "unsynced_gradients_whole": not staged,
+        "computes_in": AUTOCAST_DTYPES.get(precision),
+    }
 
 
 def copy_from_rank0(model: nn.Module, device: torch.device) -> None:
@@ -168,6 +199,12 @@ def units_in_forward_order(sizes: ModelSizes) -> list[list[int]]:
     return sorted(sizes.shared_blocks, key=min)
 
 
+def unit_spans(sizes: ModelSizes) -> list[bool]:
+    """Whether each sharding unit (in forward order) holds blocks that are not neighbours (a
+    tied embedding and head)."""
+    return [max(b) - min(b) >= len(b) for b in units_in_forward_order(sizes)]
+
+
 def unit_bytes(sizes: ModelSizes) -> list[int]:
     """The parameter bytes of each sharding unit, in forward order."""
     units = units_in_forward_order(sizes)
@@ -175,12 +212,13 @@ def unit_bytes(sizes: ModelSizes) -> list[int]:
 
 
 def working_set(
-    gathered: list[int], reduced: list[int], shards: int, device_type: str
+    gathered: list[int], reduced: list[int], spans: list[bool], shards: int, device_type: str
 ) -> tuple[int, int]:
-    """FSDP2's largest working set while the model runs beyond what the trace, shared out,
-    holds, from each unit's bytes as gathered and as reduced (in forward order):
-    (parameters gathered, gradients being reduced). The trace's peak in backward holds some unit
-    i's gradients whole, as autograd makes them; on top of that, at the larger of two moments:
+    """FSDP2's largest working set while a block runs beyond what the trace, shared out,
+    holds, from each unit's bytes as gathered and as reduced (in forward order; `spans`: its
+    blocks are not neighbours): (parameters gathered, gradients being reduced). The trace's
+    peak in backward holds some unit i's gradients whole, as autograd makes them; on top of
+    that, at the larger of two moments:
 
     - computing them: unit i gathered, unit i - 1 too (prefetched for the backward that
       follows), and unit i + 1's gradients in the reduce-scatter's input, kept until unit i's
@@ -189,23 +227,41 @@ def working_set(
       reduce-scatter's input (in place of autograd's), reduced into their shard; on CPU gloo
       reduce-scatters a copy of its input, once more.
 
-    The forward pass holds less: two units gathered. Measured on rank 0 (docs/planner.md): the
-    first moment is the peak of a 4-block MLP under fsdp 2, the second of a ResNet-18."""
+    A unit that spans (a tied embedding and head) stays gathered from its first block's
+    forward to its last one's, and from its last block's backward to the end of backward,
+    where its gradients, whole since that block's backward, are reduced (FSDP2's final
+    callback): at every such moment, then, beside the others' (its own reduction comes when
+    the activations are gone, and is not one). The forward pass holds less: two units
+    gathered. Measured on rank 0 (docs/planner.md): the first moment is the peak of a 4-block
+    MLP under fsdp 2, the second of a ResNet-18."""
     copies = 2 if device_type == "cpu" else 1
+    spanning_gathered = sum(gathered) - sum(apart(gathered, spans))
+    spanning_reduced = sum(reduced) - sum(apart(reduced, spans))
+    gathered, reduced = apart(gathered, spans), apart(reduced, spans)
     moments = []
     for i, size in enumerate(gathered):
         ahead = gathered[i - 1] if i else 0
         moments.append((size + ahead, sum(reduced[i + 1 : i + 2])))
         moments.append((ahead, (copies - 1) * reduced[i] + reduced[i] // shards))
-    return max(moments, key=sum, default=(0, 0))
+    parameters, gradients = max(moments, key=sum, default=(0, 0))
+    whole = spanning_reduced - spanning_reduced // shards  # beside the trace's shard of them
+    return parameters + spanning_gathered, gradients + whole
 
 
-def forward_working_set(units: list[int], precision: str) -> dict[str, int]:
+def apart(sizes: list[int], spans: list[bool]) -> list[int]:
+    """The sizes of the units that do not span, in order."""
+    return [size for size, span in zip(sizes, spans, strict=True) if not span]
+
+
+def forward_working_set(units: list[int], spans: list[bool], precision: str) -> dict[str, int]:
     """FSDP2's largest working set in a forward pass alone (evaluation: nothing to reduce), from
-    each unit's bytes (fp32, in forward order): a unit gathered, and the next one gathered
-    ahead of it."""
+    each unit's bytes (fp32, in forward order; `spans` as `working_set`'s): a unit gathered,
+    the next one gathered ahead of it, and the units that span, gathered throughout."""
     gathered = [gathered_bytes(unit, precision) for unit in units]
-    return {"parameters": max((sum(gathered[i : i + 2]) for i in range(len(gathered))), default=0)}
+    spanning = sum(gathered) - sum(apart(gathered, spans))
+    gathered = apart(gathered, spans)
+    pairs = (sum(gathered[i : i + 2]) for i in range(len(gathered)))
+    return {"parameters": spanning + max(pairs, default=0)}
 
 
 def sharding_units(model: nn.Sequential) -> list[list[nn.Module]]:

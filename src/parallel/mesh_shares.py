@@ -7,13 +7,15 @@ the pipeline's stages (`pipeline_schedules.py`) and FSDP2's shards and working s
 
 from __future__ import annotations
 
+from typing import Any
+
 from src.config.parallel import MeshConfig
 from src.parallel.ddp import bucket_bytes, bucketed_all_reduce, replica_traffic
 from src.parallel.fsdp import (
-    forward_working_set,
     sharded_messages,
+    sharded_share,
     sharded_traffic,
-    sharded_working_set,
+    unit_spans,
     units_in_forward_order,
 )
 from src.parallel.layout import Layout
@@ -72,7 +74,7 @@ class LayoutShares:
         data-parallel peers, which hold as much): its stages' blocks on its data-parallel share
         of the batch, in micro-batches (all kept for backward, as GPipe does: 1F1B keeps
         fewer), its state split by tp and then by dp_shard, plus what FSDP holds while the
-        model runs (`fsdp_working_set`)."""
+        model runs (`fsdp_share`)."""
         layout, count = self.layout, len(sizes.block_parameter_bytes)
         if self.runs_ddp:
             return self.replica_shares(sizes, micro_batch // layout.dp)
@@ -91,8 +93,7 @@ class LayoutShares:
                     state_kept=state_kept,
                     flops_kept=flops_kept,
                     activations_kept=activations_kept,
-                    running_bytes=self.fsdp_working_set(sizes, blocks),
-                    forward_bytes=self.fsdp_forward_working_set(sizes, blocks),
+                    **self.fsdp_share(sizes, blocks),
                 )
             )
         return shares
@@ -106,22 +107,16 @@ class LayoutShares:
         buckets = bucket_bytes(self.cfg, sizes.parameter_bytes)
         return [DeviceShare(f"{self.device_type}:0", samples, extra_bytes={"gradients": buckets})]
 
-    def fsdp_working_set(self, sizes: ModelSizes, blocks: list[int]) -> dict[str, int]:
-        """What FSDP adds while the model runs to a rank holding `blocks`
-        (`fsdp.sharded_working_set`); nothing unless FSDP shards."""
+    def fsdp_share(self, sizes: ModelSizes, blocks: list[int]) -> dict[str, Any]:
+        """What FSDP adds to the share of a rank holding `blocks` (`fsdp.sharded_share`);
+        nothing unless FSDP shards."""
         if not self.shards:
             return {}
-        held = self.kept_bytes(sizes, blocks)
+        held, units = self.kept_bytes(sizes, blocks), self.fsdp_units(sizes)
         staged, shards = self.layout.pp > 1, self.layout.dp_shard
-        units = self.fsdp_units(sizes)
-        return sharded_working_set(units, held, staged, shards, self.precision, self.device_type)
-
-    def fsdp_forward_working_set(self, sizes: ModelSizes, blocks: list[int]) -> dict[str, int]:
-        """What FSDP adds to a rank holding `blocks` while the model runs forward alone
-        (evaluation): as `fsdp_working_set`, with `fsdp.forward_working_set` of the units."""
-        if not self.shards or self.layout.pp > 1:
-            return self.fsdp_working_set(sizes, blocks)
-        return forward_working_set(self.fsdp_units(sizes), self.precision)
+        return sharded_share(
+            units, unit_spans(sizes), held, staged, shards, self.precision, self.device_type
+        )
 
     def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
         """What the busiest rank sends per step over tp (`mesh_plan.tp_traffic`), across the

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 
@@ -68,6 +69,15 @@ class DeviceShare:
     forward_bytes: dict[str, int] = field(default_factory=dict)
     """What the strategy adds while the model runs forward alone (evaluation), by category:
     FSDP's gathered units."""
+    loss_bytes: dict[str, int] = field(default_factory=dict)
+    """What the strategy adds while the task's loss runs, outside every block: under pp,
+    FSDP's gathered stages (without pp FSDP has resharded the last unit by then)."""
+    unsynced_gradients_whole: bool = False
+    """Its gradients stay whole, not split `state_shards` ways, through the accumulation
+    micro-steps that skip the gradient sync (FSDP's, outside pp), until they are reduced."""
+    computes_in: torch.dtype | None = None
+    """The dtype its parameters are gathered in to run (FSDP's mixed precision), traced so:
+    its activations are that dtype's where autocast leaves them."""
     devices: int = 1
     """The devices whose work this share stands for: on CPU one process runs all of a dp's
     replicas or a pipeline's stages, which on GPUs run side by side."""

@@ -5,7 +5,9 @@ no data) and its share runs under `MemTracker`, whose peaks by category become t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,33 +44,33 @@ TRACKED_AS = {
 }
 
 
-# The two moments of a step whose peaks the planner compares: while the model runs (forward,
-# loss and backward; what a strategy holds then, such as FSDP's gathered units, is added to
-# this one) and the rest (the optimizer step).
-RUNNING, STEPPING = "running", "stepping"
-
-
-# The two moments of a step whose peaks the planner compares: while the model runs (forward,
-# loss and backward; what a strategy holds then, such as FSDP's gathered units, is added to
-# this one) and the rest (the optimizer step).
-RUNNING, STEPPING = "running", "stepping"
+# The moments of a step whose peaks the planner compares: while a block runs (forward or
+# backward; what a strategy holds then, such as FSDP's gathered units, is added to this one),
+# while the task's loss runs outside every block (FSDP has resharded the last unit by then),
+# and the rest (the optimizer step).
+RUNNING, LOSS, STEPPING = "running", "loss", "stepping"
 
 
 class StepMemTracker(MemTracker):
     """`MemTracker` for whole training steps: the model may run several times per step
     (accumulation micro-steps), which MemTracker refuses for a root module. Its per-module
     statistics are dropped at each new forward pass of the root; the peak of the one device
-    traced is kept, and apart for the moments `RUNNING` and `STEPPING` (`phase_peaks`)."""
+    traced is kept, and apart for the moments `RUNNING` (inside one of `blocks`), `LOSS` and
+    `STEPPING` (`phase_peaks`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, blocks: list[nn.Module]) -> None:
         super().__init__()
         self.phase_peaks: dict[str, dict[Any, int]] = {}
+        self.blocks = set(blocks)
+        self.block_names: set[str] = set()  # as the module tracker names them, once they ran
 
     def _update_peak_stats(self, peak_state: _State) -> None:
         super()._update_peak_stats(peak_state)
         tracker = self._mod_tracker
-        running = not self._in_opt and (tracker.is_bw or len(tracker.parents) > 1)  # not Global
-        phase = RUNNING if running else STEPPING
+        if self._in_opt or not (tracker.is_bw or len(tracker.parents) > 1):  # only Global
+            phase = STEPPING
+        else:
+            phase = RUNNING if self.block_names.intersection(tracker.parents) else LOSS
         for snapshot in self._curr_mem_snap.values():
             if snapshot[_TOTAL_KEY] > self.phase_peaks.get(phase, {}).get(_TOTAL_KEY, -1):
                 self.phase_peaks[phase] = dict(snapshot)
@@ -78,6 +80,8 @@ class StepMemTracker(MemTracker):
         root = set(tracker.parents) - {tracker.get_known_fqn(module)} == {"Global"}
         if root and module in self.memory_tracking and not tracker.is_bw:
             self.reset_mod_stats()
+        if module in self.blocks:
+            self.block_names.add(tracker.get_known_fqn(module))
         super()._pre_fw_hook(module, inputs)
 
 
@@ -115,14 +119,15 @@ def model_sizes(cfg: DictConfig, data: Data) -> ModelSizes:
 
 @dataclass(frozen=True)
 class TracedShare:
-    """What tracing a share found: its peaks by MemTracker's categories, while the model runs
-    and at the optimizer step (`RUNNING`, `STEPPING`), and while it evaluates one batch; its
-    FLOPs and aten ops per optimizer step."""
+    """What tracing a share found: its peaks by MemTracker's categories at each moment of a
+    training step (`RUNNING`, `LOSS`, `STEPPING`) and of one evaluation batch; its FLOPs and
+    aten ops per optimizer step, and its micro-steps per optimizer step."""
 
     peaks: dict[str, dict[Any, int]]
     flops: int
     ops: int
-    evaluation: dict[Any, int]
+    evaluation: dict[str, dict[Any, int]]
+    micro_steps: int = 1
 
 
 def share_key(share: DeviceShare) -> tuple:
@@ -135,6 +140,7 @@ def share_key(share: DeviceShare) -> tuple:
         share.parts,
         share.gather,
         share.replica_only,
+        share.computes_in,
     )
 
 
@@ -151,7 +157,10 @@ def trace_share(
     task = instantiate(cfg.task)
     sample_inputs, sample_targets = first_samples(data.train, 1)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+        with built_in(share.computes_in):  # its state is counted in fp32 by `in_categories`
+            model = instantiate(
+                cfg.model, input_shape=data.input_shape, num_classes=data.num_classes
+            )
         settings = typed(TrainerConfig, trainer)
         prepare_blocks(model, settings.activation_checkpointing, False, settings.checkpoint_ops)
         ranges = share.stage_blocks(len(model))
@@ -191,77 +200,114 @@ def trace_share(
 
         with FlopCounterMode(display=False) as flops, OpCounter() as ops:
             training_step()
-        tracker = StepMemTracker()
+        tracker = StepMemTracker([block for stage in stages for block in stage])
         tracker.track_external(step, optimizer)
         with tracker:
             training_step()
-        # Where MemTracker's internals recorded no phases (another torch's), its whole-step
-        # peak, taken as the model's: what the strategy holds while it runs is added to it.
-        (whole_step,) = tracker.get_tracker_snapshot("peak").values()
-        peaks = dict(tracker.phase_peaks) or {RUNNING: dict(whole_step)}
+        peaks = phase_peaks(tracker)
+        tracker.phase_peaks = {}
         with tracker:  # entered again: its peak starts again from what is alive
             evaluation_batch()
-        (evaluation,) = tracker.get_tracker_snapshot("peak").values()
-    return TracedShare(peaks, flops.get_total_flops(), ops.ops, dict(evaluation))
+        evaluation = phase_peaks(tracker)
+    return TracedShare(peaks, flops.get_total_flops(), ops.ops, evaluation, trainer.accumulate)
+
+
+@contextlib.contextmanager
+def built_in(dtype: torch.dtype | None) -> Iterator[None]:
+    """Floating-point parameters and buffers made in the block are `dtype` (None: unchanged).
+    Fake models are not cast after they are built: `Module.to` swaps a fake tensor's
+    storage, which torch refuses where a weak reference to it exists."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or before)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def phase_peaks(tracker: StepMemTracker) -> dict[str, dict[Any, int]]:
+    """The tracker's peak at each moment; where MemTracker's internals recorded none (another
+    torch's), its whole peak, taken as the model's: what the strategy holds while it runs is
+    added to it."""
+    (whole,) = tracker.get_tracker_snapshot("peak").values()
+    return dict(tracker.phase_peaks) or {RUNNING: dict(whole)}
 
 
 def device_plan(
     traced: TracedShare, share: DeviceShare, eval_share: DeviceShare, offloaded: bool = False
 ) -> DevicePlan:
-    """`share`'s device at the higher of its traced peaks, each in the plan's categories,
-    shared out, with what the strategy adds while the model runs (`share.running_bytes`) on
-    the one taken then; and its evaluation's peak (`eval_share`'s). `offloaded`
-    (parallel.offload=cpu): its share of the state is in host memory, at the most it holds."""
+    """`share`'s device at the highest of its traced moments' peaks, each in the plan's
+    categories, shared out, with what the strategy adds at that moment (`share.running_bytes`
+    while a block runs, `share.loss_bytes` while the loss does); and its evaluation's peak
+    (`eval_share`'s). `offloaded` (parallel.offload=cpu): its share of the state is in host
+    memory, at the most it holds."""
     flops = int(traced.flops * share.flops_kept)
-    devices = [
-        shared_out(
-            in_categories(peak, share, flops, traced.ops), share, phase == RUNNING, offloaded
-        )
-        for phase, peak in traced.peaks.items()
-    ]
+    added = {RUNNING: share.running_bytes, LOSS: share.loss_bytes}
+    devices = []
+    for phase, peak in traced.peaks.items():
+        # Between syncs (micro-steps before the last, and the last one's until it reduces)
+        unsynced = share.unsynced_gradients_whole and traced.micro_steps > 1 and phase != STEPPING
+        device = in_categories(peak, share, flops, traced.ops)
+        devices.append(shared_out(device, share, added.get(phase, {}), unsynced, offloaded))
     device = max(devices, key=lambda device: device.peak)
     device.host = max(device.host for device in devices)
     device.evaluation = evaluation_peak(traced.evaluation, eval_share, offloaded)
     return device
 
 
-def evaluation_peak(peak: dict[Any, int], share: DeviceShare, offloaded: bool = False) -> int:
-    """A traced evaluation peak (by MemTracker's categories) shared out as `share`'s device,
-    with what the strategy adds while the model runs forward alone (`share.forward_bytes`)."""
-    device = shared_out(in_categories(peak, share, flops=0), share, False, offloaded)
-    return device.peak + sum(share.forward_bytes.values())
+def evaluation_peak(
+    peaks: dict[str, dict[Any, int]], share: DeviceShare, offloaded: bool = False
+) -> int:
+    """The highest of a traced evaluation's moments' peaks (by MemTracker's categories) shared
+    out as `share`'s device, with what the strategy adds while a block runs forward alone
+    (`share.forward_bytes`) or while the loss runs (`share.loss_bytes`)."""
+    added = {RUNNING: share.forward_bytes, LOSS: share.loss_bytes}
+    return max(
+        shared_out(
+            in_categories(peak, share, flops=0), share, added.get(phase, {}), False, offloaded
+        ).peak
+        for phase, peak in peaks.items()
+    )
 
 
 def in_categories(peak: dict[Any, int], share: DeviceShare, flops: int, ops: int = 0) -> DevicePlan:
-    """A traced peak (by MemTracker's categories) as `share`'s device, in the plan's."""
+    """A traced peak (by MemTracker's categories) as `share`'s device, in the plan's; a share
+    traced in `share.computes_in` has its state counted in fp32, as it is held."""
     device = DevicePlan(share.label, share.devices, flops=flops, ops=ops)
+    state_scale = 4 // share.computes_in.itemsize if share.computes_in else 1
     for kind, size in peak.items():
         if kind in TRACKED_AS:
             name = TRACKED_AS[kind]
-            setattr(device, name, getattr(device, name) + size)
+            scale = 1 if name == "activations" else state_scale
+            setattr(device, name, getattr(device, name) + size * scale)
     return device
 
 
 def shared_out(
-    device: DevicePlan, share: DeviceShare, running: bool, offloaded: bool = False
+    device: DevicePlan,
+    share: DeviceShare,
+    added: dict[str, int],
+    whole_gradients: bool = False,
+    offloaded: bool = False,
 ) -> DevicePlan:
     """`device` with its parameters, gradients and optimizer state cut to `share.state_kept`
-    and split `share.state_shards` ways (moved to `host` if `offloaded`), its activations cut
-    to `share.activations_kept`, plus what the strategy adds on top (`share.extra_bytes`;
-    `share.running_bytes` too if the model is `running`: FSDP's gathered units stay on the
-    device when the shards are offloaded)."""
+    and split `share.state_shards` ways (its gradients not, if `whole_gradients`; moved to
+    `host` if `offloaded`), its activations cut to `share.activations_kept`, plus what the
+    strategy adds on top (`share.extra_bytes`, and `added` at this moment: FSDP's gathered
+    units stay on the device when the shards are offloaded)."""
     state = ("parameters", "gradients", "optimizer")
     split = {
         name: int(getattr(device, name) * share.state_kept) // share.state_shards for name in state
     }
+    if whole_gradients:
+        split["gradients"] = int(device.gradients * share.state_kept)
     split["activations"] = int(device.activations * share.activations_kept)
     if share.replica_only:
         split.update(gradients=0, optimizer=0)
     if offloaded:
         split.update(host=sum(split[name] for name in state), **dict.fromkeys(state, 0))
     device = dataclasses.replace(device, **split)
-    running_bytes = share.running_bytes if running else {}
-    for name, size in [*share.extra_bytes.items(), *running_bytes.items()]:
+    for name, size in [*share.extra_bytes.items(), *added.items()]:
         setattr(device, name, getattr(device, name) + size)
     return device
 
