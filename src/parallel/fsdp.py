@@ -136,26 +136,6 @@ def sharded_messages(
     ]
 
 
-def sharded_working_set(
-    units: list[int],
-    spans: list[bool],
-    held: int,
-    staged: bool,
-    shards: int,
-    precision: str,
-    device_type: str,
-) -> dict[str, int]:
-    """What FSDP adds while the model runs to a rank holding `held` bytes (fp32), its units'
-    `units` in forward order (`spans`: `unit_spans`): under pp (`staged`) all of its stages
-    gathered (they stay so through the schedule's run: `Mesh.wrap`), else `working_set` of its
-    units. Gathered in the autocast dtype under bf16/fp16 (`mixed_precision`)."""
-    if staged:
-        return {"parameters": gathered_bytes(held, precision)}
-    gathered = [gathered_bytes(unit, precision) for unit in units]
-    parameters, gradients = working_set(gathered, units, spans, shards, device_type)
-    return {"parameters": parameters, "gradients": gradients}
-
-
 def sharded_share(
     units: list[int],
     spans: list[bool],
@@ -165,12 +145,19 @@ def sharded_share(
     precision: str,
     device_type: str,
 ) -> dict[str, Any]:
-    """What FSDP adds to a rank's `DeviceShare` (its fields), the rank as
-    `sharded_working_set`'s: that working set while a block runs, and while one runs forward
-    alone (evaluation, `forward_working_set`); under pp its gathered stages while the loss runs
-    too; its gradients whole between syncs outside pp (`gradient_sync`); its parameters run in
-    the autocast dtype under bf16/fp16 (`mixed_precision`)."""
-    running = sharded_working_set(units, spans, held, staged, shards, precision, device_type)
+    """What FSDP adds to the `DeviceShare` (its fields) of a rank holding `held` bytes (fp32),
+    its units' `units` in forward order (`spans`: `unit_spans`). While a block runs: under pp
+    (`staged`) all of its stages gathered (they stay so through the schedule's run, and the
+    loss's: `Mesh.wrap`), else `working_set` of its units (`forward_working_set` while one runs
+    forward alone, in evaluation). Its gradients whole between syncs outside pp
+    (`gradient_sync`). Its parameters gathered, and run, in the autocast dtype under bf16/fp16
+    (`mixed_precision`)."""
+    if staged:
+        running = {"parameters": gathered_bytes(held, precision)}
+    else:
+        gathered = [gathered_bytes(unit, precision) for unit in units]
+        parameters, gradients = working_set(gathered, units, spans, shards, device_type)
+        running = {"parameters": parameters, "gradients": gradients}
     return {
         "running_bytes": running,
         "forward_bytes": running if staged else forward_working_set(units, spans, precision),
