@@ -1,6 +1,6 @@
 """`single` and ddp x2 against hand-written loops, each side in a fresh process, as a harness
 outside the template measures them (issue #44): the template through `python train.py`, the
-hand-written loop through `python -c` (ddp's under torchrun), never in the benchmark's own
+hand-written loop as a script of its own (ddp's under torchrun), never in the benchmark's own
 process, so that neither inherits what the other imported, compiled or warmed.
 
     python scripts/benchmarks/fresh_process.py --rounds 4          # single and ddp
