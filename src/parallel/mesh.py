@@ -114,7 +114,7 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
                 "pass split sequences between them untested); set parallel.cp=1 or parallel.pp=1"
             )
         self.row_orders: dict[str, torch.Tensor] = {}
-        self.run_contexts = contextlib.ExitStack()  # loss_parallel's kernels, cp's ring
+        self.run_contexts = contextlib.ExitStack()  # loss_parallel's kernels; cp's ring
         self.pipeline: PipelineRun | None = None
         self.held_bytes = 0  # of the wrapped model, for `report`
         self.parameter_order: list[str] = []  # the whole model's, as single's optimizer has them
@@ -186,8 +186,6 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
         if self.cfg.loss_parallel:
             # Its cross-entropy kernels for the forward in `apply` and the loop's backward.
             self.run_contexts.enter_context(loss_parallel())
-        if self.layout.cp > 1:  # for the forward in `apply` and the loop's backward too
-            self.run_contexts.enter_context(ring_attention(self.mesh["cp"]))
 
     def local_devices(self) -> list[torch.device]:
         if self.stage_cut is not None:
@@ -236,6 +234,9 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
             model = model.to(self.device)
         if self.layout.cp > 1:
             shard_positions(model, self.mesh["cp"])
+            # Until teardown, for the forward in `apply` and the loop's backward (from here: the
+            # trainer's FLOPs count runs the whole model on the meta device before `wrap`).
+            self.run_contexts.enter_context(ring_attention(self.mesh["cp"]))
         if self.layout.tp > 1:  # the meta blocks are split too, on no rank's memory
             self.row_orders = apply_tp(
                 model, self.mesh["tp"], self.cfg.sequence_parallel, self.cfg.loss_parallel
