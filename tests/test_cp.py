@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import (
     TINY_GPT_SGD,
     assert_goes_on_exactly,
@@ -20,8 +21,11 @@ from helpers import (
     summary,
     sweep_runs,
 )
+from torch import nn
 
+from src.components.models import GPT
 from src.config.base import ConfigError
+from src.parallel.context_parallel import check_attention
 from src.parallel.layout import Layout
 
 # 4 steps, checkpointed (sharded) at 2 and 4: the resumes go on from step 2.
@@ -118,3 +122,26 @@ def test_cp_is_a_degree_of_the_layout():
     assert {layout.dp_rank(rank) for rank in range(4)} == {0}
     with pytest.raises(ConfigError, match=r"multiply to 4 \(pp 1 x dp_replicate 1 x dp_shard 1"):
         Layout.of(2, pp=1, dp_replicate=1, dp_shard=1, cp=2, tp=2)
+
+
+class ArangePositions(nn.Module):
+    """Causal attention over positions made in the forward pass, as cp cannot split them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.position = nn.Embedding(8, 4)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.position(torch.arange(tokens.shape[1], device=tokens.device))
+        q = x.expand(tokens.shape[0], 1, -1, -1)
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True).squeeze(1)
+
+
+def test_positions_made_in_the_forward_pass_are_refused_and_a_buffer_is_split():
+    tokens = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    with pytest.raises(ConfigError, match=r"torch.arange\(8\) .* a buffer named `positions`"):
+        check_attention(ArangePositions().to("meta"), tokens)
+    with torch.device("meta"):
+        model = GPT(input_shape=(8,), num_classes=16, n_layer=1, n_head=2, n_embd=8)
+    check_attention(model, tokens)  # GPT's TokenEmbedding keeps its positions in a buffer
+    assert "0.positions" not in model.state_dict()  # not saved: any layout's are single's

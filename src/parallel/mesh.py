@@ -175,8 +175,8 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
             )
         if self.layout.cp > 1:
             check_torch_ring()
+            check_attention(model, inputs)  # first: a model without attention has no sequence
             check_sequence_length(inputs.shape[1], self.layout.cp)
-            check_attention(model, inputs)
 
     def setup(self) -> None:
         super().setup()
