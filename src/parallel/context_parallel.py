@@ -224,12 +224,13 @@ def check_sequence_length(length: int, cp: int) -> None:
 
 
 class AttentionCalls(TorchFunctionMode):
-    """Records the mask kind of every SDPA call made while it is on, and the lengths of the
-    ranges `torch.arange` makes (positions made in the forward pass)."""
+    """Records the mask kind and the key and value bytes of every SDPA call made while it is
+    on, and the lengths of the ranges `torch.arange` makes (positions made in the forward)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.masks: list[str] = []
+        self.key_values: list[int] = []
         self.ranges: list[object] = []
 
     def __torch_function__(
@@ -242,9 +243,16 @@ class AttentionCalls(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             self.masks.append(mask_kind(*args, **kwargs))
+            self.key_values.append(key_value_bytes(*args, **kwargs))
         if func is torch.arange:
             self.ranges.append(args[-1] if len(args) < 3 else None)
         return func(*args, **kwargs)
+
+
+def key_value_bytes(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *_: object, **__: object
+) -> int:
+    return key.nbytes + value.nbytes
 
 
 def mask_kind(
@@ -262,12 +270,13 @@ def mask_kind(
     return "causal" if is_causal else "no (full attention)"
 
 
-def check_attention(model: nn.Module, inputs: Tree) -> None:
+def check_attention(model: nn.Module, inputs: torch.Tensor) -> list[int]:
     """ConfigError, in one line, for a model that runs no SDPA (nothing for cp to split) or runs
     it with a mask the ring cannot take (causal only), that makes its positions in the forward
     pass (`torch.arange` over the sequence: each rank would number its share from 0) or whose
     outputs are not one tensor per token (what `apply_cp` splits the loss by). Runs the model
-    once on `inputs` (meta tensors, as `check_model` has them, cost nothing)."""
+    once on `inputs` (meta tensors, as `check_model` has them, cost nothing). Returns each SDPA
+    call's key and value bytes per sample, for the planner (`context_parallel_plan.py`)."""
     with torch.no_grad(), AttentionCalls() as calls:
         outputs = model(inputs)
     if not calls.masks:
@@ -295,6 +304,7 @@ def check_attention(model: nn.Module, inputs: Tree) -> None:
             "tensor of (batch, sequence, ...) (a mixture of experts' aux loss, say); use "
             "model=transformer or model=gpt, or parallel.cp=1"
         )
+    return [size // inputs.shape[0] for size in calls.key_values]
 
 
 SEQUENCE_OF_BATCH = 1

@@ -65,6 +65,11 @@ class Layout:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def fsdp_shards(self) -> int:
+        """The ranks FSDP2 shards over: dp_shard's, and cp's with them (`sharding_mesh`)."""
+        return self.dp_shard * self.cp
+
+    @property
     def world_size(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
 
@@ -111,5 +116,5 @@ class Layout:
         if self.cp == 1:
             return mesh["dp_replicate", "dp_shard"]
         flat = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-        shape, names = (self.dp_replicate, self.dp_shard * self.cp), ("dp_replicate", "dp_shard_cp")
+        shape, names = (self.dp_replicate, self.fsdp_shards), ("dp_replicate", "dp_shard_cp")
         return flat._unflatten(0, shape, names)

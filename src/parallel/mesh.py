@@ -175,7 +175,8 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
             )
         if self.layout.cp > 1:
             check_torch_ring()
-            check_attention(model, inputs)  # first: a model without attention has no sequence
+            # First: a model without attention has no sequence to cut.
+            self.key_values = check_attention(model, inputs)
             check_sequence_length(inputs.shape[1], self.layout.cp)
 
     def setup(self) -> None:
