@@ -110,8 +110,8 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
                 )
         if self.layout.cp > 1 and self.layout.pp > 1:
             raise ConfigError(
-                "parallel.cp does not run with parallel.pp > 1 yet (the schedule's stages would "
-                "pass split sequences between them untested); set parallel.cp=1 or parallel.pp=1"
+                "parallel.cp does not run with parallel.pp > 1 yet (the pipeline's stages are "
+                "shaped for whole sequences); set parallel.cp=1 or parallel.pp=1"
             )
         self.row_orders: dict[str, torch.Tensor] = {}
         self.run_contexts = contextlib.ExitStack()  # loss_parallel's kernels; cp's ring
