@@ -26,6 +26,16 @@ def local_key_values(key_values: Sequence[int], samples: int, cp: int, tp: int) 
     return [size * samples // (cp * tp) for size in key_values]
 
 
+def ring_working_set(
+    key_values: Sequence[int], samples: int, cp: int, tp: int, backward: bool = True
+) -> dict[str, int]:
+    """What the ring adds to a rank's activations while one attention layer runs: its keys and
+    values gathered from every cp rank, and in the backward the key and value gradients it
+    accumulates and the ones in flight round the ring."""
+    local = max(local_key_values(key_values, samples, cp, tp), default=0)
+    return {"activations": (cp + 2 * backward) * local}
+
+
 def ring_traffic(
     key_values: Sequence[int], samples: int, accumulate: int, cp: int, tp: int
 ) -> dict[str, int]:

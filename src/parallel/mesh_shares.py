@@ -9,7 +9,12 @@ cp's share of the sequence and its ring (`context_parallel_plan.py`), the pipeli
 from __future__ import annotations
 
 from src.config.parallel import MeshConfig
-from src.parallel.context_parallel_plan import ring_activations_kept, ring_messages, ring_traffic
+from src.parallel.context_parallel_plan import (
+    ring_activations_kept,
+    ring_messages,
+    ring_traffic,
+    ring_working_set,
+)
 from src.parallel.ddp import bucket_bytes, bucketed_all_reduce, replica_traffic
 from src.parallel.fsdp import (
     forward_working_set,
@@ -94,8 +99,10 @@ class LayoutShares:
                     state_kept=state_kept,
                     flops_kept=flops_kept / layout.cp,
                     activations_kept=activations_kept * ring_activations_kept(layout.cp),
-                    running_bytes=self.fsdp_working_set(sizes, blocks),
-                    forward_bytes=self.fsdp_forward_working_set(sizes, blocks),
+                    running_bytes=self.fsdp_working_set(sizes, blocks)
+                    | self.ring_working_set(micro_batch // layout.dp, backward=True),
+                    forward_bytes=self.fsdp_forward_working_set(sizes, blocks)
+                    | self.ring_working_set(micro_batch // layout.dp, backward=False),
                 )
             )
         return shares
@@ -118,6 +125,14 @@ class LayoutShares:
         staged, shards = self.layout.pp > 1, self.layout.fsdp_shards
         units = self.fsdp_units(sizes)
         return sharded_working_set(units, held, staged, shards, self.precision, self.device_type)
+
+    def ring_working_set(self, samples: int, backward: bool) -> dict[str, int]:
+        """What cp's ring adds while the model runs (`ring_working_set`); nothing without cp.
+        FSDP's working set holds no activations, so the two merge."""
+        layout = self.layout
+        if layout.cp == 1:
+            return {}
+        return ring_working_set(self.key_values, samples, layout.cp, layout.tp, backward)
 
     def fsdp_forward_working_set(self, sizes: ModelSizes, blocks: list[int]) -> dict[str, int]:
         """What FSDP adds to a rank holding `blocks` while the model runs forward alone
