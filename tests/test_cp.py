@@ -2,8 +2,9 @@
 `train.py`: gloo processes on CPU, the tiny GPT under SGD in fp32, each layout against `single`:
 cp 2 and its sharded checkpoint resumed as cp 2 and as single; cp 4, cp 2 x dp_shard 2 and
 cp 2 x tp 2 in one sweep of 4 processes; fsdp_cp_tp on 8; the predictions of whole sequences.
-Measured on 2 loaded cores: about 25 s for the 2-process runs and the resume, 30 s for the
-4-process sweep, 25 s for the 8 processes, 10 s for the predictions."""
+Measured on the 2 cores at load 13 (ATEN_CPU_CAPABILITY=default): 21 s for single and cp 2,
+11 s for the resumes, 44 s for the 4-process sweep, 20 s for the 8 processes, 7 s for the
+predictions, 2 s for the rest."""
 
 from __future__ import annotations
 
