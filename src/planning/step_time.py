@@ -43,8 +43,8 @@ class DeviceSpeed:
         """A training step's seconds beyond its ops and FLOPs."""
         return 0.0
 
-    def message_s(self, messages: Messages) -> float:
-        """All of `messages`' seconds."""
+    def message_s(self, messages: Messages, processes: int) -> float:
+        """All of `messages`' seconds, in a job of `processes` processes."""
         return messages.count * messages.size / self.copy_bytes_per_s()
 
     def copy_bytes_per_s(self) -> float:
@@ -76,8 +76,11 @@ class CalibratedSpeed(DeviceSpeed):
     def fixed_step_s(self, threads: int) -> float:
         return self.figures.at_threads(self.figures.step_s, threads, best=min)
 
-    def message_s(self, messages: Messages) -> float:
-        each = self.figures.message_s(messages.collective, messages.ranks, messages.size)
+    def message_s(self, messages: Messages, processes: int) -> float:
+        figures = self.figures
+        each = figures.message_s(
+            messages.collective, messages.ranks, messages.size, messages.wrapper, processes
+        )
         return messages.count * each
 
     def copy_bytes_per_s(self) -> float:
@@ -140,8 +143,8 @@ def step_time_s(plan: Plan, strategy: PlannedStrategy, speed: DeviceSpeed, cores
     compute += speed.fixed_step_s(threads)
     if processes == 1:
         return compute + sum(plan.traffic.values()) / speed.copy_bytes_per_s()
-    exposed = sum(speed.message_s(m) for m in plan.messages if not m.overlapped)
-    hidden = sum(speed.message_s(m) for m in plan.messages if m.overlapped)
+    exposed = sum(speed.message_s(m, processes) for m in plan.messages if not m.overlapped)
+    hidden = sum(speed.message_s(m, processes) for m in plan.messages if m.overlapped)
     if not speed.overlaps:
         return compute + exposed + hidden
     return compute + exposed + max(0.0, hidden - BACKWARD_SHARE * compute)

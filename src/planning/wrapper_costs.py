@@ -1,0 +1,138 @@
+"""The calibration's cost of a message as each wrapper sends it in a training step: DDP's reducer
+(its hooks, the bucket copies, the all-reduce), FSDP2's units (pre- and post-hooks, the all-gather's
+copy-in and copy-out, the reduce-scatter) and tensor parallel's pairs (DTensor's dispatch of every
+op, the all-reduces) and the pipeline's schedule (its stages' sends and receives, 1F1B). A bare
+collective's best time misses all of that, and a peer that is not yet
+there: a training step of a tiny model under the wrapper, less the same step unwrapped, over the
+messages the wrapper sent, is the figure. Measured among 2 and 4 processes (each wrapper over
+groups of 2: fsdp 2 x tp 2's groups among 4 processes), in the calibration's job of processes
+(`calibration.measure_collectives`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel
+
+from src.parallel.base import usable_cores
+from src.parallel.pipeline_schedules import apply_pp
+
+BLOCKS = 4  # a small model's depth: the wrapper's fixed cost spread over about as many units
+WIDTH = 16  # next to no arithmetic: the step is the wrappers' work and the messages
+SAMPLES = 8
+MICROBATCHES = 2  # the pipeline's (parallel.microbatches' default)
+REPEATS = 5
+ROUNDS = 3
+# Messages a rank sends per step of the tiny model: DDP one bucket; FSDP each block gathered for
+# forward and again for backward and its gradients reduce-scattered; tp each pair's all-reduce
+# forward and backward; pp, on 2 stages, a send or receive each way per micro-batch.
+MESSAGES = {"ddp": 1, "fsdp": 3 * BLOCKS, "tp": 2 * BLOCKS, "pp": 2 * MICROBATCHES}
+GROUP = 2  # ranks per wrapper group
+
+
+def tiny_model(device: torch.device) -> nn.Sequential:
+    """`BLOCKS` blocks of a Colwise/Rowwise pair of Linears."""
+    torch.manual_seed(0)
+    pairs = [
+        nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH))
+        for _ in range(BLOCKS)
+    ]
+    return nn.Sequential(*pairs).to(device)
+
+
+def loss_of(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return (outputs - targets).square().mean()
+
+
+def training_step(model: nn.Module, device: torch.device) -> Callable[[], None]:
+    """One step of `model` (forward, loss, backward, SGD's step, zero_grad)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    inputs = torch.randn(SAMPLES, WIDTH, device=device)
+
+    def step() -> None:
+        loss_of(model(inputs), inputs).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def pipeline_step(mesh: DeviceMesh, device: torch.device) -> Callable[[], None]:
+    """One step of the tiny model cut in two stages, one per rank of `mesh`, under 1F1B."""
+    rank, half = mesh.get_local_rank(), BLOCKS // 2
+    part = tiny_model(device)[rank * half : (rank + 1) * half]
+    schedule, _ = apply_pp({rank: part}, mesh, device, "1F1B", MICROBATCHES, loss_of)
+    optimizer = torch.optim.SGD(part.parameters(), lr=1e-3)
+    inputs = torch.randn(SAMPLES, WIDTH, device=device)
+
+    def step() -> None:
+        if rank == 0:
+            schedule.step(inputs)
+        else:
+            schedule.step(target=inputs)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def wrapped_step(wrapper: str, mesh: DeviceMesh, device: torch.device) -> Callable[[], None]:
+    """A training step of the tiny model on `device` under `wrapper` (plain: none) over the 1-D
+    `mesh`."""
+    if wrapper == "pp":
+        return pipeline_step(mesh, device)
+    model = tiny_model(device)
+    if wrapper == "ddp":
+        model = DistributedDataParallel(model, process_group=mesh.get_group())
+    elif wrapper == "fsdp":
+        for block in model:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif wrapper == "tp":
+        plan = {f"{block}.0": ColwiseParallel() for block in range(BLOCKS)}
+        plan.update({f"{block}.2": RowwiseParallel() for block in range(BLOCKS)})
+        model = parallelize_module(model, mesh, plan)
+    return training_step(model, device)
+
+
+def step_s(step: Callable[[], None], together: dist.ProcessGroup, device: torch.device) -> float:
+    """`step`'s seconds: the best of `ROUNDS` rounds of `REPEATS` steps (after one untimed),
+    each round begun together by the ranks of `together`."""
+    step()
+    times = []
+    for _ in range(ROUNDS):
+        dist.barrier(group=together)
+        started = time.perf_counter()
+        for _ in range(REPEATS):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - started) / REPEATS)
+    return min(times)
+
+
+def wrapper_message_s(rank: int, processes: int, device: torch.device) -> dict[str, float]:
+    """Each wrapper's seconds per message among `processes` processes, each in a group of
+    `GROUP`, this one of rank `rank` (every rank of the world calls it, those beyond
+    `processes` only to make the groups; they return {})."""
+    pairs = [
+        dist.new_group(list(range(first, first + GROUP))) for first in range(0, processes, GROUP)
+    ]
+    together = dist.new_group(list(range(processes)))
+    if rank >= processes:
+        return {}
+    torch.set_num_threads(max(1, usable_cores() // processes))
+    mesh = DeviceMesh.from_group(pairs[rank // GROUP], device.type)
+    plain = step_s(wrapped_step("plain", mesh, device), together, device)
+    return {
+        wrapper: max(0.0, step_s(wrapped_step(wrapper, mesh, device), together, device) - plain)
+        / count
+        for wrapper, count in MESSAGES.items()
+    }
