@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from src.parallel.base import usable_cores
 from src.parallel.shares import COLLECTIVES
-from src.planning.wrapper_costs import wrapper_message_s
+from src.planning.wrapper_costs import GROUP, wrapper_message_s
 
 PROJECT = "parallel-training-template"
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,8 +73,8 @@ class Calibration:
     collectives: dict[str, dict[str, list[float]]]
     """By collective, then process count: [latency s, s per byte]."""
     wrappers: dict[str, dict[str, float]] = field(default_factory=dict)
-    """By wrapper (ddp, fsdp, tp, pp), then processes in the job: the seconds a small message it
-    sends costs in a training step, its own work and the waits included
+    """By wrapper (ddp, fsdp, tp, pp), then processes in the job: the seconds a message it sends
+    costs in a training step beyond its collective's latency, its own work and the waits
     (`wrapper_costs.py`)."""
     seconds: float = 0.0
     """How long measuring took."""
@@ -92,12 +92,11 @@ class Calibration:
         self, collective: str, ranks: int, size: int, wrapper: str = "", processes: int = 0
     ) -> float:
         """One message's seconds among `ranks` of a job of `processes`: latency plus bytes
-        over bandwidth, each at the nearest count measured (below where there is one); the
-        latency is the `wrapper`'s cost of a message where it was measured."""
+        over bandwidth, at the nearest `ranks` measured (below where there is one), plus the
+        `wrapper`'s cost of a message beyond that, at the nearest `processes` measured."""
         latency, per_byte = nearest(self.collectives[collective], ranks)
-        if self.wrappers.get(wrapper):
-            latency = nearest(self.wrappers[wrapper], max(ranks, processes))
-        return latency + size * per_byte
+        beyond = nearest(self.wrappers[wrapper], processes) if self.wrappers.get(wrapper) else 0.0
+        return latency + beyond + size * per_byte
 
 
 def nearest(by_count: dict[str, Any], count: int) -> Any:
@@ -298,8 +297,9 @@ def measure_collectives(rank: int, world: str, device_type: str, folder: str, re
                     times = [collective_s(name, size, ranks, rank, group, device) for size in SIZES]
                     figures[name][str(ranks)] = latency_and_per_byte(times)
                 dist.barrier()
+        latencies = {name: by[str(GROUP)][0] for name, by in figures.items() if str(GROUP) in by}
         for processes in [count for count in PROCESS_COUNTS if count <= world]:
-            for wrapper, seconds in wrapper_message_s(rank, processes, device).items():
+            for wrapper, seconds in wrapper_message_s(rank, processes, device, latencies).items():
                 wrappers.setdefault(wrapper, {})[str(processes)] = seconds
             dist.barrier()
     finally:

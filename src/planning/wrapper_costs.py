@@ -2,9 +2,10 @@
 (its hooks, the bucket copies, the all-reduce), FSDP2's units (pre- and post-hooks, the all-gather's
 copy-in and copy-out, the reduce-scatter) and tensor parallel's pairs (DTensor's dispatch of every
 op, the all-reduces) and the pipeline's schedule (its stages' sends and receives, 1F1B). A bare
-collective's best time misses all of that, and a peer that is not yet
-there: a training step of a tiny model under the wrapper, less the same step unwrapped, over the
-messages the wrapper sent, is the figure. Measured among 2 and 4 processes (each wrapper over
+collective's best time misses all of that, and a peer that is not yet there. The figure is what
+a message costs beyond its collective's latency: a training step of a tiny model under the
+wrapper, less the same step unwrapped and less the latencies of the collectives it sent, over
+the messages. Measured among 2 and 4 processes (each wrapper over
 groups of 2: fsdp 2 x tp 2's groups among 4 processes), in the calibration's job of processes
 (`calibration.measure_collectives`)."""
 
@@ -30,10 +31,15 @@ SAMPLES = 8
 MICROBATCHES = 2  # the pipeline's (parallel.microbatches' default)
 REPEATS = 5
 ROUNDS = 3
-# Messages a rank sends per step of the tiny model: DDP one bucket; FSDP each block gathered for
-# forward and again for backward and its gradients reduce-scattered; tp each pair's all-reduce
-# forward and backward; pp, on 2 stages, a send or receive each way per micro-batch.
-MESSAGES = {"ddp": 1, "fsdp": 3 * BLOCKS, "tp": 2 * BLOCKS, "pp": 2 * MICROBATCHES}
+# The collectives a rank sends per step of the tiny model: DDP one bucket; FSDP each block
+# gathered for forward and again for backward and its gradients reduce-scattered; tp each pair's
+# all-reduce forward and backward; pp, on 2 stages, a send or receive each way per micro-batch.
+SENT = {
+    "ddp": {"all_reduce": 1},
+    "fsdp": {"all_gather": 2 * BLOCKS, "reduce_scatter": BLOCKS},
+    "tp": {"all_reduce": 2 * BLOCKS},
+    "pp": {"send": 2 * MICROBATCHES},
+}
 GROUP = 2  # ranks per wrapper group
 
 
@@ -118,10 +124,13 @@ def step_s(step: Callable[[], None], together: dist.ProcessGroup, device: torch.
     return min(times)
 
 
-def wrapper_message_s(rank: int, processes: int, device: torch.device) -> dict[str, float]:
-    """Each wrapper's seconds per message among `processes` processes, each in a group of
-    `GROUP`, this one of rank `rank` (every rank of the world calls it, those beyond
-    `processes` only to make the groups; they return {})."""
+def wrapper_message_s(
+    rank: int, processes: int, device: torch.device, latencies: dict[str, float]
+) -> dict[str, float]:
+    """Each wrapper's seconds per message beyond its collective's latency (`latencies`, by
+    collective, among `GROUP` ranks) among `processes` processes, each in a group of `GROUP`,
+    this one of rank `rank` (every rank of the world calls it, those beyond `processes` only
+    to make the groups; they return {})."""
     pairs = [
         dist.new_group(list(range(first, first + GROUP))) for first in range(0, processes, GROUP)
     ]
@@ -131,8 +140,9 @@ def wrapper_message_s(rank: int, processes: int, device: torch.device) -> dict[s
     torch.set_num_threads(max(1, usable_cores() // processes))
     mesh = DeviceMesh.from_group(pairs[rank // GROUP], device.type)
     plain = step_s(wrapped_step("plain", mesh, device), together, device)
-    return {
-        wrapper: max(0.0, step_s(wrapped_step(wrapper, mesh, device), together, device) - plain)
-        / count
-        for wrapper, count in MESSAGES.items()
-    }
+    beyond = {}
+    for wrapper, sent in SENT.items():
+        step = step_s(wrapped_step(wrapper, mesh, device), together, device)
+        bare = sum(count * latencies.get(name, 0.0) for name, count in sent.items())
+        beyond[wrapper] = max(0.0, step - plain - bare) / sum(sent.values())
+    return beyond
