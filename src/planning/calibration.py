@@ -277,6 +277,9 @@ def measure_collectives(rank: int, world: str, device_type: str, folder: str, re
     world = int(world)
     # torch 2.14 renamed the tensor collectives (the old names warn); torch 2.11 has only those.
     warnings.filterwarnings("ignore", category=FutureWarning)
+    # Under fsdp x tp the tiny model's output is a view (DTensor's local tensor): FSDP2 warns of
+    # in-place ops on it, which its step never makes.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     torch.set_num_threads(max(1, usable_cores() // world))
     backend = "nccl" if device_type == "cuda" else "gloo"
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")

@@ -89,22 +89,24 @@ def pipeline_step(mesh: DeviceMesh, device: torch.device) -> Callable[[], None]:
     return step
 
 
-def wrapped_step(wrapper: str, mesh: DeviceMesh, device: torch.device) -> Callable[[], None]:
-    """A training step of the tiny model on `device` under `wrapper` (plain: none) over the 1-D
-    `mesh`."""
-    if wrapper == "pp":
-        return pipeline_step(mesh, device)
+def wrapped_step(
+    wrappers: tuple[str, ...], meshes: dict[str, DeviceMesh], device: torch.device
+) -> Callable[[], None]:
+    """A training step of the tiny model on `device` under `wrappers` (none: plain), each over
+    its 1-D mesh in `meshes` (tp before fsdp, as the mesh layouts apply them)."""
+    if "pp" in wrappers:
+        return pipeline_step(meshes["pp"], device)
     model = tiny_model(device)
-    if wrapper == "ddp":
-        model = DistributedDataParallel(model, process_group=mesh.get_group())
-    elif wrapper == "fsdp":
-        for block in model:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    elif wrapper == "tp":
+    if "tp" in wrappers:
         plan = {f"{block}.0": ColwiseParallel() for block in range(BLOCKS)}
         plan.update({f"{block}.2": RowwiseParallel() for block in range(BLOCKS)})
-        model = parallelize_module(model, mesh, plan)
+        model = parallelize_module(model, meshes["tp"], plan)
+    if "fsdp" in wrappers:
+        for block in model:
+            fully_shard(block, mesh=meshes["fsdp"])
+        fully_shard(model, mesh=meshes["fsdp"])
+    if "ddp" in wrappers:
+        model = DistributedDataParallel(model, process_group=meshes["ddp"].get_group())
     return training_step(model, device)
 
 
@@ -124,25 +126,46 @@ def step_s(step: Callable[[], None], together: dist.ProcessGroup, device: torch.
     return min(times)
 
 
+def measured_together(processes: int) -> list[tuple[str, ...]]:
+    """The wrappers timed in one step among `processes`: each alone in groups of `GROUP`;
+    among `GROUP` x `GROUP`, fsdp and tp on one 2-D mesh, as fsdp 2 x tp 2 runs (a rank waits
+    on peers in two groups)."""
+    if processes == GROUP * GROUP:
+        return [("ddp",), ("pp",), ("fsdp", "tp")]
+    return [(wrapper,) for wrapper in SENT]
+
+
 def wrapper_message_s(
     rank: int, processes: int, device: torch.device, latencies: dict[str, float]
 ) -> dict[str, float]:
     """Each wrapper's seconds per message beyond its collective's latency (`latencies`, by
-    collective, among `GROUP` ranks) among `processes` processes, each in a group of `GROUP`,
-    this one of rank `rank` (every rank of the world calls it, those beyond `processes` only
-    to make the groups; they return {})."""
-    pairs = [
-        dist.new_group(list(range(first, first + GROUP))) for first in range(0, processes, GROUP)
-    ]
-    together = dist.new_group(list(range(processes)))
+    collective, among `GROUP` ranks) among `processes` processes in groups of `GROUP`, this
+    one of rank `rank` (every rank of the world calls it, those beyond `processes` only to
+    make the groups; they return {}). Wrappers timed together share one figure."""
+    pairs = [new_group(range(first, first + GROUP)) for first in range(0, processes, GROUP)]
+    square = processes == GROUP * GROUP
+    across = [new_group(range(first, processes, GROUP)) for first in range(GROUP)] if square else []
+    together = new_group(range(processes))
     if rank >= processes:
         return {}
     torch.set_num_threads(max(1, usable_cores() // processes))
-    mesh = DeviceMesh.from_group(pairs[rank // GROUP], device.type)
-    plain = step_s(wrapped_step("plain", mesh, device), together, device)
+    pair = DeviceMesh.from_group(pairs[rank // GROUP], device.type)
+    meshes = dict.fromkeys(SENT, pair)
+    if square:
+        grid = torch.arange(processes).view(GROUP, GROUP)
+        groups = [across[rank % GROUP], pairs[rank // GROUP]]
+        mesh = DeviceMesh.from_group(groups, device.type, grid, mesh_dim_names=("dp", "tp"))
+        meshes.update(fsdp=mesh["dp"], tp=mesh["tp"])
+    plain = step_s(wrapped_step((), meshes, device), together, device)
     beyond = {}
-    for wrapper, sent in SENT.items():
-        step = step_s(wrapped_step(wrapper, mesh, device), together, device)
-        bare = sum(count * latencies.get(name, 0.0) for name, count in sent.items())
-        beyond[wrapper] = max(0.0, step - plain - bare) / sum(sent.values())
+    for wrappers in measured_together(processes):
+        step = step_s(wrapped_step(wrappers, meshes, device), together, device)
+        sent = [(name, count) for wrapper in wrappers for name, count in SENT[wrapper].items()]
+        bare = sum(count * latencies.get(name, 0.0) for name, count in sent)
+        each = max(0.0, step - plain - bare) / sum(count for _, count in sent)
+        beyond.update(dict.fromkeys(wrappers, each))
     return beyond
+
+
+def new_group(ranks: range) -> dist.ProcessGroup:
+    return dist.new_group(list(ranks))
