@@ -40,7 +40,7 @@ SIZES = (2**10, 2**20)  # bytes per message: latency, then bandwidth
 PROCESS_COUNTS = (2, 4)
 CALMER = 0.5
 ROUNDS = 3  # each figure is the best of these: the machine's speed, not its neighbours'
-VERSION = 2  # of the figures: a cache of another version is measured again
+VERSION = 2  # of the figures, in the cache's name: another version's are measured again
 
 
 class OpCounter(TorchDispatchMode):
@@ -80,7 +80,6 @@ class Calibration:
     """How long measuring took."""
     load_per_core: float = 0.0
     """The 1-minute load average per core while it measured."""
-    version: int = VERSION
 
     def at_threads(self, figures: dict[str, float], threads: int, best: Callable = max) -> float:
         """A per-thread figure at `threads`: the `best` of those measured at up to `threads`
@@ -109,7 +108,7 @@ def nearest(by_count: dict[str, Any], count: int) -> Any:
 def cache_path(device_type: str) -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     key = f"{socket.gethostname()}-{device_type}-torch{torch.__version__}-{usable_cores()}cores"
-    return base / PROJECT / f"calibration-{key}.json"
+    return base / PROJECT / f"calibration-v{VERSION}-{key}.json"
 
 
 def calibration(device_type: str, refresh: bool = False) -> Calibration:
@@ -118,8 +117,8 @@ def calibration(device_type: str, refresh: bool = False) -> Calibration:
     runnable processes per core: a loaded machine's figures are slower than its own)."""
     path = cache_path(device_type)
     if path.exists() and not refresh:
-        cached = Calibration(**{"version": 1, **json.loads(path.read_text())})
-        if cached.version == VERSION and cached.load_per_core <= load_per_core() + CALMER:
+        cached = Calibration(**json.loads(path.read_text()))
+        if cached.load_per_core <= load_per_core() + CALMER:
             return cached
     measured = calibrate(device_type)
     path.parent.mkdir(parents=True, exist_ok=True)
