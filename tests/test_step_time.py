@@ -147,7 +147,7 @@ def measure_wrappers(rank: int, store: str, results: str) -> None:
 def test_the_calibration_times_a_message_of_each_wrapper_inside_a_training_step(tmp_path):
     """DDP's, FSDP2's, tensor parallel's and the 1F1B pipeline's steps of a tiny model on 2 gloo
     ranks, less the plain step and the collectives' latencies: each wrapper's message costs
-    something beyond those (about 5 s)."""
+    something beyond those (9 s of CPU in 2 processes: 25-30 s at a load of 6 per core)."""
     results = tmp_path / "wrappers.json"
     mp.spawn(measure_wrappers, args=(str(tmp_path / "store"), str(results)), nprocs=2)
     figures = json.loads(results.read_text())

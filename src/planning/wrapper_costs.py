@@ -1,13 +1,12 @@
 """The calibration's cost of a message as each wrapper sends it in a training step: DDP's reducer
-(its hooks, the bucket copies, the all-reduce), FSDP2's units (pre- and post-hooks, the all-gather's
-copy-in and copy-out, the reduce-scatter) and tensor parallel's pairs (DTensor's dispatch of every
-op, the all-reduces) and the pipeline's schedule (its stages' sends and receives, 1F1B). A bare
-collective's best time misses all of that, and a peer that is not yet there. The figure is what
-a message costs beyond its collective's latency: a training step of a tiny model under the
-wrapper, less the same step unwrapped and less the latencies of the collectives it sent, over
-the messages. Measured among 2 and 4 processes (each wrapper over
-groups of 2: fsdp 2 x tp 2's groups among 4 processes), in the calibration's job of processes
-(`calibration.measure_collectives`)."""
+(its hooks, the bucket copies), FSDP2's units (pre- and post-hooks, the all-gather's copy-in and
+copy-out), tensor parallel's pairs (DTensor's dispatch of every op) and the 1F1B schedule (its
+stages' own work). A bare collective's best time misses all of that, and the wait for a peer
+that is not there yet. The figure is what a message costs beyond its collective's latency: a
+training step of a tiny model under the wrapper, less the same step unwrapped and less the
+latencies of the collectives it sent, over the messages. Measured in the calibration's job of
+processes (`calibration.measure_collectives`) among 2 of them and among 4, in groups of 2 (fsdp
+and tp together on a 2 x 2 mesh, as fsdp 2 x tp 2 runs)."""
 
 from __future__ import annotations
 
