@@ -1,6 +1,7 @@
 """The predicted time of a step: what a device computes (FLOPs at the measured rate, plus a
 fixed cost per op: launch and dispatch) and the messages it waits for (latency plus bytes over
-bandwidth, each collective's own), from this machine's calibration (`calibration.py`) or, for
+bandwidth, each collective's own, plus what the wrapper that sends it costs beyond that), from
+this machine's calibration (`calibration.py`) or, for
 GPUs the planner does not see, the settings (`plan.device_tflops`, `plan.link_gb_per_s`)."""
 
 from __future__ import annotations
