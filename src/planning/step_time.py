@@ -96,10 +96,17 @@ class CalibratedSpeed(DeviceSpeed):
         )
         latency = figures.collectives["all_reduce"]
         ranks = min(latency, key=int)
+        beyond = ", ".join(
+            f"{wrapper} {by_processes[ranks] * 1e6:.0f} us"
+            for wrapper, by_processes in figures.wrappers.items()
+            if ranks in by_processes
+        )
         return (
             f"step times from this {figures.device_type.upper()}'s calibration ({rates}; "
             f"all-reduce on {ranks} processes {latency[ranks][0] * 1e6:.0f} us + "
-            f"{1e-9 / max(latency[ranks][1], 1e-15):.3g} GB/s; measured at load "
+            f"{1e-9 / max(latency[ranks][1], 1e-15):.3g} GB/s"
+            + (f"; a message costs beyond its collective: {beyond}" if beyond else "")
+            + "; measured at load "
             f"{figures.load_per_core:.1f} per core; plan.calibrate=true measures again)"
         )
 
