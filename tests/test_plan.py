@@ -315,7 +315,7 @@ class FixedCPU(DeviceSpeed):
     def flops_per_s(self, threads: int) -> float:
         return self.rates[threads]
 
-    def message_s(self, messages: Messages) -> float:
+    def message_s(self, messages: Messages, processes: int) -> float:
         return messages.count * messages.size / self.link
 
     def copy_bytes_per_s(self) -> float:

@@ -138,10 +138,11 @@ def sharded_messages(
     gathers = gathers_per_micro_step * accumulate
     gathered = [gathered_bytes(unit, precision) for unit in units]
     each, reduced_each = sum(gathered) // len(units), sum(units) // len(units)
+    prefetched, reduced = gathers * len(units) - accumulate, reductions * len(units)
     return [
-        Messages("all_gather", accumulate, each, shards),
-        Messages("all_gather", gathers * len(units) - accumulate, each, shards, overlapped=True),
-        Messages("reduce_scatter", reductions * len(units), reduced_each, shards, overlapped=True),
+        Messages("all_gather", accumulate, each, shards, wrapper="fsdp"),
+        Messages("all_gather", prefetched, each, shards, overlapped=True, wrapper="fsdp"),
+        Messages("reduce_scatter", reduced, reduced_each, shards, overlapped=True, wrapper="fsdp"),
     ]
 
 
