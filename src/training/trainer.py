@@ -153,7 +153,7 @@ class Trainer:
         self.batches, self.val, self.test = input_batches(cfg, settings, strategy, data, self.step)
         self.lr_at = lr_schedule(cfg.optimizer, settings.max_steps)
         self.speed = Throughput(
-            settings.timing_warmup_steps,
+            max(settings.timing_warmup_steps, self.tensor_peak.counted_steps),  # never timed
             settings.batch_size,
             tokens_per_sample(blueprint.data.train),
         )
