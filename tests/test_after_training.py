@@ -113,3 +113,23 @@ def test_a_new_best_checkpoint_is_swapped_in_for_the_old_one(tmp_path):
         writer.save(model, optimizer, state, best=True)
     assert load_checkpoint(best_dir(tmp_path))["step"] == 2
     assert [path.name for path in (tmp_path / "checkpoints").iterdir()] == ["best"]
+
+
+def test_a_step_checkpoint_of_the_best_state_links_the_best_one_s_files(tmp_path):
+    """At a step that is both the best and a checkpoint step, the state is written once: the
+    step's checkpoint is best/'s files, hard-linked, and it stays whole and loadable when a later
+    best replaces best/. (In this process, about 0.1 s.)"""
+    writer = CheckpointWriter(tmp_path, Strategy(ParallelConfig(), "cpu"), "full", 2, False)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters())
+    for step in (2, 3):
+        state = {"step": step, "rng": {}, "config": {}, "wandb_run_id": None}
+        writer.save(model, optimizer, state, best=True)
+        if step == 2:
+            writer.save(model, optimizer, state)
+            best, saved = best_dir(tmp_path), tmp_path / "checkpoints" / "step-000002"
+            files = sorted(path.name for path in best.iterdir())
+            assert sorted(path.name for path in saved.iterdir()) == files
+            assert all((best / name).samefile(saved / name) for name in files)
+    assert resume_path("auto", tmp_path) == saved  # its manifest holds
+    assert load_checkpoint(saved)["step"] == 2 and load_checkpoint(best_dir(tmp_path))["step"] == 3
