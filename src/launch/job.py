@@ -78,7 +78,9 @@ def run(cfg: DictConfig, ranks: Ranks | None) -> dict[str, Any]:
     configure_logging(job_logging, "launcher")
     log_config(cfg)
     resolved = plain_config(cfg)
-    return launch_ranks(resolved, run_dir, strategy.processes_per_node, nodes, job_logging)
+    return launch_ranks(
+        resolved, run_dir, blueprint.checkpoint, strategy.processes_per_node, nodes, job_logging
+    )
 
 
 def check_rendezvous(parallel: DictConfig) -> None:
@@ -108,6 +110,7 @@ def log_config(cfg: DictConfig) -> None:
 def launch_ranks(
     resolved_cfg: dict[str, Any],
     run_dir: Path,
+    checkpoint: Path | None,
     per_node: int,
     nodes: int,
     job_logging: dict[str, Any],
@@ -117,7 +120,7 @@ def launch_ranks(
     they have started); a process of the job that dies or fails ends it: then the last
     checkpoint says where the run can resume from."""
     parallel = OmegaConf.create(resolved_cfg["parallel"])
-    args = (resolved_cfg, str(run_dir))
+    args = (resolved_cfg, str(run_dir), checkpoint and str(checkpoint))
     try:
         return launch(train_worker, args, per_node, nodes, parallel, job_logging, (RunStopped,))
     except KilledBySignal as stopped:
@@ -134,13 +137,21 @@ def last_checkpoint(run_dir: Path) -> str:
 
 
 def train_worker(
-    resolved_cfg: dict[str, Any], run_dir: str, ranks: Ranks, stop: StopOnSignal
+    resolved_cfg: dict[str, Any],
+    run_dir: str,
+    checkpoint: str | None,
+    ranks: Ranks,
+    stop: StopOnSignal,
 ) -> dict[str, Any]:
-    """`train` in a process started by `launch`, from the config the launcher checked. A stop
-    that every rank made at the same step (they agree on signals and non-finite losses) is
-    raised, and `launch` raises it again in the launcher."""
+    """`train` in a process started by `launch`, from the config the launcher checked and the
+    checkpoint it found to resume from, if any. A stop that every rank made at the same step
+    (they agree on signals and non-finite losses) is raised, and `launch` raises it again in the
+    launcher."""
     cfg = OmegaConf.create(resolved_cfg)
-    return train(cfg, Path(run_dir), check_settings(cfg, ranks), stop=stop)
+    strategy = check_settings(cfg, ranks)
+    checked = Path(checkpoint) if checkpoint else None
+    blueprint = build_blueprint(cfg, Path(run_dir), strategy, checked)
+    return train(cfg, Path(run_dir), strategy, blueprint, stop=stop)
 
 
 def resume_hint() -> str:
