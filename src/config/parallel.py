@@ -137,6 +137,10 @@ class MeshConfig(StagesConfig, ReducerConfig, DistributedConfig):
     ways."""
     tp: int = 1
     """Tensor-parallel ranks each Linear pair of the model's plan is split over."""
+    ep: int = 1
+    """Expert-parallel ranks (model=moe): each holds experts / ep whole experts, and its tokens
+    go to their experts' ranks and back by all_to_all. Borrowed from dp_shard, which it must
+    divide (no processes of its own); -1: all of dp_shard."""
     pp: int = 1
     """Pipeline ranks, each holding `stages_per_rank` stages of the model's blocks."""
     stages: int = 1
@@ -167,6 +171,10 @@ class MeshConfig(StagesConfig, ReducerConfig, DistributedConfig):
 
     def __post_init__(self) -> None:
         at_least_one(self, "stages", "stages_per_rank")
+        if self.ep < 1 and self.ep != -1:
+            raise ConfigError(
+                f"parallel.ep must be at least 1, or -1 (all of dp_shard), got {self.ep}"
+            )
         if self.devices % self.stages:
             raise ConfigError(
                 f"parallel.devices={self.devices} does not divide into processes of "

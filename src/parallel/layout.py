@@ -26,6 +26,9 @@ class Layout:
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    ep: int = 1
+    """Expert-parallel ranks, borrowed from dp_shard (a divisor of it, not a dimension of the
+    grid: `expert_parallel.py`)."""
 
     @classmethod
     def of(cls, world_size: int, **degrees: int) -> Layout:
@@ -86,6 +89,7 @@ class Layout:
                 ("ddp", self.dp_replicate if self.dp_shard == 1 else 1),
                 ("hsdp", self.dp_replicate if self.dp_shard > 1 else 1),
                 ("fsdp", self.dp_shard),
+                ("ep", self.ep),
                 ("tp", self.tp),
                 ("pp", self.pp),
             )

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import re
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ from src.config.parallel import MeshConfig
 from src.parallel import ddp, hybrid
 from src.parallel.base import LossFn, Tree
 from src.parallel.distributed import Distributed
+from src.parallel.expert_parallel import apply_ep, check_degrees, check_experts, resolved_ep
 from src.parallel.fsdp import (
     apply_fsdp,
     copy_from_rank0,
@@ -75,7 +77,8 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
         self.processes_per_node = cfg.devices // cfg.stages
         self.world_size = self.processes_per_node * cfg.nodes
         degrees = {name: getattr(cfg, name) for name in DIMENSIONS}
-        self.layout = Layout.of(self.world_size, **degrees)
+        layout = Layout.of(self.world_size, **degrees)
+        self.layout = replace(layout, ep=resolved_ep(cfg.ep, layout.dp_shard))
         # The degrees as set decide, -1 among them (a degree of one rank is still the preset's
         # mechanism: fsdp on one process shards, as ddp on one replicates).
         self.runs_ddp = cfg.dp_shard == cfg.tp == cfg.pp == 1
@@ -85,6 +88,7 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
         self.shards = not self.runs_ddp and wraps_data_parallel and cfg.dp_shard != 1
         self.fsdp = not self.runs_ddp and wraps_data_parallel
         self.stage_cut = hybrid.stage_cut(cfg, self.world_size, self.runs_ddp)
+        check_degrees(self.layout, self.runs_ddp)
         if not self.runs_ddp:
             ddp.check_reducer_options(cfg, self.layout.label())
         if self.layout.pp > 1:
@@ -138,6 +142,7 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
         ddp.check_accumulate(self.cfg, accumulate)
 
     def check_model(self, model: nn.Module, inputs: Tree) -> None:
+        check_experts(model, self.layout.ep)
         if self.stage_cut is not None:
             self.stage_cut.plan(model, inputs, self.device_type)
         if self.layout.pp > 1:
@@ -213,6 +218,8 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
             self.row_orders = apply_tp(
                 model, self.mesh["tp"], self.cfg.sequence_parallel, self.cfg.loss_parallel
             )
+        if self.layout.ep > 1:  # the experts before the blocks around them
+            apply_ep(model, data_parallel, self.layout.ep, policy, offload)
         if self.layout.pp > 1:
             if self.fsdp:
                 # Each stage stays gathered from its first forward to the schedule's gradient
