@@ -114,6 +114,8 @@ def apply_ep(
         options = {"mesh": shards, "mp_policy": policy, "offload_policy": offload_policy(offload)}
         experts = fully_shard(layer.experts, **options)
         experts.set_gradient_divide_factor(float(data_parallel.size()))
+        # A divide factor other than the mesh's size reduces with PREMUL_SUM, which gloo lacks.
+        experts.set_force_sum_reduction_for_comms(data_parallel.device_type == "cpu")
         layer.expert_outputs = functools.partial(exchanged_expert_outputs, layer, ep_mesh)
 
 
