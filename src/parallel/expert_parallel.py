@@ -114,8 +114,11 @@ def apply_ep(
         options = {"mesh": shards, "mp_policy": policy, "offload_policy": offload_policy(offload)}
         experts = fully_shard(layer.experts, **options)
         experts.set_gradient_divide_factor(float(data_parallel.size()))
-        # A divide factor other than the mesh's size reduces with PREMUL_SUM, which gloo lacks.
-        experts.set_force_sum_reduction_for_comms(data_parallel.device_type == "cpu")
+        # A divide factor other than the shards' number reduce-scatters with PREMUL_SUM, which
+        # gloo lacks; summed instead, FSDP divides after. Of one shard it only divides, and
+        # summing would divide twice (torch 2.14.1).
+        sums = data_parallel.device_type == "cpu" and shards.size(1) > 1
+        experts.set_force_sum_reduction_for_comms(sums)
         layer.expert_outputs = functools.partial(exchanged_expert_outputs, layer, ep_mesh)
 
 
