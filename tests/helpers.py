@@ -34,10 +34,11 @@ def options(group: str) -> list[str]:
     return sorted(path.stem for path in (ROOT / "conf" / group).glob("*.yaml"))
 
 
-# The N-D layouts on a DeviceMesh (src/parallel/mesh.py), tested in test_mesh.py: each one needs
-# a model with a tensor-parallel plan or enough blocks for its stages, and 4 processes for the
-# 2-D presets, so the sweeps over every strategy leave them out.
-MESH_LAYOUTS = ("tp", "pp", "fsdp_tp", "fsdp_tp_pp", "mesh")
+# The N-D layouts on a DeviceMesh (src/parallel/mesh.py), tested in test_mesh.py (ep in
+# test_ep.py): each one needs a model with a tensor-parallel plan, enough blocks for its stages
+# or experts (ep), and 4 processes for the 2-D presets, so the sweeps over every strategy leave
+# them out.
+MESH_LAYOUTS = ("tp", "pp", "fsdp_tp", "fsdp_tp_pp", "mesh", "ep")
 STRATEGIES = [option for option in options("parallel") if option not in ("auto", *MESH_LAYOUTS)]
 
 # A few seconds per run on 2 CPU cores: small model, few steps, every step logged.

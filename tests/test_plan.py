@@ -257,11 +257,11 @@ def test_plan_py_plans_every_strategy_that_runs_and_recommends_one():
     assert "peak MB  eval peak MB" in table[1]
     rows = {line.split()[0] for line in table[2:] if not line.startswith(" ")}
     assert {"ddp", "dp", "dp_criterion", "fsdp", "model_parallel", "tp", "pp", "fsdp_tp"} <= rows
-    cannot = "cannot run: fsdp_tp_pp x2, hybrid x2, single x2 (plan one with parallel=<name> to see"
-    assert f"{cannot} why)" in table
+    cannot = "cannot run: ep x2, fsdp_tp_pp x2, hybrid x2, single x2"
+    assert f"{cannot} (plan one with parallel=<name> to see why)" in table
     assert last.startswith("recommended: parallel=") and "the fastest of those that fit" in last
     planned = [option for option in options("parallel") if option != "auto"]
-    assert f"planned fsdp on 2 device(s) (4/{len(planned)}, " in result.stderr  # progress
+    assert f"planned fsdp on 2 device(s) (5/{len(planned)}, " in result.stderr  # progress
 
 
 def test_equal_shares_are_traced_once(compose_config, monkeypatch):

@@ -21,6 +21,7 @@ divide by its own mesh's): both are then the gradients of the step's global mean
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -31,10 +32,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from src.components.moe import MoEFeedForward, Routing
+from src.components.precision import AUTOCAST_DTYPES
 from src.config.base import ConfigError
 from src.config.parallel import Offload
 from src.parallel.fsdp import offload_policy
 from src.parallel.layout import Layout
+from src.parallel.shares import Messages
 
 
 def resolved_ep(ep: int, dp_shard: int) -> int:
@@ -176,3 +179,63 @@ def local_expert_outputs(
     grouped = grouped.index_put((expert[order], slot), rows[order])
     outputs = experts(DTensor.from_local(grouped, ep_mesh, [Shard(0)])).to_local()
     return outputs[expert[order], slot][order.argsort()]
+
+
+@dataclass(frozen=True)
+class ExpertSplit:
+    """What ep splits of a model, for the planner (`expert_split`)."""
+
+    ep: int
+    block_expert_bytes: list[int]
+    """Each block's experts' parameter bytes (all of its experts)."""
+    choices_per_sample: int
+    """Expert choices a sample's tokens make in all of the model's MoE layers (seq x top_k
+    each)."""
+    width: int
+    experts: int
+
+
+def expert_split(model: nn.Sequential, inputs: torch.Tensor, ep: int) -> ExpertSplit:
+    """`model`'s experts (on the meta device) and the choices a sample of `inputs` (token
+    ids, (batch, seq)) makes."""
+    experts = [sum(p.nbytes for layer in moe_layers(block) for p in layer.experts.parameters())
+               for block in model]  # fmt: skip
+    layers = moe_layers(model)
+    choices = inputs.shape[1] * sum(layer.top_k for layer in layers)
+    router = layers[0].router
+    return ExpertSplit(ep, experts, choices, router.in_features, router.out_features)
+
+
+def ep_gathered_bytes(split: ExpertSplit | None, blocks: list[int], held: int) -> int:
+    """Of `held` bytes of `blocks` (before FSDP shards them), those that FSDP gathers whole:
+    the dense parameters and this ep rank's experts / ep."""
+    if split is None:
+        return held
+    experts = sum(split.block_expert_bytes[b] for b in blocks)
+    return int(held - (1 - 1 / split.ep) * experts)
+
+
+def ep_exchange_bytes(split: ExpertSplit, samples: int, precision: str) -> int:
+    """One direction of one MoE layer's exchange, on average, in passes of `samples` samples:
+    each choice's token (width, in the autocast dtype), all kept (capacity's drops send less)."""
+    element = 2 if precision in AUTOCAST_DTYPES else 4
+    layers = sum(1 for size in split.block_expert_bytes if size)
+    return samples * split.choices_per_sample // layers * split.width * element
+
+
+def ep_traffic(split: ExpertSplit, samples: int, precision: str) -> dict[str, int]:
+    """What a rank sends per step over ep, in passes of `samples` samples in all: every MoE
+    layer's tokens to their experts and back (dispatch and combine), forward and backward,
+    the (ep - 1) / ep of them whose experts are on another rank."""
+    layers = sum(1 for size in split.block_expert_bytes if size)
+    sent = layers * ep_exchange_bytes(split, samples, precision) * 2 * 2
+    return {"token all-to-all": int(sent * (split.ep - 1) / split.ep)}
+
+
+def ep_messages(split: ExpertSplit, samples: int, runs: int, precision: str) -> list[Messages]:
+    """A rank's ep messages in `runs` passes of `samples` samples: per MoE layer, dispatch and
+    combine forward and backward (each waited for), and the counts' exchange before them."""
+    layers = sum(1 for size in split.block_expert_bytes if size)
+    size = ep_exchange_bytes(split, samples, precision)
+    counts = Messages("all_to_all", layers * runs, 8 * split.experts, split.ep)
+    return [counts, Messages("all_to_all", 4 * layers * runs, size, split.ep)]

@@ -42,7 +42,13 @@ from src.config.parallel import MeshConfig
 from src.parallel import ddp, hybrid
 from src.parallel.base import LossFn, Tree
 from src.parallel.distributed import Distributed
-from src.parallel.expert_parallel import apply_ep, check_degrees, check_experts, resolved_ep
+from src.parallel.expert_parallel import (
+    apply_ep,
+    check_degrees,
+    check_experts,
+    expert_split,
+    resolved_ep,
+)
 from src.parallel.fsdp import (
     apply_fsdp,
     copy_from_rank0,
@@ -143,6 +149,8 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
 
     def check_model(self, model: nn.Module, inputs: Tree) -> None:
         check_experts(model, self.layout.ep)
+        if self.layout.ep > 1:
+            self.ep_split = expert_split(model, inputs, self.layout.ep)
         if self.stage_cut is not None:
             self.stage_cut.plan(model, inputs, self.device_type)
         if self.layout.pp > 1:
