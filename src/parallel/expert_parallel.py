@@ -186,6 +186,8 @@ class ExpertSplit:
     """What ep splits of a model, for the planner (`expert_split`)."""
 
     ep: int
+    shards: int
+    """The ranks that FSDP-shard each ep rank's experts: dp_shard / ep."""
     block_expert_bytes: list[int]
     """Each block's experts' parameter bytes (all of its experts)."""
     choices_per_sample: int
@@ -195,24 +197,27 @@ class ExpertSplit:
     experts: int
 
 
-def expert_split(model: nn.Sequential, inputs: torch.Tensor, ep: int) -> ExpertSplit:
+def expert_split(model: nn.Sequential, inputs: torch.Tensor, layout: Layout) -> ExpertSplit:
     """`model`'s experts (on the meta device) and the choices a sample of `inputs` (token
-    ids, (batch, seq)) makes."""
+    ids, (batch, seq)) makes, split by `layout`'s ep."""
     experts = [sum(p.nbytes for layer in moe_layers(block) for p in layer.experts.parameters())
                for block in model]  # fmt: skip
     layers = moe_layers(model)
     choices = inputs.shape[1] * sum(layer.top_k for layer in layers)
     router = layers[0].router
-    return ExpertSplit(ep, experts, choices, router.in_features, router.out_features)
+    shards = layout.dp_shard // layout.ep
+    return ExpertSplit(layout.ep, shards, experts, choices, router.in_features, router.out_features)
 
 
 def ep_gathered_bytes(split: ExpertSplit | None, blocks: list[int], held: int) -> int:
     """Of `held` bytes of `blocks` (before FSDP shards them), those that FSDP gathers whole:
-    the dense parameters and this ep rank's experts / ep."""
+    the dense parameters, and this ep rank's experts / ep unless it holds them alone (FSDP of
+    one shard computes with the shard itself)."""
     if split is None:
         return held
     experts = sum(split.block_expert_bytes[b] for b in blocks)
-    return int(held - (1 - 1 / split.ep) * experts)
+    kept = 1 / split.ep if split.shards > 1 else 0
+    return int(held - (1 - kept) * experts)
 
 
 def ep_exchange_bytes(split: ExpertSplit, samples: int, precision: str) -> int:

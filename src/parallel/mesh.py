@@ -150,7 +150,7 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
     def check_model(self, model: nn.Module, inputs: Tree) -> None:
         check_experts(model, self.layout.ep)
         if self.layout.ep > 1:
-            self.ep_split = expert_split(model, inputs, self.layout.ep)
+            self.ep_split = expert_split(model, inputs, self.layout)
         if self.stage_cut is not None:
             self.stage_cut.plan(model, inputs, self.device_type)
         if self.layout.pp > 1:
