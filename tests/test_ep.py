@@ -64,15 +64,13 @@ def test_expert_parallel_trains_exactly_like_single(ep, top_k):
 @pytest.mark.equivalence
 def test_a_sharded_ep_checkpoint_resumes_exactly_and_resharded():
     """ep 2's step-3 checkpoint (DCP shards, the experts split on dim 0) resumed under ep 2
-    itself, single and fsdp 2 (~10 s): each logs single's losses of steps 4 to 6 and ends at
-    its weights."""
+    itself and resharded under single (~8 s): each logs single's losses of steps 4 to 6 and
+    ends at its weights."""
     runs = two_process_runs()
     saved = runs["model.top_k=2 parallel=ep"] / "checkpoints" / "step-000003"
     assert len(list(saved.glob("*.distcp"))) == 2
-    resumed = sweep_runs(
-        *MOE_SGD, f"trainer.resume={saved}", "model.top_k=2", "parallel=ep,single,fsdp"
-    )
-    for layout in ("ep", "single", "fsdp"):
+    resumed = sweep_runs(*MOE_SGD, f"trainer.resume={saved}", "model.top_k=2", "parallel=ep,single")
+    for layout in ("ep", "single"):
         reference = runs["model.top_k=2 parallel=single"]
         assert_goes_on_exactly(reference, resumed[f"parallel={layout}"])
 
