@@ -127,7 +127,8 @@ class ReducerConfig:
 class MeshConfig(StagesConfig, ReducerConfig, DistributedConfig):
     """An N-D layout on one DeviceMesh (src/parallel/mesh.py): degrees whose product is the
     number of processes (parallel.devices / parallel.stages x parallel.nodes); -1 takes the ranks
-    the others leave. ddp, fsdp, hybrid, tp, pp, fsdp_tp, fsdp_tp_pp and mesh are presets of it."""
+    the others leave. ddp, fsdp, hybrid, tp, pp, fsdp_tp, fsdp_tp_pp, ep and mesh are presets of
+    it."""
 
     dp_replicate: int = 1
     """Data-parallel replicas: torch's DDP when no other degree is set, else FSDP2's (HSDP with

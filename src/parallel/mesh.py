@@ -1,6 +1,6 @@
 """Every strategy of one process per rank: an N-D layout of degrees (src/parallel/layout.py)
 adapted to the loop's Strategy interface. The presets ddp, fsdp, hybrid, tp, pp, fsdp_tp,
-fsdp_tp_pp and mesh are layouts of it (conf/parallel/).
+fsdp_tp_pp, ep and mesh are layouts of it (conf/parallel/).
 
 One process per rank (per `parallel.stages` devices under the stage cut), launched as torchrun
 would. The degrees decide the mechanisms:
@@ -11,7 +11,8 @@ would. The degrees decide the mechanisms:
 - anything else: the pipeline cut (`pipeline_schedules.stage_parts`: the stages this pp rank
   runs; the other blocks go to the meta device), tensor parallel (`apply_tp`, over the whole
   model) and then FSDP2 over the data-parallel dimensions (`fsdp.apply_fsdp`: dp_shard shards,
-  dp_replicate replicates, both HSDP; under pp, each stage its own FSDP root). Each process then
+  dp_replicate replicates, both HSDP; under pp, each stage its own FSDP root), with ep's experts
+  split over ep ranks borrowed from dp_shard (`expert_parallel.apply_ep`). Each process then
   holds part of the gradients, so fp16's scaler checks them all together (`fsdp.sharded_scaler`).
 
 Data-parallel rank d of D reads `global batch / D` samples; the tp and pp ranks of one
