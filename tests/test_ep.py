@@ -25,7 +25,14 @@ from src.launch.forking import start_rank_server
 from src.parallel import build_strategy
 from src.runtime.ranks import Ranks
 
-WORKLOAD = (*MOE_SGD, "trainer.checkpoint_every=3")
+# Accumulation and clipping too: clipping takes the norm of the dense and the experts'
+# gradients, DTensors on two meshes.
+WORKLOAD = (
+    *MOE_SGD,
+    "trainer.accumulate=2",
+    "trainer.grad_clip=0.05",
+    "trainer.checkpoint_every=3",
+)
 
 
 def two_process_runs() -> dict[str, Path]:

@@ -74,6 +74,13 @@ def held_bytes(model: nn.Module) -> int:
     return sum(t.nbytes for t in local if not t.is_meta)
 
 
+def squared_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
+    """The squared 2-norm of `parameters`' gradients, whole (a collective for DTensors)."""
+    gradients = [p.grad for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(gradients)
+    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).square()
+
+
 class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
     settings_schema = MeshConfig
     sharded_checkpoints = True
@@ -259,15 +266,20 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
 
     def clip_grad_norm(self, parameters: list[nn.Parameter], max_norm: float) -> None:
         """Under pp, by the norm of every pp rank's gradients (each holds its own stages'), as
-        single's is of the whole model's."""
-        if self.pipeline is None:
+        single's is of the whole model's; under ep, of the dense and the experts' gradients,
+        DTensors on two meshes, whose norms torch cannot stack (each group's taken alone)."""
+        if self.pipeline is None and self.layout.ep == 1:
             return super().clip_grad_norm(parameters, max_norm)
-        gradients = [p.grad for p in parameters if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(gradients)
-        squared = (norm.full_tensor() if isinstance(norm, DTensor) else norm).square()
-        dist.all_reduce(squared, group=self.pipeline.group)
+        groups: dict[Any, list[nn.Parameter]] = {}
+        for parameter in parameters:
+            mesh = parameter.device_mesh if isinstance(parameter, DTensor) else None
+            groups.setdefault(mesh, []).append(parameter)
+        squared = sum(squared_norm(group) for group in groups.values())
+        if self.pipeline is not None:
+            dist.all_reduce(squared, group=self.pipeline.group)
         with implicit_replication():  # the norm, a plain tensor, scales DTensor gradients too
-            torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, squared.sqrt())
+            for group in groups.values():
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, squared.sqrt())
 
     def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
         if self.stage_cut is not None:
