@@ -76,7 +76,9 @@ def test_a_sharded_ep_checkpoint_resumes_exactly_and_resharded():
     runs = two_process_runs()
     saved = runs["model.top_k=2 parallel=ep"] / "checkpoints" / "step-000003"
     assert len(list(saved.glob("*.distcp"))) == 2
-    resumed = sweep_runs(*MOE_SGD, f"trainer.resume={saved}", "model.top_k=2", "parallel=ep,single")
+    resumed = sweep_runs(
+        *WORKLOAD, f"trainer.resume={saved}", "model.top_k=2", "parallel=ep,single"
+    )
     for layout in ("ep", "single"):
         reference = runs["model.top_k=2 parallel=single"]
         assert_goes_on_exactly(reference, resumed[f"parallel={layout}"])
