@@ -147,7 +147,10 @@ def checked(settings: dict, model: torch.nn.Module | None = None) -> None:
     [
         ({"devices": 4, "ep": 3}, "parallel.ep=3 must divide parallel.dp_shard=4"),
         ({"dp_shard": 1, "dp_replicate": 2, "ep": 2}, "DDP (parallel.dp_replicate alone) has none"),
-        ({"devices": 4, "dp_shard": 2, "tp": 2, "ep": 2}, "with parallel.tp or parallel.pp"),
+        (
+            {"devices": 4, "dp_shard": 2, "tp": 2, "ep": 2},
+            "with parallel.tp, parallel.cp or parallel.pp",
+        ),
         ({"ep": 0}, "parallel.ep must be at least 1, or -1"),
     ],
 )

@@ -59,10 +59,10 @@ def check_degrees(layout: Layout, runs_ddp: bool) -> None:
             f"parallel.ep={layout.ep} must divide parallel.dp_shard={layout.dp_shard}, whose "
             "ranks it borrows; change parallel.ep or parallel.dp_shard"
         )
-    if layout.tp > 1 or layout.pp > 1:
+    if layout.tp > 1 or layout.cp > 1 or layout.pp > 1:
         raise ConfigError(
-            f"parallel.ep={layout.ep} does not run with parallel.tp or parallel.pp above 1 yet; "
-            "set them to 1"
+            f"parallel.ep={layout.ep} does not run with parallel.tp, parallel.cp or parallel.pp "
+            "above 1 yet; set them to 1"
         )
 
 

@@ -97,6 +97,16 @@ def apply_fsdp(
     return fully_shard(model, **options)
 
 
+def divide_gradients_by(model: nn.Module, factor: int) -> None:
+    """Every FSDP unit of `model` divides its reduced gradients by `factor` instead of by its
+    ranks (more ranks than `factor`: the others' gradients are summed). Summed, then divided:
+    the premultiplied sum torch uses otherwise is NCCL's, which gloo lacks."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(float(factor))
+            module.set_force_sum_reduction_for_comms(True)
+
+
 def micro_step_counts(staged: bool, accumulate: int) -> tuple[int, int]:
     """How often a unit is gathered per micro-step, and its gradients reduced per step: under
     pp (`staged`) each micro-step's schedule run gathers a rank's stages once and reduces their
