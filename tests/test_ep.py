@@ -42,12 +42,12 @@ WORKLOAD = (
 
 def two_process_runs() -> dict[str, Path]:
     """single and ep 2 (the preset: dp_shard 2, all of it ep), top 1 and top 2: one sweep
-    (~15 s). ep saves sharded checkpoints at steps 3 and 6."""
+    (27 s on 2 cores at a load of 3 to 6). ep saves sharded checkpoints at steps 3 and 6."""
     return sweep_runs(*WORKLOAD, "model.top_k=1,2", "parallel=single,ep")
 
 
 def four_process_runs() -> dict[str, Path]:
-    """ep 2 and ep 4 of dp_shard 4, top 1 and top 2: one sweep (~25 s)."""
+    """ep 2 and ep 4 of dp_shard 4, top 1 and top 2: one sweep (61 s, as above)."""
     return sweep_runs(
         *WORKLOAD, "model.top_k=1,2", "parallel=ep", "parallel.devices=4", "parallel.ep=2,4"
     )
@@ -76,7 +76,7 @@ def test_expert_parallel_trains_exactly_like_single(ep, top_k):
 @pytest.mark.equivalence
 def test_a_sharded_ep_checkpoint_resumes_exactly_and_resharded():
     """ep 2's step-3 checkpoint (DCP shards, the experts split on dim 0) resumed under ep 2
-    itself and resharded under single (~8 s): each logs single's losses of steps 4 to 6 and
+    itself and resharded under single (17 s): each logs single's losses of steps 4 to 6 and
     ends at its weights."""
     runs = two_process_runs()
     saved = runs["model.top_k=2 parallel=ep"] / "checkpoints" / "step-000003"
@@ -135,7 +135,7 @@ def each_expert_s_tokens_under_ep(rank: int, port: int) -> None:
 
 @pytest.mark.equivalence
 def test_each_expert_takes_single_s_tokens_under_ep():
-    """2 gloo processes forked from the rank server, which has imported torch (~4 s)."""
+    """2 gloo processes forked from the rank server, which has imported torch (9 s)."""
     start_rank_server()
     ranks = each_expert_s_tokens_under_ep
     mp.start_processes(ranks, args=(free_port(),), nprocs=2, start_method="forkserver")
