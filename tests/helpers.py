@@ -34,10 +34,11 @@ def options(group: str) -> list[str]:
     return sorted(path.stem for path in (ROOT / "conf" / group).glob("*.yaml"))
 
 
-# The N-D layouts on a DeviceMesh (src/parallel/mesh.py), tested in test_mesh.py and test_cp.py:
-# each one needs a model with a tensor-parallel plan, enough blocks for its stages or attention
-# (cp), and 4 processes for the 2-D presets, so the sweeps over every strategy leave them out.
-MESH_LAYOUTS = ("tp", "pp", "cp", "fsdp_tp", "fsdp_cp_tp", "fsdp_tp_pp", "mesh")
+# The N-D layouts on a DeviceMesh (src/parallel/mesh.py), tested in test_mesh.py, test_cp.py and
+# test_ep.py: each one needs a model with a tensor-parallel plan, enough blocks for its stages,
+# attention (cp) or experts (ep), and 4 processes for the 2-D presets, so the sweeps over every
+# strategy leave them out.
+MESH_LAYOUTS = ("tp", "pp", "cp", "fsdp_tp", "fsdp_cp_tp", "fsdp_tp_pp", "mesh", "ep")
 STRATEGIES = [option for option in options("parallel") if option not in ("auto", *MESH_LAYOUTS)]
 
 # A few seconds per run on 2 CPU cores: small model, few steps, every step logged.

@@ -127,8 +127,8 @@ class ReducerConfig:
 class MeshConfig(StagesConfig, ReducerConfig, DistributedConfig):
     """An N-D layout on one DeviceMesh (src/parallel/mesh.py): degrees whose product is the
     number of processes (parallel.devices / parallel.stages x parallel.nodes); -1 takes the ranks
-    the others leave. ddp, fsdp, hybrid, tp, pp, cp, fsdp_tp, fsdp_cp_tp, fsdp_tp_pp and mesh are
-    presets of it."""
+    the others leave. ddp, fsdp, hybrid, tp, pp, cp, fsdp_tp, fsdp_cp_tp, fsdp_tp_pp, ep and mesh
+    are presets of it."""
 
     dp_replicate: int = 1
     """Data-parallel replicas: torch's DDP when no other degree is set, else FSDP2's (HSDP with
@@ -141,6 +141,10 @@ class MeshConfig(StagesConfig, ReducerConfig, DistributedConfig):
     one data-parallel index read the same samples)."""
     tp: int = 1
     """Tensor-parallel ranks each Linear pair of the model's plan is split over."""
+    ep: int = 1
+    """Expert-parallel ranks (model=moe): each holds experts / ep whole experts, and its tokens
+    go to their experts' ranks and back by all_to_all. Borrowed from dp_shard, which it must
+    divide (no processes of its own); -1: all of dp_shard."""
     pp: int = 1
     """Pipeline ranks, each holding `stages_per_rank` stages of the model's blocks."""
     stages: int = 1
@@ -171,6 +175,10 @@ class MeshConfig(StagesConfig, ReducerConfig, DistributedConfig):
 
     def __post_init__(self) -> None:
         at_least_one(self, "stages", "stages_per_rank")
+        if self.ep < 1 and self.ep != -1:
+            raise ConfigError(
+                f"parallel.ep must be at least 1, or -1 (all of dp_shard), got {self.ep}"
+            )
         if self.devices % self.stages:
             raise ConfigError(
                 f"parallel.devices={self.devices} does not divide into processes of "

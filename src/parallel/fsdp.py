@@ -74,6 +74,11 @@ def gathered_bytes(fp32_bytes: int, precision: str) -> int:
     return fp32_bytes // 2 if precision in AUTOCAST_DTYPES else fp32_bytes
 
 
+def offload_policy(offload: Offload) -> OffloadPolicy:
+    """FSDP2's policy for `parallel.offload`: cpu keeps the shards in host memory."""
+    return CPUOffloadPolicy() if offload == Offload.cpu else OffloadPolicy()
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -86,7 +91,7 @@ def apply_fsdp(
     a unit gathered for its forward stays gathered until its gradients are reduced; `offload`
     cpu keeps the shards (and their gradients and optimizer state) in host memory."""
     options = {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": reshard_after_forward}
-    options["offload_policy"] = CPUOffloadPolicy() if offload == Offload.cpu else OffloadPolicy()
+    options["offload_policy"] = offload_policy(offload)
     for unit in sharding_units(model):
         fully_shard(unit if len(unit) > 1 else unit[0], **options)
     return fully_shard(model, **options)

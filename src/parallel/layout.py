@@ -28,6 +28,9 @@ class Layout:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1
+    """Expert-parallel ranks, borrowed from dp_shard (a divisor of it, not a dimension of the
+    grid: `expert_parallel.py`)."""
 
     @classmethod
     def of(cls, world_size: int, **degrees: int) -> Layout:
@@ -93,6 +96,7 @@ class Layout:
                 ("ddp", self.dp_replicate if self.dp_shard == 1 else 1),
                 ("hsdp", self.dp_replicate if self.dp_shard > 1 else 1),
                 ("fsdp", self.dp_shard),
+                ("ep", self.ep),
                 ("cp", self.cp),
                 ("tp", self.tp),
                 ("pp", self.pp),

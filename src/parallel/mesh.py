@@ -1,6 +1,6 @@
 """Every strategy of one process per rank: an N-D layout of degrees (src/parallel/layout.py)
 adapted to the loop's Strategy interface. The presets ddp, fsdp, hybrid, tp, pp, cp, fsdp_tp,
-fsdp_cp_tp, fsdp_tp_pp and mesh are layouts of it (conf/parallel/).
+fsdp_cp_tp, fsdp_tp_pp, ep and mesh are layouts of it (conf/parallel/).
 
 One process per rank (per `parallel.stages` devices under the stage cut), launched as torchrun
 would. The degrees decide the mechanisms:
@@ -11,7 +11,8 @@ would. The degrees decide the mechanisms:
 - anything else: the pipeline cut (`pipeline_schedules.stage_parts`: the stages this pp rank
   runs; the other blocks go to the meta device), tensor parallel (`apply_tp`, over the whole
   model) and then FSDP2 over the data-parallel dimensions (`fsdp.apply_fsdp`: dp_shard shards,
-  dp_replicate replicates, both HSDP; under pp, each stage its own FSDP root). Each process then
+  dp_replicate replicates, both HSDP; under pp, each stage its own FSDP root), with ep's experts
+  split over ep ranks borrowed from dp_shard (`expert_parallel.apply_ep`). Each process then
   holds part of the gradients, so fp16's scaler checks them all together (`fsdp.sharded_scaler`).
   Under cp each rank runs its share of every sequence with attention as a ring
   (`context_parallel.apply_cp`), and FSDP shards over dp_shard x cp, summing the cp ranks'
@@ -29,6 +30,7 @@ import contextlib
 import functools
 import itertools
 import re
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -53,6 +55,13 @@ from src.parallel.context_parallel import (
     shard_positions,
 )
 from src.parallel.distributed import Distributed
+from src.parallel.expert_parallel import (
+    apply_ep,
+    check_degrees,
+    check_experts,
+    expert_split,
+    resolved_ep,
+)
 from src.parallel.fsdp import (
     apply_fsdp,
     copy_from_rank0,
@@ -78,6 +87,13 @@ def held_bytes(model: nn.Module) -> int:
     return sum(t.nbytes for t in local if not t.is_meta)
 
 
+def squared_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
+    """The squared 2-norm of `parameters`' gradients, whole (a collective for DTensors)."""
+    gradients = [p.grad for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(gradients)
+    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).square()
+
+
 class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
     settings_schema = MeshConfig
     sharded_checkpoints = True
@@ -88,7 +104,8 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
         self.processes_per_node = cfg.devices // cfg.stages
         self.world_size = self.processes_per_node * cfg.nodes
         degrees = {name: getattr(cfg, name) for name in DIMENSIONS}
-        self.layout = Layout.of(self.world_size, **degrees)
+        layout = Layout.of(self.world_size, **degrees)
+        self.layout = replace(layout, ep=resolved_ep(cfg.ep, layout.dp_shard))
         # The degrees as set decide, -1 among them (a degree of one rank is still the preset's
         # mechanism: fsdp on one process shards, as ddp on one replicates).
         self.runs_ddp = cfg.dp_shard == cfg.tp == cfg.pp == cfg.cp == 1
@@ -99,6 +116,7 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
         self.shards = not self.runs_ddp and wraps_data_parallel and cfg.dp_shard * cfg.cp != 1
         self.fsdp = not self.runs_ddp and wraps_data_parallel
         self.stage_cut = hybrid.stage_cut(cfg, self.world_size, self.runs_ddp)
+        check_degrees(self.layout, self.runs_ddp)
         if not self.runs_ddp:
             ddp.check_reducer_options(cfg, self.layout.label())
         if self.layout.pp > 1:
@@ -157,6 +175,9 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
         ddp.check_accumulate(self.cfg, accumulate)
 
     def check_model(self, model: nn.Module, inputs: Tree) -> None:
+        check_experts(model, self.layout.ep)
+        if self.layout.ep > 1:
+            self.ep_split = expert_split(model, inputs, self.layout)
         if self.stage_cut is not None:
             self.stage_cut.plan(model, inputs, self.device_type)
         if self.layout.pp > 1:
@@ -242,6 +263,8 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
             self.row_orders = apply_tp(
                 model, self.mesh["tp"], self.cfg.sequence_parallel, self.cfg.loss_parallel
             )
+        if self.layout.ep > 1:  # the experts before the blocks around them
+            apply_ep(model, data_parallel, self.layout.ep, policy, offload)
         if self.layout.pp > 1:
             if self.fsdp:
                 # Each stage stays gathered from its first forward to the schedule's gradient
@@ -274,15 +297,20 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
 
     def clip_grad_norm(self, parameters: list[nn.Parameter], max_norm: float) -> None:
         """Under pp, by the norm of every pp rank's gradients (each holds its own stages'), as
-        single's is of the whole model's."""
-        if self.pipeline is None:
+        single's is of the whole model's; under ep, of the dense and the experts' gradients,
+        DTensors on two meshes, whose norms torch cannot stack (each group's taken alone)."""
+        if self.pipeline is None and self.layout.ep == 1:
             return super().clip_grad_norm(parameters, max_norm)
-        gradients = [p.grad for p in parameters if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(gradients)
-        squared = (norm.full_tensor() if isinstance(norm, DTensor) else norm).square()
-        dist.all_reduce(squared, group=self.pipeline.group)
+        groups: dict[Any, list[nn.Parameter]] = {}
+        for parameter in parameters:
+            mesh = parameter.device_mesh if isinstance(parameter, DTensor) else None
+            groups.setdefault(mesh, []).append(parameter)
+        squared = sum(squared_norm(group) for group in groups.values())
+        if self.pipeline is not None:
+            dist.all_reduce(squared, group=self.pipeline.group)
         with implicit_replication():  # the norm, a plain tensor, scales DTensor gradients too
-            torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, squared.sqrt())
+            for group in groups.values():
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, squared.sqrt())
 
     def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
         if self.stage_cut is not None:

@@ -3,7 +3,8 @@ device's share of the model's state and work, and what each rank sends per step,
 layout's degrees whichever preset named them: dp_replicate alone DDP's (`ddp.py`: a replica and
 its buckets; under the stage cut, its stages: `stage_cut.py`), else tp's split (`mesh_plan.py`),
 cp's share of the sequence and its ring (`context_parallel_plan.py`), the pipeline's stages
-(`pipeline_schedules.py`) and FSDP2's shards (over dp_shard x cp) and working set (`fsdp.py`).
+(`pipeline_schedules.py`), ep's experts and exchanges (`expert_parallel.py`) and FSDP2's shards
+(over dp_shard x cp) and working set (`fsdp.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from src.parallel.context_parallel_plan import (
     ring_working_set,
 )
 from src.parallel.ddp import bucket_bytes, bucketed_all_reduce, replica_traffic
+from src.parallel.expert_parallel import ExpertSplit, ep_gathered_bytes, ep_messages, ep_traffic
 from src.parallel.fsdp import (
     forward_working_set,
     sharded_messages,
@@ -48,6 +50,7 @@ class LayoutShares:
     stage_cut: StageCut | None
     stage_points: tuple[int, ...] = ()
     split: TPSplit | None = None
+    ep_split: ExpertSplit | None = None
     key_values: tuple[int, ...] | list[int] = ()  # each attention's per sample, under cp
 
     def stage_blocks(self, blocks: int) -> list[list[tuple[int, int]]]:
@@ -71,8 +74,12 @@ class LayoutShares:
         return tp_kept_bytes(self.split, self.layout.tp, sizes, blocks)
 
     def fsdp_units(self, sizes: ModelSizes) -> list[int]:
-        """The bytes of each FSDP unit as one tp rank holds it, in forward order."""
-        return [self.kept_bytes(sizes, unit) for unit in units_in_forward_order(sizes)]
+        """The bytes of each FSDP unit as one tp rank gathers it (of the experts, its ep
+        rank's), in forward order."""
+        return [
+            ep_gathered_bytes(self.ep_split, unit, self.kept_bytes(sizes, unit))
+            for unit in units_in_forward_order(sizes)
+        ]
 
     def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
         """Under DDP, rank 0's replica (its stages under the stage cut) on its share of the
@@ -164,6 +171,8 @@ class LayoutShares:
             traffic.update(ring_traffic(self.key_values, samples, accumulate, layout.cp, layout.tp))
         if staged:
             traffic.update(stage_traffic(self.stage_points, sizes, samples, accumulate))
+        if self.ep_split is not None:
+            traffic.update(ep_traffic(self.ep_split, accumulate * samples, self.precision))
         held = max(self.kept_bytes(sizes, blocks) for blocks in ranks)
         if self.shards:
             traffic.update(
@@ -194,6 +203,8 @@ class LayoutShares:
             messages += ring_messages(self.key_values, samples, accumulate, layout.cp, layout.tp)
         if staged:
             messages += stage_messages(self.stage_points, sizes, samples // parts, runs, layout.pp)
+        if self.ep_split is not None:
+            messages += ep_messages(self.ep_split, samples, runs, self.precision)
         held = max(self.kept_bytes(sizes, blocks) for blocks in ranks)
         if self.shards:  # under pp a rank's stages are one unit, gathered once per micro-step
             units = [self.kept_bytes(sizes, ranks[0])] if staged else self.fsdp_units(sizes)
