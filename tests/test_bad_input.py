@@ -37,8 +37,8 @@ ROWS = [
     pytest.param(
         ["parallel=nosuch"],
         HYDRA,
-        "Could not find 'parallel/nosuch'; choose one of auto, cp, ddp, dp, dp_criterion, fsdp, "
-        "fsdp_cp_tp, fsdp_tp, fsdp_tp_pp, hybrid, mesh, model_parallel, pp, single, tp",
+        "Could not find 'parallel/nosuch'; choose one of auto, cp, ddp, dp, dp_criterion, ep, "
+        "fsdp, fsdp_cp_tp, fsdp_tp, fsdp_tp_pp, hybrid, mesh, model_parallel, pp, single, tp",
         id="strategy",
     ),
     pytest.param(
@@ -340,6 +340,13 @@ ROWS = [
     pytest.param(["optimizer.lr=-1"], CHECK, "optimizer: Invalid learning rate", id="lr"),
     pytest.param(
         ["model=convnet"], CHECK, "model=convnet needs image-shaped input", id="convnet-flat-data"
+    ),
+    pytest.param(
+        ["model=gpt", "data=synthetic"],
+        CHECK,
+        "model: src.components.models.GPT looks token ids up in an embedding, but the data gives "
+        "real-valued inputs shaped [2, 32]; use token data",
+        id="gpt-float-inputs",
     ),
     pytest.param(
         ["model=transformer", "data=synthetic_tokens", "model.heads=5"],
