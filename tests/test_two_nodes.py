@@ -5,6 +5,7 @@ over gloo."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -192,3 +193,36 @@ def test_torchrun_on_two_hosts_trains_singles_weights(hosts, tmp_path):
     for run in runs:
         run.finish(timeout=240, check=True)
     assert_same_training(reference_run(*TINY_SGD), tmp_path)
+
+
+@pytest.mark.equivalence
+def test_an_elastic_job_that_loses_a_node_goes_on_on_the_other_to_singles_weights(hosts, tmp_path):
+    """`parallel.nodes=1:2`, 2 ranks per node: the second host's processes are killed in step 4
+    (its rank 2 stopped there, after the checkpoint of step 2). The first host's ranks fail at
+    once (their peers' connections reset); its launcher re-forms the job on itself alone within
+    seconds and restarts its 2 ranks, which resume from step 2 resharded and finish with single's
+    weights; one line and summary.json say what was lost. ddp, then fsdp (sharded checkpoints)."""
+    faulty = ("model._target_=tests.faulty_models.FaultyMLP", "trainer.checkpoint_every=2")
+    hang = {"FAULT": "hang", "FAIL_RANK": "2", "FAIL_AT_STEP": "4"}
+    for strategy in ("ddp", "fsdp"):
+        run_dir = tmp_path / strategy
+        overrides = (
+            *two_node_overrides(next(PORTS), f"parallel={strategy}", *TINY_SGD, *faulty),
+            "parallel.devices=2",
+            "parallel.nodes=1:2",
+        )
+        first, second = start_nodes(hosts, overrides, run_dir, env=hang)
+        first.wait_for("step 3/6")
+        os.killpg(second.process.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        result = first.finish(timeout=120, check=True)
+        second.finish()
+        (line,) = [line for line in result.stdout.splitlines() if "lost at step" in line]
+        assert line.startswith("[launcher]") and f"node(s) {SUBNET}.2 lost at step 3" in line, line
+        assert "re-formed on 1 node(s)" in line and "resumes from step 2 (1 step(s) redone)" in line
+        (event,) = json.loads((run_dir / "summary.json").read_text())["nodes_lost"]
+        assert event["lost"] == [f"{SUBNET}.2"] and event["nodes_left"] == 1, event
+        assert (event["at_step"], event["resumed_from_step"], event["steps_redone"]) == (3, 2, 1)
+        assert event["seconds_lost"] < 15, event
+        assert time.monotonic() - killed < 60
+        assert_same_training(reference_run(*TINY_SGD), run_dir)
