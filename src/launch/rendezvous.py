@@ -22,10 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch.distributed import Store, TCPStore
 from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
+    RendezvousStoreInfo,
     rendezvous_handler_registry,
 )
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
@@ -39,6 +41,7 @@ from src.launch.store_answers import STORE_ANSWER_S, answer_within
 BACKEND = "template-c10d"  # the name `launch_config` gives torch's agent
 ROUNDS_KEY = "rounds"  # in the rendezvous' configs: the job's `Rounds`, which are this module's
 NODE_KEY = "template/node/{}"  # in a round's store: the address of the node of that rank
+RANKS_STORE_KEY = "template/ranks_store"  # in a round's store: its ranks' store, host:port
 # An elastic job's c10d settings: a node whose heartbeat (every second) is missing 3 times is
 # lost, and a round with enough nodes starts 1 s after the last came in.
 ELASTIC_SETTINGS = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3, "last_call_timeout": 1}
@@ -83,6 +86,7 @@ class JobRendezvous(RendezvousHandler):
         self.rounds = rounds
         self.address = address
         self.leave_within_s = leave_within_s
+        self.ranks_store: Store | None = None  # hosted here, for the ranks of this round
 
     def handlers(self) -> list[RendezvousHandler]:
         return [self.start] if self.elastic is None else [self.start, self.elastic]
@@ -104,7 +108,18 @@ class JobRendezvous(RendezvousHandler):
         seen.append(Round(nodes, info.rank, asked, time.time()))
         if len(seen) > 1 and self.rounds.reformed is not None:
             self.rounds.reformed(seen[-2], seen[-1])
-        return info
+        return info if self.elastic is None else self.with_new_ranks_store(info)
+
+    def with_new_ranks_store(self, info: RendezvousInfo) -> RendezvousInfo:
+        """`info`, its ranks' store (MASTER_ADDR:MASTER_PORT) a new one, hosted by the node of
+        rank 0. c10d's handler keeps one for all its rounds, and the keys that a round's ranks
+        left there (the process group's addresses and barrier counts) would mislead the next."""
+        if info.rank == 0:
+            self.ranks_store = TCPStore(self.address, 0, is_master=True, multi_tenant=True)
+            info.store.set(RANKS_STORE_KEY, f"{self.address}:{self.ranks_store.port}")
+        host, port = info.store.get(RANKS_STORE_KEY).decode().rsplit(":", 1)
+        store_info = RendezvousStoreInfo(master_addr=host, master_port=int(port))
+        return RendezvousInfo(info.store, info.rank, info.world_size, store_info)
 
     def is_closed(self) -> bool:
         return any(handler.is_closed() for handler in self.handlers())
