@@ -20,12 +20,18 @@ from helpers import (
     TrainRun,
     assert_same_training,
     network_namespace,
+    parallel_config,
     processes_of_session,
     reference_run,
     wait_until,
 )
 
+from src.config.base import ConfigError
+from src.config.parallel import node_range
+from src.launch.job import check_started_ranks, started_nodes
 from src.launch.store_answers import STORE_ANSWER_S
+from src.parallel import build_strategy
+from src.runtime.ranks import Ranks
 
 SUBNET = "10.213.0"
 PORTS = iter(range(29611, 29700))  # the namespaces are this test's own: no other listener
@@ -226,3 +232,15 @@ def test_an_elastic_job_that_loses_a_node_goes_on_on_the_other_to_singles_weight
         assert event["seconds_lost"] < 15, event
         assert time.monotonic() - killed < 60
         assert_same_training(reference_run(*TINY_SGD), run_dir)
+
+
+def test_ranks_started_on_fewer_nodes_of_an_elastic_job_are_accepted():
+    """torchrun --nnodes=1:2 re-formed on one node: 2 ranks of parallel.devices=2 nodes=1:2."""
+    strategy = build_strategy(parallel_config("ddp", devices=2, nodes="1:2"), "cpu")
+    nodes = node_range("1:2")
+    one_node = Ranks(rank=1, world_size=2, local_rank=1, local_world_size=2)
+    assert started_nodes(one_node, nodes) == 1
+    check_started_ranks(one_node, strategy, nodes)
+    odd = Ranks(rank=0, world_size=3, local_rank=0, local_world_size=3)
+    with pytest.raises(ConfigError, match="3 processes were started .* on 1 to 2 node"):
+        check_started_ranks(odd, strategy, nodes)

@@ -62,6 +62,8 @@ def run(cfg: DictConfig, ranks: Ranks | None) -> dict[str, Any]:
     if ranks is not None:  # the strategy spans the nodes started
         cfg.parallel.nodes = started_nodes(ranks, nodes)
     strategy = check_settings(cfg, ranks)
+    if ranks is None:
+        check_fewer_nodes(cfg, nodes)
     processes = strategy.processes_per_node * nodes.most
     if ranks is None and processes > 1:
         check_rendezvous(cfg.parallel)
@@ -96,6 +98,19 @@ def check_rendezvous(parallel: DictConfig) -> None:
             "parallel.nodes > 1 needs a rendezvous every node can reach: set "
             "parallel.master_addr to the first node and parallel.master_port to a free port"
         )
+
+
+def check_fewer_nodes(cfg: DictConfig, nodes: NodeRange) -> None:
+    """An elastic job's settings must also hold on each number of nodes it may go on with (the
+    batch splits over fewer ranks): checked before any rank starts, not at the restart."""
+    for count in range(nodes.least, nodes.most):
+        fewer = cfg.copy()
+        fewer.parallel.nodes = count
+        try:
+            check_settings(fewer, None)
+        except ConfigError as error:
+            message = f"on {count} node(s) of parallel.nodes={cfg.parallel.nodes}: {error}"
+            raise ConfigError(message) from None
 
 
 def started_nodes(ranks: Ranks, nodes: NodeRange) -> int:
