@@ -121,8 +121,12 @@ def launch(
     job is re-formed on the nodes left and its ranks restart.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
     from torch.distributed.launcher.api import elastic_launch
 
+    from src.launch.rendezvous import Rounds
+
+    rounds = rounds or Rounds()
     name_rendezvous_events_cheaply()
     # JobFailed's line says what these would.
     for name in AGENT_FAILURE_LOGGERS:
@@ -140,12 +144,25 @@ def launch(
                     raise KilledBySignal(killing[0]) from None
                 ended = first_to_die(failed, server_pid, processes_per_node, span.most)
                 raise JobFailed(ended) from None
+            except RendezvousConnectionError:
+                if not rounds.seen:  # at the start: torch's own words say best what is wrong
+                    raise
+                raise JobFailed(cannot_reform(config.rdzv_endpoint)) from None
             if killing:
                 raise KilledBySignal(killing[0])
     result = results[min(results)]
     if isinstance(result, Raised):
         raise result.error
     return result
+
+
+def cannot_reform(endpoint: str) -> str:
+    """Why an elastic job that lost a node ended instead of going on: its rendezvous is gone."""
+    return (
+        f"the job could not re-form on the nodes left: its rendezvous at {endpoint} is out of "
+        "reach (the node of parallel.master_addr, which hosts it, is lost, or the network to it "
+        "is down); an elastic job goes on without any node but that one"
+    )
 
 
 def first_to_die(failed: Any, server_pid: int | None, processes_per_node: int, nodes: int) -> str:
