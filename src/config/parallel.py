@@ -96,6 +96,10 @@ class DistributedConfig(ParallelConfig):
     """An elastic job's (nodes=MIN:MAX) restarts: each failure (a node lost) re-forms the job on
     the nodes left and restarts their ranks from the last checkpoint. A job of a fixed number of
     nodes never restarts: a failure ends it."""
+    rejoin: bool = False
+    """An elastic job's node that comes back (the same train.py command started on it again)
+    joins the job once it has lost a node: the others' ranks stop together after their next
+    step that logs, checkpoint, and restart with it from there. false: it is refused (exit 2)."""
     sync_batchnorm: bool = False
     """Make every BatchNorm a SyncBatchNorm: statistics over the global batch, as `single` has,
     instead of each rank's share (one all-reduce per BatchNorm layer per forward pass)."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shlex
 import signal
 from pathlib import Path
@@ -24,10 +23,11 @@ from omegaconf import DictConfig, OmegaConf
 from src.checkpoint.store import saved_checkpoints
 from src.config.base import ConfigError, plain_config
 from src.config.parallel import AUTO, NodeRange, node_range
-from src.launch.as_rank import configure_logging, join_started_ranks, run_as_rank
+from src.launch.as_rank import configure_logging, join_started_ranks, rank_store, run_as_rank
 from src.launch.forking import start_rank_server
 from src.launch.launcher import JobFailed, KilledBySignal, launch
-from src.launch.rendezvous import Round, Rounds
+from src.launch.rendezvous import RESUME_KEY, Round, Rounds
+from src.launch.store_answers import STORE_ANSWER_S, answer_within
 from src.launch.sweep import run_job
 from src.observe.tracking import wandb_group
 from src.parallel.base import Strategy
@@ -178,10 +178,11 @@ class NodesLost:
 
     def reformed(self, before: Round, now: Round) -> None:
         """Called as the job's rendezvous re-forms, before the ranks restart: the last step
-        logged (metrics.jsonl; trainer.log_every apart) is where the nodes were lost, the last
-        checkpoint where the ranks resume; the time lost runs from that step's log to the job
-        re-formed (the steps redone cost their time again after it)."""
+        logged (metrics.jsonl; trainer.log_every apart) is where nodes were lost or joined, the
+        last checkpoint where the ranks resume; the time lost runs from that step's log to the
+        job re-formed (the steps redone cost their time again after it)."""
         lost = [node for node in before.nodes if node not in now.nodes]
+        joined = [node for node in now.nodes if node not in before.nodes]
         history = metrics_file(self.run_dir)
         rows = history.read_text().splitlines() if history.exists() else []
         reached = int(max((history_step(row) for row in rows), default=0))
@@ -190,19 +191,22 @@ class NodesLost:
         resumed = int(saved[-1].name.removeprefix("step-")) if saved else 0
         event = {
             "lost": lost,
+            "joined": joined,
             "at_step": reached,
             "resumed_from_step": resumed,
             "steps_redone": reached - resumed,
-            "nodes_left": len(now.nodes),
+            "nodes": len(now.nodes),
             "seconds_lost": round(now.formed - last_progress, 1),
         }
         self.events.append(event)
+        changes = [f"node(s) {', '.join(lost)} lost"] if lost else []
+        changes += [f"node(s) {', '.join(joined)} joined"] if joined else []
         log.warning(
-            "node(s) %s lost at step %d: the job re-formed on %d node(s) after %.1f s and resumes "
-            "from step %d (%d step(s) redone)",
-            ", ".join(lost) or "none",
+            "%s at step %d: the job re-formed on %d node(s) after %.1f s and resumes from step "
+            "%d (%d step(s) redone)",
+            " and ".join(changes) or "a rank failed",
             reached,
-            event["nodes_left"],
+            event["nodes"],
             event["seconds_lost"],
             resumed,
             event["steps_redone"],
@@ -219,14 +223,20 @@ def train_worker(
 ) -> dict[str, Any]:
     """`train` in a process started by `launch`, from the config the launcher checked. A stop
     that every rank made at the same step (they agree on signals and non-finite losses) is
-    raised, and `launch` raises it again in the launcher. Restarted in an elastic job (torch's
-    agent counts the restarts), the ranks resume from the last checkpoint, on the nodes the job
-    has now."""
+    raised, and `launch` raises it again in the launcher. Restarted in an elastic job re-formed
+    (a node lost or joined), the ranks resume from the last checkpoint, on the nodes it has now."""
     cfg = OmegaConf.create(resolved_cfg)
     cfg.parallel.nodes = started_nodes(ranks, node_range(cfg.parallel.nodes))
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+    if goes_on_with_reformed_job():
         cfg.trainer.resume = "auto"
     return train(cfg, Path(run_dir), check_settings(cfg, ranks), stop=stop)
+
+
+def goes_on_with_reformed_job() -> bool:
+    """Whether this rank's launcher has re-formed its elastic job (`RESUME_KEY` in its store):
+    the first round of a node that joins later counts, which its agent does not count as a
+    restart."""
+    return bool(answer_within(STORE_ANSWER_S, lambda: rank_store().check([RESUME_KEY])))
 
 
 def resume_hint() -> str:

@@ -3,15 +3,19 @@ while the ranks run; for an elastic job (parallel.nodes=MIN:MAX), re-formed on t
 when one is lost.
 
 torch's agent asks the rendezvous every `monitor_interval` (0.1 s) whether a node waits to join,
-to restart its ranks with it. A `launch`ed job never takes in a node once started, so the answer
-serves nothing; and the question is a store read, which on the far side of a partition blocks the
-agent for the store's whole timeout (60 s), blind to its own ranks failing. Leaving the rendezvous
-at the end is bounded the same way: it writes to that store.
+to restart its ranks with it. A `launch`ed job takes in no node once started (but an elastic job
+with parallel.rejoin), so the answer serves nothing; and the question is a store read, which on
+the far side of a partition blocks the agent for the store's whole timeout (60 s), blind to its
+own ranks failing. Leaving the rendezvous at the end is bounded the same way: it writes to that
+store.
 
 An elastic job's first round waits for all MAX nodes, as a fixed-size job's does; c10d's own
 would start with the first MIN nodes in (after its last call). A round after a failure (the agent
 restarts the ranks) is a second c10d rendezvous of the same store, for MIN to MAX nodes, whose
 heartbeats find a lost node in seconds (`ELASTIC_SETTINGS`), where torch's defaults take 45 s.
+A node that comes back once the job has re-formed joins that rendezvous' next round, with
+parallel.rejoin: the others' agents stop their ranks (SIGTERM: they stop together after a step
+and checkpoint) and restart them with it.
 """
 
 from __future__ import annotations
@@ -36,10 +40,15 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
+from src.config.base import ConfigError
 from src.launch.store_answers import STORE_ANSWER_S, answer_within
 
 BACKEND = "template-c10d"  # the name `launch_config` gives torch's agent
 ROUNDS_KEY = "rounds"  # in the rendezvous' configs: the job's `Rounds`, which are this module's
+REJOIN_KEY = "rejoin"  # in the rendezvous' configs: parallel.rejoin, which is this module's
+STARTED_KEY = "template/started"  # in the rendezvous' store: the job's first round formed
+REFORMED_KEY = "template/reformed"  # in the rendezvous' store: a later round formed
+RESUME_KEY = "template/resume"  # in a round's ranks' store: they go on with a re-formed job
 NODE_KEY = "template/node/{}"  # in a round's store: the address of the node of that rank
 RANKS_STORE_KEY = "template/ranks_store"  # in a round's store: its ranks' store, host:port
 # An elastic job's c10d settings: a node whose heartbeat (every second) is missing 3 times is
@@ -68,24 +77,33 @@ class Rounds:
     seen: list[Round] = field(default_factory=list)
 
 
+class JobRunsWithout(ConfigError):
+    """This node comes to an elastic job that runs already, without it, and may not join."""
+
+
 class JobRendezvous(RendezvousHandler):
     """torch's c10d rendezvous handler `start` for the first round, `elastic` (None: the job
-    never restarts) for the later ones; `num_nodes_waiting` is always 0, and `shutdown` gives
-    up after `leave_within_s`."""
+    never restarts) for the later ones, both on the rendezvous' `store`; `shutdown` gives up after
+    `leave_within_s`. `num_nodes_waiting` is 0 but with `rejoin`, in a job re-formed already:
+    then a node that comes back (its first round is `elastic`'s) restarts the job with it."""
 
     def __init__(
         self,
         start: RendezvousHandler,
         elastic: RendezvousHandler | None,
+        store: Store,
         rounds: Rounds,
         address: str,
-        leave_within_s: float,
+        rejoin: bool,
     ):
         self.start = start
         self.elastic = elastic
+        self.store = store
         self.rounds = rounds
         self.address = address
-        self.leave_within_s = leave_within_s
+        self.rejoin = rejoin
+        self.leave_within_s = STORE_ANSWER_S
+        self.in_use = start
         self.ranks_store: Store | None = None  # hosted here, for the ranks of this round
 
     def handlers(self) -> list[RendezvousHandler]:
@@ -101,25 +119,38 @@ class JobRendezvous(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         asked = time.time()
         seen = self.rounds.seen
-        handler = self.start if not seen or self.elastic is None else self.elastic
-        info = handler.next_rendezvous()
+        late = not seen and self.elastic is not None and self.store.check([STARTED_KEY])
+        if late and not (self.rejoin and self.store.check([REFORMED_KEY])):
+            raise JobRunsWithout(
+                f"the job of rendezvous {self.start.get_run_id()} runs already, without this "
+                "node: parallel.rejoin=true lets a node join it once it has lost one"
+            )
+        self.in_use = self.start if not (seen or late) or self.elastic is None else self.elastic
+        info = self.in_use.next_rendezvous()
+        self.store.set(STARTED_KEY if self.in_use is self.start else REFORMED_KEY, "1")
+        if self.elastic is not None and info.rank == 0:
+            self.host_ranks_store(info, resumes=self.in_use is self.elastic)
         info.store.set(NODE_KEY.format(info.rank), self.address)
         nodes = [info.store.get(NODE_KEY.format(rank)).decode() for rank in range(info.world_size)]
         seen.append(Round(nodes, info.rank, asked, time.time()))
         if len(seen) > 1 and self.rounds.reformed is not None:
             self.rounds.reformed(seen[-2], seen[-1])
-        return info if self.elastic is None else self.with_new_ranks_store(info)
+        return info if self.elastic is None else with_ranks_store(info)
 
-    def with_new_ranks_store(self, info: RendezvousInfo) -> RendezvousInfo:
-        """`info`, its ranks' store (MASTER_ADDR:MASTER_PORT) a new one, hosted by the node of
-        rank 0. c10d's handler keeps one for all its rounds, and the keys that a round's ranks
-        left there (the process group's addresses and barrier counts) would mislead the next."""
-        if info.rank == 0:
-            self.ranks_store = TCPStore(self.address, 0, is_master=True, multi_tenant=True)
-            info.store.set(RANKS_STORE_KEY, f"{self.address}:{self.ranks_store.port}")
-        host, port = info.store.get(RANKS_STORE_KEY).decode().rsplit(":", 1)
-        store_info = RendezvousStoreInfo(master_addr=host, master_port=int(port))
-        return RendezvousInfo(info.store, info.rank, info.world_size, store_info)
+    def host_ranks_store(self, info: RendezvousInfo, resumes: bool) -> None:
+        """On the node of rank 0 of an elastic job's round: a new store for the round's ranks,
+        holding `RESUME_KEY` if they go on with a job re-formed (after a node lost or joined);
+        its address in the round's store. c10d's handler keeps one store for all its rounds,
+        and the keys that a round's ranks left there (the process group's addresses and barrier
+        counts) would mislead the next."""
+        self.ranks_store = TCPStore(self.address, 0, is_master=True, multi_tenant=True)
+        if resumes:
+            self.ranks_store.set(RESUME_KEY, "1")
+        info.store.set(RANKS_STORE_KEY, f"{self.address}:{self.ranks_store.port}")
+        # c10d's handler on a node that joins later waits for these in its next_rendezvous,
+        # which the handler of rank 0 sets in its own first round only.
+        info.store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, self.address)
+        info.store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(self.ranks_store.port))
 
     def is_closed(self) -> bool:
         return any(handler.is_closed() for handler in self.handlers())
@@ -129,7 +160,11 @@ class JobRendezvous(RendezvousHandler):
             handler.set_closed()
 
     def num_nodes_waiting(self) -> int:
-        return 0
+        """Nodes that came back to the re-formed job, with `rejoin`; else 0, and the store is
+        asked nothing (see the module's docstring)."""
+        if not self.rejoin or self.in_use is not self.elastic:
+            return 0
+        return answer_within(self.leave_within_s, self.elastic.num_nodes_waiting) or 0
 
     def get_run_id(self) -> str:
         return self.start.get_run_id()
@@ -144,11 +179,18 @@ class JobRendezvous(RendezvousHandler):
         return bool(answer_within(self.leave_within_s, leave))
 
 
+def with_ranks_store(info: RendezvousInfo) -> RendezvousInfo:
+    """`info`, its ranks' store the one that rank 0's node hosts for the round."""
+    host, port = info.store.get(RANKS_STORE_KEY).decode().rsplit(":", 1)
+    store_info = RendezvousStoreInfo(master_addr=host, master_port=int(port))
+    return RendezvousInfo(info.store, info.rank, info.world_size, store_info)
+
+
 def job_rendezvous(params: RendezvousParameters) -> JobRendezvous:
     """The handler for `BACKEND`: c10d's for these parameters (for all `max_nodes` at the start),
     as a `JobRendezvous`; elastic where `min_nodes` < `max_nodes`."""
     config = dict(params.config)
-    rounds = config.pop(ROUNDS_KEY, None) or Rounds()
+    rounds, rejoin = config.pop(ROUNDS_KEY, None) or Rounds(), config.pop(REJOIN_KEY, False)
     address = params.local_addr or socket.getfqdn()
 
     def c10d(run_id: str, min_nodes: int) -> RendezvousParameters:
@@ -157,23 +199,26 @@ def job_rendezvous(params: RendezvousParameters) -> JobRendezvous:
             **config,
         )  # fmt: skip
 
-    if params.min_nodes == params.max_nodes:
-        start = rendezvous_handler_registry.create_handler(c10d(params.run_id, params.max_nodes))
-        return JobRendezvous(start, None, rounds, address, STORE_ANSWER_S)
     elastic_params = c10d(params.run_id, params.min_nodes)
     backend, store = create_backend(elastic_params)
+    if params.min_nodes == params.max_nodes:
+        start = create_handler(store, backend, elastic_params)
+        return JobRendezvous(start, None, store, rounds, address, rejoin)
     start_id = f"{params.run_id}-start"
     start_backend = C10dRendezvousBackend(store, start_id)
     start = create_handler(store, start_backend, c10d(start_id, params.max_nodes))
     elastic = create_handler(store, backend, elastic_params)
-    return JobRendezvous(start, elastic, rounds, address, STORE_ANSWER_S)
+    return JobRendezvous(start, elastic, store, rounds, address, rejoin)
 
 
 def rendezvous_configs(parallel: Any, elastic: bool, rounds: Rounds) -> dict[str, Any]:
     """What `launch_config` passes the rendezvous: its timeout, and for an elastic job the
-    settings that find a lost node in seconds; this node's `rounds` to fill."""
+    settings that find a lost node in seconds and parallel.rejoin; this node's `rounds` to
+    fill."""
     configs: dict[str, Any] = {"timeout": int(parallel.timeout_s), ROUNDS_KEY: rounds}
-    return {**configs, **ELASTIC_SETTINGS} if elastic else configs
+    if not elastic:
+        return configs
+    return {**configs, **ELASTIC_SETTINGS, REJOIN_KEY: parallel.rejoin}
 
 
 rendezvous_handler_registry.register(BACKEND, job_rendezvous)
