@@ -37,8 +37,8 @@ ROWS = [
     pytest.param(
         ["parallel=nosuch"],
         HYDRA,
-        "Could not find 'parallel/nosuch'; choose one of auto, ddp, dp, dp_criterion, fsdp, "
-        "fsdp_tp, fsdp_tp_pp, hybrid, mesh, model_parallel, pp, single, tp",
+        "Could not find 'parallel/nosuch'; choose one of auto, cp, ddp, dp, dp_criterion, fsdp, "
+        "fsdp_cp_tp, fsdp_tp, fsdp_tp_pp, hybrid, mesh, model_parallel, pp, single, tp",
         id="strategy",
     ),
     pytest.param(
@@ -371,6 +371,36 @@ ROWS = [
         CHECK,
         "model.top_k must be 1 or 2 and at most model.experts (4), got 3",
         id="moe-top-k",
+    ),
+    pytest.param(
+        ["parallel=cp"],
+        CHECK,
+        "parallel.cp splits sequences for attention, and the model runs none",
+        id="cp-without-attention",
+    ),
+    pytest.param(
+        ["model=transformer", "data=synthetic_tokens", "data.seq_len=6", "parallel=cp"],
+        CHECK,
+        "parallel.cp=2 cuts each sequence into 2 x cp = 4 equal chunks, and its 6 tokens",
+        id="cp-sequence",
+    ),
+    pytest.param(
+        ["model=moe", "data=synthetic_tokens", "task=language_model", "parallel=cp"],
+        CHECK,
+        "parallel.cp splits the loss along the sequence, and the model's outputs are not one",
+        id="cp-moe",
+    ),
+    pytest.param(
+        [
+            "model=transformer",
+            "data=synthetic_tokens",
+            "parallel=cp",
+            "parallel.pp=2",
+            "parallel.devices=4",
+        ],
+        CHECK,
+        "parallel.cp does not run with parallel.pp > 1 yet",
+        id="cp-pp",
     ),
     pytest.param(
         ["data.augment=true"],

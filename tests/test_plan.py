@@ -100,6 +100,7 @@ def test_predicted_peaks_within_10_percent_of_measured(compose_config, overrides
             id="mlp-fsdp2xtp2",
         ),
         pytest.param((*TINY_MLP, "parallel=fsdp", "parallel.devices=2"), id="mlp-fsdp"),
+        pytest.param((*TINY_GPT, "parallel=cp"), id="gpt-cp2"),
     ],
 )
 def test_predicted_mesh_peak_of_rank_0_within_10_percent_of_measured(compose_config, overrides):
@@ -257,11 +258,11 @@ def test_plan_py_plans_every_strategy_that_runs_and_recommends_one():
     assert "peak MB  eval peak MB" in table[1]
     rows = {line.split()[0] for line in table[2:] if not line.startswith(" ")}
     assert {"ddp", "dp", "dp_criterion", "fsdp", "model_parallel", "tp", "pp", "fsdp_tp"} <= rows
-    cannot = "cannot run: fsdp_tp_pp x2, hybrid x2, single x2 (plan one with parallel=<name> to see"
-    assert f"{cannot} why)" in table
+    cannot = "cannot run: cp x2, fsdp_cp_tp x2, fsdp_tp_pp x2, hybrid x2, single x2 (plan one with"
+    assert f"{cannot} parallel=<name> to see why)" in table
     assert last.startswith("recommended: parallel=") and "the fastest of those that fit" in last
     planned = [option for option in options("parallel") if option != "auto"]
-    assert f"planned fsdp on 2 device(s) (4/{len(planned)}, " in result.stderr  # progress
+    assert f"planned fsdp on 2 device(s) (5/{len(planned)}, " in result.stderr  # progress
 
 
 def test_equal_shares_are_traced_once(compose_config, monkeypatch):
@@ -314,7 +315,7 @@ class FixedCPU(DeviceSpeed):
     def flops_per_s(self, threads: int) -> float:
         return self.rates[threads]
 
-    def message_s(self, messages: Messages) -> float:
+    def message_s(self, messages: Messages, processes: int) -> float:
         return messages.count * messages.size / self.link
 
     def copy_bytes_per_s(self) -> float:

@@ -171,7 +171,8 @@ class ReducerConfig:
 class MeshConfig(StagesConfig, ReducerConfig, DistributedConfig):
     """An N-D layout on one DeviceMesh (src/parallel/mesh.py): degrees whose product is the
     number of processes (parallel.devices / parallel.stages x parallel.nodes); -1 takes the ranks
-    the others leave. ddp, fsdp, hybrid, tp, pp, fsdp_tp, fsdp_tp_pp and mesh are presets of it."""
+    the others leave. ddp, fsdp, hybrid, tp, pp, cp, fsdp_tp, fsdp_cp_tp, fsdp_tp_pp and mesh are
+    presets of it."""
 
     dp_replicate: int = 1
     """Data-parallel replicas: torch's DDP when no other degree is set, else FSDP2's (HSDP with
@@ -179,6 +180,9 @@ class MeshConfig(StagesConfig, ReducerConfig, DistributedConfig):
     dp_shard: int = 1
     """Data-parallel shards (FSDP2): parameters, gradients and optimizer state split this many
     ways."""
+    cp: int = 1
+    """Context-parallel ranks each sequence is split over (attention as a ring; the cp ranks of
+    one data-parallel index read the same samples)."""
     tp: int = 1
     """Tensor-parallel ranks each Linear pair of the model's plan is split over."""
     pp: int = 1

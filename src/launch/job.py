@@ -87,7 +87,9 @@ def run(cfg: DictConfig, ranks: Ranks | None) -> dict[str, Any]:
     configure_logging(job_logging, "launcher")
     log_config(cfg)
     resolved = plain_config(cfg)
-    return launch_ranks(resolved, run_dir, strategy.processes_per_node, nodes, job_logging)
+    return launch_ranks(
+        resolved, run_dir, blueprint.checkpoint, strategy.processes_per_node, nodes, job_logging
+    )
 
 
 def check_rendezvous(parallel: DictConfig) -> None:
@@ -139,6 +141,7 @@ def log_config(cfg: DictConfig) -> None:
 def launch_ranks(
     resolved_cfg: dict[str, Any],
     run_dir: Path,
+    checkpoint: Path | None,
     per_node: int,
     nodes: NodeRange,
     job_logging: dict[str, Any],
@@ -149,7 +152,7 @@ def launch_ranks(
     checkpoint says where the run can resume from. An elastic job re-formed on fewer nodes says
     so in a line and in summary.json (`NodesLost`)."""
     parallel = OmegaConf.create(resolved_cfg["parallel"])
-    args = (resolved_cfg, str(run_dir))
+    args = (resolved_cfg, str(run_dir), checkpoint and str(checkpoint))
     losses = NodesLost(run_dir)
     rounds = Rounds(reformed=losses.reformed)
     try:
@@ -219,17 +222,25 @@ def last_checkpoint(run_dir: Path) -> str:
 
 
 def train_worker(
-    resolved_cfg: dict[str, Any], run_dir: str, ranks: Ranks, stop: StopOnSignal
+    resolved_cfg: dict[str, Any],
+    run_dir: str,
+    checkpoint: str | None,
+    ranks: Ranks,
+    stop: StopOnSignal,
 ) -> dict[str, Any]:
-    """`train` in a process started by `launch`, from the config the launcher checked. A stop
-    that every rank made at the same step (they agree on signals and non-finite losses) is
-    raised, and `launch` raises it again in the launcher. Restarted in an elastic job re-formed
-    (a node lost or joined), the ranks resume from the last checkpoint, on the nodes it has now."""
+    """`train` in a process started by `launch`, from the config the launcher checked and the
+    checkpoint it found to resume from, if any. A stop that every rank made at the same step
+    (they agree on signals and non-finite losses) is raised, and `launch` raises it again in the
+    launcher. Restarted in an elastic job re-formed (a node lost or joined), the ranks resume
+    from the newest checkpoint instead, on the nodes the job has now."""
     cfg = OmegaConf.create(resolved_cfg)
     cfg.parallel.nodes = started_nodes(ranks, node_range(cfg.parallel.nodes))
     if goes_on_with_reformed_job():
-        cfg.trainer.resume = "auto"
-    return train(cfg, Path(run_dir), check_settings(cfg, ranks), stop=stop)
+        cfg.trainer.resume, checkpoint = "auto", None
+    strategy = check_settings(cfg, ranks)
+    checked = Path(checkpoint) if checkpoint else None
+    blueprint = build_blueprint(cfg, Path(run_dir), strategy, checked)
+    return train(cfg, Path(run_dir), strategy, blueprint, stop=stop)
 
 
 def goes_on_with_reformed_job() -> bool:

@@ -92,6 +92,16 @@ def apply_fsdp(
     return fully_shard(model, **options)
 
 
+def divide_gradients_by(model: nn.Module, factor: int) -> None:
+    """Every FSDP unit of `model` divides its reduced gradients by `factor` instead of by its
+    ranks (more ranks than `factor`: the others' gradients are summed). Summed, then divided:
+    the premultiplied sum torch uses otherwise is NCCL's, which gloo lacks."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(float(factor))
+            module.set_force_sum_reduction_for_comms(True)
+
+
 def micro_step_counts(staged: bool, accumulate: int) -> tuple[int, int]:
     """How often a unit is gathered per micro-step, and its gradients reduced per step: under
     pp (`staged`) each micro-step's schedule run gathers a rank's stages once and reduces their
@@ -128,10 +138,11 @@ def sharded_messages(
     gathers = gathers_per_micro_step * accumulate
     gathered = [gathered_bytes(unit, precision) for unit in units]
     each, reduced_each = sum(gathered) // len(units), sum(units) // len(units)
+    prefetched, reduced = gathers * len(units) - accumulate, reductions * len(units)
     return [
-        Messages("all_gather", accumulate, each, shards),
-        Messages("all_gather", gathers * len(units) - accumulate, each, shards, overlapped=True),
-        Messages("reduce_scatter", reductions * len(units), reduced_each, shards, overlapped=True),
+        Messages("all_gather", accumulate, each, shards, wrapper="fsdp"),
+        Messages("all_gather", prefetched, each, shards, overlapped=True, wrapper="fsdp"),
+        Messages("reduce_scatter", reduced, reduced_each, shards, overlapped=True, wrapper="fsdp"),
     ]
 
 

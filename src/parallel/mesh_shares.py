@@ -2,12 +2,19 @@
 device's share of the model's state and work, and what each rank sends per step, from the
 layout's degrees whichever preset named them: dp_replicate alone DDP's (`ddp.py`: a replica and
 its buckets; under the stage cut, its stages: `stage_cut.py`), else tp's split (`mesh_plan.py`),
-the pipeline's stages (`pipeline_schedules.py`) and FSDP2's shards and working set (`fsdp.py`).
+cp's share of the sequence and its ring (`context_parallel_plan.py`), the pipeline's stages
+(`pipeline_schedules.py`) and FSDP2's shards (over dp_shard x cp) and working set (`fsdp.py`).
 """
 
 from __future__ import annotations
 
 from src.config.parallel import MeshConfig
+from src.parallel.context_parallel_plan import (
+    ring_activations_kept,
+    ring_messages,
+    ring_traffic,
+    ring_working_set,
+)
 from src.parallel.ddp import bucket_bytes, bucketed_all_reduce, replica_traffic
 from src.parallel.fsdp import (
     forward_working_set,
@@ -41,6 +48,7 @@ class LayoutShares:
     stage_cut: StageCut | None
     stage_points: tuple[int, ...] = ()
     split: TPSplit | None = None
+    key_values: tuple[int, ...] | list[int] = ()  # each attention's per sample, under cp
 
     def stage_blocks(self, blocks: int) -> list[list[tuple[int, int]]]:
         """Each pp rank's stages, as [start, end) ranges of the model's `blocks` blocks."""
@@ -87,12 +95,14 @@ class LayoutShares:
                     blocks=None if ranges == [(0, count)] else ranges[0],
                     later_stages=tuple(ranges[1:]),
                     parts=self.cfg.microbatches if layout.pp > 1 else 1,
-                    state_shards=layout.dp_shard,
+                    state_shards=layout.fsdp_shards,
                     state_kept=state_kept,
-                    flops_kept=flops_kept,
-                    activations_kept=activations_kept,
-                    running_bytes=self.fsdp_working_set(sizes, blocks),
-                    forward_bytes=self.fsdp_forward_working_set(sizes, blocks),
+                    flops_kept=flops_kept / layout.cp,
+                    activations_kept=activations_kept * ring_activations_kept(layout.cp),
+                    running_bytes=self.fsdp_working_set(sizes, blocks)
+                    | self.ring_working_set(micro_batch // layout.dp, backward=True),
+                    forward_bytes=self.fsdp_forward_working_set(sizes, blocks)
+                    | self.ring_working_set(micro_batch // layout.dp, backward=False),
                 )
             )
         return shares
@@ -112,9 +122,17 @@ class LayoutShares:
         if not self.shards:
             return {}
         held = self.kept_bytes(sizes, blocks)
-        staged, shards = self.layout.pp > 1, self.layout.dp_shard
+        staged, shards = self.layout.pp > 1, self.layout.fsdp_shards
         units = self.fsdp_units(sizes)
         return sharded_working_set(units, held, staged, shards, self.precision, self.device_type)
+
+    def ring_working_set(self, samples: int, backward: bool) -> dict[str, int]:
+        """What cp's ring adds while the model runs (`ring_working_set`); nothing without cp.
+        FSDP's working set holds no activations, so the two merge."""
+        layout = self.layout
+        if layout.cp == 1:
+            return {}
+        return ring_working_set(self.key_values, samples, layout.cp, layout.tp, backward)
 
     def fsdp_forward_working_set(self, sizes: ModelSizes, blocks: list[int]) -> dict[str, int]:
         """What FSDP adds to a rank holding `blocks` while the model runs forward alone
@@ -142,16 +160,18 @@ class LayoutShares:
             sp = self.cfg.sequence_parallel
             tokens = accumulate * samples
             traffic.update(tp_traffic(self.split, layout.tp, ranks, tokens, self.precision, sp))
+        if layout.cp > 1:
+            traffic.update(ring_traffic(self.key_values, samples, accumulate, layout.cp, layout.tp))
         if staged:
             traffic.update(stage_traffic(self.stage_points, sizes, samples, accumulate))
         held = max(self.kept_bytes(sizes, blocks) for blocks in ranks)
         if self.shards:
             traffic.update(
-                sharded_traffic(held, layout.dp_shard, accumulate, staged, self.precision)
+                sharded_traffic(held, layout.fsdp_shards, accumulate, staged, self.precision)
             )
         if layout.dp_replicate > 1:
             reductions = accumulate if staged else 1
-            shard = held // layout.dp_shard
+            shard = held // layout.fsdp_shards
             traffic.update(replica_traffic(shard, layout.dp_replicate, reductions))
         return traffic
 
@@ -170,15 +190,18 @@ class LayoutShares:
         if self.split is not None:
             sp, part = self.cfg.sequence_parallel, samples // parts
             messages += tp_messages(self.split, layout.tp, ranks, part, runs, self.precision, sp)
+        if layout.cp > 1:
+            messages += ring_messages(self.key_values, samples, accumulate, layout.cp, layout.tp)
         if staged:
             messages += stage_messages(self.stage_points, sizes, samples // parts, runs, layout.pp)
         held = max(self.kept_bytes(sizes, blocks) for blocks in ranks)
         if self.shards:  # under pp a rank's stages are one unit, gathered once per micro-step
             units = [self.kept_bytes(sizes, ranks[0])] if staged else self.fsdp_units(sizes)
-            messages += sharded_messages(units, layout.dp_shard, accumulate, staged, self.precision)
+            shards = layout.fsdp_shards
+            messages += sharded_messages(units, shards, accumulate, staged, self.precision)
         if layout.dp_replicate > 1:
             reductions = accumulate if staged else 1
-            size = held // layout.dp_shard
+            size = held // layout.fsdp_shards
             messages.append(bucketed_all_reduce(size, layout.dp_replicate, reductions))
         return messages
 
