@@ -57,6 +57,25 @@ ROWS = [
     ),
     pytest.param(["parallel.devices=0"], CHECK, "parallel.devices must be at least 1", id="dev0"),
     pytest.param(
+        ["parallel=ddp", "parallel.nodes=2:1"],
+        CHECK,
+        "parallel.nodes=2:1: MIN:MAX needs 1 <= MIN < MAX (e.g. 1:2); for a fixed number of "
+        "nodes give one number",
+        id="nodes-range",
+    ),
+    pytest.param(
+        ["parallel=ddp", "parallel.nodes=two"],
+        CHECK,
+        "parallel.nodes=two: give a number of nodes, or MIN:MAX (e.g. 1:2) for an elastic job",
+        id="nodes-form",
+    ),
+    pytest.param(
+        ["parallel=ddp", "parallel.max_restarts=-1"],
+        CHECK,
+        "parallel.max_restarts must be 0 or more, got -1",
+        id="max-restarts",
+    ),
+    pytest.param(
         ["trainer.eval_batch_size=0"],
         CHECK,
         "trainer.eval_batch_size must be at least 1 (or null), got 0",
@@ -582,8 +601,14 @@ def test_bad_input_is_refused_before_any_work(
             "parallel.nodes > 1 needs a rendezvous every node can reach: set parallel.master_addr",
         ),
         (["trainer.monitor=val/nosuch"], CHECK, "trainer.monitor=val/nosuch is never logged"),
+        (
+            ["parallel=ddp", "parallel.devices=2", "parallel.nodes=2:3", "trainer.batch_size=18"],
+            CHECK,
+            "on 2 node(s) of parallel.nodes=2:3: the global micro-batch (trainer.batch_size / "
+            "trainer.accumulate = 18) does not split evenly over 4 processes",
+        ),
     ],
-    ids=["hydra", "ddp-nodes-without-rendezvous", "monitor"],
+    ids=["hydra", "ddp-nodes-without-rendezvous", "monitor", "elastic-fewer-nodes"],
 )
 def test_train_py_reports_bad_input_in_one_line(tmp_path, overrides, stage, message):
     run_dir = tmp_path / "run"
