@@ -112,7 +112,7 @@ def test_no_option_repeats_its_schemas_defaults():
         schema, _, package = schemas[0].partition("@")
         _, _, group, name = schema.split("/")
         defaults = OmegaConf.to_container(OmegaConf.structured(SCHEMAS[group][name]))
-        if package != "_here_":  # a global option (model=gpt: it brings data and task) nests its own
+        if package != "_here_":  # a global option (model=gpt brings data and task) nests its own
             options = options.get(package, {})
         repeated = [key for key in options if key != "defaults" and options[key] == defaults[key]]
         assert not repeated, f"{path.relative_to(ROOT)} repeats the schema's {repeated}"
