@@ -4,7 +4,10 @@ In its FAIL_AT_STEP-th training forward pass, on the rank named by FAIL_RANK, it
 (FAULT=raise), kills its own process without a word (FAULT=kill), kills the rank server that
 forked it (FAULT=kill_server) or the launcher above that (FAULT=kill_launcher), or stops forever
 (FAULT=hang). The rank named by BUSY_RANK (if any) then keeps computing (a Python-level wait)
-instead. Without FAULT it is the MLP.
+instead. Apart from FAULT, every rank of a world of PAUSE_IN_WORLD ranks waits for a signal
+(`signal.pause`) in its PAUSE_AT_STEP-th forward pass in training mode of any FaultyMLP (the
+checks on the meta device count), then goes on. Without FAULT or
+PAUSE_IN_WORLD it is the MLP.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import torch
 
 from src.components.models import MLP
 
+PAUSING_FORWARDS: list[FaultyMLP] = []
+
 
 class FaultyMLP(MLP):
     def __init__(self, **sizes):
@@ -24,6 +29,10 @@ class FaultyMLP(MLP):
         self.training_forwards = 0
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self.training and os.environ.get("WORLD_SIZE") == os.environ.get("PAUSE_IN_WORLD"):
+            PAUSING_FORWARDS.append(self)  # counted over the process: its checks build models too
+            if len(PAUSING_FORWARDS) == int(os.environ["PAUSE_AT_STEP"]):
+                signal.pause()
         if self.training and "FAULT" in os.environ:
             self.training_forwards += 1
             failing_rank = os.environ["RANK"] == os.environ["FAIL_RANK"]

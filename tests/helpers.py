@@ -34,10 +34,11 @@ def options(group: str) -> list[str]:
     return sorted(path.stem for path in (ROOT / "conf" / group).glob("*.yaml"))
 
 
-# The N-D layouts on a DeviceMesh (src/parallel/mesh.py), tested in test_mesh.py: each one needs
-# a model with a tensor-parallel plan or enough blocks for its stages, and 4 processes for the
-# 2-D presets, so the sweeps over every strategy leave them out.
-MESH_LAYOUTS = ("tp", "pp", "fsdp_tp", "fsdp_tp_pp", "mesh")
+# The N-D layouts on a DeviceMesh (src/parallel/mesh.py), tested in test_mesh.py, test_cp.py and
+# test_ep.py: each one needs a model with a tensor-parallel plan, enough blocks for its stages,
+# attention (cp) or experts (ep), and 4 processes for the 2-D presets, so the sweeps over every
+# strategy leave them out.
+MESH_LAYOUTS = ("tp", "pp", "cp", "fsdp_tp", "fsdp_cp_tp", "fsdp_tp_pp", "mesh", "ep")
 STRATEGIES = [option for option in options("parallel") if option not in ("auto", *MESH_LAYOUTS)]
 
 # A few seconds per run on 2 CPU cores: small model, few steps, every step logged.
@@ -484,6 +485,21 @@ def assert_same_training(reference: Path, other: Path, atol: float = 1e-5) -> No
     for key, weight in expected_weights.items():
         difference = (actual_weights[key].float() - weight.float()).abs().max().item()
         assert difference < atol, f"{key}: max abs difference {difference:.2e}"
+
+
+def assert_goes_on_exactly(reference: Path, resumed: Path, steps: list[int]) -> None:
+    """`resumed` logs `reference`'s losses of `steps` (those after the checkpoint it resumed)
+    and ends at its weights (single's keys, in single's order, within 1e-5)."""
+    losses = [
+        {row["step"]: row["train/loss"] for row in metrics(run_dir) if "train/loss" in row}
+        for run_dir in (reference, resumed)
+    ]
+    assert list(losses[1]) == steps
+    expected = torch.tensor([losses[0][step] for step in losses[1]])
+    torch.testing.assert_close(torch.tensor(list(losses[1].values())), expected, rtol=0, atol=1e-5)
+    weights = [checkpoint(run_dir)["model"] for run_dir in (reference, resumed)]
+    assert list(weights[1]) == list(weights[0])
+    torch.testing.assert_close(weights[1], weights[0], rtol=0, atol=1e-5)
 
 
 def assert_same_optimizer_state(reference: Path, other: Path, atol: float = 1e-5) -> None:

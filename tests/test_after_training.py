@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import TINY_SGD, evaluate_checkpoint, metrics, strategy_runs, summary
@@ -104,12 +106,38 @@ def test_early_stopping_ends_every_layout_at_the_same_step_and_tests_the_best_we
         )  # not the final weights'
 
 
-def test_a_new_best_checkpoint_is_swapped_in_for_the_old_one(tmp_path):
-    writer = CheckpointWriter(tmp_path, Strategy(ParallelConfig(), "cpu"), "full", 1, False)
+def linear_writer(
+    run_dir: Path, keep: int
+) -> tuple[CheckpointWriter, torch.nn.Module, torch.optim.Optimizer]:
+    """A writer of full checkpoints in this process, and a small model and optimizer to save."""
+    writer = CheckpointWriter(run_dir, Strategy(ParallelConfig(), "cpu"), "full", keep, False)
     model = torch.nn.Linear(2, 2)
-    optimizer = torch.optim.SGD(model.parameters())
+    return writer, model, torch.optim.SGD(model.parameters())
+
+
+def bare_state(step: int) -> dict:
+    return {"step": step, "rng": {}, "config": {}, "wandb_run_id": None}
+
+
+def test_a_new_best_checkpoint_is_swapped_in_for_the_old_one(tmp_path):
+    writer, model, optimizer = linear_writer(tmp_path, keep=1)
     for step in (1, 2):
-        state = {"step": step, "rng": {}, "config": {}, "wandb_run_id": None}
-        writer.save(model, optimizer, state, best=True)
+        writer.save(model, optimizer, bare_state(step), best=True)
     assert load_checkpoint(best_dir(tmp_path))["step"] == 2
     assert [path.name for path in (tmp_path / "checkpoints").iterdir()] == ["best"]
+
+
+def test_a_step_checkpoint_of_the_best_state_links_the_best_one_s_files(tmp_path):
+    """At a step that is both the best and a checkpoint step, the state is written once: the
+    step's checkpoint is best/'s files, hard-linked, and it stays whole and loadable when a later
+    best replaces best/. (In this process, about 0.1 s.)"""
+    writer, model, optimizer = linear_writer(tmp_path, keep=2)
+    writer.save(model, optimizer, bare_state(2), best=True)
+    writer.save(model, optimizer, bare_state(2))
+    best, saved = best_dir(tmp_path), tmp_path / "checkpoints" / "step-000002"
+    files = sorted(path.name for path in best.iterdir())
+    assert sorted(path.name for path in saved.iterdir()) == files
+    assert all((best / name).samefile(saved / name) for name in files)
+    writer.save(model, optimizer, bare_state(3), best=True)
+    assert resume_path("auto", tmp_path) == saved  # its manifest holds
+    assert load_checkpoint(saved)["step"] == 2 and load_checkpoint(best)["step"] == 3

@@ -37,8 +37,8 @@ ROWS = [
     pytest.param(
         ["parallel=nosuch"],
         HYDRA,
-        "Could not find 'parallel/nosuch'; choose one of auto, ddp, dp, dp_criterion, fsdp, "
-        "fsdp_tp, fsdp_tp_pp, hybrid, mesh, model_parallel, pp, single, tp",
+        "Could not find 'parallel/nosuch'; choose one of auto, cp, ddp, dp, dp_criterion, ep, "
+        "fsdp, fsdp_cp_tp, fsdp_tp, fsdp_tp_pp, hybrid, mesh, model_parallel, pp, single, tp",
         id="strategy",
     ),
     pytest.param(
@@ -56,6 +56,25 @@ ROWS = [
         id="strategy-class",
     ),
     pytest.param(["parallel.devices=0"], CHECK, "parallel.devices must be at least 1", id="dev0"),
+    pytest.param(
+        ["parallel=ddp", "parallel.nodes=2:1"],
+        CHECK,
+        "parallel.nodes=2:1: MIN:MAX needs 1 <= MIN < MAX (e.g. 1:2); for a fixed number of "
+        "nodes give one number",
+        id="nodes-range",
+    ),
+    pytest.param(
+        ["parallel=ddp", "parallel.nodes=two"],
+        CHECK,
+        "parallel.nodes=two: give a number of nodes, or MIN:MAX (e.g. 1:2) for an elastic job",
+        id="nodes-form",
+    ),
+    pytest.param(
+        ["parallel=ddp", "parallel.max_restarts=-1"],
+        CHECK,
+        "parallel.max_restarts must be 0 or more, got -1",
+        id="max-restarts",
+    ),
     pytest.param(
         ["trainer.eval_batch_size=0"],
         CHECK,
@@ -342,6 +361,13 @@ ROWS = [
         ["model=convnet"], CHECK, "model=convnet needs image-shaped input", id="convnet-flat-data"
     ),
     pytest.param(
+        ["model=gpt", "data=synthetic"],
+        CHECK,
+        "model: src.components.models.GPT looks token ids up in an embedding, but the data gives "
+        "real-valued inputs shaped [2, 32]; use token data",
+        id="gpt-float-inputs",
+    ),
+    pytest.param(
         ["model=transformer", "data=synthetic_tokens", "model.heads=5"],
         CHECK,
         "model.hidden (64) must divide by model.heads (5)",
@@ -352,6 +378,36 @@ ROWS = [
         CHECK,
         "model.top_k must be 1 or 2 and at most model.experts (4), got 3",
         id="moe-top-k",
+    ),
+    pytest.param(
+        ["parallel=cp"],
+        CHECK,
+        "parallel.cp splits sequences for attention, and the model runs none",
+        id="cp-without-attention",
+    ),
+    pytest.param(
+        ["model=transformer", "data=synthetic_tokens", "data.seq_len=6", "parallel=cp"],
+        CHECK,
+        "parallel.cp=2 cuts each sequence into 2 x cp = 4 equal chunks, and its 6 tokens",
+        id="cp-sequence",
+    ),
+    pytest.param(
+        ["model=moe", "data=synthetic_tokens", "task=language_model", "parallel=cp"],
+        CHECK,
+        "parallel.cp splits the loss along the sequence, and the model's outputs are not one",
+        id="cp-moe",
+    ),
+    pytest.param(
+        [
+            "model=transformer",
+            "data=synthetic_tokens",
+            "parallel=cp",
+            "parallel.pp=2",
+            "parallel.devices=4",
+        ],
+        CHECK,
+        "parallel.cp does not run with parallel.pp > 1 yet",
+        id="cp-pp",
     ),
     pytest.param(
         ["data.augment=true"],
@@ -545,8 +601,14 @@ def test_bad_input_is_refused_before_any_work(
             "parallel.nodes > 1 needs a rendezvous every node can reach: set parallel.master_addr",
         ),
         (["trainer.monitor=val/nosuch"], CHECK, "trainer.monitor=val/nosuch is never logged"),
+        (
+            ["parallel=ddp", "parallel.devices=2", "parallel.nodes=2:3", "trainer.batch_size=18"],
+            CHECK,
+            "on 2 node(s) of parallel.nodes=2:3: the global micro-batch (trainer.batch_size / "
+            "trainer.accumulate = 18) does not split evenly over 4 processes",
+        ),
     ],
-    ids=["hydra", "ddp-nodes-without-rendezvous", "monitor"],
+    ids=["hydra", "ddp-nodes-without-rendezvous", "monitor", "elastic-fewer-nodes"],
 )
 def test_train_py_reports_bad_input_in_one_line(tmp_path, overrides, stage, message):
     run_dir = tmp_path / "run"

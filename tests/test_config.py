@@ -52,6 +52,16 @@ def test_command_line_contract(compose_config):
     assert (cfg.model.hidden, cfg.model.depth, cfg.logger.name) == (48, 3, "none")
 
 
+@pytest.mark.parametrize("model", ["gpt", "gpt2_124m", "moe", "transformer"])
+def test_token_models_bring_their_data_and_task(compose_config, model):
+    """`model=gpt` alone trains a language model on token ids; a data= or task= given wins."""
+    cfg = compose_config(f"model={model}")
+    assert cfg.data._target_.endswith(".synthetic_tokens")
+    assert cfg.task._target_.endswith(".LanguageModel")
+    cfg = compose_config(f"model={model}", "data=tokens", "task=classification")
+    assert cfg.data._target_.endswith(".tokens") and cfg.task._target_.endswith(".Classification")
+
+
 @pytest.mark.parametrize(
     "override, error",
     [
@@ -99,8 +109,11 @@ def test_no_option_repeats_its_schemas_defaults():
         schemas = [d for d in options.get("defaults", []) if str(d).startswith("/schema/")]
         if not schemas:
             continue  # a preset across groups (experiment/) or a Hydra plugin's settings
-        _, _, group, name = schemas[0].removesuffix("@_here_").split("/")
+        schema, _, package = schemas[0].partition("@")
+        _, _, group, name = schema.split("/")
         defaults = OmegaConf.to_container(OmegaConf.structured(SCHEMAS[group][name]))
+        if package != "_here_":  # a global option (model=gpt brings data and task) nests its own
+            options = options.get(package, {})
         repeated = [key for key in options if key != "defaults" and options[key] == defaults[key]]
         assert not repeated, f"{path.relative_to(ROOT)} repeats the schema's {repeated}"
 

@@ -378,7 +378,7 @@ def test_degrees_that_do_not_multiply_out_are_refused(world_size, degrees, messa
 def test_the_ranks_sharing_a_data_parallel_index_are_the_tp_and_pp_peers():
     layout = Layout(pp=2, dp_replicate=1, dp_shard=2, tp=2)
     assert [layout.dp_rank(rank) for rank in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
-    assert layout.coordinates(7) == {"pp": 1, "dp_replicate": 0, "dp_shard": 1, "tp": 1}
+    assert layout.coordinates(7) == {"pp": 1, "dp_replicate": 0, "dp_shard": 1, "cp": 0, "tp": 1}
     assert layout.label() == "fsdp2xtp2xpp2"
 
 

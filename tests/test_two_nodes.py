@@ -5,6 +5,7 @@ over gloo."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -19,12 +20,18 @@ from helpers import (
     TrainRun,
     assert_same_training,
     network_namespace,
+    parallel_config,
     processes_of_session,
     reference_run,
     wait_until,
 )
 
+from src.config.base import ConfigError
+from src.config.parallel import node_range
+from src.launch.job import check_started_ranks, started_nodes
 from src.launch.store_answers import STORE_ANSWER_S
+from src.parallel import build_strategy
+from src.runtime.ranks import Ranks
 
 SUBNET = "10.213.0"
 PORTS = iter(range(29611, 29700))  # the namespaces are this test's own: no other listener
@@ -192,3 +199,93 @@ def test_torchrun_on_two_hosts_trains_singles_weights(hosts, tmp_path):
     for run in runs:
         run.finish(timeout=240, check=True)
     assert_same_training(reference_run(*TINY_SGD), tmp_path)
+
+
+ELASTIC_FAULTY = ("model._target_=tests.faulty_models.FaultyMLP", "trainer.checkpoint_every=2")
+# The second host's rank 2 stops forever in step 4, after the checkpoint of step 2: the test kills
+# that host's processes there.
+SECOND_HOST_HANGS = {"FAULT": "hang", "FAIL_RANK": "2", "FAIL_AT_STEP": "4"}
+
+
+def lose_second_node(hosts: list[str], overrides: tuple[str, ...], run_dir: Path, **first_env):
+    """An elastic job of `overrides` on both hosts, 2 ranks each, whose second host's processes
+    are killed in step 4: its first host's run, going on alone."""
+    port = next(PORTS)
+    overrides = (*two_node_overrides(port, *overrides), "parallel.devices=2", "parallel.nodes=1:2")
+    env = {**NODE_ENV, **first_env}
+    second = TrainRun(
+        *overrides, run_dir=run_dir, env={**NODE_ENV, **SECOND_HOST_HANGS}, netns=hosts[1]
+    )
+    first = TrainRun(*overrides, run_dir=run_dir, env=env, netns=hosts[0], one_page=True)
+    first.wait_for("step 3/6")
+    os.killpg(second.process.pid, signal.SIGKILL)
+    second.finish()
+    return first, overrides
+
+
+def reformed_line(output: str, change: str) -> str:
+    """The launcher's line about the re-forming with `change` (`lost`, `joined`)."""
+    (line,) = [line for line in output.splitlines() if f" {change} at step" in line]
+    assert line.startswith("[launcher]"), line
+    return line
+
+
+@pytest.mark.equivalence
+def test_an_elastic_job_that_loses_a_node_goes_on_on_the_other_to_singles_weights(hosts, tmp_path):
+    """`parallel.nodes=1:2` under fsdp, 2 ranks per node, the second host's processes killed in
+    step 4. The first host's ranks fail at once (their peers' connections reset); its launcher
+    re-forms the job on itself alone within seconds and restarts its 2 ranks, which resume from
+    step 2 resharded (sharded checkpoints) and finish with single's weights; one line and
+    summary.json say what was lost. (ddp: the next test.)"""
+    overrides = ("parallel=fsdp", *TINY_SGD, *ELASTIC_FAULTY)
+    first, _ = lose_second_node(hosts, overrides, tmp_path)
+    killed = time.monotonic()
+    result = first.finish(timeout=120, check=True)
+    line = reformed_line(result.stdout, "lost")
+    assert f"node(s) {SUBNET}.2 lost at step 3: the job re-formed on 1 node(s)" in line, line
+    assert "resumes from step 2 (1 step(s) redone)" in line, line
+    (event,) = json.loads((tmp_path / "summary.json").read_text())["nodes_lost"]
+    assert (event["lost"], event["joined"], event["nodes"]) == ([f"{SUBNET}.2"], [], 1), event
+    assert (event["at_step"], event["resumed_from_step"], event["steps_redone"]) == (3, 2, 1)
+    assert event["seconds_lost"] < 15, event
+    assert time.monotonic() - killed < 60
+    assert_same_training(reference_run(*TINY_SGD), tmp_path)
+
+
+@pytest.mark.equivalence
+def test_a_lost_node_that_comes_back_rejoins_the_elastic_job_at_its_next_step(hosts, tmp_path):
+    """ddp, `parallel.rejoin=true`: once the job has re-formed on the first host alone, its
+    restarted ranks wait in their first forward pass in training mode (PAUSE_IN_WORLD) while the
+    second host's train.py starts again. The first host's launcher sees it waiting and stops its
+    ranks: they finish step 3, checkpoint and stop (torch's agent kills them 30 s later: it
+    no longer reads their results), and the job restarts on both hosts from step 3, nothing
+    redone, to single's weights. About 90 s on 2 loaded cores, 30 of them that wait."""
+    overrides = ("parallel=ddp", *TINY_SGD, *ELASTIC_FAULTY, "parallel.rejoin=true")
+    pause = {"PAUSE_IN_WORLD": "2", "PAUSE_AT_STEP": "1"}  # the world of the first host alone
+    first, overrides = lose_second_node(hosts, overrides, tmp_path, **pause)
+    # Its ranks restart after this line and pause within a second or two (in the check of the
+    # model on the meta device), while the second host's train.py takes longer to join.
+    first.wait_for(f"node(s) {SUBNET}.2 lost at step 3")
+    back = TrainRun(*overrides, run_dir=tmp_path, env=NODE_ENV, netns=hosts[1])
+    result = first.finish(timeout=120, check=True)
+    back.finish(timeout=60, check=True)
+    assert f"node(s) {SUBNET}.2 lost at step 3" in reformed_line(result.stdout, "lost")
+    line = reformed_line(result.stdout, "joined")
+    assert f"node(s) {SUBNET}.2 joined at step 3: the job re-formed on 2 node(s)" in line, line
+    assert "resumes from step 3 (0 step(s) redone)" in line, line
+    lost, joined = json.loads((tmp_path / "summary.json").read_text())["nodes_lost"]
+    assert (lost["lost"], lost["nodes"], lost["steps_redone"]) == ([f"{SUBNET}.2"], 1, 1)
+    assert (joined["joined"], joined["nodes"], joined["steps_redone"]) == ([f"{SUBNET}.2"], 2, 0)
+    assert_same_training(reference_run(*TINY_SGD), tmp_path)
+
+
+def test_ranks_started_on_fewer_nodes_of_an_elastic_job_are_accepted():
+    """torchrun --nnodes=1:2 re-formed on one node: 2 ranks of parallel.devices=2 nodes=1:2."""
+    strategy = build_strategy(parallel_config("ddp", devices=2, nodes="1:2"), "cpu")
+    nodes = node_range("1:2")
+    one_node = Ranks(rank=1, world_size=2, local_rank=1, local_world_size=2)
+    assert started_nodes(one_node, nodes) == 1
+    check_started_ranks(one_node, strategy, nodes)
+    odd = Ranks(rank=0, world_size=3, local_rank=0, local_world_size=3)
+    with pytest.raises(ConfigError, match="3 processes were started .* on 1 to 2 node"):
+        check_started_ranks(odd, strategy, nodes)

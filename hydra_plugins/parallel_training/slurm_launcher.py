@@ -74,7 +74,7 @@ def slurm_resources(cfg: DictConfig) -> dict[str, int | None]:
     cpu_partition = cfg.hydra.launcher.get("gpus_per_node") == 0
     uses_gpus = cfg.trainer.accelerator != "cpu" and not cpu_partition
     return {
-        "nodes": cfg.parallel.nodes,
+        "nodes": strategy.cfg.nodes,  # its most, if elastic
         "tasks_per_node": strategy.processes_per_node,
         "gpus_per_node": cfg.parallel.devices if uses_gpus else None,
     }

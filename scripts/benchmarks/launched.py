@@ -70,7 +70,8 @@ def launched_summary(steps: int, strategy: str, *overrides: str, accelerator: st
     with tempfile.TemporaryDirectory() as run_dir:
         processes = check_config(cfg, Path(run_dir)).processes_per_node
         no_logging = {"version": 1, "disable_existing_loggers": False}
-        return launch(train_worker, (resolved, run_dir), processes, 1, cfg.parallel, no_logging)
+        args = (resolved, run_dir, None)  # a new run: no checkpoint to resume
+        return launch(train_worker, args, processes, 1, cfg.parallel, no_logging)
 
 
 def template_ddp(steps: int) -> float:

@@ -168,6 +168,7 @@ class CheckpointWriter:
         if self.use_async and dist.is_initialized():
             self.group = dist.new_group(backend="gloo")
         self.pending: tuple[Future, Path, int] | None = None  # an async save: its folder, size
+        self.best_step: int | None = None  # the step whose state best/ holds, written here
 
     def save(
         self,
@@ -181,6 +182,10 @@ class CheckpointWriter:
         saved asynchronously, will be) published as, or None if it could not be written."""
         self.wait()
         strategy = self.strategy
+        if not best and extra["step"] == self.best_step:
+            return self.link_best(extra["step"])
+        if best:
+            self.best_step = extra["step"]
         final = best_dir(self.run_dir) if best else step_dir(self.run_dir, extra["step"])
         if not self.sharded:
             state = {
@@ -224,6 +229,22 @@ class CheckpointWriter:
             lambda: dcp.save(state, checkpoint_id=staging, planner=planner), final, size
         )
         return final if written else None
+
+    def link_best(self, step: int) -> Path | None:
+        """The checkpoint of `step`, whose state best/ holds already (the monitored metric
+        improved at a checkpoint step): best/'s files, hard-linked into a staging folder (copied
+        where the file system cannot link) and published as any checkpoint is, not written
+        twice. A checkpoint's files never change once written (a new best/ is a new folder)."""
+        best, final = best_dir(self.run_dir), step_dir(self.run_dir, step)
+
+        def link() -> None:
+            if self.strategy.is_main:
+                staging = prepare_staging(final)
+                shutil.copytree(best, staging, copy_function=link_or_copy, dirs_exist_ok=True)
+                publish(staging, final, self.keep)
+
+        size = sum(file.stat().st_size for file in best.iterdir()) if best.is_dir() else 0
+        return final if self.on_every_rank(link, final, size) is not None else None
 
     def close(self) -> None:
         self.wait()
@@ -282,6 +303,8 @@ class CheckpointWriter:
         staging folder goes; then the run ends, or with `warn` goes on."""
         if self.strategy.is_main:
             shutil.rmtree(staging_dir(final), ignore_errors=True)
+        if final == best_dir(self.run_dir):
+            self.best_step = None  # best/ holds an earlier state, if any
         failure = failure_line(cause, final, size)
         saved = saved_checkpoints(self.run_dir)
         kept = f"{saved[-1].name} is kept" if saved else "there is no earlier checkpoint"
@@ -295,6 +318,19 @@ class CheckpointWriter:
             f"{failure}; {kept}. Free space there and resume (trainer.resume=auto), or set "
             "trainer.checkpoint_errors=warn to train on when a checkpoint fails"
         )
+
+
+def link_or_copy(source: str, target: str) -> None:
+    """A hard link to `source` at `target`; a copy, flushed to disk, where the file system
+    refuses links."""
+    try:
+        os.link(source, target)
+    except OSError as refused:
+        if refused.errno in NO_SPACE:
+            raise
+        shutil.copyfile(source, target)
+        with open(target, "rb") as file:
+            os.fsync(file.fileno())
 
 
 def gathered(value: Any) -> list[Any]:

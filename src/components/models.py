@@ -89,10 +89,12 @@ class TokenEmbedding(nn.Module):
         super().__init__()
         self.token = nn.Embedding(vocab_size, hidden)
         self.position = nn.Embedding(seq_len, hidden)
+        # Each token's place in its sequence, kept (not saved) rather than made in `forward`: a
+        # strategy that gives a process some of a sequence's tokens gives it their places too.
+        self.register_buffer("positions", torch.arange(seq_len), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.token(tokens) + self.position(positions)
+        return self.token(tokens) + self.position(self.positions[: tokens.shape[1]])
 
 
 class CausalSelfAttention(nn.Module):

@@ -16,9 +16,10 @@ and fsdp's shares, accumulation's and a pipeline's micro-batches) reproduces it 
   the number of targets exactly as they do the cross-entropy. (DeepSeek-V3 also balances per
   sequence.)
 
-Expert parallel, later, keeps these numbers: routing, capacity and the loss are decided where the
+Expert parallel keeps these numbers: routing, capacity and the loss are decided where the
 sequence is, before any exchange; only `Experts` (tokens grouped by expert -> their outputs) runs
-where the experts are. Their weights are stacked (experts x in x out) for it to shard on dim 0.
+where the experts are (`MoEFeedForward.expert_outputs` is the call it replaces). Their weights
+are stacked (experts x in x out) for it to shard on dim 0.
 
 The blocks hand on one tensor, the residual stream with one extra channel that carries each
 token's load-balancing loss so far, so that the model stays an `nn.Sequential` of blocks whose
@@ -184,8 +185,13 @@ class MoEFeedForward(nn.Module):
         probabilities = self.router(x).float().softmax(-1)
         capacity = expert_capacity(x.shape[1], experts, self.top_k, self.capacity_factor)
         routing = route(probabilities, self.top_k, capacity)
-        outputs = self.experts(dispatch(x, routing, experts))
-        return combine(outputs, routing).to(x.dtype), balance_loss(probabilities, routing)
+        outputs = self.expert_outputs(x, routing)
+        return outputs.to(x.dtype), balance_loss(probabilities, routing)
+
+    def expert_outputs(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Each token's kept choices through their experts, combined (batch, seq, width).
+        Expert parallel replaces this call on the layer (`src/parallel/expert_parallel.py`)."""
+        return combine(self.experts(dispatch(x, routing, self.router.out_features)), routing)
 
 
 class MoEBlock(nn.Module):

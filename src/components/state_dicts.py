@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from src.config.base import ConfigError
+
 
 @dataclass
 class StateDictFit:
@@ -53,6 +55,27 @@ class StateDictFit:
     def problems(self) -> str:
         """What keeps the state dict from loading strictly (the first of each kind), or ''."""
         return "; ".join([*self.key_problems(), *filter(None, [self.shape_problem()])])
+
+
+def check_weights_fit(
+    model: nn.Module,
+    weights: dict[str, torch.Tensor],
+    source: str,
+    strict: bool = True,
+    shapes_remedy: str = "",
+    keys_remedy: str = "",
+) -> None:
+    """`weights` (from `source`: the setting and its path, as the error names them) fit `model`:
+    every shape the same and, with `strict`, the same keys; else a ConfigError, one line, that
+    ends with the remedy for what differs."""
+    fit = StateDictFit.of(model.state_dict(), weights)
+    if fit.other_shape:
+        problems, remedy = [fit.shape_problem()], shapes_remedy
+    else:
+        problems, remedy = fit.key_problems() if strict else [], keys_remedy
+    if problems:
+        advice = f"; {remedy}" if remedy else ""
+        raise ConfigError(f"{source} does not fit this model: {'; '.join(problems)}{advice}")
 
 
 def tied_keys(model: nn.Module) -> dict[str, str]:

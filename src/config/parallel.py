@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -18,6 +19,36 @@ def at_least_one(config: Any, *keys: str) -> None:
             raise ConfigError(f"parallel.{key} must be at least 1, got {getattr(config, key)}")
 
 
+@dataclass(frozen=True)
+class NodeRange:
+    """The nodes of a job, from `parallel.nodes`: `least` to `most`, equal unless it is elastic."""
+
+    least: int
+    most: int
+
+    @property
+    def elastic(self) -> bool:
+        return self.least < self.most
+
+
+def node_range(nodes: int | str) -> NodeRange:
+    """`parallel.nodes` read: N, or MIN:MAX for an elastic job; ConfigError in one line for any
+    other form. (N below 1 is `at_least_one`'s to refuse.)"""
+    found = re.fullmatch(r"(\d+)(?::(\d+))?", str(nodes).strip())
+    if found is None:
+        raise ConfigError(
+            f"parallel.nodes={nodes}: give a number of nodes, or MIN:MAX (e.g. 1:2) for an "
+            "elastic job that goes on when nodes are lost"
+        )
+    least, most = int(found[1]), int(found[2] or found[1])
+    if found[2] is not None and not 1 <= least < most:
+        raise ConfigError(
+            f"parallel.nodes={nodes}: MIN:MAX needs 1 <= MIN < MAX (e.g. 1:2); for a fixed "
+            "number of nodes give one number"
+        )
+    return NodeRange(least, most)
+
+
 AUTO = "auto"  # parallel=auto: the planner (src/planning/planner.py) chooses the strategy
 
 
@@ -30,15 +61,18 @@ class ParallelConfig:
     name: str = "single"
     devices: int = 1
     """Devices per node: GPUs on CUDA; replicas, processes or stages on CPU."""
-    nodes: int = 1
+    nodes: Any = 1
     """>1: run train.py on every node with the same master_addr/master_port (strategies with
-    one process per replica)."""
+    one process per replica). MIN:MAX (e.g. 1:2): an elastic job, which starts on MAX nodes and
+    goes on with as few as MIN when nodes are lost (`DistributedConfig.max_restarts`). Here, as
+    the strategy's setting, it is the nodes the job runs on now (`node_range`)."""
     chosen_by: str | None = None
     """Set by parallel=auto: why the planner chose this strategy (also in summary.json)."""
 
     def __post_init__(self) -> None:
         """Each setting's range, checked where it is defined (`build_strategy` makes the object,
         before any work)."""
+        self.nodes = node_range(self.nodes).most
         at_least_one(self, "devices", "nodes")
 
 
@@ -58,6 +92,14 @@ class DistributedConfig(ParallelConfig):
     write: the other ranks wait for rank 0's meanwhile."""
     threads_per_rank: int | None = None
     """Intra-op threads per rank; None divides the cores by the local ranks (or OMP_NUM_THREADS)."""
+    max_restarts: int = 3
+    """An elastic job's (nodes=MIN:MAX) restarts: each failure (a node lost) re-forms the job on
+    the nodes left and restarts their ranks from the last checkpoint. A job of a fixed number of
+    nodes never restarts: a failure ends it."""
+    rejoin: bool = False
+    """An elastic job's node that comes back (the same train.py command started on it again)
+    joins the job once it has lost a node: the others' ranks stop together after their next
+    step that logs, checkpoint, and restart with it from there. false: it is refused (exit 2)."""
     sync_batchnorm: bool = False
     """Make every BatchNorm a SyncBatchNorm: statistics over the global batch, as `single` has,
     instead of each rank's share (one all-reduce per BatchNorm layer per forward pass)."""
@@ -66,6 +108,8 @@ class DistributedConfig(ParallelConfig):
         super().__post_init__()
         if self.timeout_s <= 0:
             raise ConfigError(f"parallel.timeout_s must be positive, got {self.timeout_s}")
+        if self.max_restarts < 0:
+            raise ConfigError(f"parallel.max_restarts must be 0 or more, got {self.max_restarts}")
         if self.threads_per_rank is not None and self.threads_per_rank < 1:
             raise ConfigError(
                 f"parallel.threads_per_rank must be at least 1 or null, got {self.threads_per_rank}"
@@ -127,7 +171,8 @@ class ReducerConfig:
 class MeshConfig(StagesConfig, ReducerConfig, DistributedConfig):
     """An N-D layout on one DeviceMesh (src/parallel/mesh.py): degrees whose product is the
     number of processes (parallel.devices / parallel.stages x parallel.nodes); -1 takes the ranks
-    the others leave. ddp, fsdp, hybrid, tp, pp, fsdp_tp, fsdp_tp_pp and mesh are presets of it."""
+    the others leave. ddp, fsdp, hybrid, tp, pp, cp, fsdp_tp, fsdp_cp_tp, fsdp_tp_pp, ep and mesh
+    are presets of it."""
 
     dp_replicate: int = 1
     """Data-parallel replicas: torch's DDP when no other degree is set, else FSDP2's (HSDP with
@@ -135,8 +180,15 @@ class MeshConfig(StagesConfig, ReducerConfig, DistributedConfig):
     dp_shard: int = 1
     """Data-parallel shards (FSDP2): parameters, gradients and optimizer state split this many
     ways."""
+    cp: int = 1
+    """Context-parallel ranks each sequence is split over (attention as a ring; the cp ranks of
+    one data-parallel index read the same samples)."""
     tp: int = 1
     """Tensor-parallel ranks each Linear pair of the model's plan is split over."""
+    ep: int = 1
+    """Expert-parallel ranks (model=moe): each holds experts / ep whole experts, and its tokens
+    go to their experts' ranks and back by all_to_all. Borrowed from dp_shard, which it must
+    divide (no processes of its own); -1: all of dp_shard."""
     pp: int = 1
     """Pipeline ranks, each holding `stages_per_rank` stages of the model's blocks."""
     stages: int = 1
@@ -167,6 +219,10 @@ class MeshConfig(StagesConfig, ReducerConfig, DistributedConfig):
 
     def __post_init__(self) -> None:
         at_least_one(self, "stages", "stages_per_rank")
+        if self.ep < 1 and self.ep != -1:
+            raise ConfigError(
+                f"parallel.ep must be at least 1, or -1 (all of dp_shard), got {self.ep}"
+            )
         if self.devices % self.stages:
             raise ConfigError(
                 f"parallel.devices={self.devices} does not divide into processes of "

@@ -94,7 +94,8 @@ class TrainerConfig:
     precision, for `mfu` in the summary; None takes it from a table of common GPUs
     (`src/observe/performance.py`), and leaves MFU out for other devices."""
     timing_warmup_steps: int = 5
-    """Steps left out of the reported throughput."""
+    """Steps left out of the reported throughput; at least the first 2 where their tensor memory
+    is counted (`tensor_peak_mb`: on CPU, without compile)."""
     resume: str | None = None
     """Continue a run: `auto` takes the newest checkpoint of the run folder (pass the old one as
     hydra.run.dir=...; with no checkpoint there yet, the run starts afresh and says so; a finished

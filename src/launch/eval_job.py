@@ -21,6 +21,7 @@ from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 
 from src.config.base import ConfigError, plain_config
+from src.config.parallel import node_range
 from src.config.schema import SAVED_GROUPS, SAVED_RUN, store_saved_run
 from src.launch.as_rank import configure_logging, join_started_ranks, run_as_rank, started_ranks
 from src.launch.forking import start_rank_server
@@ -76,8 +77,8 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     eval_dir = Path(hydra.runtime.output_dir)
     as_evaluated(cfg)
     strategy = check_settings(cfg, ranks)
-    nodes = cfg.parallel.nodes
-    processes = strategy.processes_per_node * nodes
+    nodes = node_range(cfg.parallel.nodes)
+    processes = strategy.processes_per_node * nodes.most
     if ranks is None and processes > 1:
         check_rendezvous(cfg.parallel)
         start_rank_server()
@@ -96,7 +97,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     log_config(cfg)
     args, per_node = (plain_config(cfg), str(eval_dir)), strategy.processes_per_node
     try:
-        return launch(eval_worker, args, per_node, nodes, cfg.parallel, job_logging)
+        return launch(eval_worker, args, per_node, nodes.most, cfg.parallel, job_logging)
     except KilledBySignal as stopped:
         name = signal.Signals(stopped.signum).name
         raise Interrupted(f"stopped by {name}", 128 + stopped.signum) from None

@@ -85,10 +85,15 @@ def start_rank_server_early(parallel: Any) -> None:
     only imported for nothing."""
     from omegaconf import OmegaConf
 
-    from src.config.parallel import DistributedConfig
+    from src.config.base import ConfigError
+    from src.config.parallel import DistributedConfig, node_range
 
     distributed = issubclass(OmegaConf.get_type(parallel) or object, DistributedConfig)
-    if distributed and parallel.devices * parallel.nodes > 1 and started_ranks() is None:
+    try:
+        processes = parallel.devices * node_range(parallel.nodes).most
+    except ConfigError:  # the job's checks say so, in their one line
+        return
+    if distributed and processes > 1 and started_ranks() is None:
         start_rank_server()
 
 

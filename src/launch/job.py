@@ -9,6 +9,7 @@ device (`build.build_blueprint`) before it starts a rank.
 
 from __future__ import annotations
 
+import json
 import logging
 import shlex
 import signal
@@ -21,17 +22,21 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoint.store import saved_checkpoints
 from src.config.base import ConfigError, plain_config
-from src.config.parallel import AUTO
-from src.launch.as_rank import configure_logging, join_started_ranks, run_as_rank
+from src.config.parallel import AUTO, NodeRange, node_range
+from src.launch.as_rank import configure_logging, join_started_ranks, rank_store, run_as_rank
 from src.launch.forking import start_rank_server
 from src.launch.launcher import JobFailed, KilledBySignal, launch
+from src.launch.rendezvous import RESUME_KEY, Round, Rounds
+from src.launch.store_answers import STORE_ANSWER_S, answer_within
 from src.launch.sweep import run_job
 from src.observe.tracking import wandb_group
 from src.parallel.base import Strategy
 from src.runtime.ranks import Ranks
+from src.runtime.run_folder import metrics_file, summary_file
 from src.runtime.stopping import Interrupted, ProcessDied, RunStopped, StopOnSignal
 from src.training.build import build_blueprint
 from src.training.checks import check_settings
+from src.training.loop import history_step
 from src.training.resume import finished
 from src.training.summary import finish_finished_run
 from src.training.trainer import Trainer, train
@@ -53,9 +58,13 @@ def run(cfg: DictConfig, ranks: Ranks | None) -> dict[str, Any]:
         cfg = resolve_auto(cfg)  # the planner's choice from here on
     if "group" in cfg.logger:  # `eval.py`'s runs of this run join its W&B group
         cfg.logger.group = wandb_group(cfg.logger, run_dir)
+    nodes = node_range(cfg.parallel.nodes)
+    if ranks is not None:  # the strategy spans the nodes started
+        cfg.parallel.nodes = started_nodes(ranks, nodes)
     strategy = check_settings(cfg, ranks)
-    nodes = cfg.parallel.nodes
-    processes = strategy.processes_per_node * nodes
+    if ranks is None:
+        check_fewer_nodes(cfg, nodes)
+    processes = strategy.processes_per_node * nodes.most
     if ranks is None and processes > 1:
         check_rendezvous(cfg.parallel)
         start_rank_server()  # unless train.py has: it imports what the ranks need meanwhile
@@ -78,25 +87,49 @@ def run(cfg: DictConfig, ranks: Ranks | None) -> dict[str, Any]:
     configure_logging(job_logging, "launcher")
     log_config(cfg)
     resolved = plain_config(cfg)
-    return launch_ranks(resolved, run_dir, strategy.processes_per_node, nodes, job_logging)
+    return launch_ranks(
+        resolved, run_dir, blueprint.checkpoint, strategy.processes_per_node, nodes, job_logging
+    )
 
 
 def check_rendezvous(parallel: DictConfig) -> None:
     """Ranks launched here on several nodes must meet at an address every node can reach. (Under
     srun or torchrun the rendezvous comes from their environment instead.)"""
-    if parallel.nodes > 1 and parallel.master_port == 0:
+    if node_range(parallel.nodes).most > 1 and parallel.master_port == 0:
         raise ConfigError(
             "parallel.nodes > 1 needs a rendezvous every node can reach: set "
             "parallel.master_addr to the first node and parallel.master_port to a free port"
         )
 
 
-def check_started_ranks(ranks: Ranks, strategy: Strategy, nodes: int) -> None:
-    if ranks.world_size != strategy.processes_per_node * nodes:
+def check_fewer_nodes(cfg: DictConfig, nodes: NodeRange) -> None:
+    """An elastic job's settings must also hold on each number of nodes it may go on with (the
+    batch splits over fewer ranks): checked before any rank starts, not at the restart."""
+    for count in range(nodes.least, nodes.most):
+        fewer = cfg.copy()
+        fewer.parallel.nodes = count
+        try:
+            check_settings(fewer, None)
+        except ConfigError as error:
+            message = f"on {count} node(s) of parallel.nodes={cfg.parallel.nodes}: {error}"
+            raise ConfigError(message) from None
+
+
+def started_nodes(ranks: Ranks, nodes: NodeRange) -> int:
+    """The nodes `ranks` run on, where `nodes` admits that many (an elastic job re-formed on
+    fewer); else its most, for `check_started_ranks` to refuse."""
+    started = ranks.world_size // max(1, ranks.local_world_size)
+    return started if nodes.least <= started <= nodes.most else nodes.most
+
+
+def check_started_ranks(ranks: Ranks, strategy: Strategy, nodes: NodeRange) -> None:
+    per_node = strategy.processes_per_node
+    if ranks.world_size not in {per_node * count for count in range(nodes.least, nodes.most + 1)}:
+        counted = f"{nodes.least} to {nodes.most}" if nodes.elastic else nodes.most
         raise ConfigError(
             f"{ranks.world_size} processes were started ({ranks.local_world_size} per node) "
-            f"but parallel={strategy.name} runs {strategy.processes_per_node} per node on "
-            f"{nodes} node(s): make parallel.devices (and parallel.nodes) match the launcher"
+            f"but parallel={strategy.name} runs {per_node} per node on "
+            f"{counted} node(s): make parallel.devices (and parallel.nodes) match the launcher"
         )
 
 
@@ -108,24 +141,79 @@ def log_config(cfg: DictConfig) -> None:
 def launch_ranks(
     resolved_cfg: dict[str, Any],
     run_dir: Path,
+    checkpoint: Path | None,
     per_node: int,
-    nodes: int,
+    nodes: NodeRange,
     job_logging: dict[str, Any],
 ) -> dict[str, Any]:
     """`launch` the ranks of `train_worker`. A first SIGINT/SIGTERM stops them together after a
     step (they raise the stop, and so does this); a second one kills them (or the first, before
     they have started); a process of the job that dies or fails ends it: then the last
-    checkpoint says where the run can resume from."""
+    checkpoint says where the run can resume from. An elastic job re-formed on fewer nodes says
+    so in a line and in summary.json (`NodesLost`)."""
     parallel = OmegaConf.create(resolved_cfg["parallel"])
-    args = (resolved_cfg, str(run_dir))
+    args = (resolved_cfg, str(run_dir), checkpoint and str(checkpoint))
+    losses = NodesLost(run_dir)
+    rounds = Rounds(reformed=losses.reformed)
     try:
-        return launch(train_worker, args, per_node, nodes, parallel, job_logging, (RunStopped,))
+        summary = launch(
+            train_worker, args, per_node, nodes, parallel, job_logging, (RunStopped,), rounds
+        )
     except KilledBySignal as stopped:
         name = signal.Signals(stopped.signum).name
         kept = last_checkpoint(run_dir)
         raise Interrupted(f"stopped by {name} at once; {kept}", 128 + stopped.signum) from None
     except JobFailed as failed:
         raise ProcessDied(f"{failed}; the job stopped and {last_checkpoint(run_dir)}") from None
+    if losses.events and rounds.seen[-1].rank == 0:  # this node's rank 0 wrote the summary
+        summary["nodes_lost"] = losses.events
+        summary_file(run_dir).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+class NodesLost:
+    """What each re-forming of an elastic job cost, as this node's launcher saw it: `reformed`
+    logs one line and keeps an event for summary.json's `nodes_lost`."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.events: list[dict[str, Any]] = []
+
+    def reformed(self, before: Round, now: Round) -> None:
+        """Called as the job's rendezvous re-forms, before the ranks restart: the last step
+        logged (metrics.jsonl; trainer.log_every apart) is where nodes were lost or joined, the
+        last checkpoint where the ranks resume; the time lost runs from that step's log to the
+        job re-formed (the steps redone cost their time again after it)."""
+        lost = [node for node in before.nodes if node not in now.nodes]
+        joined = [node for node in now.nodes if node not in before.nodes]
+        history = metrics_file(self.run_dir)
+        rows = history.read_text().splitlines() if history.exists() else []
+        reached = int(max((history_step(row) for row in rows), default=0))
+        last_progress = history.stat().st_mtime if rows else now.asked
+        saved = saved_checkpoints(self.run_dir)
+        resumed = int(saved[-1].name.removeprefix("step-")) if saved else 0
+        event = {
+            "lost": lost,
+            "joined": joined,
+            "at_step": reached,
+            "resumed_from_step": resumed,
+            "steps_redone": reached - resumed,
+            "nodes": len(now.nodes),
+            "seconds_lost": round(now.formed - last_progress, 1),
+        }
+        self.events.append(event)
+        changes = [f"node(s) {', '.join(lost)} lost"] if lost else []
+        changes += [f"node(s) {', '.join(joined)} joined"] if joined else []
+        log.warning(
+            "%s at step %d: the job re-formed on %d node(s) after %.1f s and resumes from step "
+            "%d (%d step(s) redone)",
+            " and ".join(changes) or "a rank failed",
+            reached,
+            event["nodes"],
+            event["seconds_lost"],
+            resumed,
+            event["steps_redone"],
+        )
 
 
 def last_checkpoint(run_dir: Path) -> str:
@@ -134,13 +222,32 @@ def last_checkpoint(run_dir: Path) -> str:
 
 
 def train_worker(
-    resolved_cfg: dict[str, Any], run_dir: str, ranks: Ranks, stop: StopOnSignal
+    resolved_cfg: dict[str, Any],
+    run_dir: str,
+    checkpoint: str | None,
+    ranks: Ranks,
+    stop: StopOnSignal,
 ) -> dict[str, Any]:
-    """`train` in a process started by `launch`, from the config the launcher checked. A stop
-    that every rank made at the same step (they agree on signals and non-finite losses) is
-    raised, and `launch` raises it again in the launcher."""
+    """`train` in a process started by `launch`, from the config the launcher checked and the
+    checkpoint it found to resume from, if any. A stop that every rank made at the same step
+    (they agree on signals and non-finite losses) is raised, and `launch` raises it again in the
+    launcher. Restarted in an elastic job re-formed (a node lost or joined), the ranks resume
+    from the newest checkpoint instead, on the nodes the job has now."""
     cfg = OmegaConf.create(resolved_cfg)
-    return train(cfg, Path(run_dir), check_settings(cfg, ranks), stop=stop)
+    cfg.parallel.nodes = started_nodes(ranks, node_range(cfg.parallel.nodes))
+    if goes_on_with_reformed_job():
+        cfg.trainer.resume, checkpoint = "auto", None
+    strategy = check_settings(cfg, ranks)
+    checked = Path(checkpoint) if checkpoint else None
+    blueprint = build_blueprint(cfg, Path(run_dir), strategy, checked)
+    return train(cfg, Path(run_dir), strategy, blueprint, stop=stop)
+
+
+def goes_on_with_reformed_job() -> bool:
+    """Whether this rank's launcher has re-formed its elastic job (`RESUME_KEY` in its store):
+    the first round of a node that joins later counts, which its agent does not count as a
+    restart."""
+    return bool(answer_within(STORE_ANSWER_S, lambda: rank_store().check([RESUME_KEY])))
 
 
 def resume_hint() -> str:

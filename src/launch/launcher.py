@@ -23,13 +23,17 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from src.config.parallel import NodeRange
 from src.launch.as_rank import configure_logging, rank_store, run_as_rank, started_ranks
 from src.launch.forking import end_with_launcher, start_rank_server, take_launcher_environment
 from src.runtime.torch_private import (
     name_rendezvous_events_cheaply,
 )
+
+if TYPE_CHECKING:
+    from src.launch.rendezvous import Rounds
 
 log = logging.getLogger(__name__)
 
@@ -99,28 +103,37 @@ def launch(
     fn: Callable[..., Any],
     args: tuple,
     processes_per_node: int,
-    nodes: int,
+    nodes: int | NodeRange,
     parallel: Any,
     job_logging: dict[str, Any],
     outcomes: tuple[type, ...] = (),
+    rounds: Rounds | None = None,
 ) -> Any:
     """Run `fn(*args, ranks, stop=...)` in `processes_per_node` new processes on this node (see
     `run_as_rank`); returns the result of the lowest rank here, or raises what it raised of
     `outcomes` (picklable exceptions that end a run as planned: every rank raises one alike).
-    `parallel` gives master_addr/master_port and timeout_s.
+    `parallel` gives master_addr/master_port, timeout_s and max_restarts; `rounds` collects the
+    rendezvous' rounds on this node.
 
     A failure in any rank, or the death of the rank server that forked them, stops them all
-    and raises `JobFailed`, naming the process that failed first (a rank logs its traceback).
+    and raises `JobFailed`, naming the process that failed first (a rank logs its traceback);
+    in an elastic job (`nodes` a range) only once parallel.max_restarts are spent: before, the
+    job is re-formed on the nodes left and its ranks restart.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
     from torch.distributed.launcher.api import elastic_launch
 
+    from src.launch.rendezvous import Rounds
+
+    rounds = rounds or Rounds()
     name_rendezvous_events_cheaply()
     # JobFailed's line says what these would.
     for name in AGENT_FAILURE_LOGGERS:
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    span = node_span(nodes)
     with tempfile.TemporaryDirectory(prefix="torchelastic-") as error_dir:
-        config = launch_config(processes_per_node, nodes, parallel, error_dir)
+        config = launch_config(processes_per_node, span, parallel, error_dir, rounds)
         with stop_signals_passed_to_ranks() as killing:
             worker = elastic_launch(config, _worker)
             server_pid = start_rank_server()
@@ -129,14 +142,27 @@ def launch(
             except ChildFailedError as failed:
                 if killing:  # the ranks died of it, but its exception was dropped
                     raise KilledBySignal(killing[0]) from None
-                ended = first_to_die(failed, server_pid, processes_per_node, nodes)
+                ended = first_to_die(failed, server_pid, processes_per_node, span.most)
                 raise JobFailed(ended) from None
+            except RendezvousConnectionError:
+                if not rounds.seen:  # at the start: torch's own words say best what is wrong
+                    raise
+                raise JobFailed(cannot_reform(config.rdzv_endpoint)) from None
             if killing:
                 raise KilledBySignal(killing[0])
     result = results[min(results)]
     if isinstance(result, Raised):
         raise result.error
     return result
+
+
+def cannot_reform(endpoint: str) -> str:
+    """Why an elastic job that lost a node ended instead of going on: its rendezvous is gone."""
+    return (
+        f"the job could not re-form on the nodes left: its rendezvous at {endpoint} is out of "
+        "reach (the node of parallel.master_addr, which hosts it, is lost, or the network to it "
+        "is down); an elastic job goes on without any node but that one"
+    )
 
 
 def first_to_die(failed: Any, server_pid: int | None, processes_per_node: int, nodes: int) -> str:
@@ -199,18 +225,25 @@ def child_end(pid: int) -> str | None:
     return f"was killed by {signal.Signals(ended.si_status).name}"
 
 
-def launch_config(processes_per_node: int, nodes: int, parallel: Any, error_dir: str) -> Any:
+def launch_config(
+    processes_per_node: int,
+    nodes: int | NodeRange,
+    parallel: Any,
+    error_dir: str,
+    rounds: Rounds | None = None,
+) -> Any:
     """What `torchrun --standalone` would set up (or, on several nodes, a rendezvous at
-    parallel.master_addr:master_port), with no restarts and a rendezvous of fixed size
-    (`src/launch/rendezvous.py`); the ranks' error files in `error_dir`."""
+    parallel.master_addr:master_port), with no restarts, or for an elastic job (`nodes` a range)
+    parallel.max_restarts (`src/launch/rendezvous.py`); the ranks' error files in `error_dir`."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
-    from src.launch.rendezvous import BACKEND
+    from src.launch.rendezvous import BACKEND, Rounds, rendezvous_configs
 
-    rendezvous: dict[str, Any] = {"timeout": int(parallel.timeout_s)}
+    span = node_span(nodes)
+    rendezvous = rendezvous_configs(parallel, span.elastic, rounds or Rounds())
     node_address = None
-    if nodes == 1 and parallel.master_port == 0:
+    if span.most == 1 and parallel.master_port == 0:
         endpoint, run_id = "localhost:0", uuid.uuid4().hex
     else:
         # Every node's launcher must name the same rendezvous.
@@ -218,26 +251,31 @@ def launch_config(processes_per_node: int, nodes: int, parallel: Any, error_dir:
         run_id = f"train-{endpoint}"
         node_address, rendezvous["is_host"] = this_node(parallel.master_addr)
     log.info(
-        "launching %d processes per node on %d node(s), rendezvous at %s",
+        "launching %d processes per node on %s node(s), rendezvous at %s",
         processes_per_node,
-        nodes,
+        f"{span.least} to {span.most}" if span.elastic else span.most,
         endpoint,
     )
     return LaunchConfig(
-        min_nodes=nodes,
-        max_nodes=nodes,
+        min_nodes=span.least,
+        max_nodes=span.most,
         nproc_per_node=processes_per_node,
         run_id=run_id,
         rdzv_backend=BACKEND,
         rdzv_endpoint=endpoint,
         rdzv_configs=rendezvous,
         local_addr=node_address,
-        max_restarts=0,
+        max_restarts=parallel.max_restarts if span.elastic else 0,
         start_method="forkserver",  # see `start_rank_server`
         logs_specs=DefaultLogsSpecs(log_dir=error_dir),
         signals_to_handle=AGENT_HANDLED_SIGNALS,
         **agent_shutdown_timeout(LaunchConfig, parallel.timeout_s),
     )
+
+
+def node_span(nodes: int | NodeRange) -> NodeRange:
+    """`nodes` as a range: a number of nodes is a job of fixed size."""
+    return nodes if isinstance(nodes, NodeRange) else NodeRange(nodes, nodes)
 
 
 def agent_shutdown_timeout(launch_config_class: type, timeout_s: float) -> dict[str, int]:

@@ -21,6 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from src.config.parallel import node_range
 from src.runtime.run_folder import hydra_file, status_file, summary_file
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class Row:
     job: str
     strategy: str
     devices: int
-    """Devices of the whole job: parallel.devices x parallel.nodes."""
+    """Devices of the whole job: parallel.devices x parallel.nodes (its most, if elastic)."""
     variant: str
     """The job's swept settings other than the strategy and device count, e.g. `model=mlp`."""
     world_size: int | None = None
@@ -137,7 +138,7 @@ def read_row(job_dir: Path, variant: str) -> Row:
     row = Row(
         job=job_dir.name,
         strategy=config.parallel.name,
-        devices=config.parallel.devices * config.parallel.nodes,
+        devices=config.parallel.devices * node_range(config.parallel.nodes).most,
         variant=variant,
     )
     status_path, summary_path = status_file(job_dir), summary_file(job_dir)

@@ -69,6 +69,11 @@ class TensorPeak:
         self.left = {"step": TRACED_STEPS, "evaluation": 1}  # passes still to count, by kind
         self.peak: float | None = None
 
+    @property
+    def counted_steps(self) -> int:
+        """How many of the first training steps run under the tracker (slower: its dispatch)."""
+        return TRACED_STEPS if self.tracker else 0
+
     def step(self) -> contextlib.AbstractContextManager:
         """A training step, counted if it is one of the first."""
         return self.counted("step")

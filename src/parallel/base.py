@@ -67,10 +67,11 @@ Now and then:
                                  steps; every step with trainer.skip_nonfinite)
     strategy.barrier()
     strategy.synchronize()       wait for queued device work (timing)
-    strategy.local_peak_memory_mb(cpu_mb)   (labels, megabytes) for this process's devices:
-                                 the allocator's peak on CUDA, `cpu_mb()` (default: the
-                                 process's resident peak) on CPU
-    strategy.peak_memory_mb(cpu_mb)    the same for every device the job used (all processes)
+    strategy.local_peak_memory_mb(*cpu_mb)  (labels, megabytes by measure) for this process's
+                                 devices: for each measure, the allocator's peak on CUDA,
+                                 its value (`process_peak_memory_mb`: the resident peak) on CPU
+    strategy.peak_memory_mb(*cpu_mb)   the same for every device the job used (all processes,
+                                 every measure in one gather)
     strategy.report()            strategy-specific figures for summary.json (e.g. bubble)
     strategy.teardown()
 For the planner (`src/planning/planner.py`), after check_batch and check_model, touching no device:
@@ -186,12 +187,12 @@ class TrainingStrategy(Protocol):
     def synchronize(self) -> None: ...
 
     def peak_memory_mb(
-        self, cpu_mb: Callable[[], float] = process_peak_memory_mb
-    ) -> tuple[list[str], list[float]]: ...
+        self, *cpu_mb: Callable[[], float]
+    ) -> tuple[list[str], list[list[float]]]: ...
 
     def local_peak_memory_mb(
-        self, cpu_mb: Callable[[], float] = process_peak_memory_mb
-    ) -> tuple[list[str], list[float]]: ...
+        self, *cpu_mb: Callable[[], float]
+    ) -> tuple[list[str], list[list[float]]]: ...
 
     def report(self) -> dict[str, Any]: ...
 
@@ -409,22 +410,19 @@ class Strategy:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
 
-    def peak_memory_mb(
-        self, cpu_mb: Callable[[], float] = process_peak_memory_mb
-    ) -> tuple[list[str], list[float]]:
-        return self.local_peak_memory_mb(cpu_mb)
+    def peak_memory_mb(self, *cpu_mb: Callable[[], float]) -> tuple[list[str], list[list[float]]]:
+        return self.local_peak_memory_mb(*cpu_mb)
 
     def local_peak_memory_mb(
-        self, cpu_mb: Callable[[], float] = process_peak_memory_mb
-    ) -> tuple[list[str], list[float]]:
-        """One entry per CUDA device; on CPU, one per process (replicas share its memory)."""
+        self, *cpu_mb: Callable[[], float]
+    ) -> tuple[list[str], list[list[float]]]:
+        """The labels, one per CUDA device (on CPU, one per process: replicas share its memory),
+        and for each measure in `cpu_mb` its megabytes, one per label."""
         if self.device_type == "cuda":
             devices = sorted(set(self.devices), key=lambda d: d.index)
-            return (
-                [str(d) for d in devices],
-                [torch.cuda.max_memory_allocated(d) / 2**20 for d in devices],
-            )
-        return [f"cpu:rank{self.rank}"], [cpu_mb()]
+            peaks = [torch.cuda.max_memory_allocated(d) / 2**20 for d in devices]
+            return [str(d) for d in devices], [peaks for _ in cpu_mb]
+        return [f"cpu:rank{self.rank}"], [[measure()] for measure in cpu_mb]
 
     def report(self) -> dict[str, Any]:
         return {}

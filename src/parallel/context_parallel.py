@@ -20,6 +20,7 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -31,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from src.components.batches import Tree
 from src.config.base import ConfigError
+from src.parallel.base import LossFn
 
 SEQUENCE_DIM = 2
 """Of SDPA's query, key and value: (batch, heads, sequence, head size)."""
@@ -46,6 +48,7 @@ TORCH_RING = (
     (_attention, "_cp_options"),
     (_attention, "_enable_context_parallel_dispatcher_impl"),
     (_attention, "_disable_context_parallel_dispatcher_impl"),
+    (_attention, "context_parallel_unshard"),
     (_load_balancer, "_HeadTailLoadBalancer"),
     (DTensor._op_dispatcher, "unwrap_to_op_info"),
     (DTensor._op_dispatcher, "wrap"),
@@ -221,11 +224,14 @@ def check_sequence_length(length: int, cp: int) -> None:
 
 
 class AttentionCalls(TorchFunctionMode):
-    """Records the mask kind of every SDPA call made while it is on."""
+    """Records the mask kind and the key and value bytes of every SDPA call made while it is
+    on, and the lengths of the ranges `torch.arange` makes (positions made in the forward)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.masks: list[str] = []
+        self.key_values: list[int] = []
+        self.ranges: list[object] = []
 
     def __torch_function__(
         self,
@@ -237,7 +243,16 @@ class AttentionCalls(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             self.masks.append(mask_kind(*args, **kwargs))
+            self.key_values.append(key_value_bytes(*args, **kwargs))
+        if func is torch.arange:
+            self.ranges.append(args[-1] if len(args) < 3 else None)
         return func(*args, **kwargs)
+
+
+def key_value_bytes(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *_: object, **__: object
+) -> int:
+    return key.nbytes + value.nbytes
 
 
 def mask_kind(
@@ -255,12 +270,15 @@ def mask_kind(
     return "causal" if is_causal else "no (full attention)"
 
 
-def check_attention(model: nn.Module, inputs: Tree) -> None:
+def check_attention(model: nn.Module, inputs: torch.Tensor) -> list[int]:
     """ConfigError, in one line, for a model that runs no SDPA (nothing for cp to split) or runs
-    it with a mask the ring cannot take (causal only). Runs the model once on `inputs` (meta
-    tensors, as `check_model` has them, cost nothing)."""
+    it with a mask the ring cannot take (causal only), that makes its positions in the forward
+    pass (`torch.arange` over the sequence: each rank would number its share from 0) or whose
+    outputs are not one tensor per token (what `apply_cp` splits the loss by). Runs the model
+    once on `inputs` (meta tensors, as `check_model` has them, cost nothing). Returns each SDPA
+    call's key and value bytes per sample, for the planner (`context_parallel_plan.py`)."""
     with torch.no_grad(), AttentionCalls() as calls:
-        model(inputs)
+        outputs = model(inputs)
     if not calls.masks:
         raise ConfigError(
             "parallel.cp splits sequences for attention, and the model runs none "
@@ -273,3 +291,70 @@ def check_attention(model: nn.Module, inputs: Tree) -> None:
             f"{unsupported[0]} mask; use a causal model (model=transformer or model=gpt), or "
             "parallel.cp=1"
         )
+    length = inputs.shape[SEQUENCE_OF_BATCH]
+    if length in calls.ranges:
+        raise ConfigError(
+            f"parallel.cp gives each rank a share of every sequence, and the model numbers its "
+            f"positions with torch.arange({length}) in its forward pass; keep them in a buffer "
+            "named `positions` (as TokenEmbedding does), which cp splits as it splits the tokens"
+        )
+    if not torch.is_tensor(outputs) or outputs.shape[:2] != inputs.shape[:2]:
+        raise ConfigError(
+            "parallel.cp splits the loss along the sequence, and the model's outputs are not one "
+            "tensor of (batch, sequence, ...) (a mixture of experts' aux loss, say); use "
+            "model=transformer or model=gpt, or parallel.cp=1"
+        )
+    return [size // inputs.shape[0] for size in calls.key_values]
+
+
+SEQUENCE_OF_BATCH = 1
+"""Of a batch of token ids, their labels, a language model's outputs: (batch, sequence, ...)."""
+
+
+def shard_positions(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Every buffer named `positions` (each token's place in the sequence, as TokenEmbedding
+    keeps them) cut as `shard_sequence` cuts the tokens: each rank's tokens keep their places."""
+    for module in model.modules():
+        positions = module._buffers.get("positions")
+        if positions is not None:
+            module.positions = shard_sequence(mesh, [positions], [0])[0]
+
+
+def apply_cp(
+    mesh: DeviceMesh,
+    inputs: torch.Tensor,
+    targets: Tree,
+    fn: LossFn,
+    apply: Callable[[Tree, Tree, LossFn], torch.Tensor],
+) -> torch.Tensor:
+    """`apply(inputs, targets, fn)` (the forward pass and the loss sums) on this cp rank's
+    share of every sequence, inside `ring_attention` (which the caller holds open). Targets of
+    one label per token are split with the tokens, and the sums summed over the cp ranks (each
+    rank's loss then single's: `summed_over`); any other targets (predictions' sample indices)
+    get the outputs whole again (`unshard_sequence`)."""
+    length = inputs.shape[SEQUENCE_OF_BATCH]
+    if torch.is_tensor(targets) and targets.shape[:2] == inputs.shape[:2]:
+        ids, labels = shard_sequence(mesh, [inputs, targets], [SEQUENCE_OF_BATCH] * 2)
+        return summed_over(mesh, apply(ids, labels, fn))
+    (ids,) = shard_sequence(mesh, [inputs], [SEQUENCE_OF_BATCH])
+
+    def on_whole_sequences(outputs: torch.Tensor, targets: Tree) -> torch.Tensor:
+        return fn(unshard_sequence(mesh, outputs, length), targets)
+
+    return apply(ids, targets, on_whole_sequences)
+
+
+def summed_over(mesh: DeviceMesh, sums: torch.Tensor) -> torch.Tensor:
+    """`sums` summed over `mesh`'s ranks in value, and this rank's own in gradient: each rank
+    backpropagates its own tokens' losses, which the gradients' reduction sums."""
+    total = sums.detach().clone()
+    dist.all_reduce(total, group=mesh.get_group())
+    return sums + (total - sums).detach()
+
+
+def unshard_sequence(mesh: DeviceMesh, outputs: torch.Tensor, length: int) -> torch.Tensor:
+    """Every cp rank's share of `outputs` gathered back into whole sequences of `length`, in
+    order (torch's `context_parallel_unshard` with `shard_sequence`'s head-tail order)."""
+    order = _load_balancer._HeadTailLoadBalancer(length, mesh.size(), outputs.device)
+    (whole,) = _attention.context_parallel_unshard(mesh, [outputs], [SEQUENCE_OF_BATCH], order)
+    return whole

@@ -97,7 +97,8 @@ def bucketed_all_reduce(size: int, ranks: int, times: int = 1) -> Messages:
     """`size` bytes of gradients all-reduced in DDP's buckets `times` per step, while backward
     computes."""
     buckets = 1 + max(0, -(-(size - FIRST_BUCKET_BYTES) // BUCKET_BYTES))
-    return Messages("all_reduce", times * buckets, size // buckets, ranks, overlapped=True)
+    each = size // buckets
+    return Messages("all_reduce", times * buckets, each, ranks, overlapped=True, wrapper="ddp")
 
 
 def reducer_options(cfg: MeshConfig) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from torch import nn
 from src.components.batches import Tree, move
 from src.config.base import ConfigError
 from src.config.parallel import DistributedConfig
-from src.parallel.base import LossFn, Strategy, process_peak_memory_mb, usable_cores
+from src.parallel.base import LossFn, Strategy, usable_cores
 from src.parallel.mechanisms.sync_batchnorm import convert_sync_batchnorm
 from src.runtime.ranks import Ranks
 
@@ -125,20 +125,21 @@ class Distributed(Strategy):
     def barrier(self) -> None:
         dist.barrier(device_ids=[self.device.index] if self.backend == "nccl" else None)
 
-    def peak_memory_mb(
-        self, cpu_mb: Callable[[], float] = process_peak_memory_mb
-    ) -> tuple[list[str], list[float]]:
-        """Every rank's devices, in rank order."""
+    def peak_memory_mb(self, *cpu_mb: Callable[[], float]) -> tuple[list[str], list[list[float]]]:
+        """Every rank's devices, in rank order (one gather for all the measures)."""
         gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, self.local_peak_memory_mb(cpu_mb))
+        dist.all_gather_object(gathered, self.local_peak_memory_mb(*cpu_mb))
         labels = [label for rank_labels, _ in gathered for label in rank_labels]
-        megabytes = [mb for _, rank_mb in gathered for mb in rank_mb]
+        megabytes = [
+            [mb for _, rank_measures in gathered for mb in rank_measures[measure]]
+            for measure in range(len(cpu_mb))
+        ]
         return labels, megabytes
 
     def local_peak_memory_mb(
-        self, cpu_mb: Callable[[], float] = process_peak_memory_mb
-    ) -> tuple[list[str], list[float]]:
-        labels, megabytes = super().local_peak_memory_mb(cpu_mb)
+        self, *cpu_mb: Callable[[], float]
+    ) -> tuple[list[str], list[list[float]]]:
+        labels, megabytes = super().local_peak_memory_mb(*cpu_mb)
         if self.device_type == "cuda" and self.cfg.nodes > 1:
             labels = [f"rank{self.rank}:{label}" for label in labels]
         return labels, megabytes

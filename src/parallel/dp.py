@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from src.components.batches import Tree, move
-from src.parallel.base import LossFn, Strategy
+from src.parallel.base import LossFn, Strategy, process_peak_memory_mb
 from src.parallel.mechanisms.replicas import DataParallel
 from src.parallel.shares import DeviceShare, ModelSizes
 
@@ -53,7 +53,7 @@ class DP(Strategy):
 
     def report(self) -> dict[str, Any]:
         """On 2+ GPUs: the output device's peak memory over the other devices' mean."""
-        _, peaks = self.peak_memory_mb()
+        _, (peaks,) = self.peak_memory_mb(process_peak_memory_mb)
         if self.device_type != "cuda" or len(peaks) < 2:
             return {}
         others = peaks[1:]

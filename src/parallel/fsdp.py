@@ -75,6 +75,11 @@ def gathered_bytes(fp32_bytes: int, precision: str) -> int:
     return fp32_bytes // 2 if precision in AUTOCAST_DTYPES else fp32_bytes
 
 
+def offload_policy(offload: Offload) -> OffloadPolicy:
+    """FSDP2's policy for `parallel.offload`: cpu keeps the shards in host memory."""
+    return CPUOffloadPolicy() if offload == Offload.cpu else OffloadPolicy()
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -87,10 +92,20 @@ def apply_fsdp(
     a unit gathered for its forward stays gathered until its gradients are reduced; `offload`
     cpu keeps the shards (and their gradients and optimizer state) in host memory."""
     options = {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": reshard_after_forward}
-    options["offload_policy"] = CPUOffloadPolicy() if offload == Offload.cpu else OffloadPolicy()
+    options["offload_policy"] = offload_policy(offload)
     for unit in sharding_units(model):
         fully_shard(unit if len(unit) > 1 else unit[0], **options)
     return fully_shard(model, **options)
+
+
+def divide_gradients_by(model: nn.Module, factor: int) -> None:
+    """Every FSDP unit of `model` divides its reduced gradients by `factor` instead of by its
+    ranks (more ranks than `factor`: the others' gradients are summed). Summed, then divided:
+    the premultiplied sum torch uses otherwise is NCCL's, which gloo lacks."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(float(factor))
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def micro_step_counts(staged: bool, accumulate: int) -> tuple[int, int]:
@@ -129,10 +144,11 @@ def sharded_messages(
     gathers = gathers_per_micro_step * accumulate
     gathered = [gathered_bytes(unit, precision) for unit in units]
     each, reduced_each = sum(gathered) // len(units), sum(units) // len(units)
+    prefetched, reduced = gathers * len(units) - accumulate, reductions * len(units)
     return [
-        Messages("all_gather", accumulate, each, shards),
-        Messages("all_gather", gathers * len(units) - accumulate, each, shards, overlapped=True),
-        Messages("reduce_scatter", reductions * len(units), reduced_each, shards, overlapped=True),
+        Messages("all_gather", accumulate, each, shards, wrapper="fsdp"),
+        Messages("all_gather", prefetched, each, shards, overlapped=True, wrapper="fsdp"),
+        Messages("reduce_scatter", reduced, reduced_each, shards, overlapped=True, wrapper="fsdp"),
     ]
 
 

@@ -1,9 +1,10 @@
 """The degrees of an N-D layout (torchtitan's ParallelDims) and the named DeviceMesh over them.
 
-A job of W processes is a grid pp x dp_replicate x dp_shard x tp, in that order, tp varying
-fastest (the peers that talk most, TP's, get neighbouring ranks: one node, NVLink). A degree of
--1 takes the ranks the others leave. Ranks that share a data-parallel index (the same
-dp_replicate and dp_shard coordinates) read the same batch; data-parallel rank d of D reads
+A job of W processes is a grid pp x dp_replicate x dp_shard x cp x tp, in that order, tp varying
+fastest (the peers that talk most, TP's, get neighbouring ranks: one node, NVLink; cp's ring
+next). A degree of -1 takes the ranks the others leave. Ranks that share a data-parallel index
+(the same dp_replicate and dp_shard coordinates) read the same batch (cp's ranks each keep a
+share of every sequence of it); data-parallel rank d of D reads
 `global batch / D` samples, as a ddp rank of D would, so the global batch means what it means
 under `single`.
 """
@@ -17,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from src.config.base import ConfigError
 
-DIMENSIONS = ("pp", "dp_replicate", "dp_shard", "tp")
+DIMENSIONS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,11 @@ class Layout:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
     tp: int = 1
+    ep: int = 1
+    """Expert-parallel ranks, borrowed from dp_shard (a divisor of it, not a dimension of the
+    grid: `expert_parallel.py`)."""
 
     @classmethod
     def of(cls, world_size: int, **degrees: int) -> Layout:
@@ -63,8 +68,13 @@ class Layout:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def fsdp_shards(self) -> int:
+        """The ranks FSDP2 shards over: dp_shard's, and cp's with them (`sharding_mesh`)."""
+        return self.dp_shard * self.cp
+
+    @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """`rank`'s index along each dimension (row-major over DIMENSIONS)."""
@@ -79,13 +89,15 @@ class Layout:
         return where["dp_replicate"] * self.dp_shard + where["dp_shard"]
 
     def label(self) -> str:
-        """A strategy name for reports: `fsdp2xtp2`, `ddp2xpp2`, `tp2` (degrees above 1 only)."""
+        """A strategy name for reports: `fsdp2xtp2`, `ddp2xpp2`, `cp2` (degrees above 1 only)."""
         parts = [
             f"{name}{degree}"
             for name, degree in (
                 ("ddp", self.dp_replicate if self.dp_shard == 1 else 1),
                 ("hsdp", self.dp_replicate if self.dp_shard > 1 else 1),
                 ("fsdp", self.dp_shard),
+                ("ep", self.ep),
+                ("cp", self.cp),
                 ("tp", self.tp),
                 ("pp", self.pp),
             )
@@ -100,3 +112,13 @@ class Layout:
         shape = tuple(getattr(self, name) for name in DIMENSIONS)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=DIMENSIONS)
         return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+    def sharding_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The 2-D (dp_replicate, shards) mesh FSDP2 runs over: the shards are dp_shard's ranks,
+        and cp's with them (torchtitan's dp_shard_cp), since the cp ranks of one data-parallel
+        index compute gradients of different tokens of the same samples, to be summed."""
+        if self.cp == 1:
+            return mesh["dp_replicate", "dp_shard"]
+        flat = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        shape, names = (self.dp_replicate, self.fsdp_shards), ("dp_replicate", "dp_shard_cp")
+        return flat._unflatten(0, shape, names)

@@ -1,6 +1,6 @@
 """Every strategy of one process per rank: an N-D layout of degrees (src/parallel/layout.py)
-adapted to the loop's Strategy interface. The presets ddp, fsdp, hybrid, tp, pp, fsdp_tp,
-fsdp_tp_pp and mesh are layouts of it (conf/parallel/).
+adapted to the loop's Strategy interface. The presets ddp, fsdp, hybrid, tp, pp, cp, fsdp_tp,
+fsdp_cp_tp, fsdp_tp_pp, ep and mesh are layouts of it (conf/parallel/).
 
 One process per rank (per `parallel.stages` devices under the stage cut), launched as torchrun
 would. The degrees decide the mechanisms:
@@ -11,20 +11,26 @@ would. The degrees decide the mechanisms:
 - anything else: the pipeline cut (`pipeline_schedules.stage_parts`: the stages this pp rank
   runs; the other blocks go to the meta device), tensor parallel (`apply_tp`, over the whole
   model) and then FSDP2 over the data-parallel dimensions (`fsdp.apply_fsdp`: dp_shard shards,
-  dp_replicate replicates, both HSDP; under pp, each stage its own FSDP root). Each process then
+  dp_replicate replicates, both HSDP; under pp, each stage its own FSDP root), with ep's experts
+  split over ep ranks borrowed from dp_shard (`expert_parallel.apply_ep`). Each process then
   holds part of the gradients, so fp16's scaler checks them all together (`fsdp.sharded_scaler`).
+  Under cp each rank runs its share of every sequence with attention as a ring
+  (`context_parallel.apply_cp`), and FSDP shards over dp_shard x cp, summing the cp ranks'
+  gradients (of different tokens) and averaging the data-parallel ranks'.
 
-Data-parallel rank d of D reads `global batch / D` samples; the tp and pp ranks of one
-data-parallel index read the same ones and compute the same loss, which only the data-parallel
-ranks sum. Checkpoints hold single's tensors whatever the layout (`mesh_checkpoints.py`); the
-planner's figures come from the degrees (`mesh_shares.py`).
+Data-parallel rank d of D reads `global batch / D` samples; the tp, cp and pp ranks of one
+data-parallel index read the same ones and compute the same loss (cp's ranks sum theirs), which
+only the data-parallel ranks sum. Checkpoints hold single's tensors whatever the layout
+(`mesh_checkpoints.py`); the planner's figures come from the degrees (`mesh_shares.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import re
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -40,10 +46,26 @@ from src.config.base import ConfigError
 from src.config.parallel import MeshConfig
 from src.parallel import ddp, hybrid
 from src.parallel.base import LossFn, Tree
+from src.parallel.context_parallel import (
+    apply_cp,
+    check_attention,
+    check_sequence_length,
+    check_torch_ring,
+    ring_attention,
+    shard_positions,
+)
 from src.parallel.distributed import Distributed
+from src.parallel.expert_parallel import (
+    apply_ep,
+    check_degrees,
+    check_experts,
+    expert_split,
+    resolved_ep,
+)
 from src.parallel.fsdp import (
     apply_fsdp,
     copy_from_rank0,
+    divide_gradients_by,
     gradient_sync,
     mixed_precision,
     sharded_scaler,
@@ -65,6 +87,13 @@ def held_bytes(model: nn.Module) -> int:
     return sum(t.nbytes for t in local if not t.is_meta)
 
 
+def squared_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
+    """The squared 2-norm of `parameters`' gradients, whole (a collective for DTensors)."""
+    gradients = [p.grad for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(gradients)
+    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).square()
+
+
 class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
     settings_schema = MeshConfig
     sharded_checkpoints = True
@@ -75,16 +104,19 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
         self.processes_per_node = cfg.devices // cfg.stages
         self.world_size = self.processes_per_node * cfg.nodes
         degrees = {name: getattr(cfg, name) for name in DIMENSIONS}
-        self.layout = Layout.of(self.world_size, **degrees)
+        layout = Layout.of(self.world_size, **degrees)
+        self.layout = replace(layout, ep=resolved_ep(cfg.ep, layout.dp_shard))
         # The degrees as set decide, -1 among them (a degree of one rank is still the preset's
         # mechanism: fsdp on one process shards, as ddp on one replicates).
-        self.runs_ddp = cfg.dp_shard == cfg.tp == cfg.pp == 1
+        self.runs_ddp = cfg.dp_shard == cfg.tp == cfg.pp == cfg.cp == 1
         model_split = cfg.tp != 1 or cfg.pp != 1
-        # tp and pp leave data parallel out when it has one rank; ddp and fsdp wrap it anyway.
-        wraps_data_parallel = self.layout.dp > 1 or not model_split
-        self.shards = not self.runs_ddp and wraps_data_parallel and cfg.dp_shard != 1
+        # tp and pp leave data parallel out when it has one rank; ddp and fsdp wrap it anyway,
+        # and cp's ranks sum their gradients through it.
+        wraps_data_parallel = self.layout.dp * self.layout.cp > 1 or not model_split
+        self.shards = not self.runs_ddp and wraps_data_parallel and cfg.dp_shard * cfg.cp != 1
         self.fsdp = not self.runs_ddp and wraps_data_parallel
         self.stage_cut = hybrid.stage_cut(cfg, self.world_size, self.runs_ddp)
+        check_degrees(self.layout, self.runs_ddp)
         if not self.runs_ddp:
             ddp.check_reducer_options(cfg, self.layout.label())
         if self.layout.pp > 1:
@@ -94,8 +126,13 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
                     "parallel.sequence_parallel and parallel.loss_parallel do not run with "
                     "parallel.pp > 1 yet; set them to false, or parallel.pp=1"
                 )
+        if self.layout.cp > 1 and self.layout.pp > 1:
+            raise ConfigError(
+                "parallel.cp does not run with parallel.pp > 1 yet (the pipeline's stages are "
+                "shaped for whole sequences); set parallel.cp=1 or parallel.pp=1"
+            )
         self.row_orders: dict[str, torch.Tensor] = {}
-        self.loss_kernels = contextlib.ExitStack()
+        self.run_contexts = contextlib.ExitStack()  # loss_parallel's kernels; cp's ring
         self.pipeline: PipelineRun | None = None
         self.held_bytes = 0  # of the wrapped model, for `report`
         self.parameter_order: list[str] = []  # the whole model's, as single's optimizer has them
@@ -111,8 +148,8 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
 
     @property
     def data_parallel_only(self) -> bool:
-        """Every process a data-parallel rank of its own (no tp or pp)."""
-        return self.layout.tp * self.layout.pp == 1
+        """Every process a data-parallel rank of its own (no tp, cp or pp)."""
+        return self.layout.tp * self.layout.cp * self.layout.pp == 1
 
     def processes_from_settings(self) -> str:
         cfg = self.cfg
@@ -138,6 +175,9 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
         ddp.check_accumulate(self.cfg, accumulate)
 
     def check_model(self, model: nn.Module, inputs: Tree) -> None:
+        check_experts(model, self.layout.ep)
+        if self.layout.ep > 1:
+            self.ep_split = expert_split(model, inputs, self.layout)
         if self.stage_cut is not None:
             self.stage_cut.plan(model, inputs, self.device_type)
         if self.layout.pp > 1:
@@ -154,6 +194,11 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
                 "parallel.sequence_parallel and parallel.loss_parallel need tensor parallel; set "
                 "parallel.tp to 2 or more"
             )
+        if self.layout.cp > 1:
+            check_torch_ring()
+            # First: a model without attention has no sequence to cut.
+            self.key_values = check_attention(model, inputs)
+            check_sequence_length(inputs.shape[1], self.layout.cp)
 
     def setup(self) -> None:
         super().setup()
@@ -162,7 +207,7 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
             self.data_parallel_group = data_parallel.get_group()
         if self.cfg.loss_parallel:
             # Its cross-entropy kernels for the forward in `apply` and the loop's backward.
-            self.loss_kernels.enter_context(loss_parallel())
+            self.run_contexts.enter_context(loss_parallel())
 
     def local_devices(self) -> list[torch.device]:
         if self.stage_cut is not None:
@@ -197,7 +242,7 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
         rank's stages its own FSDP root over the data-parallel ranks (torch's stages drive its
         gradient reduction); else FSDP over the whole model."""
         copy_from_rank0(model, self.device)
-        data_parallel = self.mesh["dp_replicate", "dp_shard"]
+        data_parallel = self.layout.sharding_mesh(self.mesh)
         policy, offload = mixed_precision(self.precision), self.cfg.offload
         if self.layout.pp > 1:
             pp_mesh = self.mesh["pp"]
@@ -209,10 +254,17 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
                 block.to(self.device if id(block) in kept else "meta")
         else:
             model = model.to(self.device)
+        if self.layout.cp > 1:
+            shard_positions(model, self.mesh["cp"])
+            # Until teardown, for the forward in `apply` and the loop's backward (from here: the
+            # trainer's FLOPs count runs the whole model on the meta device before `wrap`).
+            self.run_contexts.enter_context(ring_attention(self.mesh["cp"]))
         if self.layout.tp > 1:  # the meta blocks are split too, on no rank's memory
             self.row_orders = apply_tp(
                 model, self.mesh["tp"], self.cfg.sequence_parallel, self.cfg.loss_parallel
             )
+        if self.layout.ep > 1:  # the experts before the blocks around them
+            apply_ep(model, data_parallel, self.layout.ep, policy, offload)
         if self.layout.pp > 1:
             if self.fsdp:
                 # Each stage stays gathered from its first forward to the schedule's gradient
@@ -229,6 +281,8 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
             self.pipeline = PipelineRun(self.cfg, pp_mesh, self.device, parts, block_ranks)
         elif self.fsdp:
             model = apply_fsdp(model, data_parallel, policy, offload=offload)
+            if self.layout.cp > 1:  # the cp ranks' gradients summed, the data-parallel averaged
+                divide_gradients_by(model, self.layout.dp)
         self.held_bytes = held_bytes(model)
         return model
 
@@ -243,21 +297,35 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
 
     def clip_grad_norm(self, parameters: list[nn.Parameter], max_norm: float) -> None:
         """Under pp, by the norm of every pp rank's gradients (each holds its own stages'), as
-        single's is of the whole model's."""
-        if self.pipeline is None:
+        single's is of the whole model's; under ep, of the dense and the experts' gradients,
+        DTensors on two meshes, whose norms torch cannot stack (each group's taken alone)."""
+        if self.pipeline is None and self.layout.ep == 1:
             return super().clip_grad_norm(parameters, max_norm)
-        gradients = [p.grad for p in parameters if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(gradients)
-        squared = (norm.full_tensor() if isinstance(norm, DTensor) else norm).square()
-        dist.all_reduce(squared, group=self.pipeline.group)
+        groups: dict[Any, list[nn.Parameter]] = {}
+        for parameter in parameters:
+            mesh = parameter.device_mesh if isinstance(parameter, DTensor) else None
+            groups.setdefault(mesh, []).append(parameter)
+        squared = sum(squared_norm(group) for group in groups.values())
+        if self.pipeline is not None:
+            dist.all_reduce(squared, group=self.pipeline.group)
         with implicit_replication():  # the norm, a plain tensor, scales DTensor gradients too
-            torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, squared.sqrt())
+            for group in groups.values():
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, squared.sqrt())
 
     def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
         if self.stage_cut is not None:
             return model(inputs, targets, fn)
         if self.pipeline is not None:
             return self.pipeline.run(move(inputs, self.device), move(targets, self.device), fn)
+        if self.layout.cp > 1:
+            on_shares = functools.partial(self.apply_whole, model)
+            return apply_cp(self.mesh["cp"], inputs, targets, fn, on_shares)
+        return self.apply_whole(model, inputs, targets, fn)
+
+    def apply_whole(
+        self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn
+    ) -> torch.Tensor:
+        """The forward pass and `fn` on every token of `inputs` this rank holds."""
         if not self.cfg.loss_parallel:
             return super().apply(model, inputs, targets, fn)
         # The logits are a DTensor split over the vocabulary; the targets, whole on every tp
@@ -266,7 +334,7 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
         return fn(model(move(inputs, self.device)), targets).full_tensor()
 
     def teardown(self) -> None:
-        self.loss_kernels.close()
+        self.run_contexts.close()
         ddp.release_reducer(self.replica)
         super().teardown()
 

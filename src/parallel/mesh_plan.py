@@ -121,10 +121,10 @@ def tp_messages(
     count = 2 * len(pairs) * runs
     if sp:
         return [
-            Messages("all_gather", count, size, tp),
-            Messages("reduce_scatter", count, size, tp),
+            Messages("all_gather", count, size, tp, wrapper="tp"),
+            Messages("reduce_scatter", count, size, tp, wrapper="tp"),
         ]
-    return [Messages("all_reduce", count, size, tp)]
+    return [Messages("all_reduce", count, size, tp, wrapper="tp")]
 
 
 def split_parameters(module: nn.Module, style: ParallelStyle) -> list[nn.Parameter]:

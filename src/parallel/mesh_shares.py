@@ -2,7 +2,9 @@
 device's share of the model's state and work, and what each rank sends per step, from the
 layout's degrees whichever preset named them: dp_replicate alone DDP's (`ddp.py`: a replica and
 its buckets; under the stage cut, its stages: `stage_cut.py`), else tp's split (`mesh_plan.py`),
-the pipeline's stages (`pipeline_schedules.py`) and FSDP2's shards and working set (`fsdp.py`).
+cp's share of the sequence and its ring (`context_parallel_plan.py`), the pipeline's stages
+(`pipeline_schedules.py`), ep's experts and exchanges (`expert_parallel.py`) and FSDP2's shards
+(over dp_shard x cp) and working set (`fsdp.py`).
 """
 
 from __future__ import annotations
@@ -10,7 +12,14 @@ from __future__ import annotations
 from typing import Any
 
 from src.config.parallel import MeshConfig
+from src.parallel.context_parallel_plan import (
+    ring_activations_kept,
+    ring_messages,
+    ring_traffic,
+    ring_working_set,
+)
 from src.parallel.ddp import bucket_bytes, bucketed_all_reduce, replica_traffic
+from src.parallel.expert_parallel import ExpertSplit, ep_gathered_bytes, ep_messages, ep_traffic
 from src.parallel.fsdp import (
     sharded_messages,
     sharded_share,
@@ -43,6 +52,8 @@ class LayoutShares:
     stage_cut: StageCut | None
     stage_points: tuple[int, ...] = ()
     split: TPSplit | None = None
+    ep_split: ExpertSplit | None = None
+    key_values: tuple[int, ...] | list[int] = ()  # each attention's per sample, under cp
 
     def stage_blocks(self, blocks: int) -> list[list[tuple[int, int]]]:
         """Each pp rank's stages, as [start, end) ranges of the model's `blocks` blocks."""
@@ -65,8 +76,12 @@ class LayoutShares:
         return tp_kept_bytes(self.split, self.layout.tp, sizes, blocks)
 
     def fsdp_units(self, sizes: ModelSizes) -> list[int]:
-        """The bytes of each FSDP unit as one tp rank holds it, in forward order."""
-        return [self.kept_bytes(sizes, unit) for unit in units_in_forward_order(sizes)]
+        """The bytes of each FSDP unit as one tp rank gathers it (of the experts, its ep
+        rank's), in forward order."""
+        return [
+            ep_gathered_bytes(self.ep_split, unit, self.kept_bytes(sizes, unit))
+            for unit in units_in_forward_order(sizes)
+        ]
 
     def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
         """Under DDP, rank 0's replica (its stages under the stage cut) on its share of the
@@ -74,7 +89,7 @@ class LayoutShares:
         data-parallel peers, which hold as much): its stages' blocks on its data-parallel share
         of the batch, in micro-batches (all kept for backward, as GPipe does: 1F1B keeps
         fewer), its state split by tp and then by dp_shard, plus what FSDP holds while the
-        model runs (`fsdp_share`)."""
+        model runs (`running_share`)."""
         layout, count = self.layout, len(sizes.block_parameter_bytes)
         if self.runs_ddp:
             return self.replica_shares(sizes, micro_batch // layout.dp)
@@ -89,11 +104,11 @@ class LayoutShares:
                     blocks=None if ranges == [(0, count)] else ranges[0],
                     later_stages=tuple(ranges[1:]),
                     parts=self.cfg.microbatches if layout.pp > 1 else 1,
-                    state_shards=layout.dp_shard,
+                    state_shards=layout.fsdp_shards,
                     state_kept=state_kept,
-                    flops_kept=flops_kept,
-                    activations_kept=activations_kept,
-                    **self.fsdp_share(sizes, blocks),
+                    flops_kept=flops_kept / layout.cp,
+                    activations_kept=activations_kept * ring_activations_kept(layout.cp),
+                    **self.running_share(sizes, blocks, micro_batch // layout.dp),
                 )
             )
         return shares
@@ -107,16 +122,27 @@ class LayoutShares:
         buckets = bucket_bytes(self.cfg, sizes.parameter_bytes)
         return [DeviceShare(f"{self.device_type}:0", samples, extra_bytes={"gradients": buckets})]
 
-    def fsdp_share(self, sizes: ModelSizes, blocks: list[int]) -> dict[str, Any]:
-        """What FSDP adds to the share of a rank holding `blocks` (`fsdp.sharded_share`);
-        nothing unless FSDP shards."""
-        if not self.shards:
+    def running_share(self, sizes: ModelSizes, blocks: list[int], samples: int) -> dict[str, Any]:
+        """What FSDP (`fsdp.sharded_share`, where it shards) and cp's ring (`ring_working_set`)
+        add to the share of a rank holding `blocks`, fed `samples` per micro-step. FSDP's
+        working set holds no activations, so the two merge."""
+        share: dict[str, Any] = {}
+        if self.shards:
+            held, units = self.kept_bytes(sizes, blocks), self.fsdp_units(sizes)
+            staged, shards = self.layout.pp > 1, self.layout.fsdp_shards
+            share = sharded_share(
+                units, unit_spans(sizes), held, staged, shards, self.precision, self.device_type
+            )
+        running = share.get("running_bytes", {}) | self.ring_working_set(samples, backward=True)
+        forward = share.get("forward_bytes", {}) | self.ring_working_set(samples, backward=False)
+        return {**share, "running_bytes": running, "forward_bytes": forward}
+
+    def ring_working_set(self, samples: int, backward: bool) -> dict[str, int]:
+        """What cp's ring adds while the model runs (`ring_working_set`); nothing without cp."""
+        layout = self.layout
+        if layout.cp == 1:
             return {}
-        held, units = self.kept_bytes(sizes, blocks), self.fsdp_units(sizes)
-        staged, shards = self.layout.pp > 1, self.layout.dp_shard
-        return sharded_share(
-            units, unit_spans(sizes), held, staged, shards, self.precision, self.device_type
-        )
+        return ring_working_set(self.key_values, samples, layout.cp, layout.tp, backward)
 
     def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
         """What the busiest rank sends per step over tp (`mesh_plan.tp_traffic`), across the
@@ -137,16 +163,20 @@ class LayoutShares:
             sp = self.cfg.sequence_parallel
             tokens = accumulate * samples
             traffic.update(tp_traffic(self.split, layout.tp, ranks, tokens, self.precision, sp))
+        if layout.cp > 1:
+            traffic.update(ring_traffic(self.key_values, samples, accumulate, layout.cp, layout.tp))
         if staged:
             traffic.update(stage_traffic(self.stage_points, sizes, samples, accumulate))
+        if self.ep_split is not None:
+            traffic.update(ep_traffic(self.ep_split, accumulate * samples, self.precision))
         held = max(self.kept_bytes(sizes, blocks) for blocks in ranks)
         if self.shards:
             traffic.update(
-                sharded_traffic(held, layout.dp_shard, accumulate, staged, self.precision)
+                sharded_traffic(held, layout.fsdp_shards, accumulate, staged, self.precision)
             )
         if layout.dp_replicate > 1:
             reductions = accumulate if staged else 1
-            shard = held // layout.dp_shard
+            shard = held // layout.fsdp_shards
             traffic.update(replica_traffic(shard, layout.dp_replicate, reductions))
         return traffic
 
@@ -165,15 +195,20 @@ class LayoutShares:
         if self.split is not None:
             sp, part = self.cfg.sequence_parallel, samples // parts
             messages += tp_messages(self.split, layout.tp, ranks, part, runs, self.precision, sp)
+        if layout.cp > 1:
+            messages += ring_messages(self.key_values, samples, accumulate, layout.cp, layout.tp)
         if staged:
             messages += stage_messages(self.stage_points, sizes, samples // parts, runs, layout.pp)
+        if self.ep_split is not None:
+            messages += ep_messages(self.ep_split, samples, runs, self.precision)
         held = max(self.kept_bytes(sizes, blocks) for blocks in ranks)
         if self.shards:  # under pp a rank's stages are one unit, gathered once per micro-step
             units = [self.kept_bytes(sizes, ranks[0])] if staged else self.fsdp_units(sizes)
-            messages += sharded_messages(units, layout.dp_shard, accumulate, staged, self.precision)
+            shards = layout.fsdp_shards
+            messages += sharded_messages(units, shards, accumulate, staged, self.precision)
         if layout.dp_replicate > 1:
             reductions = accumulate if staged else 1
-            size = held // layout.dp_shard
+            size = held // layout.fsdp_shards
             messages.append(bucketed_all_reduce(size, layout.dp_replicate, reductions))
         return messages
 

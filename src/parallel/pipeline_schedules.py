@@ -141,7 +141,7 @@ def stage_messages(
     touch, activations forward and gradients back."""
     boundaries = -(-2 * len(points) // pp)
     each = boundary_bytes(points, sizes, samples) // (2 * len(points))  # one way, one boundary
-    return [Messages("send", 2 * runs * boundaries, each, 2)]
+    return [Messages("send", 2 * runs * boundaries, each, 2, wrapper="pp")]
 
 
 def stage_parts(

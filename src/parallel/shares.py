@@ -108,6 +108,9 @@ class Messages:
     overlapped: bool = False
     """It runs while backward computes (DDP's buckets, FSDP's prefetched gathers), so only what
     outlasts the backward adds to the step."""
+    wrapper: str = ""
+    """What sends it (ddp, fsdp, tp, pp), whose own work per message the calibration measures
+    (empty: a bare collective)."""
 
 
 def tied_block_groups(model: nn.Sequential) -> list[list[int]]:

@@ -18,7 +18,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from src.parallel.base import usable_cores
 from src.parallel.shares import COLLECTIVES
+from src.planning.wrapper_costs import GROUP, wrapper_message_s
 
 PROJECT = "parallel-training-template"
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,6 +40,7 @@ SIZES = (2**10, 2**20)  # bytes per message: latency, then bandwidth
 PROCESS_COUNTS = (2, 4)
 CALMER = 0.5
 ROUNDS = 3  # each figure is the best of these: the machine's speed, not its neighbours'
+VERSION = 2  # of the figures, in the cache's name: another version's are measured again
 
 
 class OpCounter(TorchDispatchMode):
@@ -70,6 +72,10 @@ class Calibration:
     launch."""
     collectives: dict[str, dict[str, list[float]]]
     """By collective, then process count: [latency s, s per byte]."""
+    wrappers: dict[str, dict[str, float]] = field(default_factory=dict)
+    """By wrapper (ddp, fsdp, tp, pp), then processes in the job: the seconds a message it sends
+    costs in a training step beyond its collective's latency, its own work and the waits
+    (`wrapper_costs.py`)."""
     seconds: float = 0.0
     """How long measuring took."""
     load_per_core: float = 0.0
@@ -81,20 +87,28 @@ class Calibration:
         measured = [value for key, value in figures.items() if int(key) <= threads]
         return best(measured or [figures[min(figures, key=int)]])
 
-    def message_s(self, collective: str, ranks: int, size: int) -> float:
-        """One message's seconds: latency plus bytes over bandwidth, at the nearest process
-        count measured (below `ranks` where there is one)."""
-        by_ranks = self.collectives[collective]
-        measured = sorted(int(key) for key in by_ranks)
-        below = [count for count in measured if count <= ranks] or measured[:1]
-        latency, per_byte = by_ranks[str(below[-1])]
-        return latency + size * per_byte
+    def message_s(
+        self, collective: str, ranks: int, size: int, wrapper: str = "", processes: int = 0
+    ) -> float:
+        """One message's seconds among `ranks` of a job of `processes`: latency plus bytes
+        over bandwidth, at the nearest `ranks` measured (below where there is one), plus the
+        `wrapper`'s cost of a message beyond that, at the nearest `processes` measured."""
+        latency, per_byte = nearest(self.collectives[collective], ranks)
+        beyond = nearest(self.wrappers[wrapper], processes) if self.wrappers.get(wrapper) else 0.0
+        return latency + beyond + size * per_byte
+
+
+def nearest(by_count: dict[str, Any], count: int) -> Any:
+    """The figure measured at the largest count up to `count` (else at the smallest)."""
+    measured = sorted(int(key) for key in by_count)
+    below = [each for each in measured if each <= count] or measured[:1]
+    return by_count[str(below[-1])]
 
 
 def cache_path(device_type: str) -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     key = f"{socket.gethostname()}-{device_type}-torch{torch.__version__}-{usable_cores()}cores"
-    return base / PROJECT / f"calibration-{key}.json"
+    return base / PROJECT / f"calibration-v{VERSION}-{key}.json"
 
 
 def calibration(device_type: str, refresh: bool = False) -> Calibration:
@@ -128,13 +142,15 @@ def calibrate(device_type: str) -> Calibration:
             matmul[str(threads)] = matmul_flops_per_s(device)
             elementwise[str(threads)] = elementwise_bytes_per_s(device)
             step[str(threads)], op[str(threads)] = step_and_op_s(device)
+    between_processes = process_figures(device_type)
     return Calibration(
         device_type,
         matmul,
         elementwise,
         step,
         op,
-        collective_figures(device_type),
+        between_processes["collectives"],
+        between_processes["wrappers"],
         seconds=time.perf_counter() - started,
         load_per_core=load_per_core(),
     )
@@ -216,14 +232,16 @@ def tiny_step_s_and_ops(device: torch.device, depth: int) -> tuple[float, int]:
     return best_time_s(step, device, repeats=20), counter.ops
 
 
-def collective_figures(device_type: str) -> dict[str, dict[str, list[float]]]:
-    """Each collective's [latency, s per byte] at each of `PROCESS_COUNTS` processes (the
-    largest in one job of that many processes, the others in groups of its first ranks)."""
+def process_figures(device_type: str) -> dict[str, dict]:
+    """`collectives`: each collective's [latency, s per byte] at each of `PROCESS_COUNTS`
+    processes (the largest in one job of that many processes, the others in groups of its
+    first ranks); `wrappers`: each wrapper's seconds per message at each (`wrapper_costs`)."""
     world = max(PROCESS_COUNTS)
     if device_type == "cuda":
         world = min(world, torch.cuda.device_count())
         if world < 2:
-            return {name: {"2": [0.0, 0.0]} for name in COLLECTIVES}
+            collectives = {name: {"2": [0.0, 0.0]} for name in COLLECTIVES}
+            return {"collectives": collectives, "wrappers": {}}
     with tempfile.TemporaryDirectory() as folder:
         results = Path(folder) / "collectives.json"
         # Fresh interpreters, whatever the caller's main module (spawn would import it again).
@@ -253,11 +271,14 @@ def collective_figures(device_type: str) -> dict[str, dict[str, list[float]]]:
 
 
 def measure_collectives(rank: int, world: str, device_type: str, folder: str, results: str) -> None:
-    """One rank's part of `collective_figures` (its command-line arguments): rank 0 writes them
+    """One rank's part of `process_figures` (its command-line arguments): rank 0 writes them
     to `results`."""
     world = int(world)
     # torch 2.14 renamed the tensor collectives (the old names warn); torch 2.11 has only those.
     warnings.filterwarnings("ignore", category=FutureWarning)
+    # Under fsdp x tp the tiny model's output is a view (DTensor's local tensor): FSDP2 warns of
+    # in-place ops on it, which its step never makes.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     torch.set_num_threads(max(1, usable_cores() // world))
     backend = "nccl" if device_type == "cuda" else "gloo"
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
@@ -267,6 +288,7 @@ def measure_collectives(rank: int, world: str, device_type: str, folder: str, re
         backend, init_method=f"file://{folder}/store", rank=rank, world_size=world
     )
     figures: dict[str, dict[str, list[float]]] = {name: {} for name in COLLECTIVES}
+    wrappers: dict[str, dict[str, float]] = {}
     try:
         for ranks in [count for count in PROCESS_COUNTS if count <= world]:
             group = dist.new_group(list(range(ranks)))
@@ -277,10 +299,15 @@ def measure_collectives(rank: int, world: str, device_type: str, folder: str, re
                     times = [collective_s(name, size, ranks, rank, group, device) for size in SIZES]
                     figures[name][str(ranks)] = latency_and_per_byte(times)
                 dist.barrier()
+        latencies = {name: by[str(GROUP)][0] for name, by in figures.items() if str(GROUP) in by}
+        for processes in [count for count in PROCESS_COUNTS if count <= world]:
+            for wrapper, seconds in wrapper_message_s(rank, processes, device, latencies).items():
+                wrappers.setdefault(wrapper, {})[str(processes)] = seconds
+            dist.barrier()
     finally:
         dist.destroy_process_group()
     if rank == 0:
-        Path(results).write_text(json.dumps(figures))
+        Path(results).write_text(json.dumps({"collectives": figures, "wrappers": wrappers}))
 
 
 def latency_and_per_byte(times: list[float]) -> list[float]:

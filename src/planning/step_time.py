@@ -1,6 +1,7 @@
 """The predicted time of a step: what a device computes (FLOPs at the measured rate, plus a
 fixed cost per op: launch and dispatch) and the messages it waits for (latency plus bytes over
-bandwidth, each collective's own), from this machine's calibration (`calibration.py`) or, for
+bandwidth, each collective's own, plus what the wrapper that sends it costs beyond that), from
+this machine's calibration (`calibration.py`) or, for
 GPUs the planner does not see, the settings (`plan.device_tflops`, `plan.link_gb_per_s`)."""
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ class DeviceSpeed:
         """A training step's seconds beyond its ops and FLOPs."""
         return 0.0
 
-    def message_s(self, messages: Messages) -> float:
-        """All of `messages`' seconds."""
+    def message_s(self, messages: Messages, processes: int) -> float:
+        """All of `messages`' seconds, in a job of `processes` processes."""
         return messages.count * messages.size / self.copy_bytes_per_s()
 
     def copy_bytes_per_s(self) -> float:
@@ -76,8 +77,11 @@ class CalibratedSpeed(DeviceSpeed):
     def fixed_step_s(self, threads: int) -> float:
         return self.figures.at_threads(self.figures.step_s, threads, best=min)
 
-    def message_s(self, messages: Messages) -> float:
-        each = self.figures.message_s(messages.collective, messages.ranks, messages.size)
+    def message_s(self, messages: Messages, processes: int) -> float:
+        figures = self.figures
+        each = figures.message_s(
+            messages.collective, messages.ranks, messages.size, messages.wrapper, processes
+        )
         return messages.count * each
 
     def copy_bytes_per_s(self) -> float:
@@ -92,10 +96,17 @@ class CalibratedSpeed(DeviceSpeed):
         )
         latency = figures.collectives["all_reduce"]
         ranks = min(latency, key=int)
+        beyond = ", ".join(
+            f"{wrapper} {by_processes[ranks] * 1e6:.0f} us"
+            for wrapper, by_processes in figures.wrappers.items()
+            if ranks in by_processes
+        )
         return (
             f"step times from this {figures.device_type.upper()}'s calibration ({rates}; "
             f"all-reduce on {ranks} processes {latency[ranks][0] * 1e6:.0f} us + "
-            f"{1e-9 / max(latency[ranks][1], 1e-15):.3g} GB/s; measured at load "
+            f"{1e-9 / max(latency[ranks][1], 1e-15):.3g} GB/s"
+            + (f"; a message costs beyond its collective: {beyond}" if beyond else "")
+            + "; measured at load "
             f"{figures.load_per_core:.1f} per core; plan.calibrate=true measures again)"
         )
 
@@ -140,8 +151,8 @@ def step_time_s(plan: Plan, strategy: PlannedStrategy, speed: DeviceSpeed, cores
     compute += speed.fixed_step_s(threads)
     if processes == 1:
         return compute + sum(plan.traffic.values()) / speed.copy_bytes_per_s()
-    exposed = sum(speed.message_s(m) for m in plan.messages if not m.overlapped)
-    hidden = sum(speed.message_s(m) for m in plan.messages if m.overlapped)
+    exposed = sum(speed.message_s(m, processes) for m in plan.messages if not m.overlapped)
+    hidden = sum(speed.message_s(m, processes) for m in plan.messages if m.overlapped)
     if not speed.overlaps:
         return compute + exposed + hidden
     return compute + exposed + max(0.0, hidden - BACKWARD_SHARE * compute)

@@ -42,13 +42,17 @@ class Blueprint:
     init_from: Path | None  # weights to start from, when there is no checkpoint to resume
 
 
-def build_blueprint(cfg: DictConfig, run_dir: Path, strategy: Strategy) -> Blueprint:
+def build_blueprint(
+    cfg: DictConfig, run_dir: Path, strategy: Strategy, checked: Path | None = None
+) -> Blueprint:
     """Build data, task and model (on the meta device: no memory, no compute) and check them:
     whatever their builders reject fails here, as does a model output the task cannot take, a
     model the strategy cannot place (which also settles a pipeline's stage split), and a
-    checkpoint to resume or weights to start from (trainer.init_from) that do not fit."""
+    checkpoint to resume or weights to start from (trainer.init_from) that do not fit.
+    `checked`: the checkpoint to resume from as the launcher found it, files checksummed: a rank
+    neither looks for it nor reads its checksums again."""
     data, task, model = build_checked_parts(cfg, strategy)
-    checkpoint = resume_path(cfg.trainer.resume, run_dir, announce=True)
+    checkpoint = checked or resume_path(cfg.trainer.resume, run_dir, announce=True)
     saved = load_checkpoint(checkpoint, mmap=True) if checkpoint is not None else None
     if saved is not None:
         check_resumable(saved, checkpoint, model, cfg)

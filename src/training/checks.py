@@ -106,6 +106,18 @@ def meta_batch(data: Data) -> tuple[Tree, Tree]:
     return meta_samples(data.train, 2)
 
 
+def check_token_inputs(model: nn.Module, inputs: Tree, name: str) -> None:
+    """A model that looks its inputs up in an embedding, given real-valued features: the data
+    option does not give token ids (the forward pass on the meta device failed for it)."""
+    embeds = any(isinstance(module, nn.Embedding) for module in model.modules())
+    if embeds and isinstance(inputs, torch.Tensor) and inputs.is_floating_point():
+        raise ConfigError(
+            f"model: {name} looks token ids up in an embedding, but the data gives real-valued "
+            f"inputs shaped {describe(inputs)}; use token data (data=synthetic_tokens or "
+            "data=tokens) with task=language_model"
+        )
+
+
 def check_model_output(
     model: nn.Module,
     task: Any,
@@ -122,6 +134,7 @@ def check_model_output(
         with torch.no_grad():
             outputs = model(inputs)
     except Exception:  # noqa: BLE001 - e.g. no meta kernel, or a forward that reads the values
+        check_token_inputs(model, inputs, name)
         log.debug("model: no forward pass on the meta device", exc_info=True)
         return None
     shapes = (

@@ -13,9 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import DictConfig
-from torch import nn
 from torch.utils.data import Dataset
 
 from src.checkpoint.export import load_weights
@@ -23,7 +21,7 @@ from src.checkpoint.store import load_checkpoint
 from src.components.batch_order import ValBatches
 from src.components.data import Data, Split
 from src.components.precision import autocast
-from src.components.state_dicts import StateDictFit
+from src.components.state_dicts import check_weights_fit
 from src.config.base import ConfigError, plain_config, typed
 from src.config.trainer import TrainerConfig
 from src.observe.tracking import build_tracker, wandb_group
@@ -71,24 +69,14 @@ def eval_blueprint(cfg: DictConfig, strategy: Strategy) -> Blueprint:
     checkpoint = Path(cfg.ckpt_path)
     if checkpoint.is_file():  # an exported weights file: the model's tensors, no step
         saved = {"model": load_weights(checkpoint), "step": None}
-        check_weights_fit(model, saved["model"], checkpoint)
+        remedy = "give the model (and data=...) it was trained with"
+        check_weights_fit(model, saved["model"], f"ckpt_path: {checkpoint}", True, remedy, remedy)
     else:
         saved = load_checkpoint(checkpoint, mmap=True)
         check_same_model(
             saved, checkpoint, model, "ckpt_path", "evaluate it with the run's model settings"
         )
     return Blueprint(data, task, model, checkpoint, saved, init_from=None)
-
-
-def check_weights_fit(model: nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:
-    """A weights file's keys and shapes are `model`'s; else a ConfigError, one line."""
-    fit = StateDictFit.of(model.state_dict(), weights)
-    problems = [fit.shape_problem()] if fit.other_shape else fit.key_problems()
-    if problems:
-        raise ConfigError(
-            f"ckpt_path: {path} does not fit this model: {'; '.join(problems)}; give the model "
-            "(and data=...) it was trained with"
-        )
 
 
 def named_split(data: Data, name: str) -> Split | Dataset:

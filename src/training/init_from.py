@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from src.checkpoint.export import load_weights
-from src.components.state_dicts import StateDictFit
+from src.components.state_dicts import StateDictFit, check_weights_fit
 from src.config.base import ConfigError
 
 log = logging.getLogger(__name__)
@@ -37,17 +37,14 @@ def init_weights(
 def check_init_weights(model: nn.Module, path: Path, strict: bool) -> None:
     """The weights at `path` fit `model` (on the meta device: keys and shapes only): every shape
     the same and, with `strict`, the same keys; else a ConfigError, one line."""
-    fit = StateDictFit.of(model.state_dict(), init_weights(model, path, shapes_only=True))
-    if fit.other_shape:
-        raise ConfigError(
-            f"trainer.init_from: {path} does not fit this model: {fit.shape_problem()}"
-        )
-    if strict and fit.key_problems():
-        raise ConfigError(
-            f"trainer.init_from: {path} does not fit this model: "
-            f"{'; '.join(fit.key_problems())}; set trainer.init_strict=false to load the keys "
-            "that fit and keep the others as initialised"
-        )
+    check_weights_fit(
+        model,
+        init_weights(model, path, shapes_only=True),
+        f"trainer.init_from: {path}",
+        strict,
+        keys_remedy="set trainer.init_strict=false to load the keys that fit and keep the others "
+        "as initialised",
+    )
 
 
 def load_init_weights(model: nn.Module, path: Path, strict: bool, announce: bool) -> None:

@@ -26,7 +26,7 @@ from src.components.tasks import Task
 from src.config.trainer import TrainerConfig
 from src.observe.report import rate_text
 from src.observe.tracking import Tracker
-from src.parallel.base import TrainingStrategy
+from src.parallel.base import TrainingStrategy, process_peak_memory_mb
 from src.training.step import evaluate, reduced_figures
 
 log = logging.getLogger(__name__)
@@ -248,7 +248,8 @@ class Progress:
         step_ms = self.speed.close_window()
         rates = self.speed.rates(step_ms)
         with self.speed.paused():
-            memory = dict(zip(*self.strategy.local_peak_memory_mb(), strict=True))
+            labels, (megabytes,) = self.strategy.local_peak_memory_mb(process_peak_memory_mb)
+            memory = dict(zip(labels, megabytes, strict=True))
             metrics = {
                 **{f"memory/{device}_peak_mb": mb for device, mb in memory.items()},
                 **{f"train/{name}": value for name, value in self.figures.items()},

@@ -111,11 +111,14 @@ def speed_figures(
 
 def cpu_share(strategy: Strategy) -> dict[str, Any]:
     """This node's processes, each one's intra-op threads, and the cores they may use: with more
-    threads than cores the processes compete for them, and the scaling report says so."""
+    threads than cores the processes compete for them, and the scaling report says so. Also
+    the CPU kernels ATen runs (its SIMD level: ATEN_CPU_CAPABILITY chooses a lower one), by
+    which CPU runs round differently."""
     share = {
         "processes_per_node": strategy.processes_per_node,
         "threads_per_process": torch.get_num_threads(),
         "cores": usable_cores(),
+        "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
     }
     if hasattr(os, "sched_getaffinity"):  # which cores: a concurrent sweep gives each job its own
         share["cpu_affinity"] = sorted(os.sched_getaffinity(0))

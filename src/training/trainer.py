@@ -37,7 +37,7 @@ from src.config.trainer import TrainerConfig
 from src.observe.performance import profiling, step_flops
 from src.observe.tensor_memory import TensorPeak
 from src.observe.tracking import Tracker, build_tracker
-from src.parallel.base import Strategy
+from src.parallel.base import Strategy, process_peak_memory_mb
 from src.runtime.run_folder import metrics_file
 from src.runtime.stopping import Interrupted, StopOnSignal, agree_to_stop
 from src.training.build import (
@@ -153,7 +153,7 @@ class Trainer:
         self.batches, self.val, self.test = input_batches(cfg, settings, strategy, data, self.step)
         self.lr_at = lr_schedule(cfg.optimizer, settings.max_steps)
         self.speed = Throughput(
-            settings.timing_warmup_steps,
+            max(settings.timing_warmup_steps, self.tensor_peak.counted_steps),  # never timed
             settings.batch_size,
             tokens_per_sample(blueprint.data.train),
         )
@@ -337,8 +337,9 @@ class Trainer:
         return None if last else stop_signal
 
     def final_figures(self) -> dict[str, Any]:
-        memory_devices, memory_mb = self.strategy.peak_memory_mb()
-        _, tensor_mb = self.strategy.peak_memory_mb(self.tensor_peak.peak_mb)
+        memory_devices, (memory_mb, tensor_mb) = self.strategy.peak_memory_mb(
+            process_peak_memory_mb, self.tensor_peak.peak_mb
+        )
         tested = self.tested_step is not None
         test_figures = {f"test_{name}": value for name, value in self.testing.figures.items()}
         return {

@@ -1,0 +1,246 @@
+"""The degree `ep` (expert parallel, `parallel=ep`): the experts of each mixture-of-experts layer
+(`model=moe`) split over `ep` ranks, each token sent to its expert's rank and back with
+`all_to_all`.
+
+torchtitan's design: ep borrows its ranks from dp_shard and adds no processes. dp_shard's ranks
+are (dp_shard / ep) x ep, ep varying fastest, so each ep rank is still a data-parallel rank: it
+reads its own samples and routes its own tokens, and capacity's drops, each expert's load and
+the aux loss are single's, per sequence (`moe.py`). Only the experts' call runs elsewhere
+(`exchanged_expert_outputs`): each rank holds experts / ep whole experts (dim 0 of their
+stacked weights, a DTensor over the ep ranks); the tokens of its kept choices go to their
+experts' ranks (`all_to_all_single`, uneven splits: the counts are exchanged first), through
+the experts there, and back.
+
+The dense parameters are FSDP-sharded over all of dp_shard as without ep; each experts module
+over the dp_shard / ep ranks that hold the same experts (torchtitan's `dp_shard_mod_ep`; HSDP
+with dp_replicate). An expert's gradient on its rank sums the contributions of its ep peers'
+tokens, so it is divided by the whole data-parallel degree, as the dense ones are (FSDP would
+divide by its own mesh's): both are then the gradients of the step's global mean loss.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from src.components.moe import MoEFeedForward, Routing
+from src.components.precision import AUTOCAST_DTYPES
+from src.config.base import ConfigError
+from src.config.parallel import Offload
+from src.parallel.fsdp import offload_policy
+from src.parallel.layout import Layout
+from src.parallel.shares import Messages
+
+
+def resolved_ep(ep: int, dp_shard: int) -> int:
+    """`parallel.ep`, -1 meaning every dp_shard rank (the `ep` preset's)."""
+    return dp_shard if ep == -1 else ep
+
+
+def check_degrees(layout: Layout, runs_ddp: bool) -> None:
+    """ConfigError, in one line, for an ep that the layout cannot lend its ranks."""
+    if layout.ep == 1:
+        return
+    if runs_ddp:
+        raise ConfigError(
+            f"parallel.ep={layout.ep} borrows its ranks from parallel.dp_shard, and DDP "
+            "(parallel.dp_replicate alone) has none; use parallel.dp_shard (parallel=ep)"
+        )
+    if layout.dp_shard % layout.ep:
+        raise ConfigError(
+            f"parallel.ep={layout.ep} must divide parallel.dp_shard={layout.dp_shard}, whose "
+            "ranks it borrows; change parallel.ep or parallel.dp_shard"
+        )
+    if layout.tp > 1 or layout.cp > 1 or layout.pp > 1:
+        raise ConfigError(
+            f"parallel.ep={layout.ep} does not run with parallel.tp, parallel.cp or parallel.pp "
+            "above 1 yet; set them to 1"
+        )
+
+
+def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
+    return [module for module in model.modules() if isinstance(module, MoEFeedForward)]
+
+
+def check_experts(model: nn.Module, ep: int) -> None:
+    """ConfigError, in one line, for ep over a model without experts or with a number of
+    experts that ep ranks cannot share evenly."""
+    if ep == 1:
+        return
+    layers = moe_layers(model)
+    if not layers:
+        raise ConfigError(
+            f"parallel.ep={ep} splits a mixture of experts, and this model has none; use "
+            "model=moe, or parallel.ep=1"
+        )
+    experts = layers[0].router.out_features
+    if experts % ep:
+        raise ConfigError(
+            f"model.experts={experts} does not split into parallel.ep={ep} equal shares of "
+            "whole experts; make model.experts a multiple of parallel.ep"
+        )
+
+
+def expert_meshes(data_parallel: DeviceMesh, ep: int) -> tuple[DeviceMesh, DeviceMesh]:
+    """From the (dp_replicate, dp_shard) mesh: the (dp_replicate, dp_shard_mod_ep) one over
+    which each experts module is FSDP-sharded, and the ep one over which the experts are split
+    (dp_shard unflattened into (dp_shard / ep, ep): one root, so that FSDP composes them)."""
+    shards = data_parallel.size(1)
+    view = data_parallel._unflatten(1, (shards // ep, ep), ("dp_shard_mod_ep", "ep"))
+    return view["dp_replicate", "dp_shard_mod_ep"], view["ep"]
+
+
+def apply_ep(
+    model: nn.Module,
+    data_parallel: DeviceMesh,
+    ep: int,
+    policy: MixedPrecisionPolicy,
+    offload: Offload,
+) -> None:
+    """Split each MoE layer's experts over the ep ranks of `data_parallel` (whole experts, dim
+    0), FSDP-shard them over the ranks that hold the same ones (before `apply_fsdp` shards the
+    blocks around them), and send its tokens to them (`exchanged_expert_outputs`)."""
+    shards, ep_mesh = expert_meshes(data_parallel, ep)
+    for layer in moe_layers(model):
+        for linear in (layer.experts.up, layer.experts.down):
+            for name, parameter in list(linear.named_parameters()):
+                split = distribute_tensor(parameter.detach(), ep_mesh, [Shard(0)])
+                linear.register_parameter(name, nn.Parameter(split))
+        options = {"mesh": shards, "mp_policy": policy, "offload_policy": offload_policy(offload)}
+        experts = fully_shard(layer.experts, **options)
+        experts.set_gradient_divide_factor(float(data_parallel.size()))
+        # A divide factor other than the shards' number reduce-scatters with PREMUL_SUM, which
+        # gloo lacks; summed instead, FSDP divides after. Of one shard it only divides, and
+        # summing would divide twice (torch 2.14.1).
+        sums = data_parallel.device_type == "cpu" and shards.size(1) > 1
+        experts.set_force_sum_reduction_for_comms(sums)
+        layer.expert_outputs = functools.partial(exchanged_expert_outputs, layer, ep_mesh)
+
+
+def exchanged_expert_outputs(
+    layer: MoEFeedForward, ep_mesh: DeviceMesh, x: torch.Tensor, routing: Routing
+) -> torch.Tensor:
+    """`MoEFeedForward.expert_outputs` with its experts on the ep ranks: this rank's kept
+    choices' tokens, sorted by expert, go to their experts' ranks, and their outputs come back
+    to be combined as single combines them."""
+    batch, seq_len, width = x.shape
+    experts, top_k = layer.router.out_features, routing.expert.shape[-1]
+    kept = routing.kept.flatten().nonzero().squeeze(1)  # the kept choices, (token, k) order
+    expert = routing.expert.flatten()[kept]
+    order = expert.argsort(stable=True)
+    choices = kept[order]
+    counts = torch.bincount(expert, minlength=experts)
+    sent = x.reshape(batch * seq_len, width)[choices // top_k]
+    group, ranks = ep_mesh.get_group(), ep_mesh.size()
+    received_counts = torch.empty_like(counts)  # (source rank, its expert) of this rank's
+    dist.all_to_all_single(received_counts, counts, group=group)
+    send_splits = counts.view(ranks, -1).sum(1).tolist()
+    receive_splits = received_counts.view(ranks, -1).sum(1).tolist()
+    received = exchange(sent, receive_splits, send_splits, group)
+    outputs = local_expert_outputs(
+        layer.experts, ep_mesh, received, received_counts.view(ranks, -1)
+    )
+    returned = exchange(outputs, send_splits, receive_splits, group)
+    per_choice = x.new_zeros(batch * seq_len * top_k, width).index_put((choices,), returned)
+    gate = routing.gate.unsqueeze(-1).to(x.dtype)
+    return (per_choice.view(batch, seq_len, top_k, width) * gate).sum(2)
+
+
+def exchange(
+    rows: torch.Tensor, receive_splits: list[int], send_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """`rows` sent to the group's ranks in `send_splits` and theirs received in
+    `receive_splits`; differentiable (the gradients go back the other way)."""
+    return funcol.all_to_all_single_autograd(rows, receive_splits, send_splits, group)
+
+
+def local_expert_outputs(
+    experts: nn.Module, ep_mesh: DeviceMesh, rows: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """`rows` (from each source rank, its tokens for this rank's experts in order; `counts`:
+    (source rank, local expert)) through their experts, in the same order: grouped as the
+    experts take them, (local experts, most tokens of one, width), the rest zero."""
+    local = counts.shape[1]
+    expert = torch.arange(local, device=rows.device).repeat(counts.shape[0])
+    expert = expert.repeat_interleave(counts.flatten())
+    order = expert.argsort(stable=True)
+    per_expert = counts.sum(0)
+    starts = per_expert.cumsum(0) - per_expert
+    slot = torch.arange(len(order), device=rows.device) - starts[expert[order]]
+    grouped = rows.new_zeros(local, int(per_expert.max()), rows.shape[1])
+    grouped = grouped.index_put((expert[order], slot), rows[order])
+    outputs = experts(DTensor.from_local(grouped, ep_mesh, [Shard(0)])).to_local()
+    return outputs[expert[order], slot][order.argsort()]
+
+
+@dataclass(frozen=True)
+class ExpertSplit:
+    """What ep splits of a model, for the planner (`expert_split`)."""
+
+    ep: int
+    shards: int
+    """The ranks that FSDP-shard each ep rank's experts: dp_shard / ep."""
+    block_expert_bytes: list[int]
+    """Each block's experts' parameter bytes (all of its experts)."""
+    choices_per_sample: int
+    """Expert choices a sample's tokens make in all of the model's MoE layers (seq x top_k
+    each)."""
+    width: int
+    experts: int
+
+
+def expert_split(model: nn.Sequential, inputs: torch.Tensor, layout: Layout) -> ExpertSplit:
+    """`model`'s experts (on the meta device) and the choices a sample of `inputs` (token
+    ids, (batch, seq)) makes, split by `layout`'s ep."""
+    experts = [sum(p.nbytes for layer in moe_layers(block) for p in layer.experts.parameters())
+               for block in model]  # fmt: skip
+    layers = moe_layers(model)
+    choices = inputs.shape[1] * sum(layer.top_k for layer in layers)
+    router = layers[0].router
+    shards = layout.dp_shard // layout.ep
+    return ExpertSplit(layout.ep, shards, experts, choices, router.in_features, router.out_features)
+
+
+def ep_gathered_bytes(split: ExpertSplit | None, blocks: list[int], held: int) -> int:
+    """Of `held` bytes of `blocks` (before FSDP shards them), those that FSDP gathers whole:
+    the dense parameters, and this ep rank's experts / ep unless it holds them alone (FSDP of
+    one shard computes with the shard itself)."""
+    if split is None:
+        return held
+    experts = sum(split.block_expert_bytes[b] for b in blocks)
+    kept = 1 / split.ep if split.shards > 1 else 0
+    return int(held - (1 - kept) * experts)
+
+
+def ep_exchange_bytes(split: ExpertSplit, samples: int, precision: str) -> int:
+    """One direction of one MoE layer's exchange, on average, in passes of `samples` samples:
+    each choice's token (width, in the autocast dtype), all kept (capacity's drops send less)."""
+    element = 2 if precision in AUTOCAST_DTYPES else 4
+    layers = sum(1 for size in split.block_expert_bytes if size)
+    return samples * split.choices_per_sample // layers * split.width * element
+
+
+def ep_traffic(split: ExpertSplit, samples: int, precision: str) -> dict[str, int]:
+    """What a rank sends per step over ep, in passes of `samples` samples in all: every MoE
+    layer's tokens to their experts and back (dispatch and combine), forward and backward,
+    the (ep - 1) / ep of them whose experts are on another rank."""
+    layers = sum(1 for size in split.block_expert_bytes if size)
+    sent = layers * ep_exchange_bytes(split, samples, precision) * 2 * 2
+    return {"token all-to-all": int(sent * (split.ep - 1) / split.ep)}
+
+
+def ep_messages(split: ExpertSplit, samples: int, runs: int, precision: str) -> list[Messages]:
+    """A rank's ep messages in `runs` passes of `samples` samples: per MoE layer, dispatch and
+    combine forward and backward (each waited for), and the counts' exchange before them."""
+    layers = sum(1 for size in split.block_expert_bytes if size)
+    size = ep_exchange_bytes(split, samples, precision)
+    counts = Messages("all_to_all", layers * runs, 8 * split.experts, split.ep)
+    return [counts, Messages("all_to_all", 4 * layers * runs, size, split.ep)]

@@ -1,0 +1,170 @@
+"""The calibration's cost of a message as each wrapper sends it in a training step: DDP's reducer
+(its hooks, the bucket copies), FSDP2's units (pre- and post-hooks, the all-gather's copy-in and
+copy-out), tensor parallel's pairs (DTensor's dispatch of every op) and the 1F1B schedule (its
+stages' own work). A bare collective's best time misses all of that, and the wait for a peer
+that is not there yet. The figure is what a message costs beyond its collective's latency: a
+training step of a tiny model under the wrapper, less the same step unwrapped and less the
+latencies of the collectives it sent, over the messages. Measured in the calibration's job of
+processes (`calibration.measure_collectives`) among 2 of them and among 4, in groups of 2 (fsdp
+and tp together on a 2 x 2 mesh, as fsdp 2 x tp 2 runs)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel
+
+from src.parallel.base import usable_cores
+from src.parallel.pipeline_schedules import apply_pp
+
+BLOCKS = 4  # a small model's depth: the wrapper's fixed cost spread over about as many units
+WIDTH = 16  # next to no arithmetic: the step is the wrappers' work and the messages
+SAMPLES = 8
+MICROBATCHES = 2  # the pipeline's (parallel.microbatches' default)
+REPEATS = 5
+ROUNDS = 3
+# The collectives a rank sends per step of the tiny model: DDP one bucket; FSDP each block
+# gathered for forward and again for backward and its gradients reduce-scattered; tp each pair's
+# all-reduce forward and backward; pp, on 2 stages, a send or receive each way per micro-batch.
+SENT = {
+    "ddp": {"all_reduce": 1},
+    "fsdp": {"all_gather": 2 * BLOCKS, "reduce_scatter": BLOCKS},
+    "tp": {"all_reduce": 2 * BLOCKS},
+    "pp": {"send": 2 * MICROBATCHES},
+}
+GROUP = 2  # ranks per wrapper group
+
+
+def tiny_model(device: torch.device) -> nn.Sequential:
+    """`BLOCKS` blocks of a Colwise/Rowwise pair of Linears."""
+    torch.manual_seed(0)
+    pairs = [
+        nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH))
+        for _ in range(BLOCKS)
+    ]
+    return nn.Sequential(*pairs).to(device)
+
+
+def loss_of(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return (outputs - targets).square().mean()
+
+
+def training_step(model: nn.Module, device: torch.device) -> Callable[[], None]:
+    """One step of `model` (forward, loss, backward, SGD's step, zero_grad)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    inputs = torch.randn(SAMPLES, WIDTH, device=device)
+
+    def step() -> None:
+        loss_of(model(inputs), inputs).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def pipeline_step(mesh: DeviceMesh, device: torch.device) -> Callable[[], None]:
+    """One step of the tiny model cut in two stages, one per rank of `mesh`, under 1F1B."""
+    rank, half = mesh.get_local_rank(), BLOCKS // 2
+    part = tiny_model(device)[rank * half : (rank + 1) * half]
+    schedule, _ = apply_pp({rank: part}, mesh, device, "1F1B", MICROBATCHES, loss_of)
+    optimizer = torch.optim.SGD(part.parameters(), lr=1e-3)
+    inputs = torch.randn(SAMPLES, WIDTH, device=device)
+
+    def step() -> None:
+        if rank == 0:
+            schedule.step(inputs)
+        else:
+            schedule.step(target=inputs)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def wrapped_step(
+    wrappers: tuple[str, ...], meshes: dict[str, DeviceMesh], device: torch.device
+) -> Callable[[], None]:
+    """A training step of the tiny model on `device` under `wrappers` (none: plain), each over
+    its 1-D mesh in `meshes` (tp before fsdp, as the mesh layouts apply them)."""
+    if "pp" in wrappers:
+        return pipeline_step(meshes["pp"], device)
+    model = tiny_model(device)
+    if "tp" in wrappers:
+        plan = {f"{block}.0": ColwiseParallel() for block in range(BLOCKS)}
+        plan.update({f"{block}.2": RowwiseParallel() for block in range(BLOCKS)})
+        model = parallelize_module(model, meshes["tp"], plan)
+    if "fsdp" in wrappers:
+        for block in model:
+            fully_shard(block, mesh=meshes["fsdp"])
+        fully_shard(model, mesh=meshes["fsdp"])
+    if "ddp" in wrappers:
+        model = DistributedDataParallel(model, process_group=meshes["ddp"].get_group())
+    return training_step(model, device)
+
+
+def step_s(step: Callable[[], None], together: dist.ProcessGroup, device: torch.device) -> float:
+    """`step`'s seconds: the best of `ROUNDS` rounds of `REPEATS` steps (after one untimed),
+    each round begun together by the ranks of `together`."""
+    step()
+    times = []
+    for _ in range(ROUNDS):
+        dist.barrier(group=together)
+        started = time.perf_counter()
+        for _ in range(REPEATS):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - started) / REPEATS)
+    return min(times)
+
+
+def measured_together(processes: int) -> list[tuple[str, ...]]:
+    """The wrappers timed in one step among `processes`: each alone in groups of `GROUP`;
+    among `GROUP` x `GROUP`, fsdp and tp on one 2-D mesh, as fsdp 2 x tp 2 runs (a rank waits
+    on peers in two groups)."""
+    if processes == GROUP * GROUP:
+        return [("ddp",), ("pp",), ("fsdp", "tp")]
+    return [(wrapper,) for wrapper in SENT]
+
+
+def wrapper_message_s(
+    rank: int, processes: int, device: torch.device, latencies: dict[str, float]
+) -> dict[str, float]:
+    """Each wrapper's seconds per message beyond its collective's latency (`latencies`, by
+    collective, among `GROUP` ranks) among `processes` processes in groups of `GROUP`, this
+    one of rank `rank` (every rank of the world calls it, those beyond `processes` only to
+    make the groups; they return {}). Wrappers timed together share one figure."""
+    pairs = [new_group(range(first, first + GROUP)) for first in range(0, processes, GROUP)]
+    square = processes == GROUP * GROUP
+    across = [new_group(range(first, processes, GROUP)) for first in range(GROUP)] if square else []
+    together = new_group(range(processes))
+    if rank >= processes:
+        return {}
+    torch.set_num_threads(max(1, usable_cores() // processes))
+    pair = DeviceMesh.from_group(pairs[rank // GROUP], device.type)
+    meshes = dict.fromkeys(SENT, pair)
+    if square:
+        grid = torch.arange(processes).view(GROUP, GROUP)
+        groups = [across[rank % GROUP], pairs[rank // GROUP]]
+        mesh = DeviceMesh.from_group(groups, device.type, grid, mesh_dim_names=("dp", "tp"))
+        meshes.update(fsdp=mesh["dp"], tp=mesh["tp"])
+    plain = step_s(wrapped_step((), meshes, device), together, device)
+    beyond = {}
+    for wrappers in measured_together(processes):
+        step = step_s(wrapped_step(wrappers, meshes, device), together, device)
+        sent = [(name, count) for wrapper in wrappers for name, count in SENT[wrapper].items()]
+        bare = sum(count * latencies.get(name, 0.0) for name, count in sent)
+        each = max(0.0, step - plain - bare) / sum(count for _, count in sent)
+        beyond.update(dict.fromkeys(wrappers, each))
+    return beyond
+
+
+def new_group(ranks: range) -> dist.ProcessGroup:
+    return dist.new_group(list(ranks))

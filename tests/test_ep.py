@@ -1,0 +1,172 @@
+"""Expert parallel (`parallel.ep`, src/parallel/expert_parallel.py) on `model=moe` through the real
+`train.py`: ep 2 and ep 4 (top 1 and top 2) and ep 2 of dp_shard 4 against `single` under SGD in
+fp32 (losses, aux losses, final weights), a sharded checkpoint resumed exactly and resharded;
+each expert's tokens under ep (gloo processes) and the one-line refusals."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from helpers import (
+    assert_goes_on_exactly,
+    assert_same_training,
+    metrics,
+    parallel_config,
+    sweep_runs,
+)
+from slurm_cluster import free_port
+from test_moe import MOE_SGD
+from torch.distributed.tensor import DTensor
+
+from src.components.models import GPT
+from src.components.moe import MoEGPT
+from src.config.base import ConfigError
+from src.launch.forking import start_rank_server
+from src.parallel import build_strategy
+from src.runtime.ranks import Ranks
+
+# Accumulation and clipping too: clipping takes the norm of the dense and the experts'
+# gradients, DTensors on two meshes.
+WORKLOAD = (
+    *MOE_SGD,
+    "trainer.accumulate=2",
+    "trainer.grad_clip=0.05",
+    "trainer.checkpoint_every=3",
+)
+
+
+def two_process_runs() -> dict[str, Path]:
+    """single and ep 2 (the preset: dp_shard 2, all of it ep), top 1 and top 2: one sweep
+    (27 s on 2 cores at a load of 3 to 6). ep saves sharded checkpoints at steps 3 and 6."""
+    return sweep_runs(*WORKLOAD, "model.top_k=1,2", "parallel=single,ep")
+
+
+def four_process_runs() -> dict[str, Path]:
+    """ep 2 and ep 4 of dp_shard 4, top 1 and top 2: one sweep (61 s, as above)."""
+    return sweep_runs(
+        *WORKLOAD, "model.top_k=1,2", "parallel=ep", "parallel.devices=4", "parallel.ep=2,4"
+    )
+
+
+def assert_same_aux_losses(reference: Path, other: Path) -> None:
+    for logged in ("train/aux_loss", "val/aux_loss"):
+        expected = [row[logged] for row in metrics(reference) if logged in row]
+        actual = [row[logged] for row in metrics(other) if logged in row]
+        assert actual == pytest.approx(expected, abs=1e-6) and expected
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("ep", ["ep2", "ep4", "ep2 of dp_shard 4"])
+def test_expert_parallel_trains_exactly_like_single(ep, top_k):
+    single = two_process_runs()[f"model.top_k={top_k} parallel=single"]
+    if ep == "ep2":
+        run = two_process_runs()[f"model.top_k={top_k} parallel=ep"]
+    else:
+        run = four_process_runs()[f"model.top_k={top_k} parallel.ep={ep[2]}"]
+    assert_same_training(single, run)
+    assert_same_aux_losses(single, run)
+
+
+@pytest.mark.equivalence
+def test_a_sharded_ep_checkpoint_resumes_exactly_and_resharded():
+    """ep 2's step-3 checkpoint (DCP shards, the experts split on dim 0) resumed under ep 2
+    itself and resharded under single (17 s): each logs single's losses of steps 4 to 6 and
+    ends at its weights."""
+    runs = two_process_runs()
+    saved = runs["model.top_k=2 parallel=ep"] / "checkpoints" / "step-000003"
+    assert len(list(saved.glob("*.distcp"))) == 2
+    resumed = sweep_runs(
+        *WORKLOAD, f"trainer.resume={saved}", "model.top_k=2", "parallel=ep,single"
+    )
+    for layout in ("ep", "single"):
+        reference = runs["model.top_k=2 parallel=single"]
+        assert_goes_on_exactly(reference, resumed[f"parallel={layout}"], [4, 5, 6])
+
+
+def kept_choices(model: torch.nn.Module) -> list[list[int]]:
+    """A list that each MoE layer's forward fills with its experts' kept choices: the non-zero
+    rows of the tokens grouped for them (under ep, this rank's experts')."""
+    counts: list[list[int]] = []
+
+    def count(_: torch.nn.Module, args: tuple[torch.Tensor]) -> None:
+        grouped = args[0].to_local() if isinstance(args[0], DTensor) else args[0]
+        counts.append(grouped.ne(0).any(-1).sum(1).tolist())
+
+    for block in list(model)[1:-1]:
+        block.moe.experts.register_forward_pre_hook(count)
+    return counts
+
+
+def each_expert_s_tokens_under_ep(rank: int, port: int) -> None:
+    """Rank `rank` of ep 2 on its half of a batch: each of its experts takes the tokens that
+    single's takes from the whole batch (so drops and load are single's), and its samples'
+    logits and aux loss are single's."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2"
+    )
+    ranks = Ranks(rank=rank, world_size=2, local_rank=rank, local_world_size=2)
+    strategy = build_strategy(parallel_config("ep", devices=2), "cpu", "fp32", ranks)
+    strategy.setup()
+    settings = {"experts": 4, "top_k": 2, "capacity_factor": 0.75, "aux_loss_weight": 0.1}
+    single, model = (torch.manual_seed(0) and MoEGPT((8,), 16, 2, 2, 16, **settings) for _ in "ab")
+    tokens = torch.randint(16, (6, 8))
+    single_counts = kept_choices(single)
+    with torch.no_grad():
+        expected = single(tokens)
+    model = strategy.wrap(model)
+    ep_counts = kept_choices(model)
+    with torch.no_grad():
+        logits, aux_loss = model(tokens[3 * rank : 3 * rank + 3])
+    gathered = [None, None]
+    torch.distributed.all_gather_object(gathered, ep_counts)
+    for layer, counts in enumerate(single_counts):  # rank r holds experts 2r and 2r + 1
+        assert gathered[0][layer] + gathered[1][layer] == counts, (layer, gathered)
+    own = slice(3 * rank, 3 * rank + 3)
+    torch.testing.assert_close(logits, expected[0][own], rtol=0, atol=1e-5)
+    torch.testing.assert_close(aux_loss, expected[1][own], rtol=0, atol=1e-5)
+    strategy.teardown()
+
+
+@pytest.mark.equivalence
+def test_each_expert_takes_single_s_tokens_under_ep():
+    """2 gloo processes forked from the rank server, which has imported torch (9 s)."""
+    start_rank_server()
+    ranks = each_expert_s_tokens_under_ep
+    mp.start_processes(ranks, args=(free_port(),), nprocs=2, start_method="forkserver")
+
+
+def checked(settings: dict, model: torch.nn.Module | None = None) -> None:
+    strategy = build_strategy(parallel_config("ep", **settings), "cpu")
+    if model is not None:
+        strategy.check_model(model, torch.zeros(2, 8, dtype=torch.long))
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"devices": 4, "ep": 3}, "parallel.ep=3 must divide parallel.dp_shard=4"),
+        ({"dp_shard": 1, "dp_replicate": 2, "ep": 2}, "DDP (parallel.dp_replicate alone) has none"),
+        (
+            {"devices": 4, "dp_shard": 2, "tp": 2, "ep": 2},
+            "with parallel.tp, parallel.cp or parallel.pp",
+        ),
+        ({"ep": 0}, "parallel.ep must be at least 1, or -1"),
+    ],
+)
+def test_an_ep_the_layout_cannot_lend_its_ranks_is_one_line(settings, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        checked(settings)
+
+
+def test_ep_over_a_model_without_experts_or_uneven_experts_is_one_line():
+    with pytest.raises(ConfigError, match="this model has none; use model=moe"):
+        checked({"devices": 2}, GPT((8,), 16, 1, 2, 16))
+    moe = MoEGPT((8,), 16, 1, 2, 16, experts=6, top_k=1, capacity_factor=1, aux_loss_weight=0)
+    with pytest.raises(ConfigError, match="model.experts=6 does not split into parallel.ep=4"):
+        checked({"devices": 4}, moe)
