@@ -46,17 +46,32 @@ def where_launched() -> str:
     return f"CPU figures ({DDP_PROCESSES} gloo processes): directions, not GPU ones"
 
 
-def template_launched(steps: int, strategy: str, accelerator: str = "cpu") -> float:
+def template_launched(
+    steps: int,
+    strategy: str,
+    *overrides: str,
+    accelerator: str = "cpu",
+    workload: tuple[str, ...] = WORKLOAD,
+) -> float:
     """samples/s of a multi-process strategy with 2 processes, started by the template's
     launcher."""
-    return launched_summary(steps, strategy, accelerator=accelerator)["samples_per_sec"]
+    summary = launched_summary(
+        steps, strategy, *overrides, accelerator=accelerator, workload=workload
+    )
+    return summary["samples_per_sec"]
 
 
-def launched_summary(steps: int, strategy: str, *overrides: str, accelerator: str = "cpu") -> dict:
+def launched_summary(
+    steps: int,
+    strategy: str,
+    *overrides: str,
+    accelerator: str = "cpu",
+    workload: tuple[str, ...] = WORKLOAD,
+) -> dict:
     """summary.json of the workload on 2 processes (CPU or GPU) started by the template's
     launcher."""
     cfg = compose_config(
-        *WORKLOAD,
+        *workload,
         f"parallel={strategy}",
         f"parallel.devices={DDP_PROCESSES}",
         f"trainer.accelerator={accelerator}",
@@ -83,11 +98,11 @@ def template_fsdp(steps: int) -> float:
 
 
 def template_tp(steps: int) -> float:
-    return template_launched(steps, "tp", mesh_accelerator())
+    return template_launched(steps, "tp", accelerator=mesh_accelerator())
 
 
 def template_ddp_beside_tp(steps: int) -> float:
-    return template_launched(steps, "ddp", mesh_accelerator())
+    return template_launched(steps, "ddp", accelerator=mesh_accelerator())
 
 
 PIPELINE_MICROBATCHES = 8
