@@ -46,19 +46,10 @@ def where_launched() -> str:
     return f"CPU figures ({DDP_PROCESSES} gloo processes): directions, not GPU ones"
 
 
-def template_launched(
-    steps: int,
-    strategy: str,
-    *overrides: str,
-    accelerator: str = "cpu",
-    workload: tuple[str, ...] = WORKLOAD,
-) -> float:
+def template_launched(steps: int, strategy: str, accelerator: str = "cpu") -> float:
     """samples/s of a multi-process strategy with 2 processes, started by the template's
     launcher."""
-    summary = launched_summary(
-        steps, strategy, *overrides, accelerator=accelerator, workload=workload
-    )
-    return summary["samples_per_sec"]
+    return launched_summary(steps, strategy, accelerator=accelerator)["samples_per_sec"]
 
 
 def launched_summary(
@@ -98,11 +89,11 @@ def template_fsdp(steps: int) -> float:
 
 
 def template_tp(steps: int) -> float:
-    return template_launched(steps, "tp", accelerator=mesh_accelerator())
+    return template_launched(steps, "tp", mesh_accelerator())
 
 
 def template_ddp_beside_tp(steps: int) -> float:
-    return template_launched(steps, "ddp", accelerator=mesh_accelerator())
+    return template_launched(steps, "ddp", mesh_accelerator())
 
 
 PIPELINE_MICROBATCHES = 8

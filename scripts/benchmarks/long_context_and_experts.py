@@ -4,7 +4,7 @@ per device under cp 1, 2 and 4."""
 
 from __future__ import annotations
 
-from benchmarks.launched import mesh_accelerator, template_launched
+from benchmarks.launched import launched_summary, mesh_accelerator
 from benchmarks.workload import WORKLOAD, compose_config
 
 # WORKLOAD's optimizer and logger on the tiny GPT (2 blocks, 64 wide, 2 heads) over 512-token
@@ -30,20 +30,26 @@ EP_WORKLOAD = (
 )
 
 
+def launched_speed(steps: int, strategy: str, workload: tuple[str, ...]) -> float:
+    """samples/s of the workload under a strategy on 2 processes (GPUs as for tp)."""
+    summary = launched_summary(steps, strategy, accelerator=mesh_accelerator(), workload=workload)
+    return summary["samples_per_sec"]
+
+
 def template_cp(steps: int) -> float:
-    return template_launched(steps, "cp", accelerator=mesh_accelerator(), workload=CP_WORKLOAD)
+    return launched_speed(steps, "cp", CP_WORKLOAD)
 
 
 def template_ddp_beside_cp(steps: int) -> float:
-    return template_launched(steps, "ddp", accelerator=mesh_accelerator(), workload=CP_WORKLOAD)
+    return launched_speed(steps, "ddp", CP_WORKLOAD)
 
 
 def template_ep(steps: int) -> float:
-    return template_launched(steps, "ep", accelerator=mesh_accelerator(), workload=EP_WORKLOAD)
+    return launched_speed(steps, "ep", EP_WORKLOAD)
 
 
 def template_ddp_beside_ep(steps: int) -> float:
-    return template_launched(steps, "ddp", accelerator=mesh_accelerator(), workload=EP_WORKLOAD)
+    return launched_speed(steps, "ddp", EP_WORKLOAD)
 
 
 CP_DEGREES = (1, 2, 4)
