@@ -33,6 +33,13 @@ out of both.
                     all-reduce of the activations per pair, forward and backward, costs against
                     one of the gradients; on 2 GPUs where --device (cuda, or auto with a GPU
                     visible) has 2, else CPU figures (gloo): directions, not GPU ones
+    cp              `parallel=cp` (cp 2) / `parallel=ddp`, 2 processes each (GPUs as for tp), on
+                    the same global batch: a 2-block GPT, 64 wide, 8 sequences of 512 tokens;
+                    each cp rank runs half of every sequence, each ddp rank half the sequences;
+                    and the longest sequence (a power of two) the planner fits in 64 MB per
+                    device under cp 1, 2 and 4 (its predicted peak: fake tensors, no run)
+    ep              `parallel=ep` (ep 2) / `parallel=ddp`, 2 processes each (GPUs as for tp), on
+                    the same global batch: model=moe (4 experts, top 2), 16 sequences of 128
     pp              `parallel=pp`, 2 stages on 2 processes (GPUs as for tp) over 8 micro-batches,
                     under GPipe, 1F1B and Interleaved1F1B (2 stages per rank): ms/step and each
                     rank's measured idle fraction (its step's wall time outside its stages'
@@ -99,6 +106,15 @@ from benchmarks.launched import (  # noqa: E402
     template_tp,
     where_launched,
 )
+from benchmarks.long_context_and_experts import (  # noqa: E402
+    CP_BATCH_SIZE,
+    EP_BATCH_SIZE,
+    longest_sequences,
+    template_cp,
+    template_ddp_beside_cp,
+    template_ddp_beside_ep,
+    template_ep,
+)
 from benchmarks.plan_accuracy import plan_accuracy  # noqa: E402
 from benchmarks.startup import startup  # noqa: E402
 from benchmarks.template_options import (  # noqa: E402
@@ -158,6 +174,8 @@ COMPARISONS: dict[str, tuple[tuple[str, Run], tuple[str, Run]]] = {
     "ddp": (("template", template_ddp), ("plain DDP", plain_ddp)),
     "fsdp": (("fsdp", template_fsdp), ("ddp", template_ddp)),
     "tp": (("tp 2", template_tp), ("ddp 2", template_ddp_beside_tp)),
+    "cp": (("cp 2", template_cp), ("ddp 2", template_ddp_beside_cp)),
+    "ep": (("ep 2", template_ep), ("ddp 2", template_ddp_beside_ep)),
     "loader": (
         ("2 workers", lambda steps: loader_speed(steps, 2)),
         ("0 workers", lambda steps: loader_speed(steps, 0)),
@@ -204,7 +222,8 @@ def main() -> None:
         choices=("auto", "cpu", "cuda"),
         default="auto",
         help="where single, overhead and model_parallel run (auto: a GPU when one is visible); "
-        "ddp and fsdp always run 2 CPU processes, tp and pp 2 GPUs where the device has them",
+        "ddp and fsdp always run 2 CPU processes, tp, pp, cp and ep 2 GPUs where the device has "
+        "them",
     )
     args = parser.parse_args()
     if args.steps <= WARMUP_STEPS:
@@ -244,6 +263,10 @@ def main() -> None:
             batch = TRANSFORMER_BATCH_SIZE
         if name == "resnet":
             batch = RESNET_BATCH_SIZE
+        if name == "cp":
+            batch = CP_BATCH_SIZE
+        if name == "ep":
+            batch = EP_BATCH_SIZE
         if name == "gpt2":
             batch = compose_config(*gpt2_workload()).trainer.batch_size
         step_ms = [1000 * batch / speed for speed in speeds]
@@ -257,8 +280,10 @@ def main() -> None:
         print(f"{name:<16}{cells}{statistics.median(ratios):>8.3f}  ({spread})")
         if name == "overhead":
             print(f"{'':<16}  the template's host work: {step_ms[0] - step_ms[1]:+.3f} ms/step")
-        if name == "tp":
+        if name in ("tp", "cp", "ep"):
             print(f"{'':<16}  {where_launched()}")
+        if name == "cp":
+            longest_sequences()
         if name in ("bf16", "fp16") and workload.DEVICE == "cpu":
             print(f"{'':<16}  CPU figures (autocast on the CPU): they say nothing of a GPU")
         if name == "gpt2":

@@ -52,11 +52,17 @@ def template_launched(steps: int, strategy: str, accelerator: str = "cpu") -> fl
     return launched_summary(steps, strategy, accelerator=accelerator)["samples_per_sec"]
 
 
-def launched_summary(steps: int, strategy: str, *overrides: str, accelerator: str = "cpu") -> dict:
+def launched_summary(
+    steps: int,
+    strategy: str,
+    *overrides: str,
+    accelerator: str = "cpu",
+    workload: tuple[str, ...] = WORKLOAD,
+) -> dict:
     """summary.json of the workload on 2 processes (CPU or GPU) started by the template's
     launcher."""
     cfg = compose_config(
-        *WORKLOAD,
+        *workload,
         f"parallel={strategy}",
         f"parallel.devices={DDP_PROCESSES}",
         f"trainer.accelerator={accelerator}",
