@@ -29,7 +29,8 @@ class FaultyMLP(MLP):
         self.training_forwards = 0
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        if self.training and os.environ.get("WORLD_SIZE") == os.environ.get("PAUSE_IN_WORLD"):
+        pausing_world = os.environ.get("PAUSE_IN_WORLD")
+        if self.training and pausing_world and os.environ.get("WORLD_SIZE") == pausing_world:
             PAUSING_FORWARDS.append(self)  # counted over the process: its checks build models too
             if len(PAUSING_FORWARDS) == int(os.environ["PAUSE_AT_STEP"]):
                 signal.pause()

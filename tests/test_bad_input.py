@@ -594,7 +594,7 @@ def test_bad_input_is_refused_before_any_work(
 @pytest.mark.parametrize(
     "overrides, stage, message",
     [
-        (["parallel=nosuch"], HYDRA, "Could not find 'parallel/nosuch'; choose one of auto, ddp,"),
+        (["parallel=nosuch"], HYDRA, "Could not find 'parallel/nosuch'; choose one of auto, cp,"),
         (
             ["parallel=ddp", "trainer.accelerator=cpu", "parallel.nodes=2"],
             CHECK,

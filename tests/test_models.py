@@ -40,7 +40,7 @@ def test_an_untrained_language_model_starts_at_ln_vocabulary(tmp_path, model):
 
 def test_a_gpt2_124m_wide_model_starts_at_ln_vocabulary():
     """Two blocks of gpt2_124m's width and heads, at GPT-2's vocabulary."""
-    shape = OmegaConf.load("conf/model/gpt2_124m.yaml")
+    shape = OmegaConf.load("conf/model/gpt2_124m.yaml").model
     vocab, length = 50257, 32
     torch.manual_seed(0)
     model = GPT((length,), vocab, n_layer=2, n_head=shape.n_head, n_embd=shape.n_embd)

@@ -116,15 +116,18 @@ def test_sweep_reports_every_job_and_groups_its_wandb_runs(tmp_path):
 
 
 def test_a_crashing_job_is_recorded_and_the_sweep_exits_non_zero(tmp_path):
-    # The transformer cannot embed the synthetic float features: a crash in the first step. The
-    # next job still runs.
+    # FaultyMLP raises in its first training step (tests/faulty_models.py). The next job still
+    # runs.
     sweep_dir = tmp_path / "sweep"
-    result = run_sweep("model=transformer,mlp", *TINY, sweep_dir=sweep_dir)
+    models = "model._target_=tests.faulty_models.FaultyMLP,src.components.models.MLP"
+    fault = {"FAULT": "raise", "FAIL_AT_STEP": "1", "FAIL_RANK": "0", "RANK": "0"}
+    result = run_sweep(models, *TINY, sweep_dir=sweep_dir, env=fault)
     assert result.returncode != 0
     assert "1 of 2 jobs failed" in result.stderr
     crashed, ok = read_csv(sweep_dir / "summary.csv")
-    assert (ok["variant"], ok["status"]) == ("model=mlp", "ok")
-    assert (crashed["variant"], crashed["status"]) == ("model=transformer", "failed")
+    assert (ok["variant"], ok["status"]) == ("model._target_=src.components.models.MLP", "ok")
+    faulty = "model._target_=tests.faulty_models.FaultyMLP"
+    assert (crashed["variant"], crashed["status"]) == (faulty, "failed")
     assert crashed["reason"].startswith("RuntimeError")
     status = json.loads((sweep_dir / crashed["job"] / "status.json").read_text())
     assert status["status"] == "failed"
