@@ -47,9 +47,10 @@ def two_process_runs() -> dict[str, Path]:
 
 
 def four_process_runs() -> dict[str, Path]:
-    """ep 2 and ep 4 of dp_shard 4, top 1 and top 2: one sweep (61 s, as above)."""
+    """ep 2 and ep 4 of dp_shard 4, top 2 (top 1's routing is ep 2's above): one sweep (about
+    35 s, as above)."""
     return sweep_runs(
-        *WORKLOAD, "model.top_k=1,2", "parallel=ep", "parallel.devices=4", "parallel.ep=2,4"
+        *WORKLOAD, "model.top_k=2", "parallel=ep", "parallel.devices=4", "parallel.ep=2,4"
     )
 
 
@@ -61,14 +62,15 @@ def assert_same_aux_losses(reference: Path, other: Path) -> None:
 
 
 @pytest.mark.equivalence
-@pytest.mark.parametrize("top_k", [1, 2])
-@pytest.mark.parametrize("ep", ["ep2", "ep4", "ep2 of dp_shard 4"])
+@pytest.mark.parametrize(
+    "ep, top_k", [("ep2", 1), ("ep2", 2), ("ep4", 2), ("ep2 of dp_shard 4", 2)]
+)
 def test_expert_parallel_trains_exactly_like_single(ep, top_k):
     single = two_process_runs()[f"model.top_k={top_k} parallel=single"]
     if ep == "ep2":
         run = two_process_runs()[f"model.top_k={top_k} parallel=ep"]
     else:
-        run = four_process_runs()[f"model.top_k={top_k} parallel.ep={ep[2]}"]
+        run = four_process_runs()[f"parallel.ep={ep[2]}"]
     assert_same_training(single, run)
     assert_same_aux_losses(single, run)
 
