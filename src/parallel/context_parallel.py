@@ -36,6 +36,8 @@ from src.parallel.base import LossFn
 
 SEQUENCE_DIM = 2
 """Of SDPA's query, key and value: (batch, heads, sequence, head size)."""
+SEQUENCE_OF_BATCH = 1
+"""Of a batch of token ids, their labels, a language model's outputs: (batch, sequence, ...)."""
 
 aten = torch.ops.aten
 CPU_FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -305,10 +307,6 @@ def check_attention(model: nn.Module, inputs: torch.Tensor) -> list[int]:
             "model=transformer or model=gpt, or parallel.cp=1"
         )
     return [size // inputs.shape[0] for size in calls.key_values]
-
-
-SEQUENCE_OF_BATCH = 1
-"""Of a batch of token ids, their labels, a language model's outputs: (batch, sequence, ...)."""
 
 
 def shard_positions(model: nn.Module, mesh: DeviceMesh) -> None:

@@ -35,7 +35,7 @@ from src.components.moe import MoEFeedForward, Routing
 from src.components.precision import AUTOCAST_DTYPES
 from src.config.base import ConfigError
 from src.config.parallel import Offload
-from src.parallel.fsdp import offload_policy
+from src.parallel.fsdp import divide_gradients_by, offload_policy
 from src.parallel.layout import Layout
 from src.parallel.shares import Messages
 
@@ -116,12 +116,7 @@ def apply_ep(
                 linear.register_parameter(name, nn.Parameter(split))
         options = {"mesh": shards, "mp_policy": policy, "offload_policy": offload_policy(offload)}
         experts = fully_shard(layer.experts, **options)
-        experts.set_gradient_divide_factor(float(data_parallel.size()))
-        # A divide factor other than the shards' number reduce-scatters with PREMUL_SUM, which
-        # gloo lacks; summed instead, FSDP divides after. Of one shard it only divides, and
-        # summing would divide twice (torch 2.14.1).
-        sums = data_parallel.device_type == "cpu" and shards.size(1) > 1
-        experts.set_force_sum_reduction_for_comms(sums)
+        divide_gradients_by(experts, data_parallel.size(), shards.size(1))
         layer.expert_outputs = functools.partial(exchanged_expert_outputs, layer, ep_mesh)
 
 

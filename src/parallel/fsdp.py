@@ -98,14 +98,16 @@ def apply_fsdp(
     return fully_shard(model, **options)
 
 
-def divide_gradients_by(model: nn.Module, factor: int) -> None:
-    """Every FSDP unit of `model` divides its reduced gradients by `factor` instead of by its
-    ranks (more ranks than `factor`: the others' gradients are summed). Summed, then divided:
-    the premultiplied sum torch uses otherwise is NCCL's, which gloo lacks."""
+def divide_gradients_by(model: nn.Module, factor: int, shards: int) -> None:
+    """Every FSDP unit of `model` (sharded over `shards` ranks) divides its reduced gradients by
+    `factor` instead of by its ranks (more ranks than `factor`: the others' gradients are
+    summed). Summed, then divided: the premultiplied sum torch uses otherwise is NCCL's, which
+    gloo lacks. Of one shard FSDP only divides, and a forced sum would divide twice (torch
+    2.14.1)."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(float(factor))
-            module.set_force_sum_reduction_for_comms(True)
+            module.set_force_sum_reduction_for_comms(shards > 1)
 
 
 def micro_step_counts(staged: bool, accumulate: int) -> tuple[int, int]:

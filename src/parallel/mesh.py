@@ -282,7 +282,7 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
         elif self.fsdp:
             model = apply_fsdp(model, data_parallel, policy, offload=offload)
             if self.layout.cp > 1:  # the cp ranks' gradients summed, the data-parallel averaged
-                divide_gradients_by(model, self.layout.dp)
+                divide_gradients_by(model, self.layout.dp, self.layout.fsdp_shards)
         self.held_bytes = held_bytes(model)
         return model
 
