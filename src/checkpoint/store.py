@@ -99,7 +99,12 @@ def saved_checkpoints(run_dir: Path) -> list[Path]:
     if not folder.is_dir():
         return []
     found = [p for p in folder.iterdir() if p.name.startswith("step-") and p.is_dir()]
-    return sorted(found, key=lambda path: int(path.name.removeprefix("step-")))
+    return sorted(found, key=checkpoint_step)
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint folder (`step-000042`) holds."""
+    return int(path.name.removeprefix("step-"))
 
 
 @functools.cache

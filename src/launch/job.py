@@ -9,8 +9,8 @@ device (`build.build_blueprint`) before it starts a rank.
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 import shlex
 import signal
 from pathlib import Path
@@ -20,7 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from src.checkpoint.store import saved_checkpoints
+from src.checkpoint.store import checkpoint_step, saved_checkpoints
 from src.config.base import ConfigError, plain_config
 from src.config.parallel import AUTO, NodeRange, node_range
 from src.launch.as_rank import configure_logging, join_started_ranks, rank_store, run_as_rank
@@ -32,13 +32,13 @@ from src.launch.sweep import run_job
 from src.observe.tracking import wandb_group
 from src.parallel.base import Strategy
 from src.runtime.ranks import Ranks
-from src.runtime.run_folder import metrics_file, summary_file
+from src.runtime.run_folder import metrics_file
 from src.runtime.stopping import Interrupted, ProcessDied, RunStopped, StopOnSignal
 from src.training.build import build_blueprint
 from src.training.checks import check_settings
 from src.training.loop import history_step
 from src.training.resume import finished
-from src.training.summary import finish_finished_run
+from src.training.summary import finish_finished_run, save_summary
 from src.training.trainer import Trainer, train
 
 log = logging.getLogger(__name__)
@@ -167,7 +167,7 @@ def launch_ranks(
         raise ProcessDied(f"{failed}; the job stopped and {last_checkpoint(run_dir)}") from None
     if losses.events and rounds.seen[-1].rank == 0:  # this node's rank 0 wrote the summary
         summary["nodes_lost"] = losses.events
-        summary_file(run_dir).write_text(json.dumps(summary, indent=2))
+        save_summary(summary, run_dir)
     return summary
 
 
@@ -188,10 +188,11 @@ class NodesLost:
         joined = [node for node in now.nodes if node not in before.nodes]
         history = metrics_file(self.run_dir)
         rows = history.read_text().splitlines() if history.exists() else []
-        reached = int(max((history_step(row) for row in rows), default=0))
+        # Whole lines only: a line cut short by a crash has no step (math.inf).
+        reached = int(max((s for s in map(history_step, rows) if s < math.inf), default=0))
         last_progress = history.stat().st_mtime if rows else now.asked
         saved = saved_checkpoints(self.run_dir)
-        resumed = int(saved[-1].name.removeprefix("step-")) if saved else 0
+        resumed = checkpoint_step(saved[-1]) if saved else 0
         event = {
             "lost": lost,
             "joined": joined,
@@ -234,8 +235,9 @@ def train_worker(
     launcher. Restarted in an elastic job re-formed (a node lost or joined), the ranks resume
     from the newest checkpoint instead, on the nodes the job has now."""
     cfg = OmegaConf.create(resolved_cfg)
-    cfg.parallel.nodes = started_nodes(ranks, node_range(cfg.parallel.nodes))
-    if goes_on_with_reformed_job():
+    nodes = node_range(cfg.parallel.nodes)
+    cfg.parallel.nodes = started_nodes(ranks, nodes)
+    if nodes.elastic and goes_on_with_reformed_job():  # a store question only an elastic job asks
         cfg.trainer.resume, checkpoint = "auto", None
     strategy = check_settings(cfg, ranks)
     checked = Path(checkpoint) if checkpoint else None

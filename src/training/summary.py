@@ -68,8 +68,13 @@ def finish_finished_run(
 
 def write_summary(summary: dict[str, Any], run_dir: Path) -> None:
     """summary.json in the run folder, and the summary in the log."""
-    summary_file(run_dir).write_text(json.dumps(summary, indent=2) + "\n")
+    save_summary(summary, run_dir)
     log.info(format_summary(summary, run_dir))
+
+
+def save_summary(summary: dict[str, Any], run_dir: Path) -> None:
+    """summary.json in the run folder."""
+    summary_file(run_dir).write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def format_summary(summary: dict[str, Any], run_dir: Path) -> str:
