@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from src.parallel.base import usable_cores
 from src.parallel.shares import COLLECTIVES
+from src.planning.timing import best_time_s
 from src.planning.wrapper_costs import GROUP, wrapper_message_s
 
 PROJECT = "parallel-training-template"
@@ -39,7 +40,6 @@ ELEMENTWISE = 2**20  # floats added in place: memory-bound, as optimizers and ac
 SIZES = (2**10, 2**20)  # bytes per message: latency, then bandwidth
 PROCESS_COUNTS = (2, 4)
 CALMER = 0.5
-ROUNDS = 3  # each figure is the best of these: the machine's speed, not its neighbours'
 VERSION = 2  # of the figures, in the cache's name: another version's are measured again
 
 
@@ -170,25 +170,6 @@ class intra_op_threads:  # noqa: N801 - used as a context manager
 
     def __exit__(self, *exc: object) -> None:
         torch.set_num_threads(self.previous)
-
-
-def best_time_s(work: Callable[[], Any], device: torch.device, repeats: int = 1) -> float:
-    """The shortest of `ROUNDS` timed runs of `work` `repeats` times (after one untimed), per
-    run of `work`."""
-
-    def synchronized() -> None:
-        for _ in range(repeats):
-            work()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    synchronized()
-    times = []
-    for _ in range(ROUNDS):
-        started = time.perf_counter()
-        synchronized()
-        times.append((time.perf_counter() - started) / repeats)
-    return min(times)
 
 
 def matmul_flops_per_s(device: torch.device) -> float:

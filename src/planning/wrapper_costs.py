@@ -10,7 +10,6 @@ and tp together on a 2 x 2 mesh, as fsdp 2 x tp 2 runs)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
@@ -23,13 +22,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from src.parallel.base import usable_cores
 from src.parallel.pipeline_schedules import apply_pp
+from src.planning.timing import best_time_s
 
 BLOCKS = 4  # a small model's depth: the wrapper's fixed cost spread over about as many units
 WIDTH = 16  # next to no arithmetic: the step is the wrappers' work and the messages
 SAMPLES = 8
 MICROBATCHES = 2  # the pipeline's (parallel.microbatches' default)
 REPEATS = 5
-ROUNDS = 3
 # The collectives a rank sends per step of the tiny model: DDP one bucket; FSDP each block
 # gathered for forward and again for backward and its gradients reduce-scattered; tp each pair's
 # all-reduce forward and backward; pp, on 2 stages, a send or receive each way per micro-batch.
@@ -110,19 +109,9 @@ def wrapped_step(
 
 
 def step_s(step: Callable[[], None], together: dist.ProcessGroup, device: torch.device) -> float:
-    """`step`'s seconds: the best of `ROUNDS` rounds of `REPEATS` steps (after one untimed),
-    each round begun together by the ranks of `together`."""
-    step()
-    times = []
-    for _ in range(ROUNDS):
-        dist.barrier(group=together)
-        started = time.perf_counter()
-        for _ in range(REPEATS):
-            step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - started) / REPEATS)
-    return min(times)
+    """`step`'s seconds: the best of the rounds of `REPEATS` steps (`timing.best_time_s`), each
+    round begun together by the ranks of `together`."""
+    return best_time_s(step, device, REPEATS, before_round=lambda: dist.barrier(group=together))
 
 
 def measured_together(processes: int) -> list[tuple[str, ...]]:
