@@ -9,6 +9,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import ROOT, TINY_SGD, run_sweep
 
-from src.observe.sweep_rows import NOISY_SPREAD, Row, collect
+from src.observe.sweep_rows import Row, collect
 from src.parallel.shares import Messages
 from src.planning.calibration import Calibration, cache_path, calibration, load_per_core
 from src.planning.step_time import CalibratedSpeed
@@ -26,8 +27,8 @@ LAYOUTS = ("single", "ddp", "fsdp", "model_parallel", "tp", "pp", "fsdp_tp")
 TIMED = (
     *(override for override in TINY_SGD if not override.startswith("trainer.")),
     "trainer.batch_size=24",
-    "trainer.max_steps=40",
-    "trainer.log_every=5",
+    "trainer.max_steps=90",
+    "trainer.log_every=20",  # windows of 20 steps: tens of ms even for the tiny MLP
     "trainer.eval_every=0",
     "trainer.timing_warmup_steps=10",
     "trainer.accelerator=cpu",
@@ -36,6 +37,10 @@ TIMED = (
 # decides the step times: each message waits for a process the scheduler has put aside.
 MAX_LOAD_PER_CORE = 0.75
 RATIO = 1.5
+# The step time held is the median of the logging windows. Beyond this spread (slowest - fastest
+# over that median), a window met other work. Wider than the report's NOISY_SPREAD: ddp's 2
+# processes and gloo's threads on 2 cores alone make windows of 1.6 to 3.8 ms on a quiet machine.
+DISTURBED_SPREAD = 1.0
 
 
 def machine_load() -> str | None:
@@ -46,32 +51,44 @@ def machine_load() -> str | None:
 
 
 def why_untimed(rows: list[Row]) -> str | None:
-    """Why a sweep's step times cannot be held to the prediction: the machine's load, or
-    logging windows that disagree; None on a quiet machine."""
-    loaded = machine_load()
-    if loaded is not None:
-        return loaded
+    """Why a sweep's step times cannot be held to the prediction: a calibration made under
+    load, or logging windows that disagree (other work during the sweep: the load average then
+    counts the sweep's own processes too); None on a quiet machine."""
     calibrated = calibration("cpu").load_per_core
     if calibrated > MAX_LOAD_PER_CORE:
         return f"calibrated on a loaded machine: {calibrated:.2f} runnable per core"
-    noisy = [row.strategy for row in rows if (row.step_time_spread or 0) > NOISY_SPREAD]
+    noisy = [row.strategy for row in rows if noisy_row(row)]
     if noisy:
-        return f"step times noisy (windows differ by over {NOISY_SPREAD:.0%}): {noisy}"
+        return f"step times noisy (windows differ by over {DISTURBED_SPREAD:.0%}): {noisy}"
     return None
 
 
+def noisy_row(row: Row) -> bool:
+    return (row.step_time_spread or 0) > DISTURBED_SPREAD
+
+
+def swept_rows(layouts: list[str], sweep_dir: Path) -> dict[str, Row]:
+    """Each of `layouts`' row from one sweep, by layout."""
+    result = run_sweep(*TIMED, f"parallel={','.join(layouts)}", sweep_dir=sweep_dir)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return {layouts[int(row.job)]: row for row in collect(sweep_dir)}
+
+
 @pytest.fixture(scope="module")
-def swept(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Row], str | None]:
+def swept(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Row], str | None]:
     """Every layout's row, and why its times cannot be held to the prediction (None: they can).
-    On a loaded machine nothing is swept: its times would say nothing."""
+    On a loaded machine nothing is swept: its times would say nothing. Layouts whose logging
+    windows disagreed (a burst of other work, even on a quiet machine) are swept once more."""
     why = machine_load()
     if why is not None:
-        return [], why
-    sweep_dir = tmp_path_factory.mktemp("layouts")
-    result = run_sweep(*TIMED, f"parallel={','.join(LAYOUTS)}", sweep_dir=sweep_dir)
-    assert result.returncode == 0, result.stderr[-4000:]
-    rows = collect(sweep_dir)
-    return rows, why_untimed(rows)
+        return {}, why
+    if calibration("cpu").load_per_core > MAX_LOAD_PER_CORE:
+        calibration("cpu", refresh=True)  # measured when the machine was busier than now
+    rows = swept_rows(list(LAYOUTS), tmp_path_factory.mktemp("layouts"))
+    noisy = [layout for layout, row in rows.items() if noisy_row(row)]
+    if noisy:
+        rows.update(swept_rows(noisy, tmp_path_factory.mktemp("again")))
+    return rows, why_untimed(list(rows.values()))
 
 
 def test_the_report_and_plan_compare_put_the_predicted_step_beside_the_measured(tmp_path):
@@ -101,7 +118,7 @@ def test_the_predicted_step_is_within_1_5x_of_the_measured(swept, layout):
     rows, why = swept
     if why is not None:
         pytest.skip(why)
-    (row,) = [row for row in rows if row.job == str(LAYOUTS.index(layout))]
+    row = rows[layout]
     ratio = row.predicted_step_ms / row.step_time_ms
     assert 1 / RATIO <= ratio <= RATIO, f"{row.strategy}: {ratio:.2f}x the measured step"
 

@@ -40,7 +40,7 @@ ELEMENTWISE = 2**20  # floats added in place: memory-bound, as optimizers and ac
 SIZES = (2**10, 2**20)  # bytes per message: latency, then bandwidth
 PROCESS_COUNTS = (2, 4)
 CALMER = 0.5
-VERSION = 2  # of the figures, in the cache's name: another version's are measured again
+VERSION = 3  # of the figures, in the cache's name: another version's are measured again
 
 
 class OpCounter(TorchDispatchMode):
@@ -79,7 +79,7 @@ class Calibration:
     seconds: float = 0.0
     """How long measuring took."""
     load_per_core: float = 0.0
-    """The 1-minute load average per core while it measured."""
+    """The 1-minute load average per core as it began measuring."""
 
     def at_threads(self, figures: dict[str, float], threads: int, best: Callable = max) -> float:
         """A per-thread figure at `threads`: the `best` of those measured at up to `threads`
@@ -132,7 +132,7 @@ def calibration(device_type: str, refresh: bool = False) -> Calibration:
 
 def calibrate(device_type: str) -> Calibration:
     """Measure this machine's figures (`Calibration`) for `device_type`."""
-    started = time.perf_counter()
+    started, load = time.perf_counter(), load_per_core()  # the load before its own work
     cores = usable_cores()
     device = torch.device(device_type)
     thread_counts = sorted({max(1, cores // processes) for processes in (1, 2, 4, 8, cores)})
@@ -152,7 +152,7 @@ def calibrate(device_type: str) -> Calibration:
         between_processes["collectives"],
         between_processes["wrappers"],
         seconds=time.perf_counter() - started,
-        load_per_core=load_per_core(),
+        load_per_core=load,
     )
 
 

@@ -1,8 +1,10 @@
-"""How the calibration times a piece of work: the best of a few rounds, so that the figure is the
-machine's speed, not its neighbours'."""
+"""How the calibration times a piece of work: rounds of it, each timed whole. The best round is
+the machine's speed, not its neighbours' (arithmetic, a bare collective); the median round is
+what a step among processes typically waits (a wrapper's step, whose waits on peers vary)."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -10,17 +12,19 @@ from typing import Any
 import torch
 
 ROUNDS = 3
+TYPICAL_ROUNDS = 7
 
 
-def best_time_s(
+def round_times_s(
     work: Callable[[], Any],
     device: torch.device,
-    repeats: int = 1,
-    before_round: Callable[[], Any] | None = None,
-) -> float:
-    """The shortest of `ROUNDS` timed runs of `work` `repeats` times (after one untimed), per
-    run of `work`; `before_round` (untimed) starts each round, e.g. a barrier of the ranks
-    timed together."""
+    repeats: int,
+    rounds: int,
+    before_round: Callable[[], Any] | None,
+) -> list[float]:
+    """Each of `rounds` timed runs of `work` `repeats` times (after one untimed), per run of
+    `work`; `before_round` (untimed) starts each round, e.g. a barrier of the ranks timed
+    together."""
 
     def synchronized() -> None:
         for _ in range(repeats):
@@ -30,10 +34,22 @@ def best_time_s(
 
     synchronized()
     times = []
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         if before_round is not None:
             before_round()
         started = time.perf_counter()
         synchronized()
         times.append((time.perf_counter() - started) / repeats)
-    return min(times)
+    return times
+
+
+def best_time_s(work: Callable[[], Any], device: torch.device, repeats: int = 1) -> float:
+    """The shortest of `ROUNDS` rounds of `work` (`round_times_s`), per run of `work`."""
+    return min(round_times_s(work, device, repeats, ROUNDS, None))
+
+
+def typical_time_s(
+    work: Callable[[], Any], device: torch.device, repeats: int, before_round: Callable[[], Any]
+) -> float:
+    """The median of `TYPICAL_ROUNDS` rounds of `work` (`round_times_s`), per run of `work`."""
+    return statistics.median(round_times_s(work, device, repeats, TYPICAL_ROUNDS, before_round))

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from src.parallel.base import usable_cores
 from src.parallel.pipeline_schedules import apply_pp
-from src.planning.timing import best_time_s
+from src.planning.timing import typical_time_s
 
 BLOCKS = 4  # a small model's depth: the wrapper's fixed cost spread over about as many units
 WIDTH = 16  # next to no arithmetic: the step is the wrappers' work and the messages
@@ -109,9 +109,10 @@ def wrapped_step(
 
 
 def step_s(step: Callable[[], None], together: dist.ProcessGroup, device: torch.device) -> float:
-    """`step`'s seconds: the best of the rounds of `REPEATS` steps (`timing.best_time_s`), each
-    round begun together by the ranks of `together`."""
-    return best_time_s(step, device, REPEATS, before_round=lambda: dist.barrier(group=together))
+    """`step`'s seconds: the median of the rounds of `REPEATS` steps (`timing.typical_time_s`),
+    each round begun together by the ranks of `together`. The median, not the best: a training
+    step's waits on its peers are those of a typical round."""
+    return typical_time_s(step, device, REPEATS, lambda: dist.barrier(group=together))
 
 
 def measured_together(processes: int) -> list[tuple[str, ...]]:
