@@ -214,6 +214,8 @@ def test_auto_chooses_the_fastest_plan_that_fits():
     best, reason = choose(plans)
     assert best.strategy == "dp"
     assert "too big: ddp" in reason and "\n" not in reason
+    # A tie (on one device every strategy predicts single's step) goes to the plain run.
+    assert choose([plan("cp", 5, 1), plan("single", 5, 1)])[0].strategy == "single"
 
 
 def test_auto_resolves_to_a_strategy_and_says_why(compose_config):

@@ -21,7 +21,7 @@ from src.observe.sweep_rows import Row, collect
 from src.parallel.shares import Messages
 from src.planning.calibration import Calibration, cache_path, calibration, load_per_core
 from src.planning.step_time import CalibratedSpeed
-from src.planning.wrapper_costs import SENT, wrapper_message_s
+from src.planning.wrapper_costs import SENT, replica_threads_s, wrapper_message_s
 
 LAYOUTS = ("single", "ddp", "fsdp", "model_parallel", "tp", "pp", "fsdp_tp")
 TIMED = (
@@ -134,7 +134,7 @@ def test_the_calibration_is_read_from_its_cache_and_times_each_message(tmp_path,
         step_s={"1": 1e-4},
         op_s={"1": 2e-6},
         collectives={"all_reduce": {"2": [1e-4, 1e-9], "4": [2e-4, 2e-9]}},
-        wrappers={"ddp": {"2": 5e-4, "4": 8e-4}},
+        wrappers={"ddp": {"2": 5e-4, "4": 8e-4}, "dp": {"2": 3e-4, "4": 6e-4}},
     )
     path = cache_path("cpu")
     path.parent.mkdir(parents=True)
@@ -148,6 +148,8 @@ def test_the_calibration_is_read_from_its_cache_and_times_each_message(tmp_path,
     ddp = Messages("all_reduce", 2, 1000, 2, wrapper="ddp")
     assert speed.message_s(ddp, 2) == pytest.approx(2 * (1.01e-4 + 5e-4))
     assert speed.message_s(ddp, 4) == pytest.approx(2 * (1.01e-4 + 8e-4))
+    # dp's replicas in threads of one process: no collective, the cost by replicas.
+    assert speed.message_s(Messages("", 2, 0, 4, wrapper="dp"), 1) == pytest.approx(2 * 6e-4)
     unmeasured = Messages("all_reduce", 1, 1000, 2, wrapper="tp")
     assert speed.message_s(unmeasured, 2) == pytest.approx(1.01e-4)
 
@@ -169,4 +171,12 @@ def test_the_calibration_times_a_message_of_each_wrapper_inside_a_training_step(
     mp.spawn(measure_wrappers, args=(str(tmp_path / "store"), str(results)), nprocs=2)
     figures = json.loads(results.read_text())
     assert set(figures) == set(SENT)
+    assert all(0 < seconds < 1 for seconds in figures.values()), figures
+
+
+def test_the_calibration_times_dp_s_replicas_in_threads():
+    """dp on CPU runs its replicas in threads of one process: a micro-step costs more than the
+    module's own step, by 2 and by 4 replicas (in-process, about 2 s)."""
+    figures = replica_threads_s(torch.device("cpu"))
+    assert set(figures) == {"2", "4"}
     assert all(0 < seconds < 1 for seconds in figures.values()), figures

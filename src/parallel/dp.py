@@ -19,13 +19,16 @@ from torch import nn
 from src.components.batches import Tree, move
 from src.parallel.base import LossFn, Strategy, process_peak_memory_mb
 from src.parallel.mechanisms.replicas import DataParallel
-from src.parallel.shares import DeviceShare, ModelSizes
+from src.parallel.shares import DeviceShare, Messages, ModelSizes
 
 log = logging.getLogger(__name__)
 
 
 class DP(Strategy):
     gather_outputs = True
+    thread_rounds = 1
+    """Times per micro-step the replicas run in threads: the forward pass (with the loss too
+    for dp_criterion)."""
 
     def check_batch(self, micro_batch: int) -> None:
         """Any micro-batch works. One that does not divide by the devices is split unevenly
@@ -92,3 +95,12 @@ class DP(Strategy):
             outputs = micro_batch * sizes.block_output_bytes[-1]
             traffic["output gather + gradient scatter"] = int(2 * accumulate * others * outputs)
         return traffic
+
+    def step_messages(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> list[Messages]:
+        """On CPU, no message but the replicas' threads: what running them costs beyond the
+        module's own work, per micro-step (the calibration's `dp`). GPUs' replicas run side by
+        side, their traffic a copy (`step_traffic`)."""
+        replicas = min(self.cfg.devices, micro_batch)
+        if self.device_type != "cpu" or replicas < 2:
+            return []
+        return [Messages("", self.thread_rounds * accumulate, 0, replicas, wrapper="dp")]

@@ -98,7 +98,8 @@ class Messages:
     measured at `ranks` processes."""
 
     collective: str
-    """One of `COLLECTIVES` (`send`: a point-to-point send or receive)."""
+    """One of `COLLECTIVES` (`send`: a point-to-point send or receive), or "" for none: the
+    wrapper's own work alone (dp's replicas run in threads of one process)."""
     count: int
     """Per optimizer step."""
     size: int
@@ -109,8 +110,8 @@ class Messages:
     """It runs while backward computes (DDP's buckets, FSDP's prefetched gathers), so only what
     outlasts the backward adds to the step."""
     wrapper: str = ""
-    """What sends it (ddp, fsdp, tp, pp), whose own work per message the calibration measures
-    (empty: a bare collective)."""
+    """What sends it (ddp, fsdp, tp, pp, dp), whose own work per message the calibration
+    measures (empty: a bare collective)."""
 
 
 def tied_block_groups(model: nn.Sequential) -> list[list[int]]:

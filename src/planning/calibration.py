@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from src.parallel.base import usable_cores
 from src.parallel.shares import COLLECTIVES
 from src.planning.timing import best_time_s
-from src.planning.wrapper_costs import GROUP, wrapper_message_s
+from src.planning.wrapper_costs import GROUP, replica_threads_s, wrapper_message_s
 
 PROJECT = "parallel-training-template"
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,7 +75,8 @@ class Calibration:
     wrappers: dict[str, dict[str, float]] = field(default_factory=dict)
     """By wrapper (ddp, fsdp, tp, pp), then processes in the job: the seconds a message it sends
     costs in a training step beyond its collective's latency, its own work and the waits
-    (`wrapper_costs.py`)."""
+    (`wrapper_costs.py`); on CPU also dp, by replicas: a micro-step's cost of running them in
+    threads of one process."""
     seconds: float = 0.0
     """How long measuring took."""
     load_per_core: float = 0.0
@@ -93,7 +94,7 @@ class Calibration:
         """One message's seconds among `ranks` of a job of `processes`: latency plus bytes
         over bandwidth, at the nearest `ranks` measured (below where there is one), plus the
         `wrapper`'s cost of a message beyond that, at the nearest `processes` measured."""
-        latency, per_byte = nearest(self.collectives[collective], ranks)
+        latency, per_byte = nearest(self.collectives[collective], ranks) if collective else (0, 0)
         beyond = nearest(self.wrappers[wrapper], processes) if self.wrappers.get(wrapper) else 0.0
         return latency + beyond + size * per_byte
 
@@ -143,6 +144,10 @@ def calibrate(device_type: str) -> Calibration:
             elementwise[str(threads)] = elementwise_bytes_per_s(device)
             step[str(threads)], op[str(threads)] = step_and_op_s(device)
     between_processes = process_figures(device_type)
+    wrappers = between_processes["wrappers"]
+    if device_type == "cpu":
+        with intra_op_threads(cores):
+            wrappers["dp"] = replica_threads_s(device)
     return Calibration(
         device_type,
         matmul,
@@ -150,7 +155,7 @@ def calibrate(device_type: str) -> Calibration:
         step,
         op,
         between_processes["collectives"],
-        between_processes["wrappers"],
+        wrappers,
         seconds=time.perf_counter() - started,
         load_per_core=load,
     )

@@ -216,7 +216,8 @@ def format_table(plans: Sequence[Plan], device_memory_gb: float, brief: bool = F
 
 
 def choose(plans: Sequence[Plan]) -> tuple[Plan, str]:
-    """The plan with the shortest predicted step among those that fit, and why, in one line."""
+    """The plan with the shortest predicted step among those that fit (single on a tie), and
+    why, in one line."""
     runnable = [plan for plan in plans if plan.problem is None]
     fitting = [plan for plan in runnable if plan.fits]
     if not fitting:
@@ -226,7 +227,8 @@ def choose(plans: Sequence[Plan]) -> tuple[Plan, str]:
             f"no strategy fits plan.device_memory_gb{need}; raise plan.device_memory_gb or "
             "parallel.devices, or lower trainer.batch_size (or trainer.eval_batch_size)"
         )
-    best = min(fitting, key=lambda plan: plan.step_time_s)
+    # On a tie (on one device every strategy predicts single's step) the plain run wins.
+    best = min(fitting, key=lambda plan: (plan.step_time_s, plan.strategy != "single"))
     others = ", ".join(
         f"{plan.strategy} x{plan.devices} {plan.step_time_s * 1e3:.3g} ms"
         for plan in fitting

@@ -79,8 +79,10 @@ class CalibratedSpeed(DeviceSpeed):
 
     def message_s(self, messages: Messages, processes: int) -> float:
         figures = self.figures
+        # A wrapper's cost is measured by the processes in the job, dp's by its replicas.
+        among = max(processes, messages.ranks)
         each = figures.message_s(
-            messages.collective, messages.ranks, messages.size, messages.wrapper, processes
+            messages.collective, messages.ranks, messages.size, messages.wrapper, among
         )
         return messages.count * each
 
@@ -150,7 +152,8 @@ def step_time_s(plan: Plan, strategy: PlannedStrategy, speed: DeviceSpeed, cores
         compute = share * turns / (1 - idle)
     compute += speed.fixed_step_s(threads)
     if processes == 1:
-        return compute + sum(plan.traffic.values()) / speed.copy_bytes_per_s()
+        copies = sum(plan.traffic.values()) / speed.copy_bytes_per_s()
+        return compute + copies + sum(speed.message_s(m, processes) for m in plan.messages)
     exposed = sum(speed.message_s(m, processes) for m in plan.messages if not m.overlapped)
     hidden = sum(speed.message_s(m, processes) for m in plan.messages if m.overlapped)
     if not speed.overlaps:

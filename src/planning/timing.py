@@ -49,7 +49,10 @@ def best_time_s(work: Callable[[], Any], device: torch.device, repeats: int = 1)
 
 
 def typical_time_s(
-    work: Callable[[], Any], device: torch.device, repeats: int, before_round: Callable[[], Any]
+    work: Callable[[], Any],
+    device: torch.device,
+    repeats: int,
+    before_round: Callable[[], Any] | None = None,
 ) -> float:
     """The median of `TYPICAL_ROUNDS` rounds of `work` (`round_times_s`), per run of `work`."""
     return statistics.median(round_times_s(work, device, repeats, TYPICAL_ROUNDS, before_round))

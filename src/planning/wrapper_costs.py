@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn.parallel import DistributedDataParallel
 
 from src.parallel.base import usable_cores
+from src.parallel.mechanisms.replicas import DataParallel
 from src.parallel.pipeline_schedules import apply_pp
 from src.planning.timing import typical_time_s
 
@@ -39,6 +40,10 @@ SENT = {
     "pp": {"send": 2 * MICROBATCHES},
 }
 GROUP = 2  # ranks per wrapper group
+# dp's replicas on CPU: threads of one process, which contend for its cores' intra-op threads
+# only where the ops are large enough to run in parallel, so a layer of the default MLP's width.
+REPLICA_WIDTH, REPLICA_SAMPLES = 256, 32
+REPLICA_COUNTS = (2, 4)
 
 
 def tiny_model(device: torch.device) -> nn.Sequential:
@@ -55,10 +60,9 @@ def loss_of(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return (outputs - targets).square().mean()
 
 
-def training_step(model: nn.Module, device: torch.device) -> Callable[[], None]:
-    """One step of `model` (forward, loss, backward, SGD's step, zero_grad)."""
+def training_step(model: nn.Module, inputs: torch.Tensor) -> Callable[[], None]:
+    """One step of `model` on `inputs` (forward, loss, backward, SGD's step, zero_grad)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    inputs = torch.randn(SAMPLES, WIDTH, device=device)
 
     def step() -> None:
         loss_of(model(inputs), inputs).backward()
@@ -105,7 +109,7 @@ def wrapped_step(
         fully_shard(model, mesh=meshes["fsdp"])
     if "ddp" in wrappers:
         model = DistributedDataParallel(model, process_group=meshes["ddp"].get_group())
-    return training_step(model, device)
+    return training_step(model, torch.randn(SAMPLES, WIDTH, device=device))
 
 
 def step_s(step: Callable[[], None], together: dist.ProcessGroup, device: torch.device) -> float:
@@ -158,3 +162,20 @@ def wrapper_message_s(
 
 def new_group(ranks: range) -> dist.ProcessGroup:
     return dist.new_group(list(ranks))
+
+
+def replica_threads_s(device: torch.device) -> dict[str, float]:
+    """By replicas (`REPLICA_COUNTS`): a micro-step's seconds under dp's replicas run in threads
+    of this process (`mechanisms.replicas.DataParallel` on CPU) beyond the same step of the
+    module itself over the whole batch."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(REPLICA_WIDTH, REPLICA_WIDTH), nn.ReLU()) for _ in "abcd"]
+    model = nn.Sequential(*blocks).to(device)
+    beyond = {}
+    for replicas in REPLICA_COUNTS:
+        inputs = torch.randn(replicas * REPLICA_SAMPLES, REPLICA_WIDTH, device=device)
+        wrapped = DataParallel(model, [device] * replicas, gather_outputs=True)
+        steps = [training_step(module, inputs) for module in (model, wrapped)]
+        plain, threaded = (typical_time_s(step, device, REPEATS) for step in steps)
+        beyond[str(replicas)] = max(0.0, threaded - plain)
+    return beyond
