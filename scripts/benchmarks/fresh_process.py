@@ -14,7 +14,7 @@ TensorDataset, as users write it. Both sides are timed alike: the median over wi
 the first `WARMUP_STEPS`; the template's is its own `step_time_ms` (summary.json), and the loop
 reads its loss once a window as the template logs it. (Timed otherwise, the loop's median single
 step against the template logging every step, trainer.log_every=1, the template measured
-0.92-0.96x; the figures are in docs/planner.md.) Rounds alternate which side goes first (ABAB)
+0.92-0.96x; the figures are in docs/performance.md.) Rounds alternate which side goes first (ABAB)
 and print the machine's load, since a loaded machine moves both.
 """
 
