@@ -35,7 +35,7 @@ from src.components.moe import MoEFeedForward, Routing
 from src.components.precision import AUTOCAST_DTYPES
 from src.config.base import ConfigError
 from src.config.parallel import Offload
-from src.parallel.fsdp import divide_gradients_by, offload_policy
+from src.parallel.fsdp import divide_gradients_by, gathered_bytes, offload_policy
 from src.parallel.layout import Layout
 from src.parallel.shares import Messages
 
@@ -205,14 +205,24 @@ def expert_split(model: nn.Sequential, inputs: torch.Tensor, layout: Layout) -> 
 
 
 def ep_gathered_bytes(split: ExpertSplit | None, blocks: list[int], held: int) -> int:
-    """Of `held` bytes of `blocks` (before FSDP shards them), those that FSDP gathers whole:
-    the dense parameters, and this ep rank's experts / ep unless it holds them alone (FSDP of
-    one shard computes with the shard itself)."""
+    """Of `held` bytes of `blocks` (before FSDP shards them), those that FSDP all-gathers: the
+    dense parameters, and this ep rank's experts / ep unless it holds them alone (then FSDP
+    copies them instead: `ep_copied_bytes`)."""
     if split is None:
         return held
     experts = sum(split.block_expert_bytes[b] for b in blocks)
     kept = 1 / split.ep if split.shards > 1 else 0
     return int(held - (1 - kept) * experts)
+
+
+def ep_copied_bytes(split: ExpertSplit | None, precision: str) -> dict[str, int]:
+    """What FSDP of one shard (ep = dp_shard) holds of the experts while a block runs: no
+    all-gather, but its unsharded parameters still, the shard copied into them when the block
+    runs and freed when it reshards (torch's `FSDPParamGroup.wait_for_unshard` at world size
+    1), so one block's experts / ep at a time, never ahead of it."""
+    if split is None or split.shards > 1:
+        return {}
+    return {"parameters": gathered_bytes(max(split.block_expert_bytes) // split.ep, precision)}
 
 
 def ep_exchange_bytes(split: ExpertSplit, samples: int, precision: str) -> int:
@@ -221,6 +231,17 @@ def ep_exchange_bytes(split: ExpertSplit, samples: int, precision: str) -> int:
     element = 2 if precision in AUTOCAST_DTYPES else 4
     layers = sum(1 for size in split.block_expert_bytes if size)
     return samples * split.choices_per_sample // layers * split.width * element
+
+
+def ep_forward_buffers(split: ExpertSplit | None, samples: int, precision: str) -> dict[str, int]:
+    """What the exchange adds while a rank's experts run forward alone (evaluation), on `samples`
+    samples: its kept choices' tokens sent and its experts' received (`exchange`), one
+    direction of a layer each, beside what the trace of `single`'s dispatch holds (its padded
+    groups are as large as a rank's experts' at most: experts x capacity per sample). In
+    training the peak is in backward, where neither is alive."""
+    if split is None:
+        return {}
+    return {"activations": 2 * ep_exchange_bytes(split, samples, precision)}
 
 
 def ep_traffic(split: ExpertSplit, samples: int, precision: str) -> dict[str, int]:

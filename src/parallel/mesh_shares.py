@@ -19,7 +19,14 @@ from src.parallel.context_parallel_plan import (
     ring_working_set,
 )
 from src.parallel.ddp import bucket_bytes, bucketed_all_reduce, replica_traffic
-from src.parallel.expert_parallel import ExpertSplit, ep_gathered_bytes, ep_messages, ep_traffic
+from src.parallel.expert_parallel import (
+    ExpertSplit,
+    ep_copied_bytes,
+    ep_forward_buffers,
+    ep_gathered_bytes,
+    ep_messages,
+    ep_traffic,
+)
 from src.parallel.fsdp import (
     sharded_messages,
     sharded_share,
@@ -123,9 +130,10 @@ class LayoutShares:
         return [DeviceShare(f"{self.device_type}:0", samples, extra_bytes={"gradients": buckets})]
 
     def running_share(self, sizes: ModelSizes, blocks: list[int], samples: int) -> dict[str, Any]:
-        """What FSDP (`fsdp.sharded_share`, where it shards) and cp's ring (`ring_working_set`)
-        add to the share of a rank holding `blocks`, fed `samples` per micro-step. FSDP's
-        working set holds no activations, so the two merge."""
+        """What FSDP (`fsdp.sharded_share`, where it shards; ep's experts copied where it
+        holds them alone, `ep_copied_bytes`), cp's ring (`ring_working_set`) and ep's exchange
+        in evaluation (`ep_forward_buffers`) add to the share of a rank holding `blocks`, fed
+        `samples` per micro-step."""
         share: dict[str, Any] = {}
         if self.shards:
             held, units = self.kept_bytes(sizes, blocks), self.fsdp_units(sizes)
@@ -133,8 +141,16 @@ class LayoutShares:
             share = sharded_share(
                 units, unit_spans(sizes), held, staged, shards, self.precision, self.device_type
             )
-        running = share.get("running_bytes", {}) | self.ring_working_set(samples, backward=True)
-        forward = share.get("forward_bytes", {}) | self.ring_working_set(samples, backward=False)
+        copied = ep_copied_bytes(self.ep_split, self.precision)
+        running = summed(
+            share.get("running_bytes", {}), copied, self.ring_working_set(samples, backward=True)
+        )
+        forward = summed(
+            share.get("forward_bytes", {}),
+            copied,
+            self.ring_working_set(samples, backward=False),
+            ep_forward_buffers(self.ep_split, samples, self.precision),
+        )
         return {**share, "running_bytes": running, "forward_bytes": forward}
 
     def ring_working_set(self, samples: int, backward: bool) -> dict[str, int]:
@@ -218,3 +234,12 @@ class LayoutShares:
         if self.layout.pp == 1:
             return 0.0
         return schedule_bubble(self.layout.pp, self.cfg.stages_per_rank, self.cfg.microbatches)
+
+
+def summed(*parts: dict[str, int]) -> dict[str, int]:
+    """Bytes by category, added up over `parts`."""
+    total: dict[str, int] = {}
+    for part in parts:
+        for name, size in part.items():
+            total[name] = total.get(name, 0) + size
+    return total
