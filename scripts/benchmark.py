@@ -195,6 +195,31 @@ COMPARISONS: dict[str, tuple[tuple[str, Run], tuple[str, Run]]] = {
 }
 
 
+def batch_size(name: str) -> int:
+    """Samples per step of a comparison's workload."""
+    if name == "gpt2":
+        return compose_config(*gpt2_workload()).trainer.batch_size
+    own = {"overhead": OVERHEAD_BATCH_SIZE, "resnet": RESNET_BATCH_SIZE}
+    own |= {"cp": CP_BATCH_SIZE, "ep": EP_BATCH_SIZE}
+    own |= dict.fromkeys(TRANSFORMER_COMPARISONS, TRANSFORMER_BATCH_SIZE)
+    return own.get(name, BATCH_SIZE)
+
+
+def batches(names: list[str]) -> str:
+    """The header's batch sizes of the comparisons among `names`: `BATCH_SIZE` plainly, the
+    others by the comparisons that run them ("batch 256 (16 for overhead, 8 for cp)")."""
+    by_size: dict[int, list[str]] = {}
+    for name in names:
+        if name in COMPARISONS:
+            by_size.setdefault(batch_size(name), []).append(name)
+    others = ", ".join(
+        f"{size} for {'/'.join(group)}" for size, group in by_size.items() if size != BATCH_SIZE
+    )
+    if BATCH_SIZE not in by_size:
+        return f"batch {others}" if others else ""
+    return f"batch {BATCH_SIZE}" + (f" ({others})" if others else "")
+
+
 def compare(name: str, rounds: int, steps: int) -> tuple[float, float, list[float]]:
     """Median samples/s of the comparison's first and second side, and each round's ratio."""
     (_, first), (_, second) = COMPARISONS[name]
@@ -232,16 +257,16 @@ def main() -> None:
     workload.DEVICE = auto_device if args.device == "auto" else args.device
     register_configs()
     gpu = f", {torch.cuda.get_device_name()}" if workload.DEVICE == "cuda" else ""
-    print(
+    names = args.only or [*COMPARISONS, "checkpoint", "checkpointing", "pp", "startup"]
+    header = (
         f"torch {torch.__version__}, device {workload.DEVICE}{gpu}, "
         f"{torch.get_num_threads()} threads, "
-        f"{args.rounds} rounds x {args.steps} steps ({WARMUP_STEPS} warm-up), "
-        f"batch {BATCH_SIZE} ({OVERHEAD_BATCH_SIZE} for overhead, {TRANSFORMER_BATCH_SIZE} for the "
-        "transformer's)"
+        f"{args.rounds} rounds x {args.steps} steps ({WARMUP_STEPS} warm-up)"
     )
+    print(", ".join(part for part in (header, batches(names)) if part))
     sides = "".join(f"  {side:<16}{'samples/s':>11}{'ms/step':>9}" for side in ("first", "second"))
     print(f"{'comparison':<16}{sides}{'ratio':>8}  (rounds' ratios: min-max)")
-    for name in args.only or [*COMPARISONS, "checkpoint", "checkpointing", "pp", "startup"]:
+    for name in names:
         if name == "checkpoint":
             checkpoint_blocking(args.rounds, args.steps)
             continue
@@ -258,18 +283,7 @@ def main() -> None:
             startup(args.rounds)
             continue
         *speeds, ratios = compare(name, args.rounds, args.steps)
-        batch = OVERHEAD_BATCH_SIZE if name == "overhead" else BATCH_SIZE
-        if name in TRANSFORMER_COMPARISONS:
-            batch = TRANSFORMER_BATCH_SIZE
-        if name == "resnet":
-            batch = RESNET_BATCH_SIZE
-        if name == "cp":
-            batch = CP_BATCH_SIZE
-        if name == "ep":
-            batch = EP_BATCH_SIZE
-        if name == "gpt2":
-            batch = compose_config(*gpt2_workload()).trainer.batch_size
-        step_ms = [1000 * batch / speed for speed in speeds]
+        step_ms = [1000 * batch_size(name) / speed for speed in speeds]
         cells = "".join(
             f"  {label:<16}{speed:>11,.0f}{ms:>9.3f}"
             for (label, _), speed, ms in zip(COMPARISONS[name], speeds, step_ms, strict=True)
