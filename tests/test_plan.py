@@ -121,7 +121,7 @@ def test_predicted_peaks_within_10_percent_of_measured(compose_config, overrides
         pytest.param((*TINY_GPT, "parallel=cp"), id="gpt-cp2"),
         # ep's experts: FSDP all-gathers a rank's own, or copies them where it holds them
         # alone (ep = dp_shard); evaluation holds the exchange's tokens sent and received too.
-        # 17 s (ep 2) and 59 s (fsdp 4 x ep 2) on 2 cores at a load of about 11.
+        # 10 s (ep 2) and 16 s (fsdp 4 x ep 2) under -n 2 on 2 cores at a load of about 5.
         pytest.param((*TINY_MOE, "parallel=ep", "parallel.devices=2"), id="moe-ep2"),
         pytest.param(
             (*TINY_MOE, "parallel=ep", "parallel.devices=4", "parallel.ep=2"), id="moe-fsdp4xep2"
