@@ -6,6 +6,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -366,6 +367,15 @@ def reference_run(*overrides: str) -> Path:
     return shared_run("reference", overrides, train)
 
 
+def swept(overrides: tuple[str, ...]) -> dict[str, list[str]]:
+    """The settings that a sweep's overrides sweep (`key=a,b`), with their values."""
+    return {
+        key: value.split(",")
+        for key, _, value in (override.partition("=") for override in overrides)
+        if "," in value and not value.startswith(("[", "{"))  # a list or dict is one value
+    }
+
+
 @functools.cache
 def sweep_runs(*overrides: str) -> dict[str, Path]:
     """One `train.py -m` sweep (comma-separated values in `overrides`), run once per test session:
@@ -378,18 +388,36 @@ def sweep_runs(*overrides: str) -> dict[str, Path]:
         assert result.returncode == 0, result.stderr[-4000:]
 
     sweep_dir = shared_run("sweep", overrides, train)
-    swept = [
-        key
-        for key, _, value in (override.partition("=") for override in overrides)
-        if "," in value and not value.startswith(("[", "{"))  # a list or dict is one value
-    ]
+    settings = swept(overrides)
     runs = {}
     for job in sweep_dir.iterdir():
         if (job / ".hydra").is_dir():
             job_overrides = OmegaConf.load(job / ".hydra" / "overrides.yaml")
-            key = " ".join(o for o in job_overrides if o.split("=")[0] in swept)
+            key = " ".join(o for o in job_overrides if o.split("=")[0] in settings)
             runs[key] = job
     return runs
+
+
+def resumed_sweep_runs(*overrides: str, resume: dict[str, Path]) -> dict[str, Path]:
+    """`sweep_runs(*overrides)` in which the job with the swept settings `key` resumes the
+    checkpoint `resume[key]`. A sweep crosses every value of each setting, so no job can be given
+    a `trainer.resume` of its own: the path names the job's number (`${hydra:job.num}`) in a folder
+    of links, numbered as Hydra's basic sweeper numbers its jobs (the product of the swept values,
+    in the order given)."""
+    settings = swept(overrides)
+    jobs = [
+        " ".join(f"{key}={value}" for key, value in zip(settings, values, strict=True))
+        for values in itertools.product(*settings.values())
+    ]
+    assert resume.keys() <= set(jobs), f"{set(resume) - set(jobs)} are not jobs of {jobs}"
+    links = hashlib.sha1(repr((overrides, resume)).encode()).hexdigest()[:16]
+    folder = SHARED_RUNS / f"resumes-{links}"
+    folder.mkdir(parents=True, exist_ok=True)
+    for number, job in enumerate(jobs):
+        if job in resume:
+            with contextlib.suppress(FileExistsError):  # made by another worker, the same link
+                (folder / str(number)).symlink_to(resume[job])
+    return sweep_runs(*overrides, f"trainer.resume={folder}/${{hydra:job.num}}")
 
 
 # Every strategy but `single`, as its `conf/parallel/` option ships (2 devices; hybrid 2 pipelines

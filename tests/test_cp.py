@@ -17,8 +17,8 @@ from helpers import (
     TINY_GPT_SGD,
     assert_goes_on_exactly,
     assert_same_training,
+    resumed_sweep_runs,
     run_eval,
-    run_train,
     summary,
     sweep_runs,
 )
@@ -55,43 +55,66 @@ def test_cp_2_trains_exactly_like_single():
     assert len(list((runs["cp"] / "checkpoints" / "step-000004").glob("*.distcp"))) == 2
 
 
+def eight_process_run() -> Path:
+    """fsdp_cp_tp (2 x 2 x 2), run once: its checkpoint is resumed under cp 2."""
+    (run_dir,) = sweep_runs(*WORKLOAD, "parallel=fsdp_cp_tp").values()
+    return run_dir
+
+
+def step_2(run_dir: Path) -> Path:
+    return run_dir / "checkpoints" / "step-000002"
+
+
 @pytest.mark.equivalence
 @pytest.mark.parametrize("layout", ["cp", "single"])
-def test_cp_2_s_sharded_checkpoint_resumes_exactly_as_cp_and_as_single(layout):
-    resume = two_process_runs()["cp"] / "checkpoints" / "step-000002"
-    runs = sweep_runs(*WORKLOAD, f"trainer.resume={resume}", "parallel=cp,single")
+def test_sharded_checkpoints_resume_exactly_resharded_to_cp_2_and_single(layout):
+    """cp 2 resumes fsdp_cp_tp's step-2 checkpoint (8 ranks' shards read by 2), single cp 2's."""
+    resume = {
+        "parallel=cp": step_2(eight_process_run()),
+        "parallel=single": step_2(two_process_runs()["cp"]),
+    }
+    runs = resumed_sweep_runs(*WORKLOAD, "parallel=cp,single", resume=resume)
     assert_goes_on_exactly(two_process_runs()["single"], runs[f"parallel={layout}"], [3, 4])
 
 
 # One sweep of 4 processes: tp takes the ranks that dp_shard and cp leave (the job that would
-# need 8 is skipped).
+# need 8 is skipped). In this order, each layout's step-2 checkpoint is resumed by the next.
 FOUR_PROCESS = {
     "parallel.dp_shard=1 parallel.cp=4": "cp4",
     "parallel.dp_shard=2 parallel.cp=2": "fsdp2xcp2",
     "parallel.dp_shard=1 parallel.cp=2": "cp2xtp2",
 }
+ON_4_PROCESSES = ("parallel=cp", "parallel.devices=4", "parallel.tp=-1")
+EACH_LAYOUT = ("parallel.dp_shard=1,2", "parallel.cp=2,4")
+
+
+def four_process_runs() -> dict[str, Path]:
+    return sweep_runs(*WORKLOAD, *ON_4_PROCESSES, *EACH_LAYOUT)
 
 
 @pytest.mark.equivalence
 @pytest.mark.parametrize("degrees", list(FOUR_PROCESS))
 def test_cp_composes_with_dp_shard_and_tp_on_4_processes(degrees):
-    runs = sweep_runs(
-        *WORKLOAD,
-        "parallel=cp",
-        "parallel.devices=4",
-        "parallel.tp=-1",
-        "parallel.dp_shard=1,2",
-        "parallel.cp=2,4",
-    )
+    runs = four_process_runs()
     assert_same_training(two_process_runs()["single"], runs[degrees])
     assert summary(runs[degrees])["layout"] == FOUR_PROCESS[degrees]
 
 
 @pytest.mark.equivalence
-def test_fsdp_cp_tp_trains_exactly_like_single_on_8_processes(tmp_path):
-    run_train(*WORKLOAD, "parallel=fsdp_cp_tp", run_dir=tmp_path, timeout=600)
-    assert_same_training(two_process_runs()["single"], tmp_path)
-    assert summary(tmp_path)["layout"] == "fsdp2xcp2xtp2"
+@pytest.mark.parametrize("degrees", list(FOUR_PROCESS))
+def test_each_4_process_layout_resumes_another_s_checkpoint_exactly(degrees):
+    """cp4's step-2 checkpoint resumed as fsdp2xcp2, fsdp2xcp2's as cp2xtp2, cp2xtp2's as cp4:
+    each checkpoint holds exactly the state, and each layout restores it into its own shards."""
+    saved, cycle = four_process_runs(), list(FOUR_PROCESS)
+    resume = {resumer: step_2(saved[cycle[index - 1]]) for index, resumer in enumerate(cycle)}
+    runs = resumed_sweep_runs(*WORKLOAD, *ON_4_PROCESSES, *EACH_LAYOUT, resume=resume)
+    assert_goes_on_exactly(two_process_runs()["single"], runs[degrees], [3, 4])
+
+
+@pytest.mark.equivalence
+def test_fsdp_cp_tp_trains_exactly_like_single_on_8_processes():
+    assert_same_training(two_process_runs()["single"], eight_process_run())
+    assert summary(eight_process_run())["layout"] == "fsdp2xcp2xtp2"
 
 
 @pytest.mark.equivalence

@@ -17,6 +17,7 @@ from helpers import (
     assert_same_training,
     metrics,
     parallel_config,
+    resumed_sweep_runs,
     sweep_runs,
 )
 from slurm_cluster import free_port
@@ -41,17 +42,22 @@ WORKLOAD = (
 
 
 def two_process_runs() -> dict[str, Path]:
-    """single and ep 2 (the preset: dp_shard 2, all of it ep), top 1 and top 2: one sweep
-    (27 s on 2 cores at a load of 3 to 6). ep saves sharded checkpoints at steps 3 and 6."""
+    """single and ep 2 (the preset: dp_shard 2, all of it ep), top 1 and top 2: one sweep. ep
+    saves sharded checkpoints at steps 3 and 6."""
     return sweep_runs(*WORKLOAD, "model.top_k=1,2", "parallel=single,ep")
 
 
-def four_process_runs() -> dict[str, Path]:
-    """ep 2 and ep 4 of dp_shard 4, top 2 (top 1's routing is ep 2's above): one sweep (about
-    35 s, as above)."""
-    return sweep_runs(
-        *WORKLOAD, "model.top_k=2", "parallel=ep", "parallel.devices=4", "parallel.ep=2,4"
-    )
+def ep_4_runs() -> dict[str, Path]:
+    """ep 4 (the preset on 4 processes), top 1 and top 2: one sweep."""
+    return sweep_runs(*WORKLOAD, "model.top_k=1,2", "parallel=ep", "parallel.devices=4")
+
+
+def ep_2_of_4_run() -> Path:
+    """ep 2 of dp_shard 4, top 2 (top 1's routing is ep 2's and ep 4's): a sweep of its own, as
+    crossing it with top 1 and 2 would cost a 4-process run more than a `train.py` start."""
+    layout = ("parallel=ep", "parallel.devices=4", "parallel.ep=2")
+    (run_dir,) = sweep_runs(*WORKLOAD, "model.top_k=2", *layout).values()
+    return run_dir
 
 
 def assert_same_aux_losses(reference: Path, other: Path) -> None:
@@ -63,32 +69,51 @@ def assert_same_aux_losses(reference: Path, other: Path) -> None:
 
 @pytest.mark.equivalence
 @pytest.mark.parametrize(
-    "ep, top_k", [("ep2", 1), ("ep2", 2), ("ep4", 2), ("ep2 of dp_shard 4", 2)]
+    "ep, top_k", [("ep2", 1), ("ep2", 2), ("ep4", 1), ("ep4", 2), ("ep2 of dp_shard 4", 2)]
 )
 def test_expert_parallel_trains_exactly_like_single(ep, top_k):
     single = two_process_runs()[f"model.top_k={top_k} parallel=single"]
     if ep == "ep2":
         run = two_process_runs()[f"model.top_k={top_k} parallel=ep"]
+    elif ep == "ep4":
+        run = ep_4_runs()[f"model.top_k={top_k}"]
     else:
-        run = four_process_runs()[f"parallel.ep={ep[2]}"]
+        run = ep_2_of_4_run()
     assert_same_training(single, run)
     assert_same_aux_losses(single, run)
 
 
+# The ep layouts, by their processes and ep degree (ep 4 on 2 processes is skipped).
+EP_LAYOUTS = ("parallel.devices=2,4", "parallel.ep=2,4")
+EP_2 = "parallel.devices=2 parallel.ep=2"
+EP_2_OF_4 = "parallel.devices=4 parallel.ep=2"
+EP_4 = "parallel.devices=4 parallel.ep=4"
+
+
+def step_3_checkpoints() -> dict[str, Path]:
+    """The step-3 checkpoint that each ep layout resumes: another's (ep 4's under ep 2, ep 2's
+    under ep 2 of dp_shard 4, and that one's under ep 4)."""
+    saved = {
+        EP_2: ep_4_runs()["model.top_k=2"],
+        EP_2_OF_4: two_process_runs()["model.top_k=2 parallel=ep"],
+        EP_4: ep_2_of_4_run(),
+    }
+    return {layout: run_dir / "checkpoints" / "step-000003" for layout, run_dir in saved.items()}
+
+
 @pytest.mark.equivalence
-def test_a_sharded_ep_checkpoint_resumes_exactly_and_resharded():
-    """ep 2's step-3 checkpoint (DCP shards, the experts split on dim 0) resumed under ep 2
-    itself and resharded under single (17 s): each logs single's losses of steps 4 to 6 and
-    ends at its weights."""
-    runs = two_process_runs()
-    saved = runs["model.top_k=2 parallel=ep"] / "checkpoints" / "step-000003"
-    assert len(list(saved.glob("*.distcp"))) == 2
-    resumed = sweep_runs(
-        *WORKLOAD, f"trainer.resume={saved}", "model.top_k=2", "parallel=ep,single"
+@pytest.mark.parametrize("layout", [EP_2, EP_2_OF_4, EP_4])
+def test_each_ep_layout_resumes_another_s_sharded_checkpoint_exactly(layout):
+    """Each checkpoint (DCP shards, the experts split on dim 0) holds exactly the state, and each
+    layout restores it into its own shards: one sweep, each job logging single's losses of
+    steps 4 to 6 and ending at its weights."""
+    saved = step_3_checkpoints()
+    assert all(len(list(folder.glob("*.distcp"))) > 1 for folder in saved.values())
+    resumed = resumed_sweep_runs(
+        *WORKLOAD, "model.top_k=2", "parallel=ep", *EP_LAYOUTS, resume=saved
     )
-    for layout in ("ep", "single"):
-        reference = runs["model.top_k=2 parallel=single"]
-        assert_goes_on_exactly(reference, resumed[f"parallel={layout}"], [4, 5, 6])
+    single = two_process_runs()["model.top_k=2 parallel=single"]
+    assert_goes_on_exactly(single, resumed[layout], [4, 5, 6])
 
 
 def kept_choices(model: torch.nn.Module) -> list[list[int]]:
