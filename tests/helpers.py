@@ -403,7 +403,7 @@ def resumed_sweep_runs(*overrides: str, resume: dict[str, Path]) -> dict[str, Pa
     checkpoint `resume[key]`. A sweep crosses every value of each setting, so no job can be given
     a `trainer.resume` of its own: the path names the job's number (`${hydra:job.num}`) in a folder
     of links, numbered as Hydra's basic sweeper numbers its jobs (the product of the swept values,
-    in the order given)."""
+    in the order given). A job left out of `resume` (one the sweep skips) has no link."""
     settings = swept(overrides)
     jobs = [
         " ".join(f"{key}={value}" for key, value in zip(settings, values, strict=True))

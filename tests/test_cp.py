@@ -1,10 +1,11 @@
 """Context parallel (`parallel.cp`, src/parallel/context_parallel.py) through the real
 `train.py`: gloo processes on CPU, the tiny GPT under SGD in fp32, each layout against `single`:
-cp 2 and its sharded checkpoint resumed as cp 2 and as single; cp 4, cp 2 x dp_shard 2 and
-cp 2 x tp 2 in one sweep of 4 processes; fsdp_cp_tp on 8; the predictions of whole sequences.
-Measured on the 2 cores at load 13 (ATEN_CPU_CAPABILITY=default): 21 s for single and cp 2,
-11 s for the resumes, 44 s for the 4-process sweep, 20 s for the 8 processes, 7 s for the
-predictions, 2 s for the rest."""
+cp 2; cp 4, cp 2 x dp_shard 2 and cp 2 x tp 2 in one sweep of 4 processes; fsdp_cp_tp on 8;
+each one's sharded checkpoint resumed exactly under another layout; the predictions of whole
+sequences. Measured on the 2 cores at load 11 to 13, this file alone: 18 s for single and cp 2,
+32 s for the 8 processes and the resumes as cp 2 and single, 42 s for the 4-process sweep, 37 s
+for its resumes, 5 s for the predictions, 2 s for the rest (142 s; 116 s before the 4-process
+resumes)"""
 
 from __future__ import annotations
 
