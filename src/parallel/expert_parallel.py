@@ -9,7 +9,9 @@ the aux loss are single's, per sequence (`moe.py`). Only the experts' call runs 
 (`exchanged_expert_outputs`): each rank holds experts / ep whole experts (dim 0 of their
 stacked weights, a DTensor over the ep ranks); the tokens of its kept choices go to their
 experts' ranks (`all_to_all_single`, uneven splits: the counts are exchanged first), through
-the experts there, and back.
+the experts there, and back. The experts compute on their DTensor parameters' local tensors
+(`forward_on_local_tensors`), as torchtitan's do: on DTensors, the dispatch of each op cost
+more than the op.
 
 The dense parameters are FSDP-sharded over all of dp_shard as without ep; each experts module
 over the dp_shard / ep ranks that hold the same experts (torchtitan's `dp_shard_mod_ep`; HSDP
@@ -192,8 +194,9 @@ def forward_on_local_tensors(
 def local_parameters(module: nn.Module) -> Iterator[None]:
     """`module`'s DTensor parameters swapped for their local tensors while in the block:
     `to_local` is differentiable, so each DTensor (FSDP's unsharded parameter) still gets its
-    gradient. Swapped in `_parameters` as `torch.func.functional_call` swaps them: setattr
-    takes only `nn.Parameter`s, which would cut the graph."""
+    gradient. Swapped in `_parameters`, as `torch.func.functional_call` swaps them: setattr
+    takes only an `nn.Parameter` there, and wrapping the local tensor in one would cut it from
+    the DTensor's graph."""
     dtensors = [
         (owner, name, parameter)
         for owner in module.modules()
