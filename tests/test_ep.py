@@ -25,7 +25,6 @@ from helpers import (
 )
 from slurm_cluster import free_port
 from test_moe import MOE_SGD
-from torch.distributed.tensor import DTensor
 
 from src.components.models import GPT
 from src.components.moe import MoEGPT
@@ -125,8 +124,7 @@ def kept_choices(model: torch.nn.Module) -> list[list[int]]:
     counts: list[list[int]] = []
 
     def count(_: torch.nn.Module, args: tuple[torch.Tensor]) -> None:
-        grouped = args[0].to_local() if isinstance(args[0], DTensor) else args[0]
-        counts.append(grouped.ne(0).any(-1).sum(1).tolist())
+        counts.append(args[0].ne(0).any(-1).sum(1).tolist())
 
     for block in list(model)[1:-1]:
         block.moe.experts.register_forward_pre_hook(count)

@@ -9,7 +9,9 @@ the aux loss are single's, per sequence (`moe.py`). Only the experts' call runs 
 (`exchanged_expert_outputs`): each rank holds experts / ep whole experts (dim 0 of their
 stacked weights, a DTensor over the ep ranks); the tokens of its kept choices go to their
 experts' ranks (`all_to_all_single`, uneven splits: the counts are exchanged first), through
-the experts there, and back.
+the experts there, and back. The experts compute on their DTensor parameters' local tensors
+(`forward_on_local_tensors`), as torchtitan's do: on DTensors, the dispatch of each op cost
+more than the op.
 
 The dense parameters are FSDP-sharded over all of dp_shard as without ep; each experts module
 over the dp_shard / ep ranks that hold the same experts (torchtitan's `dp_shard_mod_ep`; HSDP
@@ -20,7 +22,9 @@ divide by its own mesh's): both are then the gradients of the step's global mean
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +121,7 @@ def apply_ep(
         options = {"mesh": shards, "mp_policy": policy, "offload_policy": offload_policy(offload)}
         experts = fully_shard(layer.experts, **options)
         divide_gradients_by(experts, data_parallel.size(), shards.size(1))
+        experts.forward = functools.partial(forward_on_local_tensors, experts, experts.forward)
         layer.expert_outputs = functools.partial(exchanged_expert_outputs, layer, ep_mesh)
 
 
@@ -140,9 +145,7 @@ def exchanged_expert_outputs(
     send_splits = counts.view(ranks, -1).sum(1).tolist()
     receive_splits = received_counts.view(ranks, -1).sum(1).tolist()
     received = exchange(sent, receive_splits, send_splits, group)
-    outputs = local_expert_outputs(
-        layer.experts, ep_mesh, received, received_counts.view(ranks, -1)
-    )
+    outputs = local_expert_outputs(layer.experts, received, received_counts.view(ranks, -1))
     returned = exchange(outputs, send_splits, receive_splits, group)
     per_choice = x.new_zeros(batch * seq_len * top_k, width).index_put((choices,), returned)
     gate = routing.gate.unsqueeze(-1).to(x.dtype)
@@ -158,7 +161,7 @@ def exchange(
 
 
 def local_expert_outputs(
-    experts: nn.Module, ep_mesh: DeviceMesh, rows: torch.Tensor, counts: torch.Tensor
+    experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor
 ) -> torch.Tensor:
     """`rows` (from each source rank, its tokens for this rank's experts in order; `counts`:
     (source rank, local expert)) through their experts, in the same order: grouped as the
@@ -172,8 +175,41 @@ def local_expert_outputs(
     slot = torch.arange(len(order), device=rows.device) - starts[expert[order]]
     grouped = rows.new_zeros(local, int(per_expert.max()), rows.shape[1])
     grouped = grouped.index_put((expert[order], slot), rows[order])
-    outputs = experts(DTensor.from_local(grouped, ep_mesh, [Shard(0)])).to_local()
+    outputs = experts(grouped)
     return outputs[expert[order], slot][order.argsort()]
+
+
+def forward_on_local_tensors(
+    experts: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], grouped: torch.Tensor
+) -> torch.Tensor:
+    """The experts' own `forward` on this rank's experts as plain tensors, as torchtitan's
+    grouped experts run: it runs after FSDP has gathered their DTensor parameters (over the ep
+    ranks), and DTensor's Python dispatch of each op cost more than the ops themselves on CPU
+    (docs/strategies.md)."""
+    with local_parameters(experts):
+        return forward(grouped)
+
+
+@contextlib.contextmanager
+def local_parameters(module: nn.Module) -> Iterator[None]:
+    """`module`'s DTensor parameters swapped for their local tensors while in the block:
+    `to_local` is differentiable, so each DTensor (FSDP's unsharded parameter) still gets its
+    gradient. Swapped in `_parameters`, as `torch.func.functional_call` swaps them: setattr
+    takes only an `nn.Parameter` there, and wrapping the local tensor in one would cut it from
+    the DTensor's graph."""
+    dtensors = [
+        (owner, name, parameter)
+        for owner in module.modules()
+        for name, parameter in owner.named_parameters(recurse=False)
+        if isinstance(parameter, DTensor)
+    ]
+    for owner, name, parameter in dtensors:
+        owner._parameters[name] = parameter.to_local()
+    try:
+        yield
+    finally:
+        for owner, name, parameter in dtensors:
+            owner._parameters[name] = parameter
 
 
 @dataclass(frozen=True)
