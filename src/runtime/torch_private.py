@@ -11,9 +11,12 @@ correctness. `tests/test_torch_internals.py` fails when what they rely on change
 - `pipeline_warmup_skips_own_rank`: leaves out of a pipeline stage's link warm-up the sends and
   receives between two stages of one rank (the V schedules' middle), which gloo cannot run.
 
-One use has no plain fallback and lives where it is used: the evaluation of the V pipeline
+Two uses have no plain fallback and live where they are used. The evaluation of the V pipeline
 schedules (`src/parallel/pipeline_schedules.py`, `skip_backward`) registers torch's custom-action
 hook with its private action types; the V schedules' equivalence tests in `tests/test_mesh.py`
+fail if that changes. ep's experts (`src/parallel/expert_parallel.py`, `local_parameters`) swap
+their DTensor parameters for the local tensors in `nn.Module._parameters` while they compute, as
+`torch.func.functional_call` swaps parameters; the ep equivalence tests in `tests/test_ep.py`
 fail if that changes.
 
 Ending a finished process without the interpreter's teardown of its modules: a training process
