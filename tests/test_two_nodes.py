@@ -259,7 +259,7 @@ def test_a_lost_node_that_comes_back_rejoins_the_elastic_job_at_its_next_step(ho
     second host's train.py starts again. The first host's launcher sees it waiting and stops its
     ranks: they finish step 3, checkpoint and exit (torch's agent reads no result of theirs
     then, and would kill them after its fixed 30 s), and the job restarts on both hosts from step
-    3, nothing redone, within seconds, to single's weights. About 10 s on 2 loaded cores."""
+    3, nothing redone, within seconds, to single's weights. 10-27 s on 2 loaded cores."""
     overrides = ("parallel=ddp", *TINY_SGD, *ELASTIC_FAULTY, "parallel.rejoin=true")
     pause = {"PAUSE_IN_WORLD": "2", "PAUSE_AT_STEP": "1"}  # the world of the first host alone
     first, overrides = lose_second_node(hosts, overrides, tmp_path, **pause)
