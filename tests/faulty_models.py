@@ -36,8 +36,9 @@ class FaultyMLP(MLP):
                 signal.pause()
         if self.training and "FAULT" in os.environ:
             self.training_forwards += 1
-            failing_rank = os.environ["RANK"] == os.environ["FAIL_RANK"]
-            busy_rank = os.environ["RANK"] == os.environ.get("BUSY_RANK")
+            rank = os.environ.get("RANK", "0")  # a process on its own is rank 0
+            failing_rank = rank == os.environ["FAIL_RANK"]
+            busy_rank = rank == os.environ.get("BUSY_RANK")
             at_step = self.training_forwards == int(os.environ["FAIL_AT_STEP"])
             if busy_rank and at_step:
                 threading.Event().wait()

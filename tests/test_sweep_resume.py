@@ -17,7 +17,7 @@ SWEEP = (
     "trainer.checkpoint_every=5",
     "model._target_=tests.faulty_models.FaultyMLP,src.components.models.MLP",
 )
-FAIL_IN_STEP_2 = {"FAULT": "raise", "FAIL_AT_STEP": "2", "FAIL_RANK": "0", "RANK": "0"}
+FAIL_IN_STEP_2 = {"FAULT": "raise", "FAIL_AT_STEP": "2", "FAIL_RANK": "0"}
 NO_FAULT = {**FAIL_IN_STEP_2, "FAIL_AT_STEP": "1000"}
 
 

@@ -120,7 +120,7 @@ def test_a_crashing_job_is_recorded_and_the_sweep_exits_non_zero(tmp_path):
     # runs.
     sweep_dir = tmp_path / "sweep"
     models = "model._target_=tests.faulty_models.FaultyMLP,src.components.models.MLP"
-    fault = {"FAULT": "raise", "FAIL_AT_STEP": "1", "FAIL_RANK": "0", "RANK": "0"}
+    fault = {"FAULT": "raise", "FAIL_AT_STEP": "1", "FAIL_RANK": "0"}
     result = run_sweep(models, *TINY, sweep_dir=sweep_dir, env=fault)
     assert result.returncode != 0
     assert "1 of 2 jobs failed" in result.stderr

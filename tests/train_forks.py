@@ -198,7 +198,7 @@ PRELOADER: Preloader | None = None
 # gloo's interface: getenv when a process group starts).
 READ_AT_RUN_TIME = (
     "PYTEST_CURRENT_TEST",
-    *("FAULT", "FAIL_RANK", "FAIL_AT_STEP", "BUSY_RANK"),
+    *("FAULT", "FAIL_RANK", "FAIL_AT_STEP", "BUSY_RANK", "PAUSE_IN_WORLD", "PAUSE_AT_STEP"),
     "SLURM_CONF",
     "WANDB_SILENT",
     "GLOO_SOCKET_IFNAME",

@@ -76,9 +76,11 @@ def _worker(
     job_logging: dict[str, Any],
     server_pid: int | None,
     launcher_environment: dict[str, str],
+    restarting: Any,
 ) -> Any:
     """Entry point of each launched process: `fn(*args, ranks, stop=...)` as its rank (the agent
-    has set RANK, WORLD_SIZE, ...)."""
+    has set RANK, WORLD_SIZE, ...). Where the agent stopped it to restart it (`restarting`, the
+    launcher's `Rounds.restarting`), it exits as it ends: the agent reads no result then."""
     end_with_launcher(server_pid)
     take_launcher_environment(launcher_environment)
     # The server ignores SIGTERM (`src.launch.rank_server`).
@@ -94,9 +96,13 @@ def _worker(
     # new connection would wait 30 minutes for it.
     rank_store()
     try:
-        return run_as_rank(ranks, fn, *args, ranks, outcomes=outcomes)
+        result = run_as_rank(ranks, fn, *args, ranks, outcomes=outcomes)
     except outcomes as error:
-        return Raised(error)  # torch's agent carries results back, and exceptions only as text
+        result = Raised(error)  # torch's agent carries results back, and exceptions only as text
+    if restarting.is_set():
+        logging.shutdown()
+        os._exit(0)
+    return result
 
 
 def launch(
@@ -138,7 +144,9 @@ def launch(
             worker = elastic_launch(config, _worker)
             server_pid = start_rank_server()
             try:
-                results = worker(fn, args, outcomes, job_logging, server_pid, dict(os.environ))
+                results = worker(
+                    fn, args, outcomes, job_logging, server_pid, dict(os.environ), rounds.restarting
+                )
             except ChildFailedError as failed:
                 if killing:  # the ranks died of it, but its exception was dropped
                     raise KilledBySignal(killing[0]) from None

@@ -15,11 +15,13 @@ restarts the ranks) is a second c10d rendezvous of the same store, for MIN to MA
 heartbeats find a lost node in seconds (`ELASTIC_SETTINGS`), where torch's defaults take 45 s.
 A node that comes back once the job has re-formed joins that rendezvous' next round, with
 parallel.rejoin: the others' agents stop their ranks (SIGTERM: they stop together after a step
-and checkpoint) and restart them with it.
+and checkpoint) and restart them with it. Those ranks then exit without handing back a result
+(`Rounds.restarting`): the agent reads none there, and would kill them after its fixed 30 s.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import socket
 import time
 from collections.abc import Callable
@@ -68,13 +70,22 @@ class Round:
     formed: float
 
 
+def restart_event() -> Any:
+    """An event this node's launcher shares with the ranks it starts (forked by its rank server,
+    multiprocessing's forkserver, which takes the forkserver context's events only)."""
+    return multiprocessing.get_context("forkserver").Event()
+
+
 @dataclass
 class Rounds:
     """The rounds of a job's rendezvous on this node; `reformed(before, now)` is called when a
-    round after the first is formed, before the ranks restart."""
+    round after the first is formed, before the ranks restart. `restarting` is set while torch's
+    agent stops this round's ranks to restart them with a node that joined: it reads no result
+    of theirs then, so a rank that ends exits at once rather than wait for the agent's SIGKILL."""
 
     reformed: Callable[[Round, Round], None] | None = None
     seen: list[Round] = field(default_factory=list)
+    restarting: Any = field(default_factory=restart_event)
 
 
 class JobRunsWithout(ConfigError):
@@ -118,6 +129,7 @@ class JobRendezvous(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         asked = time.time()
+        self.rounds.restarting.clear()  # this round's ranks hand back their results
         seen = self.rounds.seen
         late = not seen and self.elastic is not None and self.store.check([STARTED_KEY])
         if late and not (self.rejoin and self.store.check([REFORMED_KEY])):
@@ -164,7 +176,10 @@ class JobRendezvous(RendezvousHandler):
         asked nothing (see the module's docstring)."""
         if not self.rejoin or self.in_use is not self.elastic:
             return 0
-        return answer_within(self.leave_within_s, self.elastic.num_nodes_waiting) or 0
+        waiting = answer_within(self.leave_within_s, self.elastic.num_nodes_waiting) or 0
+        if waiting:  # torch's agent restarts the ranks now
+            self.rounds.restarting.set()
+        return waiting
 
     def get_run_id(self) -> str:
         return self.start.get_run_id()
