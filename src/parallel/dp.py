@@ -26,9 +26,6 @@ log = logging.getLogger(__name__)
 
 class DP(Strategy):
     gather_outputs = True
-    thread_rounds = 1
-    """Times per micro-step the replicas run in threads: the forward pass (with the loss too
-    for dp_criterion)."""
 
     def check_batch(self, micro_batch: int) -> None:
         """Any micro-batch works. One that does not divide by the devices is split unevenly
@@ -98,9 +95,10 @@ class DP(Strategy):
 
     def step_messages(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> list[Messages]:
         """On CPU, no message but the replicas' threads: what running them costs beyond the
-        module's own work, per micro-step (the calibration's `dp`). GPUs' replicas run side by
-        side, their traffic a copy (`step_traffic`)."""
+        module's own work, per micro-step (the calibration's `dp`; dp_criterion's second round
+        of threads, for the loss alone, adds next to nothing). GPUs' replicas run side by side,
+        their traffic a copy (`step_traffic`)."""
         replicas = min(self.cfg.devices, micro_batch)
         if self.device_type != "cpu" or replicas < 2:
             return []
-        return [Messages("", self.thread_rounds * accumulate, 0, replicas, wrapper="dp")]
+        return [Messages("", accumulate, 0, replicas, wrapper="dp")]

@@ -43,7 +43,6 @@ def parallel_criterion(
 
 class DPCriterion(DP):
     gather_outputs = False
-    thread_rounds = 2
 
     def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
         outputs = model(inputs)
