@@ -71,28 +71,34 @@ def test_fsdp_checkpoint_is_in_single_s_format_and_single_resumes_from_it(tmp_pa
     assert_same_losses(reference_run(*TINY), tmp_path)
 
 
-# One rank, in a process of its own (a process group outlives a failed test in pytest's).
+# One rank, in a process of its own (a process group outlives a failed test in pytest's). It
+# ends as the template's commands do (`exit_without_teardown`): once under a loaded suite, the
+# interpreter's teardown of torch aborted ("terminate called without an active exception") after
+# the figures were printed.
 WHAT_A_LAYER_SEES = """
 import json, sys, torch
 from src.config.parallel import MeshConfig
 from src.components.models import MLP
 from src.components.tasks import loss_sum
 from src.parallel import build_strategy
+from src.runtime.torch_private import exit_without_teardown
 
-config = MeshConfig(_target_="src.parallel.mesh.Mesh", name="fsdp", devices=1, dp_shard=-1)
-strategy = build_strategy(config, "cpu", sys.argv[1])
-strategy.setup()
-model = strategy.wrap(MLP(input_shape=(32,), num_classes=10, hidden=32, depth=3))
-gathered = []
-model[1][0].register_forward_pre_hook(lambda layer, _: gathered.append(str(layer.weight.dtype)))
-strategy.apply(model, torch.randn(4, 32), torch.randint(0, 10, (4,)), loss_sum).backward()
-params = list(model.parameters())
-print(json.dumps({
-    "gathered": gathered,
-    "kept": sorted({str(p.dtype) for p in params} | {str(p.grad.dtype) for p in params}),
-    "sharded": all(type(p).__name__ == "DTensor" for p in params),
-}))
-strategy.teardown()
+with exit_without_teardown():
+    config = MeshConfig(_target_="src.parallel.mesh.Mesh", name="fsdp", devices=1, dp_shard=-1)
+    strategy = build_strategy(config, "cpu", sys.argv[1])
+    strategy.setup()
+    model = strategy.wrap(MLP(input_shape=(32,), num_classes=10, hidden=32, depth=3))
+    gathered = []
+    layer = model[1][0]
+    layer.register_forward_pre_hook(lambda layer, _: gathered.append(str(layer.weight.dtype)))
+    strategy.apply(model, torch.randn(4, 32), torch.randint(0, 10, (4,)), loss_sum).backward()
+    params = list(model.parameters())
+    print(json.dumps({
+        "gathered": gathered,
+        "kept": sorted({str(p.dtype) for p in params} | {str(p.grad.dtype) for p in params}),
+        "sharded": all(type(p).__name__ == "DTensor" for p in params),
+    }), flush=True)
+    strategy.teardown()
 """
 
 
