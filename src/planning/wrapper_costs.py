@@ -164,15 +164,17 @@ def new_group(ranks: range) -> dist.ProcessGroup:
     return dist.new_group(list(ranks))
 
 
-def replica_threads_s(device: torch.device) -> dict[str, float]:
-    """By replicas (`REPLICA_COUNTS`): a micro-step's seconds under dp's replicas run in threads
-    of this process (`mechanisms.replicas.DataParallel` on CPU) beyond the same step of the
-    module itself over the whole batch."""
+def replica_threads_s(
+    device: torch.device, counts: tuple[int, ...] = REPLICA_COUNTS
+) -> dict[str, float]:
+    """By replicas (`counts`): a micro-step's seconds under dp's replicas run in threads of this
+    process (`mechanisms.replicas.DataParallel` on CPU) beyond the same step of the module
+    itself over the whole batch."""
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(REPLICA_WIDTH, REPLICA_WIDTH), nn.ReLU()) for _ in "abcd"]
     model = nn.Sequential(*blocks).to(device)
     beyond = {}
-    for replicas in REPLICA_COUNTS:
+    for replicas in counts:
         inputs = torch.randn(replicas * REPLICA_SAMPLES, REPLICA_WIDTH, device=device)
         wrapped = DataParallel(model, [device] * replicas, gather_outputs=True)
         steps = [training_step(module, inputs) for module in (model, wrapped)]
