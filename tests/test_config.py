@@ -12,8 +12,9 @@ from omegaconf.errors import ConfigAttributeError, ValidationError
 
 from src.components.data import build_data
 from src.components.optimizer import build_optimizer
-from src.config.base import ConfigError
+from src.config.base import ConfigError, typed
 from src.config.schema import SCHEMAS
+from src.config.trainer import TrainerConfig
 from src.parallel import build_strategy
 
 GROUPS = ("model", "data", "parallel", "trainer", "optimizer", "logger")
@@ -139,3 +140,10 @@ def test_every_optimizer_option_builds_with_its_settings(compose_config, option,
     assert type(optimizer) is kind
     group = optimizer.param_groups[0]
     assert (group["lr"], group["weight_decay"]) == (settings.lr, settings.weight_decay)
+
+
+def test_a_group_s_setting_may_interpolate_another_group_s(compose_config):
+    """`trainer.eval_batch_size=${model.hidden}` is read as the model's width wherever the
+    trainer's settings are checked and typed (once a traceback: the schema has no `model`)."""
+    cfg = compose_config("trainer.eval_batch_size=${model.hidden}", "model.hidden=48")
+    assert typed(TrainerConfig, cfg.trainer).eval_batch_size == 48

@@ -40,7 +40,11 @@ def choices(name: str, values: str, module: str) -> type[Choice]:
 def typed(schema: type, node: Any) -> Any:
     """`node` (a composed config group, or a plain dict such as a launched rank's) as an object
     of its `schema` dataclass, which checks its ranges in `__post_init__`. Plain attributes: an
-    OmegaConf lookup takes microseconds, and the loop makes several a step."""
+    OmegaConf lookup takes microseconds, and the loop makes several a step. A group's values
+    that interpolate another group's (`trainer.eval_batch_size=${model.hidden}`) are resolved
+    in their whole config first: the schema alone has no `model`."""
+    if isinstance(node, DictConfig):
+        node = OmegaConf.to_container(node, resolve=True)
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
 
 
