@@ -339,7 +339,7 @@ class FixedCPU(DeviceSpeed):
     def __init__(self, flops_per_s: dict[int, float], link: float, copy: float):
         self.rates, self.link, self.copy = flops_per_s, link, copy
 
-    def flops_per_s(self, threads: int) -> float:
+    def flops_per_s(self, threads: int, size: int) -> float:
         return self.rates[threads]
 
     def message_s(self, messages: Messages, processes: int) -> float:

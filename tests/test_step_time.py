@@ -16,11 +16,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import ROOT, TINY_SGD, run_sweep
+from torch.utils.flop_counter import FlopCounterMode
 
 from src.observe.sweep_rows import Row, collect
 from src.parallel.shares import Messages
 from src.planning.calibration import Calibration, cache_path, calibration, load_per_core
 from src.planning.step_time import CalibratedSpeed
+from src.planning.work import WorkCounter
 from src.planning.wrapper_costs import SENT, replica_threads_s, wrapper_message_s
 
 LAYOUTS = ("single", "ddp", "fsdp", "model_parallel", "tp", "pp", "fsdp_tp")
@@ -129,7 +131,8 @@ def test_the_calibration_is_read_from_its_cache_and_times_each_message(tmp_path,
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     cached = Calibration(
         "cpu",
-        matmul_flops_per_s={"1": 1e9, "2": 5e8},  # 2 threads measured under load: not used
+        # by threads, then a matmul's size class; 2 threads measured under load: not used
+        matmul_flops_per_s={"1": {"10": 1e8, "20": 1e9}, "2": {"10": 5e7, "20": 5e8}},
         elementwise_bytes_per_s={"1": 1e9},
         step_s={"1": 1e-4},
         op_s={"1": 2e-6},
@@ -140,7 +143,10 @@ def test_the_calibration_is_read_from_its_cache_and_times_each_message(tmp_path,
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(dataclasses.asdict(cached)))
     speed = CalibratedSpeed(calibration("cpu"))
-    assert speed.flops_per_s(2) == 1e9 and speed.op_s(2) == 2e-6
+    assert speed.flops_per_s(2, 20) == 1e9 and speed.op_s(2) == 2e-6
+    # Between the sizes measured, linear; beyond them, the nearest one's.
+    assert speed.flops_per_s(2, 15) == pytest.approx(5.5e8)
+    assert speed.flops_per_s(2, 30) == 1e9 and speed.flops_per_s(1, 5) == 1e8
     assert speed.message_s(Messages("all_reduce", 3, 1000, 2), 2) == pytest.approx(3 * 1.01e-4)
     assert speed.message_s(Messages("all_reduce", 1, 1000, 8), 8) == pytest.approx(2.02e-4)
     # A wrapper's message: the collective's, plus the wrapper's cost beyond it at the job's
@@ -156,7 +162,7 @@ def test_the_calibration_is_read_from_its_cache_and_times_each_message(tmp_path,
 
 def measure_wrappers(rank: int, store: str, results: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    figures = wrapper_message_s(rank, 2, torch.device("cpu"), {"all_reduce": 1e-4})
+    figures = wrapper_message_s(rank, 2, torch.device("cpu"), {2: {"all_reduce": 1e-4}})
     if rank == 0:
         with open(results, "w") as file:
             json.dump(figures, file)
@@ -181,3 +187,16 @@ def test_the_calibration_times_dp_s_replicas_in_threads():
     figures = replica_threads_s(torch.device("cpu"), counts=(2,))
     assert set(figures) == {"2"}
     assert all(0 < seconds < 1 for seconds in figures.values()), figures
+
+
+def test_the_work_counter_sizes_each_matmul_and_counts_the_bytes_other_ops_move():
+    """A matmul's FLOPs (as torch's flop counter counts them) go to its size class; an
+    elementwise op's tensors read and written are its bytes; a view moves none."""
+    left, right = torch.randn(64, 32), torch.randn(32, 16)
+    with FlopCounterMode(display=False) as counted, WorkCounter() as work:
+        product = left @ right  # 2 x 64 x 32 x 16 = 2^16 FLOPs
+        product.t()
+        product.add_(1.0)  # reads and writes 64 x 16 floats
+    assert work.flops_by_size == {16: 2**16} and work.flops == counted.get_total_flops()
+    assert work.moved_bytes == 2 * 64 * 16 * 4
+    assert work.ops == 3

@@ -25,34 +25,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from src.parallel.base import usable_cores
 from src.parallel.shares import COLLECTIVES
-from src.planning.timing import best_time_s
-from src.planning.wrapper_costs import GROUP, replica_threads_s, wrapper_message_s
+from src.planning.timing import best_time_s, typical_time_s
+from src.planning.work import WorkCounter, size_class
+from src.planning.wrapper_costs import replica_threads_s, wrapper_message_s
 
 PROJECT = "parallel-training-template"
 ROOT = Path(__file__).resolve().parents[2]
-# m, k, n: a layer's work at a small batch on CPU; a GPU's is larger, or it measures launches
-MATMUL = {"cpu": (256, 512, 512), "cuda": (4096, 4096, 4096)}
+# m, k, n of matmuls from a small layer's to a large one's: a matmul's rate grows with its size
+# (a GPU's far beyond a CPU's), and a model's rate is that at its own matmuls' sizes.
+MATMULS = {
+    "cpu": ((64, 64, 64), (128, 256, 256), (256, 512, 512)),
+    "cuda": ((256, 256, 256), (1024, 1024, 1024), (4096, 4096, 4096)),
+}
 ELEMENTWISE = 2**20  # floats added in place: memory-bound, as optimizers and activations are
 SIZES = (2**10, 2**20)  # bytes per message: latency, then bandwidth
 PROCESS_COUNTS = (2, 4)
 CALMER = 0.5
-VERSION = 3  # of the figures, in the cache's name: another version's are measured again
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the aten ops run under it (forward, backward and optimizer alike)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
+VERSION = 4  # of the figures, in the cache's name: another version's are measured again
 
 
 @dataclass
@@ -60,8 +52,8 @@ class Calibration:
     """This machine's figures. Thread counts and process counts are JSON keys (strings)."""
 
     device_type: str
-    matmul_flops_per_s: dict[str, float]
-    """By intra-op threads."""
+    matmul_flops_per_s: dict[str, dict[str, float]]
+    """By intra-op threads, then a call's `work.size_class`: FLOP/s beyond its op's own cost."""
     elementwise_bytes_per_s: dict[str, float]
     """By intra-op threads: bytes read and written by an in-place add."""
     step_s: dict[str, float]
@@ -88,6 +80,17 @@ class Calibration:
         measured = [value for key, value in figures.items() if int(key) <= threads]
         return best(measured or [figures[min(figures, key=int)]])
 
+    def matmul_flops_per_s_at(self, threads: int, size: int) -> float:
+        """The FLOP/s of a matmul of `size` class at `threads`: interpolated between the sizes
+        measured (by their classes), the end's beyond them; the best of the thread counts
+        measured up to `threads` (`at_threads`)."""
+        by_threads = self.matmul_flops_per_s
+        measured = [rates for key, rates in by_threads.items() if int(key) <= threads]
+        return max(
+            interpolated({int(key): rate for key, rate in rates.items()}, size)
+            for rates in measured or [by_threads[min(by_threads, key=int)]]
+        )
+
     def message_s(
         self, collective: str, ranks: int, size: int, wrapper: str = "", processes: int = 0
     ) -> float:
@@ -97,6 +100,17 @@ class Calibration:
         latency, per_byte = nearest(self.collectives[collective], ranks) if collective else (0, 0)
         beyond = nearest(self.wrappers[wrapper], processes) if self.wrappers.get(wrapper) else 0.0
         return latency + beyond + size * per_byte
+
+
+def interpolated(by_size: dict[int, float], size: int) -> float:
+    """`by_size`'s figure at `size`: linear between the two sizes around it, else the nearest."""
+    sizes = sorted(by_size)
+    if size <= sizes[0] or size >= sizes[-1]:
+        return by_size[sizes[0] if size <= sizes[0] else sizes[-1]]
+    below = max(each for each in sizes if each <= size)
+    above = min(each for each in sizes if each > size)
+    share = (size - below) / (above - below)
+    return by_size[below] + share * (by_size[above] - by_size[below])
 
 
 def nearest(by_count: dict[str, Any], count: int) -> Any:
@@ -140,9 +154,9 @@ def calibrate(device_type: str) -> Calibration:
     matmul, elementwise, step, op = {}, {}, {}, {}
     for threads in thread_counts:
         with intra_op_threads(threads):
-            matmul[str(threads)] = matmul_flops_per_s(device)
-            elementwise[str(threads)] = elementwise_bytes_per_s(device)
             step[str(threads)], op[str(threads)] = step_and_op_s(device)
+            matmul[str(threads)] = matmul_flops_per_s(device, op[str(threads)])
+            elementwise[str(threads)] = elementwise_bytes_per_s(device)
     between_processes = process_figures(device_type)
     wrappers = between_processes["wrappers"]
     if device_type == "cpu":
@@ -177,10 +191,16 @@ class intra_op_threads:  # noqa: N801 - used as a context manager
         torch.set_num_threads(self.previous)
 
 
-def matmul_flops_per_s(device: torch.device) -> float:
-    m, k, n = MATMUL[device.type]
-    a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
-    return 2 * m * k * n / best_time_s(lambda: a @ b, device, repeats=5)
+def matmul_flops_per_s(device: torch.device, op_s: float) -> dict[str, float]:
+    """By `work.size_class`: each of `MATMULS`' FLOP/s beyond `op_s`, an op's own cost (which
+    the step time counts apart, for every op)."""
+    rates = {}
+    for m, k, n in MATMULS[device.type]:
+        a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
+        seconds = best_time_s(lambda a=a, b=b: a @ b, device, repeats=5)
+        flops = 2 * m * k * n
+        rates[str(size_class(flops))] = flops / max(seconds - op_s, seconds / 10)
+    return rates
 
 
 def elementwise_bytes_per_s(device: torch.device) -> float:
@@ -212,7 +232,7 @@ def tiny_step_s_and_ops(device: torch.device, depth: int) -> tuple[float, int]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    counter = OpCounter()
+    counter = WorkCounter()
     with counter:
         step()
     return best_time_s(step, device, repeats=20), counter.ops
@@ -285,7 +305,10 @@ def measure_collectives(rank: int, world: str, device_type: str, folder: str, re
                     times = [collective_s(name, size, ranks, rank, group, device) for size in SIZES]
                     figures[name][str(ranks)] = latency_and_per_byte(times)
                 dist.barrier()
-        latencies = {name: by[str(GROUP)][0] for name, by in figures.items() if str(GROUP) in by}
+        latencies = {
+            ranks: {name: by[str(ranks)][0] for name, by in figures.items() if str(ranks) in by}
+            for ranks in PROCESS_COUNTS
+        }
         for processes in [count for count in PROCESS_COUNTS if count <= world]:
             for wrapper, seconds in wrapper_message_s(rank, processes, device, latencies).items():
                 wrappers.setdefault(wrapper, {})[str(processes)] = seconds
@@ -316,5 +339,6 @@ def collective_s(
         "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(whole), whole, group=group),
         "send": lambda: (dist.send if rank == 0 else dist.recv)(whole, 1 - rank, group=group),
     }
-    dist.barrier(group=group)
-    return best_time_s(operations[name], device, repeats=5)
+    # The typical round, not the best: a step pays each message's usual wait, and on a CPU a
+    # message's is heavy-tailed (a woken peer may wait for a core), far above the best round.
+    return typical_time_s(operations[name], device, 10, lambda: dist.barrier(group=group))

@@ -18,7 +18,6 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _State
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
-from torch.utils.flop_counter import FlopCounterMode
 
 from src.components.blocks import prepare_blocks
 from src.components.data import Data, first_samples
@@ -27,8 +26,8 @@ from src.components.precision import autocast
 from src.config.base import typed
 from src.config.trainer import TrainerConfig
 from src.parallel.shares import DeviceShare, ModelSizes, tied_block_groups
-from src.planning.calibration import OpCounter
 from src.planning.plans import DevicePlan
+from src.planning.work import WorkCounter
 
 # Measured (src/launch/memory_check.py): the second step's peak has the optimizer state.
 TRACED_STEPS = 2
@@ -120,12 +119,12 @@ def model_sizes(cfg: DictConfig, data: Data) -> ModelSizes:
 @dataclass(frozen=True)
 class TracedShare:
     """What tracing a share found: its peaks by MemTracker's categories at each moment of a
-    training step (`RUNNING`, `LOSS`, `STEPPING`) and of one evaluation batch; its FLOPs and
-    aten ops per optimizer step, and its micro-steps per optimizer step."""
+    training step (`RUNNING`, `LOSS`, `STEPPING`) and of one evaluation batch; its work per
+    optimizer step (`work.WorkCounter`: aten ops, FLOPs by size, bytes moved), and its
+    micro-steps per optimizer step."""
 
     peaks: dict[str, dict[Any, int]]
-    flops: int
-    ops: int
+    work: WorkCounter
     evaluation: dict[str, dict[Any, int]]
     micro_steps: int = 1
 
@@ -148,8 +147,8 @@ def trace_share(
     cfg: DictConfig, data: Data, share: DeviceShare, eval_share: DeviceShare
 ) -> TracedShare:
     """`share`'s part of two training steps on fake tensors, then `eval_share`'s part of one
-    evaluation batch. The first step creates the optimizer state and counts the FLOPs (apart
-    from the tracker: under FlopCounterMode, checkpointed activations stay alive); the second,
+    evaluation batch. The first step creates the optimizer state and counts the work (apart
+    from the tracker, whose hooks are work of no step's); the second,
     tracked by MemTracker with that state held, gives the peaks by category (the first step's
     are never higher: it holds no optimizer state). The evaluation runs as the loop's does: the
     model in eval mode, under no_grad, beside the optimizer state (the gradients are gone)."""
@@ -198,7 +197,7 @@ def trace_share(
                 eval_step(inputs, targets)
             stages.train()
 
-        with FlopCounterMode(display=False) as flops, OpCounter() as ops:
+        with WorkCounter() as work:
             training_step()
         tracker = StepMemTracker([block for stage in stages for block in stage])
         tracker.track_external(step, optimizer)
@@ -209,7 +208,7 @@ def trace_share(
         with tracker:  # entered again: its peak starts again from what is alive
             evaluation_batch()
         evaluation = phase_peaks(tracker)
-    return TracedShare(peaks, flops.get_total_flops(), ops.ops, evaluation, trainer.accumulate)
+    return TracedShare(peaks, work, evaluation, trainer.accumulate)
 
 
 @contextlib.contextmanager
@@ -241,16 +240,19 @@ def device_plan(
     while a block runs, `share.loss_bytes` while the loss does); and its evaluation's peak
     (`eval_share`'s). `offloaded` (parallel.offload=cpu): its share of the state is in host
     memory, at the most it holds."""
-    flops = int(traced.flops * share.flops_kept)
     added = {RUNNING: share.running_bytes, LOSS: share.loss_bytes}
     devices = []
     for phase, peak in traced.peaks.items():
         # Between syncs (micro-steps before the last, and the last one's until it reduces)
         unsynced = share.unsynced_gradients_whole and traced.micro_steps > 1 and phase != STEPPING
-        device = in_categories(peak, share, flops, traced.ops)
+        device = in_categories(peak, share)
         devices.append(shared_out(device, share, added.get(phase, {}), unsynced, offloaded))
     device = max(devices, key=lambda device: device.peak)
     device.host = max(device.host for device in devices)
+    # A share computing part of each layer (share.flops_kept) does that part of its work.
+    work, kept = traced.work, share.flops_kept
+    device.flops_by_size = {size: flops * kept for size, flops in work.flops_by_size.items()}
+    device.moved_bytes, device.ops = work.moved_bytes * kept, work.ops
     device.evaluation = evaluation_peak(traced.evaluation, eval_share, offloaded)
     return device
 
@@ -263,17 +265,15 @@ def evaluation_peak(
     (`share.forward_bytes`) or while the loss runs (`share.loss_bytes`)."""
     added = {RUNNING: share.forward_bytes, LOSS: share.loss_bytes}
     return max(
-        shared_out(
-            in_categories(peak, share, flops=0), share, added.get(phase, {}), False, offloaded
-        ).peak
+        shared_out(in_categories(peak, share), share, added.get(phase, {}), False, offloaded).peak
         for phase, peak in peaks.items()
     )
 
 
-def in_categories(peak: dict[Any, int], share: DeviceShare, flops: int, ops: int = 0) -> DevicePlan:
+def in_categories(peak: dict[Any, int], share: DeviceShare) -> DevicePlan:
     """A traced peak (by MemTracker's categories) as `share`'s device, in the plan's; a share
     traced in `share.computes_in` has its state counted in fp32, as it is held."""
-    device = DevicePlan(share.label, share.devices, flops=flops, ops=ops)
+    device = DevicePlan(share.label, share.devices)
     state_scale = 4 // share.computes_in.itemsize if share.computes_in else 1
     for kind, size in peak.items():
         if kind in TRACKED_AS:

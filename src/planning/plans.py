@@ -25,9 +25,13 @@ class DevicePlan:
     gradients: int = 0
     optimizer: int = 0
     activations: int = 0
-    flops: int = 0
+    # Its work per optimizer step (forward, backward, optimizer), as traced (`work.WorkCounter`)
+    flops_by_size: dict[int, float] = field(default_factory=dict)
+    """Its matmuls' FLOPs by their `work.size_class`."""
+    moved_bytes: float = 0
+    """Bytes its other ops read and write."""
     ops: int = 0
-    """Aten ops per optimizer step (forward, backward, optimizer), as traced."""
+    """Aten ops."""
     evaluation: int = 0
     """The peak while it evaluates one batch: its state, and the forward's live activations."""
     host: int = 0
@@ -37,6 +41,10 @@ class DevicePlan:
     @property
     def peak(self) -> int:
         return sum(getattr(self, name) for name in CATEGORIES)
+
+    @property
+    def flops(self) -> float:
+        return sum(self.flops_by_size.values())
 
 
 @dataclass

@@ -1,12 +1,14 @@
-"""The predicted time of a step: what a device computes (FLOPs at the measured rate, plus a
-fixed cost per op: launch and dispatch) and the messages it waits for (latency plus bytes over
-bandwidth, each collective's own, plus what the wrapper that sends it costs beyond that), from
-this machine's calibration (`calibration.py`) or, for
-GPUs the planner does not see, the settings (`plan.device_tflops`, `plan.link_gb_per_s`)."""
+"""The predicted time of a step: what a device computes (its matmuls' FLOPs at the measured
+rate of their size, its other ops' bytes at memory's rate, plus a fixed cost per op: launch and
+dispatch) and the messages it waits for (latency plus bytes over bandwidth, each collective's
+own, plus what the wrapper that sends it costs beyond that), from this machine's calibration
+(`calibration.py`) or, for GPUs the planner does not see, the settings (`plan.device_tflops`,
+`plan.link_gb_per_s`)."""
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from omegaconf import DictConfig
@@ -34,8 +36,24 @@ class DeviceSpeed:
     def __init__(self, settings: DictConfig):
         self.settings = settings
 
-    def flops_per_s(self, threads: int) -> float:
+    def compute_s(self, device: DevicePlan, threads: int) -> float:
+        """`device`'s work (`DevicePlan`) at `threads`: its matmuls' FLOPs at the rates of
+        their sizes, its other ops' bytes at memory's rate, and each op's own cost."""
+        return (
+            sum(
+                flops / self.flops_per_s(threads, size)
+                for size, flops in device.flops_by_size.items()
+            )
+            + device.moved_bytes / self.moved_bytes_per_s(threads)
+            + device.ops * self.op_s(threads)
+        )
+
+    def flops_per_s(self, threads: int, size: int) -> float:
+        """A matmul's FLOP/s at `threads`, by its `work.size_class`."""
         return self.settings.device_tflops * 1e12
+
+    def moved_bytes_per_s(self, threads: int) -> float:
+        return math.inf
 
     def op_s(self, threads: int) -> float:
         return 0.0
@@ -68,8 +86,11 @@ class CalibratedSpeed(DeviceSpeed):
         self.figures = figures
         self.overlaps = figures.device_type != "cpu"
 
-    def flops_per_s(self, threads: int) -> float:
-        return self.figures.at_threads(self.figures.matmul_flops_per_s, threads)
+    def flops_per_s(self, threads: int, size: int) -> float:
+        return self.figures.matmul_flops_per_s_at(threads, size)
+
+    def moved_bytes_per_s(self, threads: int) -> float:
+        return self.figures.at_threads(self.figures.elementwise_bytes_per_s, threads)
 
     def op_s(self, threads: int) -> float:
         return self.figures.at_threads(self.figures.op_s, threads, best=min)
@@ -92,9 +113,11 @@ class CalibratedSpeed(DeviceSpeed):
     def describe(self) -> str:
         figures = self.figures
         rates = ", ".join(
-            f"{float(rate) / 1e9:.3g} GFLOP/s and {figures.op_s[threads] * 1e6:.3g} us/op on "
-            f"{threads} thread(s)"
-            for threads, rate in sorted(figures.matmul_flops_per_s.items(), key=lambda x: int(x[0]))
+            f"{min(by_size.values()) / 1e9:.3g}-{max(by_size.values()) / 1e9:.3g} GFLOP/s by "
+            f"matmul size and {figures.op_s[threads] * 1e6:.3g} us/op on {threads} thread(s)"
+            for threads, by_size in sorted(
+                figures.matmul_flops_per_s.items(), key=lambda item: int(item[0])
+            )
         )
         latency = figures.collectives["all_reduce"]
         ranks = min(latency, key=int)
@@ -140,17 +163,18 @@ def step_time_s(plan: Plan, strategy: PlannedStrategy, speed: DeviceSpeed, cores
     threads = max(1, cores // processes) if strategy.device_type == "cpu" else 1
 
     def compute_s(device: DevicePlan) -> float:
-        return device.flops / speed.flops_per_s(threads) + device.ops * speed.op_s(threads)
+        return speed.compute_s(device, threads)
 
+    # On CPU, more processes than cores take turns at all of a step's own work.
+    turns = max(1.0, processes / cores) if strategy.device_type == "cpu" else 1.0
     if strategy.device_type == "cpu" and processes == 1:
         compute = sum(compute_s(device) for device in plan.device_plans)
     else:
         busiest = max(plan.device_plans, key=compute_s)
         share = compute_s(busiest) / (busiest.devices if strategy.device_type != "cpu" else 1)
-        turns = max(1.0, processes / cores) if strategy.device_type == "cpu" else 1.0
         idle = strategy.idle_fraction() if busiest.devices == 1 else 0.0
         compute = share * turns / (1 - idle)
-    compute += speed.fixed_step_s(threads)
+    compute += speed.fixed_step_s(threads) * turns
     if processes == 1:
         copies = sum(plan.traffic.values()) / speed.copy_bytes_per_s()
         return compute + copies + sum(speed.message_s(m, processes) for m in plan.messages)

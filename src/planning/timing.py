@@ -1,6 +1,6 @@
 """How the calibration times a piece of work: rounds of it, each timed whole. The best round is
-the machine's speed, not its neighbours' (arithmetic, a bare collective); the median round is
-what a step among processes typically waits (a wrapper's step, whose waits on peers vary)."""
+the machine's speed, not its neighbours' (arithmetic); the median round is what a step among
+processes typically waits (a collective, a wrapper's step: their waits on peers vary)."""
 
 from __future__ import annotations
 

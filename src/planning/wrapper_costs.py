@@ -5,8 +5,9 @@ stages' own work). A bare collective's best time misses all of that, and the wai
 that is not there yet. The figure is what a message costs beyond its collective's latency: a
 training step of a tiny model under the wrapper, less the same step unwrapped and less the
 latencies of the collectives it sent, over the messages. Measured in the calibration's job of
-processes (`calibration.measure_collectives`) among 2 of them and among 4, in groups of 2 (fsdp
-and tp together on a 2 x 2 mesh, as fsdp 2 x tp 2 runs)."""
+processes (`calibration.measure_collectives`) among 2 of them and among 4: DDP over all 4, as
+ddp 4 runs; the others in groups of 2 (fsdp and tp together on a 2 x 2 mesh, as fsdp 2 x tp 2
+runs)."""
 
 from __future__ import annotations
 
@@ -129,12 +130,15 @@ def measured_together(processes: int) -> list[tuple[str, ...]]:
 
 
 def wrapper_message_s(
-    rank: int, processes: int, device: torch.device, latencies: dict[str, float]
+    rank: int, processes: int, device: torch.device, latencies: dict[int, dict[str, float]]
 ) -> dict[str, float]:
-    """Each wrapper's seconds per message beyond its collective's latency (`latencies`, by
-    collective, among `GROUP` ranks) among `processes` processes in groups of `GROUP`, this
-    one of rank `rank` (every rank of the world calls it, those beyond `processes` only to
-    make the groups; they return {}). Wrappers timed together share one figure."""
+    """Each wrapper's seconds per message beyond its collective's latency (`latencies`: by
+    ranks, then by collective) among `processes` processes, this one of rank `rank` (every
+    rank of the world calls it, those beyond `processes` only to make the groups; they return
+    {}). DDP runs over all `processes` (a ddp job's gradients are all-reduced among all its
+    processes, whose waits on each other grow with their number: 4 processes on 2 cores wait
+    about 5x a pair's); the others in groups of `GROUP`. Wrappers timed together share one
+    figure."""
     pairs = [new_group(range(first, first + GROUP)) for first in range(0, processes, GROUP)]
     square = processes == GROUP * GROUP
     across = [new_group(range(first, processes, GROUP)) for first in range(GROUP)] if square else []
@@ -144,6 +148,8 @@ def wrapper_message_s(
     torch.set_num_threads(max(1, usable_cores() // processes))
     pair = DeviceMesh.from_group(pairs[rank // GROUP], device.type)
     meshes = dict.fromkeys(SENT, pair)
+    meshes["ddp"] = DeviceMesh.from_group(together, device.type)
+    ranks = {wrapper: GROUP for wrapper in SENT} | {"ddp": processes}
     if square:
         grid = torch.arange(processes).view(GROUP, GROUP)
         groups = [across[rank % GROUP], pairs[rank // GROUP]]
@@ -154,7 +160,11 @@ def wrapper_message_s(
     for wrappers in measured_together(processes):
         step = step_s(wrapped_step(wrappers, meshes, device), together, device)
         sent = [(name, count) for wrapper in wrappers for name, count in SENT[wrapper].items()]
-        bare = sum(count * latencies.get(name, 0.0) for name, count in sent)
+        bare = sum(
+            count * latencies[ranks[wrapper]].get(name, 0.0)
+            for wrapper in wrappers
+            for name, count in SENT[wrapper].items()
+        )
         each = max(0.0, step - plain - bare) / sum(count for _, count in sent)
         beyond.update(dict.fromkeys(wrappers, each))
     return beyond
