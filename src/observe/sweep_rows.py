@@ -133,7 +133,9 @@ def swept_variants(all_overrides: list[dict[str, str]]) -> list[str]:
     ]
 
 
-def read_row(job_dir: Path, variant: str) -> Row:
+def read_row(job_dir: Path, variant: str) -> tuple[Row, DictConfig | None]:
+    """The job's row, without the planner's predictions, and its config if it trained (the
+    predictions' input)."""
     config = OmegaConf.load(hydra_file(job_dir, "config.yaml"))
     row = Row(
         job=job_dir.name,
@@ -151,24 +153,56 @@ def read_row(job_dir: Path, variant: str) -> Row:
         row.reason = "no summary.json or status.json: the job did not finish (killed?)"
     if row.status == "ok" and summary_path.exists():
         fill_from_summary(row, json.loads(summary_path.read_text()))
-        row.predicted_step_ms, row.predicted_peak_mb = predicted(config)
-    return row
+        return row, config
+    return row, None
 
 
-def predicted(config: DictConfig) -> tuple[float | None, float | None]:
-    """The planner's predicted step time (ms) and peak memory per device (MB: training's or
-    evaluation's, whichever is higher: a run's measured peak covers both) for a job's config;
-    None when it cannot trace the model (or the config predates the planner)."""
-    from src.planning.planner import MB, plan_all
+def add_predictions(rows: list[Row], configs: list[DictConfig | None]) -> None:
+    """The planner's predicted step time and peak for each row with a config (one that
+    trained). Jobs whose configs differ only in `parallel` are planned together, as `plan_all`
+    plans a list of `parallel`s: one data set, one set of model sizes, and each device share
+    traced once (a fraction of the report's time, which runs at the end of every sweep)."""
+    groups: dict[str, list[int]] = {}
+    for index, config in enumerate(configs):
+        if config is not None:
+            rest = OmegaConf.to_container(config, resolve=False)
+            del rest["parallel"]
+            groups.setdefault(repr(rest), []).append(index)
+    for indices in groups.values():
+        figures = predicted([configs[index] for index in indices])
+        for index, (step_ms, peak_mb) in zip(indices, figures, strict=True):
+            rows[index].predicted_step_ms, rows[index].predicted_peak_mb = step_ms, peak_mb
+
+
+def predicted(configs: list[DictConfig]) -> list[tuple[float | None, float | None]]:
+    """For jobs whose configs differ only in `parallel`, the planner's predicted step time (ms)
+    and peak memory per device (MB: training's or evaluation's, whichever is higher: a run's
+    measured peak covers both); None for a job whose model it cannot trace (or whose config
+    predates the planner). What `plan_all` shares between its plans is shared here too, but a
+    job that fails leaves the others their predictions."""
+    from src.components.data import build_data
+    from src.planning.memory_trace import model_sizes
+    from src.planning.planner import MB, plan_one
 
     try:
-        (plan,) = plan_all(config, [config.parallel])
-    except Exception:  # noqa: BLE001 - the table goes on without the prediction
-        log.debug("no prediction for this job", exc_info=True)
-        return None, None
-    if plan.problem is not None:
-        return None, None
-    return plan.step_time_s * 1e3, plan.needed / MB
+        data = build_data(configs[0].data, configs[0].seed)
+        sizes = model_sizes(configs[0], data)
+    except Exception:  # noqa: BLE001 - the table goes on without the predictions
+        log.debug("no predictions for these jobs", exc_info=True)
+        return [(None, None)] * len(configs)
+    traces: dict[tuple, Any] = {}
+    figures: list[tuple[float | None, float | None]] = []
+    for config in configs:
+        try:
+            plan = plan_one(config, config.parallel, data, sizes, traces)
+        except Exception:  # noqa: BLE001 - the table goes on without the prediction
+            log.debug("no prediction for this job", exc_info=True)
+            plan = None
+        if plan is None or plan.problem is not None:
+            figures.append((None, None))
+        else:
+            figures.append((plan.step_time_s * 1e3, plan.needed / MB))
+    return figures
 
 
 def fill_from_summary(row: Row, summary: dict[str, Any]) -> None:
@@ -231,7 +265,9 @@ def non_parallel(variant: str) -> str:
 def collect(sweep_dir: Path) -> list[Row]:
     dirs = job_dirs(sweep_dir)
     variants = swept_variants([read_overrides(job_dir) for job_dir in dirs])
-    rows = [read_row(job_dir, variant) for job_dir, variant in zip(dirs, variants, strict=True)]
+    read = [read_row(job_dir, variant) for job_dir, variant in zip(dirs, variants, strict=True)]
+    rows = [row for row, _ in read]
+    add_predictions(rows, [config for _, config in read])
     add_speedups(rows)
     add_flags(rows)
     return rows
