@@ -147,7 +147,8 @@ class TrainRun:
     steps) ahead and cannot finish first, so signal tests need no sleeps and have no races.
     `prefix` goes before the command (`torchrun ...`). `netns` runs it (and its prefix) in that
     network namespace (`network_namespace`): a forked run joins it itself, any other starts behind
-    `ip netns exec <netns>`. `script="eval.py"` runs eval.py the same way, in `run_dir`."""
+    `ip netns exec <netns>`. `script="eval.py"` runs eval.py the same way, in `run_dir`;
+    `script="plan.py"` plan.py, with neither folder."""
 
     def __init__(
         self,
@@ -160,11 +161,14 @@ class TrainRun:
         prefix: tuple[str, ...] = (),
         netns: str | None = None,
     ):
-        command = (
-            [*train_command(*overrides, script=script), f"hydra.run.dir={run_dir}"]
-            if sweep_dir is None
-            else [*train_command("-m", *overrides, script=script), f"hydra.sweep.dir={sweep_dir}"]
-        )
+        if sweep_dir is not None:
+            command = [
+                *train_command("-m", *overrides, script=script),
+                f"hydra.sweep.dir={sweep_dir}",
+            ]
+        else:
+            command = train_command(*overrides, script=script)
+            command += [f"hydra.run.dir={run_dir}"] if run_dir is not None else []
         self.command = command = [*prefix, *command]
         stdout = stderr = subprocess.PIPE
         if one_page:
@@ -307,6 +311,11 @@ def run_eval(
 ) -> subprocess.CompletedProcess:
     """`python eval.py <overrides> hydra.run.dir=<eval_dir>`, to the end."""
     return TrainRun(*overrides, script="eval.py", run_dir=eval_dir).finish(timeout, check)
+
+
+def run_plan(*overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python plan.py <overrides>`, to the end (it writes no run folder)."""
+    return TrainRun(*overrides, script="plan.py").finish(timeout)
 
 
 def run_sweep(

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, options, run_train
+from helpers import ROOT, TrainRun, options, run_plan, run_train
 from hydra import initialize_config_dir
 from torch.distributed._tools.mem_tracker import _MemRefType
 
@@ -237,13 +237,10 @@ def test_train_with_parallel_auto_records_the_choice(tmp_path):
     ],
     ids=["plan.py", "train.py"],
 )
-def test_bad_plan_settings_are_one_line_and_exit_2(command, message):
-    result = subprocess.run(
-        [sys.executable, *command, "logger=none", "trainer.accelerator=cpu"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+def test_bad_plan_settings_are_one_line_and_exit_2(command, message, tmp_path):
+    script, *overrides = command
+    run_dir = None if script == "plan.py" else tmp_path
+    result = TrainRun(*overrides, "logger=none", script=script, run_dir=run_dir).finish()
     assert result.returncode == 2
     output = (result.stdout + result.stderr).splitlines()  # train.py logs its error line
     error_lines = [line for line in output if "error" in line.lower()]
@@ -274,12 +271,7 @@ def test_gpu_plan_shows_dp_output_device_and_each_stage(compose_config):
 
 
 def test_plan_py_plans_every_strategy_that_runs_and_recommends_one():
-    result = subprocess.run(
-        [sys.executable, "plan.py", *TINY_MLP, "parallel.devices=2", "trainer.accelerator=cpu"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    result = run_plan(*TINY_MLP, "parallel.devices=2")
     assert result.returncode == 0, result.stderr
     *table, last = result.stdout.strip().splitlines()
     assert "peak MB  eval peak MB" in table[1]

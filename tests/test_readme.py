@@ -7,14 +7,11 @@ installs packages or runs itself would need the network and run every test twice
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import subprocess
-import sys
 
 import pytest
-from helpers import QUIET_AND_FRUGAL, ROOT, on_cpu, run_eval, run_sweep, run_train
+from helpers import ROOT, run_eval, run_plan, run_sweep, run_train
 
 FENCED_SHELL = re.compile(r"^```(?:bash|sh|shell)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 ENTRY_POINTS = ("train.py", "eval.py", "plan.py")
@@ -62,14 +59,7 @@ def test_a_front_page_command_runs(command, tmp_path):
     otherwise)."""
     entry_point, *overrides = command[1:]
     if entry_point == "plan.py":
-        result = subprocess.run(
-            [sys.executable, "plan.py", *on_cpu(overrides)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env={**os.environ, **QUIET_AND_FRUGAL},
-        )
+        result = run_plan(*overrides)
         assert result.returncode == 0, result.stderr[-4000:]
         assert "recommended: parallel=" in result.stdout
     elif entry_point == "eval.py":

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import ROOT, TINY_SGD, run_sweep
+from helpers import TINY_SGD, run_plan, run_sweep
 from torch.utils.flop_counter import FlopCounterMode
 
 from src.observe.sweep_rows import Row, collect
@@ -101,13 +99,9 @@ def test_the_report_and_plan_compare_put_the_predicted_step_beside_the_measured(
     assert len(rows) == len(layouts)
     assert all(row.predicted_step_ms > 0 and row.step_time_ms > 0 for row in rows)
     assert "| step ms | predicted step ms |" in (tmp_path / "summary.md").read_text()
-    compared = subprocess.run(
-        [sys.executable, "plan.py", f"plan.compare={tmp_path}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    compared = run_plan(f"plan.compare={tmp_path}")
+    assert compared.returncode == 0, compared.stderr[-4000:]
+    compared = compared.stdout
     for row in rows:
         ratio = row.predicted_step_ms / row.step_time_ms
         assert f"{row.strategy:<18}{row.devices:>8}" in compared

@@ -216,15 +216,15 @@ def forked_train(
     one_page: int | None,
     netns: str | None = None,
 ) -> ForkedProcess | None:
-    """`command` (`python train.py ...`, or eval.py's) with environment `env`, in network
-    namespace `netns` (if given; `ip netns add`'s), forked by this process's preloader of
+    """`command` (`python train.py ...`, or eval.py's or plan.py's) with environment `env`, in
+    network namespace `netns` (if given; `ip netns add`'s), forked by this process's preloader of
     environment `base` (this process's, as the tests run it: started on first use, and again
     whenever `base` changes), its stdout and stderr to the write end `one_page` (left open here),
     or else to pipes of their own for `communicate`; None where it must run as a new process: a
     command with a prefix, an `env` that sets more than `READ_AT_RUN_TIME` over `base`,
     TEST_FORKS=0, or no preloader serving."""
     global PRELOADER
-    if command[0] != sys.executable or command[1:2] not in (["train.py"], ["eval.py"]):
+    if command[0] != sys.executable or command[1:2] not in (["train.py"], ["eval.py"], ["plan.py"]):
         return None
     if os.environ.get("TEST_FORKS") == "0":
         return None
