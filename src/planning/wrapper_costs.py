@@ -135,10 +135,9 @@ def wrapper_message_s(
     """Each wrapper's seconds per message beyond its collective's latency (`latencies`: by
     ranks, then by collective) among `processes` processes, this one of rank `rank` (every
     rank of the world calls it, those beyond `processes` only to make the groups; they return
-    {}). DDP runs over all `processes` (a ddp job's gradients are all-reduced among all its
-    processes, whose waits on each other grow with their number: 4 processes on 2 cores wait
-    about 5x a pair's); the others in groups of `GROUP`. Wrappers timed together share one
-    figure."""
+    {}). DDP runs over all `processes`, as a ddp job all-reduces among all of its processes
+    (their waits on each other grow with their number); the others in groups of `GROUP`.
+    Wrappers timed together share one figure."""
     pairs = [new_group(range(first, first + GROUP)) for first in range(0, processes, GROUP)]
     square = processes == GROUP * GROUP
     across = [new_group(range(first, processes, GROUP)) for first in range(GROUP)] if square else []
