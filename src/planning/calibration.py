@@ -84,12 +84,11 @@ class Calibration:
         """The FLOP/s of a matmul of `size` class at `threads`: interpolated between the sizes
         measured (by their classes), the end's beyond them; the best of the thread counts
         measured up to `threads` (`at_threads`)."""
-        by_threads = self.matmul_flops_per_s
-        measured = [rates for key, rates in by_threads.items() if int(key) <= threads]
-        return max(
-            interpolated({int(key): rate for key, rate in rates.items()}, size)
-            for rates in measured or [by_threads[min(by_threads, key=int)]]
-        )
+        at_size = {
+            key: interpolated({int(each): rate for each, rate in rates.items()}, size)
+            for key, rates in self.matmul_flops_per_s.items()
+        }
+        return self.at_threads(at_size, threads)
 
     def message_s(
         self, collective: str, ranks: int, size: int, wrapper: str = "", processes: int = 0

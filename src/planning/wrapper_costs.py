@@ -158,13 +158,9 @@ def wrapper_message_s(
     beyond = {}
     for wrappers in measured_together(processes):
         step = step_s(wrapped_step(wrappers, meshes, device), together, device)
-        sent = [(name, count) for wrapper in wrappers for name, count in SENT[wrapper].items()]
-        bare = sum(
-            count * latencies[ranks[wrapper]].get(name, 0.0)
-            for wrapper in wrappers
-            for name, count in SENT[wrapper].items()
-        )
-        each = max(0.0, step - plain - bare) / sum(count for _, count in sent)
+        sent = [(w, name, count) for w in wrappers for name, count in SENT[w].items()]
+        bare = sum(count * latencies[ranks[w]].get(name, 0.0) for w, name, count in sent)
+        each = max(0.0, step - plain - bare) / sum(count for _, _, count in sent)
         beyond.update(dict.fromkeys(wrappers, each))
     return beyond
 
