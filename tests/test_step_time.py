@@ -175,12 +175,13 @@ def test_the_calibration_times_a_message_of_each_wrapper_inside_a_training_step(
 
 
 def test_the_calibration_times_dp_s_replicas_in_threads():
-    """dp on CPU runs its replicas in threads of one process: a micro-step costs more than the
-    module's own step (2 replicas, in-process: 1 s quiet; 4 replicas' threads would take 12 s in
-    the loaded suite, where their intra-op threads contend)."""
+    """dp on CPU runs its replicas in threads of one process: a micro-step's cost beyond the
+    module's own step, never negative (2 replicas, in-process: 1 s quiet; 4 replicas' threads
+    would take 12 s in the loaded suite, where their intra-op threads contend). On a loaded
+    machine the two medians can come out equal, and the figure is 0.0 (CI saw it once)."""
     figures = replica_threads_s(torch.device("cpu"), counts=(2,))
     assert set(figures) == {"2"}
-    assert all(0 < seconds < 1 for seconds in figures.values()), figures
+    assert all(0 <= seconds < 1 for seconds in figures.values()), figures
 
 
 def test_the_work_counter_sizes_each_matmul_and_counts_the_bytes_other_ops_move():
