@@ -31,6 +31,7 @@ from src.components.moe import MoEGPT
 from src.config.base import ConfigError
 from src.launch.forking import start_rank_server
 from src.parallel import build_strategy
+from src.parallel.expert_parallel import moe_layers
 from src.runtime.ranks import Ranks
 
 # Accumulation and clipping too: clipping takes the norm of the dense and the experts'
@@ -134,7 +135,8 @@ def kept_choices(model: torch.nn.Module) -> list[list[int]]:
 def each_expert_s_tokens_under_ep(rank: int, port: int) -> None:
     """Rank `rank` of ep 2 on its half of a batch: each of its experts takes the tokens that
     single's takes from the whole batch (so drops and load are single's), and its samples'
-    logits and aux loss are single's."""
+    logits and aux loss are single's. Its experts are DTensors on FSDP's and ep's dimensions
+    alone: no dp_replicate of size 1, over which DTensor would propagate their sharding too."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2"
     )
@@ -148,6 +150,12 @@ def each_expert_s_tokens_under_ep(rank: int, port: int) -> None:
     with torch.no_grad():
         expected = single(tokens)
     model = strategy.wrap(model)
+    meshes = {
+        parameter.device_mesh.mesh_dim_names
+        for layer in moe_layers(model)
+        for parameter in layer.experts.parameters()
+    }
+    assert meshes == {("dp_shard_mod_ep", "ep")}, meshes
     ep_counts = kept_choices(model)
     with torch.no_grad():
         logits, aux_loss = model(tokens[3 * rank : 3 * rank + 3])
