@@ -100,7 +100,7 @@ def expert_meshes(data_parallel: DeviceMesh, ep: int) -> tuple[DeviceMesh, Devic
     (dp_shard / ep, ep): one root, so that FSDP composes them). The experts' parameters are
     DTensors on FSDP's mesh and ep's together, and the first time each op runs on them DTensor
     propagates its sharding over every dimension of that mesh: without a dp_replicate dimension
-    of size 1, ... CPU-seconds less in an ep 4 run."""
+    of size 1, an ep 4 run of tests/test_ep.py's took 15.4-15.9 CPU-seconds, not 20.4-20.7."""
     shards = data_parallel.size(1)
     view = data_parallel._unflatten(1, (shards // ep, ep), ("dp_shard_mod_ep", "ep"))
     replicas = ("dp_replicate",) if data_parallel.size(0) > 1 else ()
