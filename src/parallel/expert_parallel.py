@@ -94,16 +94,13 @@ def check_experts(model: nn.Module, ep: int) -> None:
 
 
 def expert_meshes(data_parallel: DeviceMesh, ep: int) -> tuple[DeviceMesh, DeviceMesh]:
-    """From the (dp_replicate, dp_shard) mesh: the one over which each experts module is
-    FSDP-sharded, (dp_replicate, dp_shard_mod_ep), or dp_shard_mod_ep alone without
-    dp_replicate, and the ep one over which the experts are split (dp_shard unflattened into
-    (dp_shard / ep, ep): one root, so that FSDP composes them). The experts' parameters are
-    DTensors on FSDP's mesh and ep's together, and the first time each op runs on them DTensor
-    propagates its sharding over every dimension of that mesh: without a dp_replicate dimension
-    of size 1, an ep 4 run of tests/test_ep.py's took 15.4-15.9 CPU-seconds, not 20.4-20.7."""
-    shards = data_parallel.size(1)
-    view = data_parallel._unflatten(1, (shards // ep, ep), ("dp_shard_mod_ep", "ep"))
-    replicas = ("dp_replicate",) if data_parallel.size(0) > 1 else ()
+    """From FSDP's mesh (`Layout.sharding_mesh`: the shards, after dp_replicate under HSDP): the
+    one over which each experts module is FSDP-sharded (dp_shard_mod_ep, after dp_replicate
+    under HSDP), and the ep one over which the experts are split (the shards unflattened into
+    (shards / ep, ep): one root, so that FSDP composes them)."""
+    *replicas, _ = data_parallel.mesh_dim_names
+    shards = data_parallel.size(len(replicas))
+    view = data_parallel._unflatten(len(replicas), (shards // ep, ep), ("dp_shard_mod_ep", "ep"))
     return view[(*replicas, "dp_shard_mod_ep")], view["ep"]
 
 

@@ -114,11 +114,16 @@ class Layout:
         return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
     def sharding_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
-        """The 2-D (dp_replicate, shards) mesh FSDP2 runs over: the shards are dp_shard's ranks,
-        and cp's with them (torchtitan's dp_shard_cp), since the cp ranks of one data-parallel
-        index compute gradients of different tokens of the same samples, to be summed."""
+        """The mesh FSDP2 runs over: the shards are dp_shard's ranks, and cp's with them
+        (torchtitan's dp_shard_cp), since the cp ranks of one data-parallel index compute
+        gradients of different tokens of the same samples, to be summed; under HSDP, 2-D
+        (dp_replicate, shards), else the shards alone: the parameters are DTensors on this mesh,
+        and the first time an op runs on them DTensor propagates its sharding over each of its
+        dimensions, one of size 1 too."""
         if self.cp == 1:
-            return mesh["dp_replicate", "dp_shard"]
+            return mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else mesh["dp_shard"]
         flat = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        if self.dp_replicate == 1:
+            return flat
         shape, names = (self.dp_replicate, self.fsdp_shards), ("dp_replicate", "dp_shard_cp")
         return flat._unflatten(0, shape, names)
