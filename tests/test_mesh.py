@@ -7,6 +7,7 @@ import csv
 import math
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,7 @@ from src.components.models import GPT, MLP, ConvNet, Transformer
 from src.components.precision import LossScaling
 from src.components.tasks import loss_sum
 from src.config.base import ConfigError
+from src.launch.forking import start_rank_server
 from src.parallel import build_strategy
 from src.parallel.layout import Layout
 from src.parallel.pipeline_schedules import LOOPED, ONE_STAGE, SPLIT_BACKWARD, V_SHAPED
@@ -145,8 +147,15 @@ def one_overflowing_rank_makes_every_rank_skip(rank: int, store_path: str) -> No
     dist.destroy_process_group()
 
 
+def start_ranks(rank_function: Callable[..., None], *args: object) -> None:
+    """`rank_function(rank, *args)` on 2 gloo processes forked from the rank server, which has
+    imported torch: a spawned rank spent seconds importing it."""
+    start_rank_server()
+    mp.start_processes(rank_function, args=args, nprocs=2, start_method="forkserver")
+
+
 def test_fp16_steps_are_skipped_on_every_rank_when_one_rank_s_gradients_overflow(tmp_path):
-    mp.spawn(one_overflowing_rank_makes_every_rank_skip, args=(str(tmp_path / "store"),), nprocs=2)
+    start_ranks(one_overflowing_rank_makes_every_rank_skip, str(tmp_path / "store"))
 
 
 def gathered_in_fp16(rank: int, port: int) -> None:
@@ -170,7 +179,7 @@ def gathered_in_fp16(rank: int, port: int) -> None:
 
 def test_the_mesh_s_fsdp_gathers_parameters_in_the_autocast_dtype():
     """fsdp's mixed-precision policy, which the mesh's FSDP shares (`fsdp.apply_fsdp`)."""
-    mp.spawn(gathered_in_fp16, args=(free_port(),), nprocs=2)
+    start_ranks(gathered_in_fp16, free_port())
 
 
 # The 2-D layouts on 4 processes, one sweep: data parallel takes the ranks tp and pp leave
