@@ -2,10 +2,8 @@
 `train.py`: gloo processes on CPU, the tiny GPT under SGD in fp32, each layout against `single`:
 cp 2; cp 4, cp 2 x dp_shard 2 and cp 2 x tp 2 in one sweep of 4 processes; fsdp_cp_tp on 8;
 each one's sharded checkpoint resumed exactly under another layout; the predictions of whole
-sequences. Measured on the 2 cores at load 11 to 13, this file alone: 18 s for single and cp 2,
-32 s for the 8 processes and the resumes as cp 2 and single, 42 s for the 4-process sweep, 37 s
-for its resumes, 5 s for the predictions, 2 s for the rest (142 s; 116 s before the 4-process
-resumes)"""
+sequences. This file alone took about 85 CPU-seconds (cgcpu.sh), two fifths of them the
+4-process sweep and its resumes."""
 
 from __future__ import annotations
 
@@ -30,9 +28,12 @@ from src.config.base import ConfigError
 from src.parallel.context_parallel import check_attention
 from src.parallel.layout import Layout
 
-# 4 steps, checkpointed (sharded) at 2 and 4: the resumes go on from step 2.
+# 4 steps, checkpointed (sharded) at 2 and 4: the resumes go on from step 2. One block: each
+# block's attention is cut, ringed and wrapped alike, and a second cost the 4-process sweep
+# 15-20% more CPU.
 WORKLOAD = (
     *TINY_GPT_SGD,
+    "model.n_layer=1",
     "trainer.max_steps=4",
     "trainer.eval_every=2",
     "trainer.checkpoint_every=2",

@@ -12,8 +12,8 @@ import pytest
 import torch
 from helpers import (
     TINY,
+    reference_run,
     run_eval,
-    run_train,
     summary,
     sweep_runs,
     wandb_records,
@@ -26,10 +26,19 @@ from src.checkpoint.store import saved_checkpoints
 VAL = ("split=val",)
 
 
-def trained(*layouts: str) -> dict[str, Path]:
-    """TINY trained under `layouts` (one sweep, shared by the session), by layout."""
-    runs = sweep_runs(*TINY, f"parallel={','.join(layouts)}")
-    return {key.removeprefix("parallel="): run_dir for key, run_dir in runs.items()}
+def trained(layout: str) -> Path:
+    """TINY trained under `layout`: single's is the session's `reference_run(*TINY)`, which
+    other files read too; ddp's and fsdp's come from one sweep."""
+    if layout == "single":
+        return reference_run(*TINY)
+    return sweep_runs(*TINY, "parallel=ddp,fsdp")[f"parallel={layout}"]
+
+
+def wandb_run() -> Path:
+    """TINY under single, logged to W&B (offline) and checkpointed at steps 3 and 6: the run of
+    the W&B test and of `best` and `last`."""
+    with_wandb = [override for override in TINY if override != "logger=none"]
+    return reference_run(*with_wandb, "logger=wandb", "trainer.checkpoint_every=3")
 
 
 def eval_json(eval_dir: Path) -> dict:
@@ -50,7 +59,7 @@ def test_a_checkpoint_evaluated_under_another_layout_gives_the_runs_test_loss(
     trained_as, evaluated_as, tmp_path
 ):
     """The test split (eval.py's default), which the run itself scored after its last step."""
-    run_dir = trained("single", "ddp", "fsdp")[trained_as]
+    run_dir = trained(trained_as)
     run_eval(f"ckpt_path={run_dir}", *evaluated_as, eval_dir=tmp_path)
 
     figures = eval_json(tmp_path)
@@ -73,7 +82,7 @@ def test_a_2d_sharded_checkpoint_is_evaluated_by_ddp(tmp_path):
 
 
 def test_predictions_of_two_ranks_are_singles_in_dataset_order(tmp_path):
-    run_dir = trained("single", "ddp", "fsdp")["single"]
+    run_dir = trained("single")
     layouts = {"single": ("parallel=single",), "ddp": ("parallel=ddp", "parallel.devices=2")}
     predictions = {}
     for name, layout in layouts.items():
@@ -93,7 +102,7 @@ def test_predictions_of_two_ranks_are_singles_in_dataset_order(tmp_path):
 def test_an_exported_safetensors_file_is_evaluated_with_the_model_it_names(tmp_path):
     """The file holds the model's config, not the data's: the data settings come from the
     command line (here TINY's)."""
-    run_dir = trained("single", "ddp", "fsdp")["single"]
+    run_dir = trained("single")
     weights = tmp_path / "model.safetensors"
     export(run_dir, weights)
     data = [override for override in TINY if override.startswith("data.")]
@@ -105,8 +114,7 @@ def test_an_exported_safetensors_file_is_evaluated_with_the_model_it_names(tmp_p
 
 def test_best_and_last_name_the_checkpoints_of_run_dir(tmp_path):
     """`best` is checkpoints/best (trainer.monitor's), `last` the newest step-*."""
-    run_dir = tmp_path / "run"
-    run_train(*TINY, "trainer.checkpoint_every=3", run_dir=run_dir)
+    run_dir = wandb_run()
     for name, step in (("best", summary(run_dir)["best_step"]), ("last", 6)):
         eval_dir = tmp_path / name
         run_eval(f"ckpt_path={name}", f"run_dir={run_dir}", *VAL, eval_dir=eval_dir)
@@ -128,7 +136,7 @@ def test_best_and_last_name_the_checkpoints_of_run_dir(tmp_path):
     ids=["staging", "no-files", "other-model", "no-such-split", "no-ckpt-path"],
 )
 def test_bad_input_is_one_line_and_exit_code_2(overrides, message, tmp_path):
-    run_dir = trained("single", "ddp", "fsdp")["single"]
+    run_dir = trained("single")
     staging = tmp_path / "checkpoints" / ".staging-step-000009"  # a checkpoint, unpublished
     shutil.copytree(saved_checkpoints(run_dir)[-1], staging)
     (tmp_path / "no-files").mkdir()
@@ -146,9 +154,7 @@ def test_bad_input_is_one_line_and_exit_code_2(overrides, message, tmp_path):
 
 def test_wandb_eval_run_has_job_type_eval_in_the_training_runs_group(tmp_path):
     """Offline W&B files, of the training run and of eval.py's run, read back."""
-    run_dir, eval_dir = tmp_path / "run", tmp_path / "eval"
-    with_wandb = [override for override in TINY if override != "logger=none"]
-    run_train(*with_wandb, "logger=wandb", run_dir=run_dir)
+    run_dir, eval_dir = wandb_run(), tmp_path / "eval"
     run_eval(f"ckpt_path={run_dir}", *VAL, eval_dir=eval_dir)
 
     runs = {}
