@@ -2,7 +2,7 @@
 `train.py`: ep 2 (top 1 and top 2), ep 4 (top 1) and ep 2 of dp_shard 4 (top 2) against
 `single` under SGD in fp32 (losses, aux losses, final weights), each one's sharded checkpoint
 resumed exactly under another, ep 4 at top 2 from one; each expert's tokens under ep (gloo
-processes) and the one-line refusals. CPU-seconds (all processes), this file alone: about 84,
+processes) and the one-line refusals. CPU-seconds (all processes), this file alone: 80 to 84,
 of which the single and ep 2 sweep 21, each 4-process job 14, the tokens 3, pytest's start 7"""
 
 from __future__ import annotations
