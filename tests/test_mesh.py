@@ -49,7 +49,9 @@ WORKLOADS = {
     # Accumulation too: two micro-steps per optimizer step; and clipping, by the norm of the
     # whole model's gradients (a pp rank holds its own stages' only).
     "mlp": (*TINY_SGD, "trainer.accumulate=2", "trainer.grad_clip=0.05"),
-    "transformer": TINY_TRANSFORMER_SGD,
+    # Clipped too: under tp its norms are whole tensors beside the split layers' DTensors (or,
+    # with sequence_parallel, DTensors replicated over tp).
+    "transformer": (*TINY_TRANSFORMER_SGD, "trainer.accumulate=2", "trainer.grad_clip=0.05"),
     "gpt": TINY_GPT_SGD,  # tied embedding and head, replicated over the tp ranks
     # A model of the test's own, whose plan comes through the hook (tests/planned_models.py).
     "own-plan": (*TINY_SGD, "model._target_=tests.planned_models.ResidualFeedForward"),

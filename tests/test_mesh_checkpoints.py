@@ -23,7 +23,13 @@ from src.components.models import Transformer
 from src.parallel import build_strategy
 
 # The transformer: its fused qkv rows are what tp regroups, its 4 blocks make 2 pp stages.
-WORKLOAD = (*TINY_TRANSFORMER_SGD, "trainer.checkpoint_every=3")
+# Clipped, over two micro-steps: under fsdp_tp its layers are DTensors on two meshes.
+WORKLOAD = (
+    *TINY_TRANSFORMER_SGD,
+    "trainer.accumulate=2",
+    "trainer.grad_clip=0.05",
+    "trainer.checkpoint_every=3",
+)
 RANKS = {"single": 1, "fsdp_tp": 4, "pp": 2}
 
 

@@ -296,15 +296,16 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
         return [parameter for name, parameter in model.named_parameters() if self.trains(name)]
 
     def clip_grad_norm(self, parameters: list[nn.Parameter], max_norm: float) -> None:
-        """Under pp, by the norm of every pp rank's gradients (each holds its own stages'), as
-        single's is of the whole model's; under ep, of the dense and the experts' gradients,
-        DTensors on two meshes, whose norms torch cannot stack (each group's taken alone)."""
-        if self.pipeline is None and self.layout.ep == 1:
-            return super().clip_grad_norm(parameters, max_norm)
+        """By the norm of all of the model's gradients, as single's: under pp, every pp rank's
+        (each holds its own stages'); where they are DTensors on several meshes (ep's dense and
+        expert ones, fsdp_tp's split and whole layers) or plain tensors beside DTensors (tp's
+        whole norms), whose norms torch cannot stack, each group's norm taken alone."""
         groups: dict[Any, list[nn.Parameter]] = {}
         for parameter in parameters:
             mesh = parameter.device_mesh if isinstance(parameter, DTensor) else None
             groups.setdefault(mesh, []).append(parameter)
+        if self.pipeline is None and len(groups) == 1:
+            return super().clip_grad_norm(parameters, max_norm)
         squared = sum(squared_norm(group) for group in groups.values())
         if self.pipeline is not None:
             dist.all_reduce(squared, group=self.pipeline.group)
