@@ -76,10 +76,11 @@ def test_killed_gpu_run_resumes_to_the_same_weights(tmp_path):
 @pytest.mark.equivalence
 @pytest.mark.timeout(300)
 def test_run_reading_with_workers_resumes_at_the_samplers_position(tmp_path):
-    """A token file read by 2 DataLoader workers: killed (SIGKILL), resumed, then stopped with
-    Ctrl-C (which signals the workers too) and resumed again, the run starts its sampler at each
-    checkpoint's step (batches are a function of (seed, step); none replayed) and ends where an
-    uninterrupted run reading in-process ends."""
+    """A token file read by 2 DataLoader workers: started with trainer.resume=auto and no
+    checkpoint yet (afresh), killed (SIGKILL), resumed, then stopped with Ctrl-C (which signals
+    the workers too: it stops gracefully after the step) and resumed again, the run starts its
+    sampler at each checkpoint's step (batches are a function of (seed, step); none replayed) and
+    ends where an uninterrupted run reading in-process ends."""
     token_file = tmp_path / "train.bin"
     write_tokens(token_file)
     resumable = (*tokens_run(token_file), "trainer.max_steps=60", "trainer.checkpoint_every=5")
@@ -89,14 +90,18 @@ def test_run_reading_with_workers_resumes_at_the_samplers_position(tmp_path):
     run = TrainRun(*with_workers, run_dir=run_dir, one_page=True)
     run.wait_for("step 6/60")
     run.process.kill()
-    assert run.finish().returncode == -signal.SIGKILL
+    killed = run.finish()
+    assert killed.returncode == -signal.SIGKILL
+    assert f"trainer.resume=auto: no checkpoint in {run_dir} yet, starting afresh" in killed.stdout
 
     run = TrainRun(*with_workers, run_dir=run_dir, one_page=True)
     run.wait_for("step 12/60")
     os.killpg(run.process.pid, signal.SIGINT)
     finished = run.finish()
     assert finished.returncode == 128 + signal.SIGINT, finished.stdout[-3000:]
-    assert "Traceback" not in finished.stdout
+    assert "SIGINT received: stopping after the current step" in finished.stdout
+    assert "Traceback" not in finished.stdout and "KeyboardInterrupt" not in finished.stdout
+    assert "trainer.resume=auto" in finished.stdout.split("resume with:")[1]
     assert 12 <= stopped_step(finished.stdout, "SIGINT", run_dir) < 60
 
     run_train(*with_workers, run_dir=run_dir)
@@ -148,15 +153,14 @@ def resume_with_the_printed_command(output: str, run_dir: Path) -> None:
 @pytest.mark.parametrize(
     "strategy, signum, target",
     [
-        (DDP, signal.SIGTERM, "launcher"),  # `kill <pid>` of train.py, as a scheduler would
         (DDP, signal.SIGINT, "process group"),  # Ctrl-C: the terminal signals every process
         (DDP, signal.SIGTERM, "one rank"),  # the other rank never hears of it but for its peer
-        (FSDP, signal.SIGTERM, "launcher"),  # the checkpoint gathers the shards of every rank
+        # `kill <pid>` of train.py, as a scheduler would; the checkpoint gathers the ranks' shards.
+        (FSDP, signal.SIGTERM, "launcher"),
         # Two pipelines of two stages each; a scheduler's cancel signals every process of the job.
         (HYBRID, signal.SIGTERM, "process group"),
     ],
     ids=[
-        "ddp-sigterm-launcher",
         "ddp-ctrl-c",
         "ddp-sigterm-one-rank",
         "fsdp-sigterm-launcher",
@@ -228,27 +232,6 @@ def test_a_second_signal_stops_a_ddp_job_at_once(tmp_path):
     assert returncode == 128 + signal.SIGINT, output
     assert "stopped by SIGINT at once; no checkpoint was written; resume with:" in output
     assert not (tmp_path / "checkpoints").exists()
-
-
-@pytest.mark.timeout(300)
-def test_ctrl_c_stops_gracefully(tmp_path):
-    run = TrainRun(*RESUMABLE, run_dir=tmp_path, one_page=True)
-    run.wait_for("step 6/60")
-    run.process.send_signal(signal.SIGINT)
-    finished = run.finish()
-    returncode, output = finished.returncode, finished.stdout
-
-    assert returncode == 128 + signal.SIGINT
-    assert "SIGINT received: stopping after the current step" in output
-    assert "stopped by SIGINT after step" in output and "trainer.resume=auto" in output
-    assert "Traceback" not in output and "KeyboardInterrupt" not in output
-    assert checkpoint(tmp_path)["step"] >= 6
-
-
-def test_resume_auto_without_a_checkpoint_starts_afresh(tmp_path):
-    result = run_train(*TINY_SGD, "trainer.resume=auto", run_dir=tmp_path)
-    assert f"trainer.resume=auto: no checkpoint in {tmp_path} yet, starting afresh" in result.stdout
-    assert_same_training(reference_run(*TINY_SGD), tmp_path)
 
 
 @pytest.mark.parametrize("schedule_steps", [6, 12], ids=["keep", "stretch"])
