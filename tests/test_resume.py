@@ -51,15 +51,12 @@ HYBRID = ("parallel=hybrid", "parallel.devices=4", "parallel.stages=2", "paralle
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "strategy",
-    [
-        ("parallel=single",),
-        ("parallel=dp",),
-        ("parallel=model_parallel", "parallel.microbatches=2"),
-    ],
-    ids=["single", "dp", "model_parallel"],
+    [("parallel=dp",), ("parallel=model_parallel", "parallel.microbatches=2")],
+    ids=["dp", "model_parallel"],
 )
 def test_killed_run_resumes_to_the_same_weights(tmp_path, strategy):
-    """Killed mid-run and resumed, a strategy ends where an uninterrupted `single` run does. (The
+    """Killed mid-run and resumed, a strategy ends where an uninterrupted `single` run does.
+    (`single` itself: `test_run_reading_with_workers_resumes_at_the_samplers_position`. The
     multi-process strategies resume the same way in `test_multi_process_job_stops_as_one_and_
     resumes`, from the checkpoint their stop wrote rather than a periodic one.)"""
     kill_and_resume(tmp_path, *RESUMABLE, *strategy, reference=reference_run(*RESUMABLE))
@@ -76,11 +73,12 @@ def test_killed_gpu_run_resumes_to_the_same_weights(tmp_path):
 @pytest.mark.equivalence
 @pytest.mark.timeout(300)
 def test_run_reading_with_workers_resumes_at_the_samplers_position(tmp_path):
-    """A token file read by 2 DataLoader workers: started with trainer.resume=auto and no
-    checkpoint yet (afresh), killed (SIGKILL), resumed, then stopped with Ctrl-C (which signals
-    the workers too: it stops gracefully after the step) and resumed again, the run starts its
-    sampler at each checkpoint's step (batches are a function of (seed, step); none replayed) and
-    ends where an uninterrupted run reading in-process ends."""
+    """A token file read by 2 DataLoader workers, under `single`: started with
+    trainer.resume=auto and no checkpoint yet (afresh), killed (SIGKILL) and resumed from its
+    periodic checkpoint, then stopped with Ctrl-C (which signals the workers too: it stops
+    gracefully after the step) and resumed again, the run starts its sampler at each checkpoint's
+    step (batches are a function of (seed, step); none replayed) and ends where an uninterrupted
+    run reading in-process ends."""
     token_file = tmp_path / "train.bin"
     write_tokens(token_file)
     resumable = (*tokens_run(token_file), "trainer.max_steps=60", "trainer.checkpoint_every=5")
@@ -93,9 +91,14 @@ def test_run_reading_with_workers_resumes_at_the_samplers_position(tmp_path):
     killed = run.finish()
     assert killed.returncode == -signal.SIGKILL
     assert f"trainer.resume=auto: no checkpoint in {run_dir} yet, starting afresh" in killed.stdout
+    assert not (run_dir / "summary.json").exists()
+    saved_step = checkpoint(run_dir)["step"]
+    assert 5 <= saved_step < 60
 
     run = TrainRun(*with_workers, run_dir=run_dir, one_page=True)
     run.wait_for("step 12/60")
+    resumed_from = run_dir / "checkpoints" / f"step-{saved_step:06d}"
+    assert any(f"resuming from {resumed_from} at step {saved_step}" in line for line in run.lines)
     os.killpg(run.process.pid, signal.SIGINT)
     finished = run.finish()
     assert finished.returncode == 128 + signal.SIGINT, finished.stdout[-3000:]
@@ -106,6 +109,7 @@ def test_run_reading_with_workers_resumes_at_the_samplers_position(tmp_path):
 
     run_train(*with_workers, run_dir=run_dir)
     assert_same_training(reference, run_dir)
+    assert checkpoint(run_dir)["step"] == 60
 
 
 @pytest.mark.timeout(300)
