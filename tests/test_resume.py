@@ -9,19 +9,17 @@ races, whatever the machine's load.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import re
 import shlex
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import (
-    ROOT,
     TINY_SGD,
     TrainRun,
     assert_same_training,
@@ -51,15 +49,12 @@ HYBRID = ("parallel=hybrid", "parallel.devices=4", "parallel.stages=2", "paralle
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "strategy",
-    [
-        ("parallel=single",),
-        ("parallel=dp",),
-        ("parallel=model_parallel", "parallel.microbatches=2"),
-    ],
-    ids=["single", "dp", "model_parallel"],
+    [("parallel=dp",), ("parallel=model_parallel", "parallel.microbatches=2")],
+    ids=["dp", "model_parallel"],
 )
 def test_killed_run_resumes_to_the_same_weights(tmp_path, strategy):
-    """Killed mid-run and resumed, a strategy ends where an uninterrupted `single` run does. (The
+    """Killed mid-run and resumed, a strategy ends where an uninterrupted `single` run does.
+    (`single` itself: `test_run_reading_with_workers_resumes_at_the_samplers_position`. The
     multi-process strategies resume the same way in `test_multi_process_job_stops_as_one_and_
     resumes`, from the checkpoint their stop wrote rather than a periodic one.)"""
     kill_and_resume(tmp_path, *RESUMABLE, *strategy, reference=reference_run(*RESUMABLE))
@@ -76,10 +71,12 @@ def test_killed_gpu_run_resumes_to_the_same_weights(tmp_path):
 @pytest.mark.equivalence
 @pytest.mark.timeout(300)
 def test_run_reading_with_workers_resumes_at_the_samplers_position(tmp_path):
-    """A token file read by 2 DataLoader workers: killed (SIGKILL), resumed, then stopped with
-    Ctrl-C (which signals the workers too) and resumed again, the run starts its sampler at each
-    checkpoint's step (batches are a function of (seed, step); none replayed) and ends where an
-    uninterrupted run reading in-process ends."""
+    """A token file read by 2 DataLoader workers, under `single`: started with
+    trainer.resume=auto and no checkpoint yet (afresh), killed (SIGKILL) and resumed from its
+    periodic checkpoint, then stopped with Ctrl-C (which signals the workers too: it stops
+    gracefully after the step) and resumed again, the run starts its sampler at each checkpoint's
+    step (batches are a function of (seed, step); none replayed) and ends where an uninterrupted
+    run reading in-process ends."""
     token_file = tmp_path / "train.bin"
     write_tokens(token_file)
     resumable = (*tokens_run(token_file), "trainer.max_steps=60", "trainer.checkpoint_every=5")
@@ -89,18 +86,28 @@ def test_run_reading_with_workers_resumes_at_the_samplers_position(tmp_path):
     run = TrainRun(*with_workers, run_dir=run_dir, one_page=True)
     run.wait_for("step 6/60")
     run.process.kill()
-    assert run.finish().returncode == -signal.SIGKILL
+    killed = run.finish()
+    assert killed.returncode == -signal.SIGKILL
+    assert f"trainer.resume=auto: no checkpoint in {run_dir} yet, starting afresh" in killed.stdout
+    assert not (run_dir / "summary.json").exists()
+    saved_step = checkpoint(run_dir)["step"]
+    assert 5 <= saved_step < 60
 
     run = TrainRun(*with_workers, run_dir=run_dir, one_page=True)
     run.wait_for("step 12/60")
+    resumed_from = run_dir / "checkpoints" / f"step-{saved_step:06d}"
+    assert any(f"resuming from {resumed_from} at step {saved_step}" in line for line in run.lines)
     os.killpg(run.process.pid, signal.SIGINT)
     finished = run.finish()
     assert finished.returncode == 128 + signal.SIGINT, finished.stdout[-3000:]
-    assert "Traceback" not in finished.stdout
+    assert "SIGINT received: stopping after the current step" in finished.stdout
+    assert "Traceback" not in finished.stdout and "KeyboardInterrupt" not in finished.stdout
+    assert "trainer.resume=auto" in finished.stdout.split("resume with:")[1]
     assert 12 <= stopped_step(finished.stdout, "SIGINT", run_dir) < 60
 
     run_train(*with_workers, run_dir=run_dir)
     assert_same_training(reference, run_dir)
+    assert checkpoint(run_dir)["step"] == 60
 
 
 @pytest.mark.timeout(300)
@@ -148,15 +155,14 @@ def resume_with_the_printed_command(output: str, run_dir: Path) -> None:
 @pytest.mark.parametrize(
     "strategy, signum, target",
     [
-        (DDP, signal.SIGTERM, "launcher"),  # `kill <pid>` of train.py, as a scheduler would
         (DDP, signal.SIGINT, "process group"),  # Ctrl-C: the terminal signals every process
         (DDP, signal.SIGTERM, "one rank"),  # the other rank never hears of it but for its peer
-        (FSDP, signal.SIGTERM, "launcher"),  # the checkpoint gathers the shards of every rank
+        # `kill <pid>` of train.py, as a scheduler would; the checkpoint gathers the ranks' shards.
+        (FSDP, signal.SIGTERM, "launcher"),
         # Two pipelines of two stages each; a scheduler's cancel signals every process of the job.
         (HYBRID, signal.SIGTERM, "process group"),
     ],
     ids=[
-        "ddp-sigterm-launcher",
         "ddp-ctrl-c",
         "ddp-sigterm-one-rank",
         "fsdp-sigterm-launcher",
@@ -230,27 +236,6 @@ def test_a_second_signal_stops_a_ddp_job_at_once(tmp_path):
     assert not (tmp_path / "checkpoints").exists()
 
 
-@pytest.mark.timeout(300)
-def test_ctrl_c_stops_gracefully(tmp_path):
-    run = TrainRun(*RESUMABLE, run_dir=tmp_path, one_page=True)
-    run.wait_for("step 6/60")
-    run.process.send_signal(signal.SIGINT)
-    finished = run.finish()
-    returncode, output = finished.returncode, finished.stdout
-
-    assert returncode == 128 + signal.SIGINT
-    assert "SIGINT received: stopping after the current step" in output
-    assert "stopped by SIGINT after step" in output and "trainer.resume=auto" in output
-    assert "Traceback" not in output and "KeyboardInterrupt" not in output
-    assert checkpoint(tmp_path)["step"] >= 6
-
-
-def test_resume_auto_without_a_checkpoint_starts_afresh(tmp_path):
-    result = run_train(*TINY_SGD, "trainer.resume=auto", run_dir=tmp_path)
-    assert f"trainer.resume=auto: no checkpoint in {tmp_path} yet, starting afresh" in result.stdout
-    assert_same_training(reference_run(*TINY_SGD), tmp_path)
-
-
 @pytest.mark.parametrize("schedule_steps", [6, 12], ids=["keep", "stretch"])
 def test_more_steps_on_resume_keep_or_stretch_the_schedule_as_asked(tmp_path, schedule_steps):
     """6 steps trained with a cosine from 0.05 down to 0.005, then 6 more: kept, the new steps
@@ -275,61 +260,56 @@ def test_more_steps_on_resume_keep_or_stretch_the_schedule_as_asked(tmp_path, sc
     assert (changed + "instead of 0.005" in result.stdout) == (schedule_steps == 12)
 
 
-WRITE_HALF_THEN_HANG = """
-import io, sys, torch
-from pathlib import Path
-from src.checkpoint.writer import CheckpointWriter
-from src.parallel.base import Strategy
-
-real_save = torch.save
-
-def write_half_then_hang(state, file):
-    buffer = io.BytesIO()
-    real_save(state, buffer)
-    file.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
-    file.flush()
-    print("half written", flush=True)
-    sys.stdin.read()  # until the test kills this process
-
-torch.save = write_half_then_hang
-save(CheckpointWriter(Path(sys.argv[1]), Strategy(ParallelConfig(), "cpu"), "full", 2, False), 2)
-"""
-
-SAVE = """
-from src.config.parallel import ParallelConfig
-
-def save(writer, step):
+def save(writer: CheckpointWriter, step: int) -> None:
+    """A checkpoint of step `step`: a Linear whose weights are all `step`."""
     model = torch.nn.Linear(10, 10)
     torch.nn.init.constant_(model.weight, step)
     optimizer = torch.optim.SGD(model.parameters())
     writer.save(model, optimizer, {"step": step, "rng": {}, "config": {}, "wandb_run_id": None})
-"""
+
+
+def write_half_then_hang(writer: CheckpointWriter, half_written: int, never: int) -> None:
+    """In a fork of the test: save step 2, whose file gets half its bytes, then wait to be
+    killed (`never` is a pipe's read end that nothing writes to)."""
+    real_save = torch.save
+
+    def half_then_hang(state: object, file: io.BufferedIOBase) -> None:
+        buffer = io.BytesIO()
+        real_save(state, buffer)
+        file.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+        file.flush()
+        os.write(half_written, b"half written")
+        os.read(never, 1)
+
+    torch.save = half_then_hang
+    save(writer, 2)
 
 
 def test_checkpoint_write_killed_midway_leaves_the_previous_one(tmp_path):
     """The new checkpoint is written in a staging folder, renamed once complete: killed before,
-    it is absent, the previous one intact; the next save clears the leftovers."""
-    namespace: dict = {"torch": torch}
-    exec(SAVE, namespace)
+    it is absent, the previous one intact; the next save clears the leftovers. The writer killed
+    is a fork of this process (no new interpreter to import torch)."""
     writer = CheckpointWriter(tmp_path, Strategy(ParallelConfig(), "cpu"), "full", 2, False)
-    namespace["save"](writer, 1)
-    killed = subprocess.Popen(
-        [sys.executable, "-c", SAVE + WRITE_HALF_THEN_HANG, str(tmp_path)],
-        cwd=ROOT,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert killed.stdout.readline() == "half written\n"
+    save(writer, 1)
+    (told, half_written), (never, kept_open) = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the fork: it ends by SIGKILL, or os._exit should anything fail
+        try:
+            write_half_then_hang(writer, half_written, never)
+        finally:
+            os._exit(1)
+    os.close(half_written), os.close(never)
+    assert os.read(told, 64) == b"half written"
     (staging,) = (tmp_path / "checkpoints").glob(".staging-*")  # the new one, half written
     assert (staging / "checkpoint.pt").stat().st_size > 0
-    killed.kill()
-    killed.wait()
+    os.kill(pid, signal.SIGKILL)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == -signal.SIGKILL
+    os.close(told), os.close(kept_open)
 
     assert [p.name for p in saved_checkpoints(tmp_path)] == ["step-000001"]
     assert resume_path("auto", tmp_path) == tmp_path / "checkpoints" / "step-000001"
     assert checkpoint(tmp_path)["step"] == 1
-    namespace["save"](writer, 3)  # the next write still works
+    save(writer, 3)  # the next write still works
     assert checkpoint(tmp_path)["step"] == 3
     assert torch.equal(checkpoint(tmp_path)["model"]["weight"], torch.full((10, 10), 3.0))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [

@@ -25,6 +25,7 @@ from helpers import (
     reference_run,
     wait_until,
 )
+from test_resume import RESUMABLE
 
 from src.config.base import ConfigError
 from src.config.parallel import node_range
@@ -87,9 +88,10 @@ def start_nodes(hosts: list[str], overrides: tuple[str, ...], run_dir: Path, **k
 
 
 @pytest.mark.equivalence
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_nodes_train_singles_weights(hosts, strategy, tmp_path):
-    overrides = two_node_overrides(next(PORTS), f"parallel={strategy}", *TINY_SGD)
+def test_two_nodes_train_singles_weights(hosts, tmp_path):
+    """fsdp; ddp on two nodes trains to single's weights in the next tests, which interrupt and
+    resume it."""
+    overrides = two_node_overrides(next(PORTS), "parallel=fsdp", *TINY_SGD)
     first, second = start_nodes(hosts, overrides, tmp_path)
     results = [first.finish(timeout=240), second.finish(timeout=240)]
     for result in results:
@@ -98,7 +100,9 @@ def test_two_nodes_train_singles_weights(hosts, strategy, tmp_path):
     assert_same_training(reference_run(*TINY_SGD), tmp_path)
 
 
+@pytest.mark.equivalence
 def test_killing_one_node_ends_the_job_on_the_other_and_it_resumes(hosts, tmp_path):
+    """ddp on two nodes, from its start to single's weights."""
     # Rank 1 (the second host's) stops forever in its 4th step: the test kills that host's
     # processes there, after the checkpoint of step 2.
     faulty = ("model._target_=tests.faulty_models.FaultyMLP", "trainer.checkpoint_every=2")
@@ -115,8 +119,8 @@ def test_killing_one_node_ends_the_job_on_the_other_and_it_resumes(hosts, tmp_pa
 
     resumed = (*overrides, "trainer.resume=auto")
     first, second = start_nodes(hosts, resumed, tmp_path, env={**hang, "FAIL_AT_STEP": "1000"})
-    for run in (first, second):
-        run.finish(timeout=240, check=True)
+    result, _ = (run.finish(timeout=240, check=True) for run in (first, second))
+    assert "world_size=2" in result.stdout  # rank 0 on the first host: it sorts first
     assert "at step 2, learning rate" in (tmp_path / "train.log").read_text()
     assert_same_training(reference_run(*TINY_SGD), tmp_path)
 
@@ -147,7 +151,7 @@ def test_a_partition_ends_the_job_on_both_nodes_in_one_line_and_it_resumes(hosts
     for run in (first, second):
         run.finish(timeout=240, check=True)
     assert "resuming from" in (tmp_path / "train.log").read_text()
-    assert_same_training(reference_run(*TINY_SGD, *longer), tmp_path)
+    assert_same_training(reference_run(*RESUMABLE), tmp_path)  # test_resume's: 60 steps too
 
 
 def assert_ended_in_one_line(run: TrainRun, result, timeout: str, peer: str) -> None:
