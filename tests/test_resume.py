@@ -9,17 +9,19 @@ races, whatever the machine's load.
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import re
 import shlex
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import (
+    ROOT,
     TINY_SGD,
     TrainRun,
     assert_same_training,
@@ -260,56 +262,61 @@ def test_more_steps_on_resume_keep_or_stretch_the_schedule_as_asked(tmp_path, sc
     assert (changed + "instead of 0.005" in result.stdout) == (schedule_steps == 12)
 
 
-def save(writer: CheckpointWriter, step: int) -> None:
-    """A checkpoint of step `step`: a Linear whose weights are all `step`."""
+WRITE_HALF_THEN_HANG = """
+import io, sys, torch
+from pathlib import Path
+from src.checkpoint.writer import CheckpointWriter
+from src.parallel.base import Strategy
+
+real_save = torch.save
+
+def write_half_then_hang(state, file):
+    buffer = io.BytesIO()
+    real_save(state, buffer)
+    file.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+    file.flush()
+    print("half written", flush=True)
+    sys.stdin.read()  # until the test kills this process
+
+torch.save = write_half_then_hang
+save(CheckpointWriter(Path(sys.argv[1]), Strategy(ParallelConfig(), "cpu"), "full", 2, False), 2)
+"""
+
+SAVE = """
+from src.config.parallel import ParallelConfig
+
+def save(writer, step):
     model = torch.nn.Linear(10, 10)
     torch.nn.init.constant_(model.weight, step)
     optimizer = torch.optim.SGD(model.parameters())
     writer.save(model, optimizer, {"step": step, "rng": {}, "config": {}, "wandb_run_id": None})
-
-
-def write_half_then_hang(writer: CheckpointWriter, half_written: int, never: int) -> None:
-    """In a fork of the test: save step 2, whose file gets half its bytes, then wait to be
-    killed (`never` is a pipe's read end that nothing writes to)."""
-    real_save = torch.save
-
-    def half_then_hang(state: object, file: io.BufferedIOBase) -> None:
-        buffer = io.BytesIO()
-        real_save(state, buffer)
-        file.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
-        file.flush()
-        os.write(half_written, b"half written")
-        os.read(never, 1)
-
-    torch.save = half_then_hang
-    save(writer, 2)
+"""
 
 
 def test_checkpoint_write_killed_midway_leaves_the_previous_one(tmp_path):
     """The new checkpoint is written in a staging folder, renamed once complete: killed before,
-    it is absent, the previous one intact; the next save clears the leftovers. The writer killed
-    is a fork of this process (no new interpreter to import torch)."""
+    it is absent, the previous one intact; the next save clears the leftovers."""
+    namespace: dict = {"torch": torch}
+    exec(SAVE, namespace)
     writer = CheckpointWriter(tmp_path, Strategy(ParallelConfig(), "cpu"), "full", 2, False)
-    save(writer, 1)
-    (told, half_written), (never, kept_open) = os.pipe(), os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the fork: it ends by SIGKILL, or os._exit should anything fail
-        try:
-            write_half_then_hang(writer, half_written, never)
-        finally:
-            os._exit(1)
-    os.close(half_written), os.close(never)
-    assert os.read(told, 64) == b"half written"
+    namespace["save"](writer, 1)
+    killed = subprocess.Popen(
+        [sys.executable, "-c", SAVE + WRITE_HALF_THEN_HANG, str(tmp_path)],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert killed.stdout.readline() == "half written\n"
     (staging,) = (tmp_path / "checkpoints").glob(".staging-*")  # the new one, half written
     assert (staging / "checkpoint.pt").stat().st_size > 0
-    os.kill(pid, signal.SIGKILL)
-    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == -signal.SIGKILL
-    os.close(told), os.close(kept_open)
+    killed.kill()
+    killed.wait()
 
     assert [p.name for p in saved_checkpoints(tmp_path)] == ["step-000001"]
     assert resume_path("auto", tmp_path) == tmp_path / "checkpoints" / "step-000001"
     assert checkpoint(tmp_path)["step"] == 1
-    save(writer, 3)  # the next write still works
+    namespace["save"](writer, 3)  # the next write still works
     assert checkpoint(tmp_path)["step"] == 3
     assert torch.equal(checkpoint(tmp_path)["model"]["weight"], torch.full((10, 10), 3.0))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
