@@ -71,7 +71,7 @@ from src.parallel.fsdp import (
     sharded_scaler,
 )
 from src.parallel.layout import DIMENSIONS, Layout
-from src.parallel.mesh_checkpoints import SingleLayoutCheckpoints
+from src.parallel.mesh_checkpoints import SingleLayoutCheckpoints, summed
 from src.parallel.mesh_plan import tp_split
 from src.parallel.mesh_shares import LayoutShares
 from src.parallel.pipeline_schedules import PipelineRun, check_schedule, stage_parts, stage_split
@@ -299,9 +299,13 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
         """By the norm of all of the model's gradients, as single's: under pp, every pp rank's
         (each holds its own stages'); where they are DTensors on several meshes (ep's dense and
         expert ones, fsdp_tp's split and whole layers) or plain tensors beside DTensors (tp's
-        whole norms), whose norms torch cannot stack, each group's norm taken alone."""
+        whole norms), whose norms torch cannot stack, each group's norm taken alone. Gradients
+        of partial sums (sequence parallel's norms') are summed first: torch 2.11 takes the
+        norm of each rank's part."""
         groups: dict[Any, list[nn.Parameter]] = {}
         for parameter in parameters:
+            if parameter.grad is not None:
+                parameter.grad = summed(parameter.grad)
             mesh = parameter.device_mesh if isinstance(parameter, DTensor) else None
             groups.setdefault(mesh, []).append(parameter)
         if self.pipeline is None and len(groups) == 1:

@@ -33,6 +33,16 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
 
 
+def summed(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor of partial sums (a norm's gradient under sequence parallel, and its momentum:
+    the sum left pending) summed, replicated where it was partial; any other tensor as it is."""
+    if not isinstance(tensor, DTensor) or not any(p.is_partial() for p in tensor.placements):
+        return tensor
+    return tensor.redistribute(
+        placements=[Replicate() if p.is_partial() else p for p in tensor.placements]
+    )
+
+
 def like(parameter: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """`full` distributed as `parameter` is (this rank's shard of it)."""
     if not isinstance(parameter, DTensor):
@@ -104,14 +114,11 @@ class SingleLayoutCheckpoints:
 
     def in_single_rows(self, name: str, value: Any) -> Any:
         """A regrouped qkv tensor's local shard (a contiguous block of regrouped rows) as the
-        rows of single's tensor it holds; a DTensor of partial sums (the momentum of a norm
-        under sequence parallel: its gradients' sum left pending) summed, as DCP saves no
+        rows of single's tensor it holds; a DTensor of partial sums `summed`, as DCP saves no
         partial values; any other value as it is."""
         if not isinstance(value, DTensor):
             return value
-        if any(placement.is_partial() for placement in value.placements):
-            summed = [Replicate() if p.is_partial() else p for p in value.placements]
-            value = value.redistribute(placements=summed)
+        value = summed(value)
         if name not in self.row_orders:
             return value
         if not dcp_places_rows():  # the whole tensor, every rank of its mesh alike (DCP: once)
