@@ -392,16 +392,17 @@ def mesh_plans(compose_config, *layouts: tuple[str, ...]) -> list[Plan]:
 def test_tensor_parallel_splits_the_planned_linears_and_all_reduces_each_pair(compose_config):
     """Colwise Linears split weight and bias, Rowwise ones their weight (their biases, 32 + 8
     floats, stay whole): each of 2 tp ranks keeps 40 + 2880 / 2 = 1480 of the 2920 floats, and
-    half the FLOPs (every Linear is split). Per step each pair all-reduces its output forward
-    and its gradient backward, (32 + 8) floats x 16 samples in all; a ring all-reduce of S
-    bytes over 2 ranks sends 2 (2 - 1) / 2 S from each."""
+    half the FLOPs (every Linear is split). Per step each pair all-reduces its output forward,
+    (32 + 8) floats x 16 samples, and the gradient of its input backward, but the first pair's
+    (the data needs none): 32 floats x 16 samples; a ring all-reduce of S bytes over 2 ranks
+    sends 2 (2 - 1) / 2 S from each."""
     single, tp = mesh_plans(compose_config, ("parallel=tp", "parallel.devices=2"))
     (whole,), (split,) = single.device_plans, tp.device_plans
     assert whole.parameters == 2920 * FLOAT
     assert split.parameters == pytest.approx(1480 * FLOAT, abs=1)
     assert split.optimizer == pytest.approx(whole.optimizer * 1480 / 2920, abs=1)
     assert split.flops == pytest.approx(whole.flops / 2, abs=1)
-    assert tp.traffic == {"activation all-reduce": 2 * 2 * (2 - 1) * (40 * FLOAT * 16) // 2}
+    assert tp.traffic == {"activation all-reduce": 2 * (2 - 1) * ((40 + 32) * FLOAT * 16) // 2}
 
 
 def test_a_model_s_own_tensor_parallel_plan_reaches_the_planner(compose_config):
@@ -455,7 +456,7 @@ def test_fsdp_by_tp_shards_what_each_tp_rank_keeps(compose_config):
     # The trace's gradients at that moment, shared out (602 floats), and block 2's waiting.
     assert rank.gradients == pytest.approx((602 + 528) * FLOAT, abs=1)
     assert mesh.traffic == {
-        "activation all-reduce": 2 * 2 * (2 - 1) * (40 * FLOAT * 8) // 2,
+        "activation all-reduce": 2 * (2 - 1) * ((40 + 32) * FLOAT * 8) // 2,
         "parameter all-gather": 2 * 1480 * FLOAT // 2,
         "gradient reduce-scatter": 1480 * FLOAT // 2,
     }

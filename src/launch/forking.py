@@ -121,6 +121,15 @@ def end_with_launcher(server_pid: int | None) -> None:
         os._exit(128 + signal.SIGKILL)
 
 
+def become_forked_child(server_pid: int | None, launcher_environment: dict[str, str]) -> None:
+    """What a process the rank server forked does first: it dies with the launcher
+    (`end_with_launcher`), takes the launcher's environment (`take_launcher_environment`), and
+    ends on SIGTERM again (the server ignores it, `src.launch.rank_server`)."""
+    end_with_launcher(server_pid)
+    take_launcher_environment(launcher_environment)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def take_launcher_environment(launcher_environment: dict[str, str]) -> None:
     """This rank's environment as a rank spawned now would have it: the launcher's at launch (it
     may have changed since the server started, e.g. by a sweep job's `hydra.job.env_set`), plus

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from src.config.parallel import NodeRange
 from src.launch.as_rank import configure_logging, rank_store, run_as_rank, started_ranks
-from src.launch.forking import end_with_launcher, start_rank_server, take_launcher_environment
+from src.launch.forking import become_forked_child, start_rank_server
 from src.runtime.torch_private import (
     name_rendezvous_events_cheaply,
 )
@@ -81,10 +81,7 @@ def _worker(
     """Entry point of each launched process: `fn(*args, ranks, stop=...)` as its rank (the agent
     has set RANK, WORLD_SIZE, ...). Where the agent stopped it to restart it (`restarting`, the
     launcher's `Rounds.restarting`), it exits as it ends: the agent reads no result then."""
-    end_with_launcher(server_pid)
-    take_launcher_environment(launcher_environment)
-    # The server ignores SIGTERM (`src.launch.rank_server`).
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    become_forked_child(server_pid, launcher_environment)
     # Forked by a forkserver, the rank would start its own processes (DataLoader workers) through
     # a forkserver of its own too, which imports torch again (seconds): they start the platform's
     # way instead, as under torchrun.

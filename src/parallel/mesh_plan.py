@@ -35,7 +35,11 @@ class TPSplit:
     """Of those, the ones the tp ranks split (the planned Linears, attention over its heads)."""
     pair_outputs: list[tuple[int, int]]
     """(block, bytes per sample) of each RowwiseParallel Linear's output: what a pair sums over
-    the tp ranks."""
+    the tp ranks in forward."""
+    input_gradients: list[tuple[int, int]]
+    """(block, bytes per sample) of each ColwiseParallel Linear's input that needs a gradient:
+    what a pair sums over the tp ranks in backward (the model's own input needs none, and
+    autograd computes none)."""
     saved_bytes: list[int]
     """Each block's activations saved for backward (bytes per sample; not its parameters)."""
     split_saved_bytes: list[int]
@@ -77,11 +81,12 @@ def tp_kept(
     return state_kept, split.flops_kept(blocks, tp), split.activations_kept(blocks, tp)
 
 
-def busiest_pairs(split: TPSplit, ranks: list[list[int]]) -> list[int]:
-    """The bytes per sample of each pair's sum on the pp rank (by its blocks in `ranks`) whose
-    pairs sum the most."""
-    pairs = ([size for block, size in split.pair_outputs if block in blocks] for blocks in ranks)
-    return max(pairs, key=sum)
+def busiest_sums(split: TPSplit, ranks: list[list[int]]) -> list[int]:
+    """The bytes per sample of each sum over the tp ranks (`pair_outputs` forward,
+    `input_gradients` backward) on the pp rank (by its blocks in `ranks`) whose sums are the
+    largest."""
+    sums = [*split.pair_outputs, *split.input_gradients]
+    return max(([size for block, size in sums if block in blocks] for blocks in ranks), key=sum)
 
 
 def in_compute_dtype(size: int, precision: str) -> int:
@@ -93,13 +98,13 @@ def tp_traffic(
     split: TPSplit, tp: int, ranks: list[list[int]], samples: int, precision: str, sp: bool
 ) -> dict[str, int]:
     """What the busiest rank sends per step over tp in passes of `samples` samples in all: each
-    pair's all-reduce forward and backward; with sequence parallel (`sp`) an all-gather and a
-    reduce-scatter each way, as much together."""
-    size = in_compute_dtype(samples * sum(busiest_pairs(split, ranks)), precision)
+    pair's all-reduce forward and backward (`busiest_sums`); with sequence parallel (`sp`) an
+    all-gather and a reduce-scatter in place of each, as much together."""
+    size = in_compute_dtype(samples * sum(busiest_sums(split, ranks)), precision)
     if sp:
-        each = int(2 * (tp - 1) / tp * size)
+        each = int((tp - 1) / tp * size)
         return {"activation all-gather": each, "activation reduce-scatter": each}
-    return {"activation all-reduce": 2 * ring_bytes(size, tp)}
+    return {"activation all-reduce": ring_bytes(size, tp)}
 
 
 def tp_messages(
@@ -112,13 +117,13 @@ def tp_messages(
     sp: bool,
 ) -> list[Messages]:
     """The busiest rank's tp messages in `runs` passes of `samples` samples: each pair's
-    all-reduce forward and backward (with sequence parallel, `sp`, an all-gather and a
-    reduce-scatter each way), which the next layer waits for."""
-    pairs = busiest_pairs(split, ranks)
-    if not pairs:
+    all-reduce forward and backward (`busiest_sums`; with sequence parallel, `sp`, an all-gather
+    and a reduce-scatter in place of each), which the next layer waits for."""
+    sums = busiest_sums(split, ranks)
+    if not sums:
         return []
-    size = in_compute_dtype(samples * sum(pairs) // len(pairs), precision)
-    count = 2 * len(pairs) * runs
+    size = in_compute_dtype(samples * sum(sums) // len(sums), precision)
+    count = len(sums) * runs
     if sp:
         return [
             Messages("all_gather", count, size, tp, wrapper="tp"),
@@ -156,9 +161,18 @@ def tp_split(model: nn.Sequential, plan: dict[str, ParallelStyle], inputs: Tree)
     outputs: list[tuple[int, int]] = []
     samples = batch_size(inputs)
 
+    input_gradients: list[tuple[int, int]] = []
+
     def record(block: int):
         def hook(module: nn.Module, args: object, output: torch.Tensor) -> None:
             outputs.append((block, output.nbytes // samples))
+
+        return hook
+
+    def record_input(block: int):
+        def hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            if args[0].requires_grad:
+                input_gradients.append((block, args[0].nbytes // samples))
 
         return hook
 
@@ -168,6 +182,8 @@ def tp_split(model: nn.Sequential, plan: dict[str, ParallelStyle], inputs: Tree)
         split_bytes[block_of(name)] += sum(p.nbytes for p in split_parameters(module, style))
         if isinstance(style, RowwiseParallel):
             handles.append(module.register_forward_hook(record(block_of(name))))
+        if isinstance(style, ColwiseParallel):
+            handles.append(module.register_forward_pre_hook(record_input(block_of(name))))
     saved = SavedActivations(model, plan)
     try:
         with saved, FlopCounterMode(display=False) as counter:
@@ -192,7 +208,7 @@ def tp_split(model: nn.Sequential, plan: dict[str, ParallelStyle], inputs: Tree)
         inner = by_module.get(name, 0) - sum(by_module.get(child, 0) for child in children)
         split_flops[block_of(name)] += inner // samples
     per_sample = [[size // samples for size in sizes] for sizes in (saved.whole, saved.split)]
-    return TPSplit(split_bytes, flops, split_flops, outputs, *per_sample)
+    return TPSplit(split_bytes, flops, split_flops, outputs, input_gradients, *per_sample)
 
 
 class SavedActivations(torch.autograd.graph.saved_tensors_hooks):

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import os
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 import warnings
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from src.launch.forking import become_forked_child, start_rank_server
 from src.parallel.base import usable_cores
 from src.parallel.shares import COLLECTIVES
 from src.planning.timing import best_time_s, typical_time_s
@@ -33,7 +33,6 @@ from src.planning.work import WorkCounter, size_class
 from src.planning.wrapper_costs import replica_threads_s, wrapper_message_s
 
 PROJECT = "parallel-training-template"
-ROOT = Path(__file__).resolve().parents[2]
 # m, k, n of matmuls from a small layer's to a large one's: a matmul's rate grows with its size
 # (a GPU's far beyond a CPU's), and a model's rate is that at its own matmuls' sizes.
 MATMULS = {
@@ -44,7 +43,7 @@ ELEMENTWISE = 2**20  # floats added in place: memory-bound, as optimizers and ac
 SIZES = (2**10, 2**20)  # bytes per message: latency, then bandwidth
 PROCESS_COUNTS = (2, 4)
 CALMER = 0.5
-VERSION = 4  # of the figures, in the cache's name: another version's are measured again
+VERSION = 5  # of the figures, in the cache's name: another version's are measured again
 
 
 @dataclass
@@ -247,38 +246,41 @@ def process_figures(device_type: str) -> dict[str, dict]:
         if world < 2:
             collectives = {name: {"2": [0.0, 0.0]} for name in COLLECTIVES}
             return {"collectives": collectives, "wrappers": {}}
+    server = start_rank_server()  # its forks import nothing: seconds sooner than interpreters
+    forkserver = multiprocessing.get_context("forkserver")
     with tempfile.TemporaryDirectory() as folder:
         results = Path(folder) / "collectives.json"
-        # Fresh interpreters, whatever the caller's main module (spawn would import it again).
-        code = "import sys; from src.planning.calibration import measure_collectives as m; " + (
-            "m(int(sys.argv[1]), *sys.argv[2:])"
-        )
-        environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+        arguments = (world, device_type, folder, str(results), server, dict(os.environ))
         ranks = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    code,
-                    str(rank),
-                    str(world),
-                    device_type,
-                    folder,
-                    str(results),
-                ],
-                env=environment,
-            )
+            forkserver.Process(target=measure_collectives, args=(rank, *arguments))
             for rank in range(world)
         ]
-        if any(process.wait(timeout=120) for process in ranks):
+        try:
+            for process in ranks:
+                process.start()
+            for process in ranks:
+                process.join(timeout=120)
+        finally:
+            for process in ranks:
+                if process.is_alive():
+                    process.kill()
+        if any(process.exitcode != 0 for process in ranks):
             raise RuntimeError("the calibration's collectives failed (see their errors above)")
         return json.loads(results.read_text())
 
 
-def measure_collectives(rank: int, world: str, device_type: str, folder: str, results: str) -> None:
-    """One rank's part of `process_figures` (its command-line arguments): rank 0 writes them
-    to `results`."""
-    world = int(world)
+def measure_collectives(
+    rank: int,
+    world: int,
+    device_type: str,
+    folder: str,
+    results: str,
+    server_pid: int | None,
+    environment: dict[str, str],
+) -> None:
+    """One rank's part of `process_figures`, forked by the rank server (`server_pid`) for a
+    process of `environment`: rank 0 writes the figures to `results`."""
+    become_forked_child(server_pid, environment)
     # torch 2.14 renamed the tensor collectives (the old names warn); torch 2.11 has only those.
     warnings.filterwarnings("ignore", category=FutureWarning)
     # Under fsdp x tp the tiny model's output is a view (DTensor's local tensor): FSDP2 warns of

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -16,36 +16,53 @@ TYPICAL_ROUNDS = 7
 
 
 def round_times_s(
-    work: Callable[[], Any],
+    works: Sequence[Callable[[], Any]],
     device: torch.device,
     repeats: int,
     rounds: int,
     before_round: Callable[[], Any] | None,
-) -> list[float]:
-    """Each of `rounds` timed runs of `work` `repeats` times (after one untimed), per run of
-    `work`; `before_round` (untimed) starts each round, e.g. a barrier of the ranks timed
-    together."""
+) -> list[list[float]]:
+    """For each of `works`, its `rounds` timed runs of `repeats` times (after one untimed), per
+    run; the works take turns round by round, so that each meets the machine's slow swings
+    (another process's burst, a core's frequency) as often as the others. `before_round`
+    (untimed) starts each round, e.g. a barrier of the ranks timed together."""
 
-    def synchronized() -> None:
+    def synchronized(work: Callable[[], Any]) -> None:
         for _ in range(repeats):
             work()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    synchronized()
-    times = []
+    for work in works:
+        synchronized(work)
+    times: list[list[float]] = [[] for _ in works]
     for _ in range(rounds):
-        if before_round is not None:
-            before_round()
-        started = time.perf_counter()
-        synchronized()
-        times.append((time.perf_counter() - started) / repeats)
+        for work, taken in zip(works, times, strict=True):
+            if before_round is not None:
+                before_round()
+            started = time.perf_counter()
+            synchronized(work)
+            taken.append((time.perf_counter() - started) / repeats)
     return times
 
 
 def best_time_s(work: Callable[[], Any], device: torch.device, repeats: int = 1) -> float:
     """The shortest of `ROUNDS` rounds of `work` (`round_times_s`), per run of `work`."""
-    return min(round_times_s(work, device, repeats, ROUNDS, None))
+    return min(round_times_s([work], device, repeats, ROUNDS, None)[0])
+
+
+def typical_times_s(
+    works: Sequence[Callable[[], Any]],
+    device: torch.device,
+    repeats: int,
+    before_round: Callable[[], Any] | None = None,
+    rounds: int = TYPICAL_ROUNDS,
+) -> list[float]:
+    """Each of `works`' median of `rounds` rounds, taken in turns (`round_times_s`), per run."""
+    return [
+        statistics.median(taken)
+        for taken in round_times_s(works, device, repeats, rounds, before_round)
+    ]
 
 
 def typical_time_s(
@@ -55,4 +72,4 @@ def typical_time_s(
     before_round: Callable[[], Any] | None = None,
 ) -> float:
     """The median of `TYPICAL_ROUNDS` rounds of `work` (`round_times_s`), per run of `work`."""
-    return statistics.median(round_times_s(work, device, repeats, TYPICAL_ROUNDS, before_round))
+    return typical_times_s([work], device, repeats, before_round)[0]

@@ -24,20 +24,22 @@ from torch.nn.parallel import DistributedDataParallel
 from src.parallel.base import usable_cores
 from src.parallel.mechanisms.replicas import DataParallel
 from src.parallel.pipeline_schedules import apply_pp
-from src.planning.timing import typical_time_s
+from src.planning.timing import typical_time_s, typical_times_s
 
 BLOCKS = 4  # a small model's depth: the wrapper's fixed cost spread over about as many units
 WIDTH = 16  # next to no arithmetic: the step is the wrappers' work and the messages
 SAMPLES = 8
 MICROBATCHES = 2  # the pipeline's (parallel.microbatches' default)
 REPEATS = 5
+WRAPPER_ROUNDS = 11  # a message's cost swings by a fifth from one second to the next
 # The collectives a rank sends per step of the tiny model: DDP one bucket; FSDP each block
 # gathered for forward and again for backward and its gradients reduce-scattered; tp each pair's
-# all-reduce forward and backward; pp, on 2 stages, a send or receive each way per micro-batch.
+# all-reduce forward and backward, but the first pair's backward (the model's input needs no
+# gradient); pp, on 2 stages, a send or receive each way per micro-batch.
 SENT = {
     "ddp": {"all_reduce": 1},
     "fsdp": {"all_gather": 2 * BLOCKS, "reduce_scatter": BLOCKS},
-    "tp": {"all_reduce": 2 * BLOCKS},
+    "tp": {"all_reduce": 2 * BLOCKS - 1},
     "pp": {"send": 2 * MICROBATCHES},
 }
 GROUP = 2  # ranks per wrapper group
@@ -113,11 +115,16 @@ def wrapped_step(
     return training_step(model, torch.randn(SAMPLES, WIDTH, device=device))
 
 
-def step_s(step: Callable[[], None], together: dist.ProcessGroup, device: torch.device) -> float:
-    """`step`'s seconds: the median of the rounds of `REPEATS` steps (`timing.typical_time_s`),
-    each round begun together by the ranks of `together`. The median, not the best: a training
-    step's waits on its peers are those of a typical round."""
-    return typical_time_s(step, device, REPEATS, lambda: dist.barrier(group=together))
+def steps_s(
+    steps: list[Callable[[], None]], together: dist.ProcessGroup, device: torch.device
+) -> list[float]:
+    """Each of `steps`' seconds: the median of its rounds of `REPEATS` steps, the steps taking
+    turns round by round (`timing.typical_times_s`), each round begun together by the ranks of
+    `together`. The median, not the best: a training step's waits on its peers are those of a
+    typical round."""
+    return typical_times_s(
+        steps, device, REPEATS, lambda: dist.barrier(group=together), WRAPPER_ROUNDS
+    )
 
 
 def measured_together(processes: int) -> list[tuple[str, ...]]:
@@ -154,10 +161,11 @@ def wrapper_message_s(
         groups = [across[rank % GROUP], pairs[rank // GROUP]]
         mesh = DeviceMesh.from_group(groups, device.type, grid, mesh_dim_names=("dp", "tp"))
         meshes.update(fsdp=mesh["dp"], tp=mesh["tp"])
-    plain = step_s(wrapped_step((), meshes, device), together, device)
+    timed = [(), *measured_together(processes)]
+    steps = [wrapped_step(wrappers, meshes, device) for wrappers in timed]
+    plain, *wrapped = steps_s(steps, together, device)
     beyond = {}
-    for wrappers in measured_together(processes):
-        step = step_s(wrapped_step(wrappers, meshes, device), together, device)
+    for wrappers, step in zip(timed[1:], wrapped, strict=True):
         sent = [(w, name, count) for w in wrappers for name, count in SENT[w].items()]
         bare = sum(count * latencies[ranks[w]].get(name, 0.0) for w, name, count in sent)
         each = max(0.0, step - plain - bare) / sum(count for _, _, count in sent)
