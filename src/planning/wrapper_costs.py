@@ -11,6 +11,8 @@ runs)."""
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -31,7 +33,11 @@ WIDTH = 16  # next to no arithmetic: the step is the wrappers' work and the mess
 SAMPLES = 8
 MICROBATCHES = 2  # the pipeline's (parallel.microbatches' default)
 REPEATS = 5
-WRAPPER_ROUNDS = 11  # a message's cost swings by a fifth from one second to the next
+# A wrapper's step is timed in rounds of about as many messages whatever the wrapper (DDP's step
+# sends one, FSDP's twelve), the wrappers taking turns round by round: a message's wait swings by
+# a fifth from one second to the next on a loaded CPU.
+MESSAGES_PER_ROUND = 24
+WRAPPER_ROUNDS = 15
 # The collectives a rank sends per step of the tiny model: DDP one bucket; FSDP each block
 # gathered for forward and again for backward and its gradients reduce-scattered; tp each pair's
 # all-reduce forward and backward, but the first pair's backward (the model's input needs no
@@ -116,15 +122,17 @@ def wrapped_step(
 
 
 def steps_s(
-    steps: list[Callable[[], None]], together: dist.ProcessGroup, device: torch.device
+    steps: list[Callable[[], None]],
+    repeats: list[int],
+    together: dist.ProcessGroup,
+    device: torch.device,
 ) -> list[float]:
-    """Each of `steps`' seconds: the median of its rounds of `REPEATS` steps, the steps taking
-    turns round by round (`timing.typical_times_s`), each round begun together by the ranks of
-    `together`. The median, not the best: a training step's waits on its peers are those of a
-    typical round."""
-    return typical_times_s(
-        steps, device, REPEATS, lambda: dist.barrier(group=together), WRAPPER_ROUNDS
-    )
+    """Each of `steps`' seconds: the median of its rounds of its `repeats` steps, the steps
+    taking turns round by round (`timing.typical_times_s`), each round begun together by the
+    ranks of `together`. The median, not the best: a training step's waits on its peers are
+    those of a typical round."""
+    barrier = functools.partial(dist.barrier, group=together)
+    return typical_times_s(steps, device, repeats, barrier, WRAPPER_ROUNDS)
 
 
 def measured_together(processes: int) -> list[tuple[str, ...]]:
@@ -161,15 +169,17 @@ def wrapper_message_s(
         groups = [across[rank % GROUP], pairs[rank // GROUP]]
         mesh = DeviceMesh.from_group(groups, device.type, grid, mesh_dim_names=("dp", "tp"))
         meshes.update(fsdp=mesh["dp"], tp=mesh["tp"])
-    timed = [(), *measured_together(processes)]
+    timed = [(), *measured_together(processes)]  # the plain step first
+    sent = [[(w, name, n) for w in wrappers for name, n in SENT[w].items()] for wrappers in timed]
+    messages = [sum(n for *_, n in each) for each in sent]
+    repeats = [math.ceil(MESSAGES_PER_ROUND / max(1, count)) for count in messages]
     steps = [wrapped_step(wrappers, meshes, device) for wrappers in timed]
-    plain, *wrapped = steps_s(steps, together, device)
+    plain, *wrapped = steps_s(steps, repeats, together, device)
     beyond = {}
-    for wrappers, step in zip(timed[1:], wrapped, strict=True):
-        sent = [(w, name, count) for w in wrappers for name, count in SENT[w].items()]
-        bare = sum(count * latencies[ranks[w]].get(name, 0.0) for w, name, count in sent)
-        each = max(0.0, step - plain - bare) / sum(count for _, _, count in sent)
-        beyond.update(dict.fromkeys(wrappers, each))
+    for index, step in enumerate(wrapped, 1):
+        bare = sum(n * latencies[ranks[w]].get(name, 0.0) for w, name, n in sent[index])
+        each = max(0.0, step - plain - bare) / messages[index]
+        beyond.update(dict.fromkeys(timed[index], each))
     return beyond
 
 
