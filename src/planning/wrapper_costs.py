@@ -5,9 +5,10 @@ stages' own work). A bare collective's best time misses all of that, and the wai
 that is not there yet. The figure is what a message costs beyond its collective's latency: a
 training step of a tiny model under the wrapper, less the same step unwrapped and less the
 latencies of the collectives it sent, over the messages. Measured in the calibration's job of
-processes (`calibration.measure_collectives`) among 2 of them and among 4: DDP over all 4, as
-ddp 4 runs; the others in groups of 2 (fsdp and tp together on a 2 x 2 mesh, as fsdp 2 x tp 2
-runs)."""
+processes (`calibration.measure_collectives`) within 1 of them, among 2 and among 4: DDP over all
+4, as ddp 4 runs; the others in groups of 2 (fsdp and tp together on a 2 x 2 mesh, as fsdp 2 x tp
+2 runs). Within one process only DDP and FSDP, which still run their hooks and copies there (ddp
+and fsdp on one device), wait for no peer."""
 
 from __future__ import annotations
 
@@ -138,7 +139,9 @@ def steps_s(
 def measured_together(processes: int) -> list[tuple[str, ...]]:
     """The wrappers timed in one step among `processes`: each alone in groups of `GROUP`;
     among `GROUP` x `GROUP`, fsdp and tp on one 2-D mesh, as fsdp 2 x tp 2 runs (a rank waits
-    on peers in two groups)."""
+    on peers in two groups); in one process those that run there."""
+    if processes == 1:
+        return [("ddp",), ("fsdp",)]
     if processes == GROUP * GROUP:
         return [("ddp",), ("pp",), ("fsdp", "tp")]
     return [(wrapper,) for wrapper in SENT]
@@ -151,19 +154,20 @@ def wrapper_message_s(
     ranks, then by collective) among `processes` processes, this one of rank `rank` (every
     rank of the world calls it, those beyond `processes` only to make the groups; they return
     {}). DDP runs over all `processes`, as a ddp job all-reduces among all of its processes
-    (their waits on each other grow with their number); the others in groups of `GROUP`.
-    Wrappers timed together share one figure."""
-    pairs = [new_group(range(first, first + GROUP)) for first in range(0, processes, GROUP)]
+    (their waits on each other grow with their number); the others in groups of `GROUP` (of
+    one, in one process). Wrappers timed together share one figure."""
+    size = min(GROUP, processes)
+    pairs = [new_group(range(first, first + size)) for first in range(0, processes, size)]
     square = processes == GROUP * GROUP
     across = [new_group(range(first, processes, GROUP)) for first in range(GROUP)] if square else []
     together = new_group(range(processes))
     if rank >= processes:
         return {}
     torch.set_num_threads(max(1, usable_cores() // processes))
-    pair = DeviceMesh.from_group(pairs[rank // GROUP], device.type)
+    pair = DeviceMesh.from_group(pairs[rank // size], device.type)
     meshes = dict.fromkeys(SENT, pair)
     meshes["ddp"] = DeviceMesh.from_group(together, device.type)
-    ranks = {wrapper: GROUP for wrapper in SENT} | {"ddp": processes}
+    ranks = {wrapper: size for wrapper in SENT} | {"ddp": processes}
     if square:
         grid = torch.arange(processes).view(GROUP, GROUP)
         groups = [across[rank % GROUP], pairs[rank // GROUP]]
