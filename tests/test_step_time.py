@@ -140,8 +140,8 @@ def test_the_calibration_is_read_from_its_cache_and_times_each_message(tmp_path,
         elementwise_bytes_per_s={"1": 1e9},
         step_s={"1": 1e-4},
         op_s={"1": 2e-6},
-        collectives={"all_reduce": {"2": [1e-4, 1e-9], "4": [2e-4, 2e-9]}},
-        wrappers={"ddp": {"2": 5e-4, "4": 8e-4}, "dp": {"2": 3e-4, "4": 6e-4}},
+        collectives={"all_reduce": {"1": [1e-5, 0.0], "2": [1e-4, 1e-9], "4": [2e-4, 2e-9]}},
+        wrappers={"ddp": {"1": 2e-5, "2": 5e-4, "4": 8e-4}, "dp": {"2": 3e-4, "4": 6e-4}},
     )
     path = cache_path("cpu")
     path.parent.mkdir(parents=True)
@@ -158,6 +158,9 @@ def test_the_calibration_is_read_from_its_cache_and_times_each_message(tmp_path,
     ddp = Messages("all_reduce", 2, 1000, 2, wrapper="ddp")
     assert speed.message_s(ddp, 2) == pytest.approx(2 * (1.01e-4 + 5e-4))
     assert speed.message_s(ddp, 4) == pytest.approx(2 * (1.01e-4 + 8e-4))
+    # Within one process (ddp on one device) a message waits for no peer.
+    alone = Messages("all_reduce", 2, 1000, 1, wrapper="ddp")
+    assert speed.message_s(alone, 1) == pytest.approx(2 * (1e-5 + 2e-5))
     # dp's replicas in threads of one process: no collective, the cost by replicas.
     assert speed.message_s(Messages("", 2, 0, 4, wrapper="dp"), 1) == pytest.approx(2 * 6e-4)
     unmeasured = Messages("all_reduce", 1, 1000, 2, wrapper="tp")
