@@ -38,7 +38,7 @@ REPEATS = 5
 # sends one, FSDP's twelve), the wrappers taking turns round by round: a message's wait swings by
 # a fifth from one second to the next on a loaded CPU.
 MESSAGES_PER_ROUND = 24
-WRAPPER_ROUNDS = 15
+WRAPPER_ROUNDS = 13
 # The collectives a rank sends per step of the tiny model: DDP one bucket; FSDP each block
 # gathered for forward and again for backward and its gradients reduce-scattered; tp each pair's
 # all-reduce forward and backward, but the first pair's backward (the model's input needs no
