@@ -18,7 +18,7 @@ from src.launch.command_line import (
     config_composed,
     expected_failures_in_one_line,
 )
-from src.launch.forking import start_rank_server_early
+from src.launch.early_server import start_rank_server_early
 from src.runtime.torch_private import exit_without_teardown
 
 

@@ -21,7 +21,6 @@ from torch.distributed.tensor.experimental._context_parallel import _attention
 
 from src.components.models import GPT, MLP, CausalSelfAttention
 from src.config.base import ConfigError
-from src.launch.forking import start_rank_server
 from src.parallel.context_parallel import (
     CPU_FLASH,
     CPU_FLASH_BACKWARD,
@@ -32,6 +31,7 @@ from src.parallel.context_parallel import (
     ring_cpu_flash_attention,
     shard_sequence,
 )
+from src.runtime.forking import start_rank_server
 
 # The template's attention: model.hidden 32 over 4 heads (head size 8), data.seq_len 32.
 BATCH, HEADS, LENGTH, HEAD_SIZE = 2, 4, 32, 8

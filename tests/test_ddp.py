@@ -44,9 +44,9 @@ import src.parallel.ddp
 from src.components.models import MLP
 from src.config.base import ConfigError
 from src.launch.as_rank import adopt_slurm_environment, first_node
-from src.launch.forking import start_rank_server
 from src.launch.launcher import launch, launch_config
 from src.parallel import build_strategy
+from src.runtime.forking import start_rank_server
 from src.runtime.ranks import Ranks
 from src.training.build import check_config
 
@@ -486,7 +486,7 @@ import sys
 from multiprocessing import forkserver
 from hydra import compose, initialize_config_dir
 from src.config.schema import register_configs
-from src.launch.forking import start_rank_server_early
+from src.launch.early_server import start_rank_server_early
 
 register_configs()
 with initialize_config_dir(config_dir=sys.argv[1], version_base="1.3"):

@@ -28,9 +28,9 @@ from test_moe import MOE_SGD
 from src.components.models import GPT
 from src.components.moe import MoEGPT
 from src.config.base import ConfigError
-from src.launch.forking import start_rank_server
 from src.parallel import build_strategy
 from src.parallel.expert_parallel import moe_layers
+from src.runtime.forking import start_rank_server
 from src.runtime.ranks import Ranks
 
 # Accumulation and clipping too: clipping takes the norm of the dense and the experts'

@@ -38,11 +38,11 @@ from src.components.models import GPT, MLP, ConvNet, Transformer
 from src.components.precision import LossScaling
 from src.components.tasks import loss_sum
 from src.config.base import ConfigError
-from src.launch.forking import start_rank_server
 from src.parallel import build_strategy
 from src.parallel.layout import Layout
 from src.parallel.pipeline_schedules import LOOPED, ONE_STAGE, SCHEDULES, SPLIT_BACKWARD
 from src.parallel.tensor_parallel import tp_plan
+from src.runtime.forking import start_rank_server
 from src.runtime.ranks import Ranks
 
 WORKLOADS = {

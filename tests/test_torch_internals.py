@@ -17,7 +17,7 @@ from helpers import ROOT
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from src.launch.forking import end_with_launcher, start_rank_server
+from src.runtime.forking import end_with_launcher, start_rank_server
 from src.runtime.torch_private import name_rendezvous_events_cheaply, pipeline_warmup_skips_own_rank
 
 
@@ -176,7 +176,7 @@ def test_torch_does_its_exit_work_in_exit_handlers_that_run_before_the_early_exi
 SERVER_START = """
 import json, multiprocessing, os, sys
 {imports}
-from src.launch.forking import start_rank_server
+from src.runtime.forking import start_rank_server
 from test_torch_internals import parent_pid
 
 def files(pid):  # beyond the standard streams, and /dev/null

@@ -24,9 +24,9 @@ from src.config.base import ConfigError, plain_config
 from src.config.parallel import node_range
 from src.config.schema import SAVED_GROUPS, SAVED_RUN, store_saved_run
 from src.launch.as_rank import configure_logging, join_started_ranks, run_as_rank, started_ranks
-from src.launch.forking import start_rank_server
 from src.launch.job import check_rendezvous, check_started_ranks, log_config
 from src.launch.launcher import JobFailed, KilledBySignal, launch
+from src.runtime.forking import start_rank_server
 from src.runtime.ranks import Ranks
 from src.runtime.stopping import Interrupted, ProcessDied, StopOnSignal
 from src.training.checks import check_settings

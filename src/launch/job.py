@@ -24,13 +24,13 @@ from src.checkpoint.store import checkpoint_step, saved_checkpoints
 from src.config.base import ConfigError, plain_config
 from src.config.parallel import AUTO, NodeRange, node_range
 from src.launch.as_rank import configure_logging, join_started_ranks, rank_store, run_as_rank
-from src.launch.forking import start_rank_server
 from src.launch.launcher import JobFailed, KilledBySignal, launch
 from src.launch.rendezvous import RESUME_KEY, Round, Rounds
 from src.launch.store_answers import STORE_ANSWER_S, answer_within
 from src.launch.sweep import run_job
 from src.observe.tracking import wandb_group
 from src.parallel.base import Strategy
+from src.runtime.forking import start_rank_server
 from src.runtime.ranks import Ranks
 from src.runtime.run_folder import metrics_file
 from src.runtime.stopping import Interrupted, ProcessDied, RunStopped, StopOnSignal

@@ -15,7 +15,7 @@ ENVIRONMENT = dict(os.environ)
 
 import importlib  # noqa: E402
 
-from src.launch.forking import RANK_SERVER_IMPORTS, die_with_parent  # noqa: E402
+from src.runtime.forking import RANK_SERVER_IMPORTS, die_with_parent  # noqa: E402
 
 for module in RANK_SERVER_IMPORTS:
     importlib.import_module(module)

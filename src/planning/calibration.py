@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from src.launch.forking import become_forked_child, start_rank_server
 from src.parallel.base import usable_cores
 from src.parallel.shares import COLLECTIVES
 from src.planning.timing import best_time_s, typical_time_s
 from src.planning.work import WorkCounter, size_class
 from src.planning.wrapper_costs import replica_threads_s, wrapper_message_s
+from src.runtime.forking import become_forked_child, start_rank_server
 
 PROJECT = "parallel-training-template"
 # m, k, n of matmuls from a small layer's to a large one's: a matmul's rate grows with its size
