@@ -13,7 +13,6 @@ and fsdp on one device), wait for no peer."""
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 
 import torch
@@ -33,12 +32,10 @@ BLOCKS = 4  # a small model's depth: the wrapper's fixed cost spread over about 
 WIDTH = 16  # next to no arithmetic: the step is the wrappers' work and the messages
 SAMPLES = 8
 MICROBATCHES = 2  # the pipeline's (parallel.microbatches' default)
-REPEATS = 5
-# A wrapper's step is timed in rounds of about as many messages whatever the wrapper (DDP's step
-# sends one, FSDP's twelve), the wrappers taking turns round by round: a message's wait swings by
-# a fifth from one second to the next on a loaded CPU.
-MESSAGES_PER_ROUND = 24
-WRAPPER_ROUNDS = 13
+REPEATS = 5  # steps a round: longer runs of back-to-back steps wait less than training steps do
+# The wrappers take turns round by round: a message's wait swings by a fifth from one second to
+# the next on a loaded CPU.
+WRAPPER_ROUNDS = 9
 # The collectives a rank sends per step of the tiny model: DDP one bucket; FSDP each block
 # gathered for forward and again for backward and its gradients reduce-scattered; tp each pair's
 # all-reduce forward and backward, but the first pair's backward (the model's input needs no
@@ -50,6 +47,9 @@ SENT = {
     "pp": {"send": 2 * MICROBATCHES},
 }
 GROUP = 2  # ranks per wrapper group
+# A wrapper's figure over one group of all the job's processes, where that is not how its groups
+# were timed (tp over 4 processes, besides tp 2 of fsdp 2 x tp 2): `Calibration.wrapper_s`.
+WHOLE = " whole"
 # dp's replicas on CPU: threads of one process, which contend for its cores' intra-op threads
 # only where the ops are large enough to run in parallel, so a layer of the default MLP's width.
 REPLICA_WIDTH, REPLICA_SAMPLES = 256, 32
@@ -123,17 +123,14 @@ def wrapped_step(
 
 
 def steps_s(
-    steps: list[Callable[[], None]],
-    repeats: list[int],
-    together: dist.ProcessGroup,
-    device: torch.device,
+    steps: list[Callable[[], None]], together: dist.ProcessGroup, device: torch.device
 ) -> list[float]:
-    """Each of `steps`' seconds: the median of its rounds of its `repeats` steps, the steps
-    taking turns round by round (`timing.typical_times_s`), each round begun together by the
-    ranks of `together`. The median, not the best: a training step's waits on its peers are
-    those of a typical round."""
+    """Each of `steps`' seconds: the median of its rounds of `REPEATS` steps, the steps taking
+    turns round by round (`timing.typical_times_s`), each round begun together by the ranks of
+    `together`. The median, not the best: a training step's waits on its peers are those of a
+    typical round."""
     barrier = functools.partial(dist.barrier, group=together)
-    return typical_times_s(steps, device, repeats, barrier, WRAPPER_ROUNDS)
+    return typical_times_s(steps, device, [REPEATS] * len(steps), barrier, WRAPPER_ROUNDS)
 
 
 def measured_together(processes: int) -> list[tuple[str, ...]]:
@@ -173,18 +170,32 @@ def wrapper_message_s(
         groups = [across[rank % GROUP], pairs[rank // GROUP]]
         mesh = DeviceMesh.from_group(groups, device.type, grid, mesh_dim_names=("dp", "tp"))
         meshes.update(fsdp=mesh["dp"], tp=mesh["tp"])
-    timed = [(), *measured_together(processes)]  # the plain step first
-    sent = [[(w, name, n) for w in wrappers for name, n in SENT[w].items()] for wrappers in timed]
-    messages = [sum(n for *_, n in each) for each in sent]
-    repeats = [math.ceil(MESSAGES_PER_ROUND / max(1, count)) for count in messages]
-    steps = [wrapped_step(wrappers, meshes, device) for wrappers in timed]
-    plain, *wrapped = steps_s(steps, repeats, together, device)
+    timed = measured_together(processes)
+    steps = [wrapped_step(wrappers, meshes, device) for wrappers in [(), *timed]]
+    if square:  # tp over all the processes too, as tp 4 runs: each message waits on 3 peers
+        steps.append(wrapped_step(("tp",), dict.fromkeys(SENT, meshes["ddp"]), device))
+    plain, *wrapped = steps_s(steps, together, device)
     beyond = {}
-    for index, step in enumerate(wrapped, 1):
-        bare = sum(n * latencies[ranks[w]].get(name, 0.0) for w, name, n in sent[index])
-        each = max(0.0, step - plain - bare) / messages[index]
-        beyond.update(dict.fromkeys(timed[index], each))
+    for wrappers, step in zip(timed, wrapped[: len(timed)], strict=True):
+        each = message_beyond_s(step - plain, wrappers, ranks, latencies)
+        beyond.update(dict.fromkeys(wrappers, each))
+    if square:
+        whole = message_beyond_s(wrapped[-1] - plain, ("tp",), {"tp": processes}, latencies)
+        beyond[f"tp{WHOLE}"] = whole
     return beyond
+
+
+def message_beyond_s(
+    seconds: float,
+    wrappers: tuple[str, ...],
+    ranks: dict[str, int],
+    latencies: dict[int, dict[str, float]],
+) -> float:
+    """A message's seconds beyond its collective's latency, of `seconds` that `wrappers`' step
+    took beyond the plain step (each wrapper's collectives among its `ranks`)."""
+    sent = [(w, name, count) for w in wrappers for name, count in SENT[w].items()]
+    bare = sum(count * latencies[ranks[w]].get(name, 0.0) for w, name, count in sent)
+    return max(0.0, seconds - bare) / sum(count for _, _, count in sent)
 
 
 def new_group(ranks: range) -> dist.ProcessGroup:
