@@ -141,12 +141,7 @@ def test_the_calibration_is_read_from_its_cache_and_times_each_message(tmp_path,
         step_s={"1": 1e-4},
         op_s={"1": 2e-6},
         collectives={"all_reduce": {"1": [1e-5, 0.0], "2": [1e-4, 1e-9], "4": [2e-4, 2e-9]}},
-        wrappers={
-            "ddp": {"1": 2e-5, "2": 5e-4, "4": 8e-4},
-            "dp": {"2": 3e-4, "4": 6e-4},
-            "tp": {"2": 4e-4, "4": 7e-4},
-            "tp whole": {"4": 3e-3},
-        },
+        wrappers={"ddp": {"1": 2e-5, "2": 5e-4, "4": 8e-4}, "dp": {"2": 3e-4, "4": 6e-4}},
     )
     path = cache_path("cpu")
     path.parent.mkdir(parents=True)
@@ -168,14 +163,7 @@ def test_the_calibration_is_read_from_its_cache_and_times_each_message(tmp_path,
     assert speed.message_s(alone, 1) == pytest.approx(2 * (1e-5 + 2e-5))
     # dp's replicas in threads of one process: no collective, the cost by replicas.
     assert speed.message_s(Messages("", 2, 0, 4, wrapper="dp"), 1) == pytest.approx(2 * 6e-4)
-    # tp over all of a job's processes (tp 4) is timed so, apart from tp in groups of 2.
-    grouped, whole = (
-        Messages("all_reduce", 1, 0, 2, wrapper="tp"),
-        Messages("all_reduce", 1, 0, 4, wrapper="tp"),
-    )
-    assert speed.message_s(grouped, 4) == pytest.approx(1e-4 + 7e-4)
-    assert speed.message_s(whole, 4) == pytest.approx(2e-4 + 3e-3)
-    unmeasured = Messages("all_reduce", 1, 1000, 2, wrapper="pp")
+    unmeasured = Messages("all_reduce", 1, 1000, 2, wrapper="tp")
     assert speed.message_s(unmeasured, 2) == pytest.approx(1.01e-4)
 
 

@@ -29,7 +29,7 @@ from src.parallel.base import usable_cores
 from src.parallel.shares import COLLECTIVES
 from src.planning.timing import best_time_s, typical_time_s
 from src.planning.work import WorkCounter, size_class
-from src.planning.wrapper_costs import WHOLE, replica_threads_s, wrapper_message_s
+from src.planning.wrapper_costs import replica_threads_s, wrapper_message_s
 from src.runtime.forking import become_forked_child, start_rank_server
 
 PROJECT = "parallel-training-template"
@@ -96,17 +96,8 @@ class Calibration:
         over bandwidth, at the nearest `ranks` measured (below where there is one), plus the
         `wrapper`'s cost of a message beyond that, at the nearest `processes` measured."""
         latency, per_byte = nearest(self.collectives[collective], ranks) if collective else (0, 0)
-        return latency + self.wrapper_s(wrapper, ranks, processes) + size * per_byte
-
-    def wrapper_s(self, wrapper: str, ranks: int, processes: int) -> float:
-        """`wrapper`'s cost of a message among `ranks` of a job of `processes`, beyond its
-        collective's: measured over one group of all the processes where the message's group is
-        all of them and the calibration timed that (`wrapper_costs.WHOLE`), else in its groups,
-        at the nearest `processes` measured; nothing for a wrapper not measured."""
-        whole = self.wrappers.get(f"{wrapper}{WHOLE}", {})
-        if ranks == processes and str(processes) in whole:
-            return whole[str(processes)]
-        return nearest(self.wrappers[wrapper], processes) if self.wrappers.get(wrapper) else 0.0
+        beyond = nearest(self.wrappers[wrapper], processes) if self.wrappers.get(wrapper) else 0.0
+        return latency + beyond + size * per_byte
 
 
 def interpolated(by_size: dict[int, float], size: int) -> float:

@@ -47,9 +47,6 @@ SENT = {
     "pp": {"send": 2 * MICROBATCHES},
 }
 GROUP = 2  # ranks per wrapper group
-# A wrapper's figure over one group of all the job's processes, where that is not how its groups
-# were timed (tp over 4 processes, besides tp 2 of fsdp 2 x tp 2): `Calibration.wrapper_s`.
-WHOLE = " whole"
 # dp's replicas on CPU: threads of one process, which contend for its cores' intra-op threads
 # only where the ops are large enough to run in parallel, so a layer of the default MLP's width.
 REPLICA_WIDTH, REPLICA_SAMPLES = 256, 32
@@ -172,16 +169,11 @@ def wrapper_message_s(
         meshes.update(fsdp=mesh["dp"], tp=mesh["tp"])
     timed = measured_together(processes)
     steps = [wrapped_step(wrappers, meshes, device) for wrappers in [(), *timed]]
-    if square:  # tp over all the processes too, as tp 4 runs: each message waits on 3 peers
-        steps.append(wrapped_step(("tp",), dict.fromkeys(SENT, meshes["ddp"]), device))
     plain, *wrapped = steps_s(steps, together, device)
     beyond = {}
-    for wrappers, step in zip(timed, wrapped[: len(timed)], strict=True):
+    for wrappers, step in zip(timed, wrapped, strict=True):
         each = message_beyond_s(step - plain, wrappers, ranks, latencies)
         beyond.update(dict.fromkeys(wrappers, each))
-    if square:
-        whole = message_beyond_s(wrapped[-1] - plain, ("tp",), {"tp": processes}, latencies)
-        beyond[f"tp{WHOLE}"] = whole
     return beyond
 
 
