@@ -66,8 +66,8 @@ class Calibration:
     wrappers: dict[str, dict[str, float]] = field(default_factory=dict)
     """By wrapper (ddp, fsdp, tp, pp), then processes in the job: the seconds a message it sends
     costs in a training step beyond its collective's latency, its own work and the waits
-    (`wrapper_costs.py`); on CPU also dp, by replicas: a micro-step's cost of running them in
-    threads of one process."""
+    (`wrapper_costs.py`; negative where the bare collective read slower); on CPU also dp, by
+    replicas: a micro-step's cost of running them in threads of one process."""
     seconds: float = 0.0
     """How long measuring took."""
     load_per_core: float = 0.0
@@ -97,7 +97,7 @@ class Calibration:
         `wrapper`'s cost of a message beyond that, at the nearest `processes` measured."""
         latency, per_byte = nearest(self.collectives[collective], ranks) if collective else (0, 0)
         beyond = nearest(self.wrappers[wrapper], processes) if self.wrappers.get(wrapper) else 0.0
-        return latency + beyond + size * per_byte
+        return max(0.0, latency + beyond) + size * per_byte
 
 
 def interpolated(by_size: dict[int, float], size: int) -> float:
