@@ -633,3 +633,14 @@ def parallel_config(option: str, **settings: Any) -> Any:
     changed = [f"parallel.{key}={json.dumps(value)}" for key, value in settings.items()]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return compose("config", overrides=[f"parallel={option}", *changed]).parallel
+
+
+def forked_ranks(rank_function: Callable[..., None], *args: object, processes: int = 2) -> None:
+    """`rank_function(rank, *args)` in `processes` processes forked from the rank server, which
+    has imported torch: a spawned rank spent seconds importing it."""
+    import torch.multiprocessing as mp
+
+    from src.runtime.forking import start_rank_server
+
+    start_rank_server()
+    mp.start_processes(rank_function, args=args, nprocs=processes, start_method="forkserver")

@@ -11,8 +11,8 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers import forked_ranks
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -31,7 +31,6 @@ from src.parallel.context_parallel import (
     ring_cpu_flash_attention,
     shard_sequence,
 )
-from src.runtime.forking import start_rank_server
 
 # The template's attention: model.hidden 32 over 4 heads (head size 8), data.seq_len 32.
 BATCH, HEADS, LENGTH, HEAD_SIZE = 2, 4, 32, 8
@@ -160,9 +159,7 @@ def cp_rank(rank: int, store: str) -> None:
 @pytest.mark.equivalence
 def test_ring_attention_on_cpu_computes_single_s_attention_on_2_and_4_ranks(tmp_path):
     """The ranks are forked from the rank server, which has imported torch (seconds a rank)."""
-    start_rank_server()
-    store = str(tmp_path / "store")
-    mp.start_processes(cp_rank, args=(store,), nprocs=4, start_method="forkserver")
+    forked_ranks(cp_rank, str(tmp_path / "store"), processes=4)
 
 
 def test_a_sequence_that_does_not_cut_into_2_x_cp_chunks_is_refused():

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from helpers import (
     assert_goes_on_exactly,
     assert_same_training,
+    forked_ranks,
     metrics,
     parallel_config,
     resumed_sweep_runs,
@@ -30,7 +30,6 @@ from src.components.moe import MoEGPT
 from src.config.base import ConfigError
 from src.parallel import build_strategy
 from src.parallel.expert_parallel import moe_layers
-from src.runtime.forking import start_rank_server
 from src.runtime.ranks import Ranks
 
 # Accumulation and clipping too: clipping takes the norm of the dense and the experts'
@@ -181,9 +180,7 @@ def each_expert_s_tokens_under_ep(rank: int, port: int) -> None:
 @pytest.mark.equivalence
 def test_each_expert_takes_single_s_tokens_under_ep():
     """2 gloo processes forked from the rank server, which has imported torch (9 s)."""
-    start_rank_server()
-    ranks = each_expert_s_tokens_under_ep
-    mp.start_processes(ranks, args=(free_port(),), nprocs=2, start_method="forkserver")
+    forked_ranks(each_expert_s_tokens_under_ep, free_port())
 
 
 def checked(settings: dict, model: torch.nn.Module | None = None) -> None:

@@ -7,13 +7,11 @@ import csv
 import math
 import os
 import re
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from helpers import (
     FP16,
     FP16_TOLERANCE,
@@ -23,6 +21,7 @@ from helpers import (
     TINY_TRANSFORMER_SGD,
     assert_same_training,
     checkpoint,
+    forked_ranks,
     parallel_config,
     reference_run,
     run_train,
@@ -42,7 +41,6 @@ from src.parallel import build_strategy
 from src.parallel.layout import Layout
 from src.parallel.pipeline_schedules import LOOPED, ONE_STAGE, SCHEDULES, SPLIT_BACKWARD
 from src.parallel.tensor_parallel import tp_plan
-from src.runtime.forking import start_rank_server
 from src.runtime.ranks import Ranks
 
 WORKLOADS = {
@@ -144,15 +142,8 @@ def one_overflowing_rank_makes_every_rank_skip(rank: int, store_path: str) -> No
     dist.destroy_process_group()
 
 
-def start_ranks(rank_function: Callable[..., None], *args: object) -> None:
-    """`rank_function(rank, *args)` on 2 gloo processes forked from the rank server, which has
-    imported torch: a spawned rank spent seconds importing it."""
-    start_rank_server()
-    mp.start_processes(rank_function, args=args, nprocs=2, start_method="forkserver")
-
-
 def test_fp16_steps_are_skipped_on_every_rank_when_one_rank_s_gradients_overflow(tmp_path):
-    start_ranks(one_overflowing_rank_makes_every_rank_skip, str(tmp_path / "store"))
+    forked_ranks(one_overflowing_rank_makes_every_rank_skip, str(tmp_path / "store"))
 
 
 def gathered_in_fp16(rank: int, port: int) -> None:
@@ -176,7 +167,7 @@ def gathered_in_fp16(rank: int, port: int) -> None:
 
 def test_the_mesh_s_fsdp_gathers_parameters_in_the_autocast_dtype():
     """fsdp's mixed-precision policy, which the mesh's FSDP shares (`fsdp.apply_fsdp`)."""
-    start_ranks(gathered_in_fp16, free_port())
+    forked_ranks(gathered_in_fp16, free_port())
 
 
 # Data parallel alone (DDP, whose gradients the mlp workload clips) and with tp or pp on 4

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import TINY_SGD, run_plan, run_sweep
+from helpers import TINY_SGD, forked_ranks, run_plan, run_sweep
 from torch.utils.flop_counter import FlopCounterMode
 
 from src.observe.sweep_rows import Row, collect
@@ -186,7 +185,7 @@ def test_the_calibration_times_a_message_of_each_wrapper_inside_a_training_step(
     processes: 25-30 s at a load of 6 per core; under such load a cost can come out 0, as
     ddp's did once)."""
     results = tmp_path / "wrappers.json"
-    mp.spawn(measure_wrappers, args=(str(tmp_path / "store"), str(results)), nprocs=2)
+    forked_ranks(measure_wrappers, str(tmp_path / "store"), str(results))
     figures = json.loads(results.read_text())
     assert set(figures) == set(SENT)
     latencies = {"ddp": ALL_REDUCE_S, "tp": ALL_REDUCE_S}
