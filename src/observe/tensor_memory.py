@@ -61,8 +61,7 @@ class StorageTracker(MemTracker):
     def _track(self, reftype: _RefType, t: torch.Tensor) -> None:
         """Counts no tensor made under another fake mode than the one entered in: DTensor's
         sharding propagation runs its ops on fake tensors, which torch 2.11's MemTracker counted
-        as memory (+0.34 MB on the training peak of FSDP in bf16, +0.34 MB on context parallel's
-        evaluation peak in tests/test_plan.py); torch 2.14's skips them as this does."""
+        as memory (docs/planner.md); torch 2.14's skips them as this does."""
         if active_fake_mode() is self.fake_mode_on_entry:
             super()._track(reftype, t)
 

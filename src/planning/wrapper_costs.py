@@ -33,8 +33,8 @@ WIDTH = 16  # next to no arithmetic: the step is the wrappers' work and the mess
 SAMPLES = 8
 MICROBATCHES = 2  # the pipeline's (parallel.microbatches' default)
 REPEATS = 5  # steps a round: longer runs of back-to-back steps wait less than training steps do
-# The wrappers take turns round by round: a message's wait swings by a fifth from one second to
-# the next on a loaded CPU.
+# The wrappers take turns round by round: a message's wait swings from one second to the next
+# on a CPU (docs/planner.md).
 WRAPPER_ROUNDS = 9
 # The collectives a rank sends per step of the tiny model: DDP one bucket; FSDP each block
 # gathered for forward and again for backward and its gradients reduce-scattered; tp each pair's
@@ -185,9 +185,8 @@ def message_beyond_s(
 ) -> float:
     """A message's seconds beyond its collective's latency, of `seconds` that `wrappers`' step
     took beyond the plain step (each wrapper's collectives among its `ranks`). Negative where
-    the bare collective's rounds read slower than the step's messages (a send at 1.27 ms in one
-    calibration, 0.11-0.46 in others): latency and figure together are what a message cost in
-    the step."""
+    the bare collective's rounds read slower than the step's messages (an unlucky round of
+    sends): latency and figure together are what a message cost in the step."""
     sent = [(w, name, count) for w in wrappers for name, count in SENT[w].items()]
     bare = sum(count * latencies[ranks[w]].get(name, 0.0) for w, name, count in sent)
     return (seconds - bare) / sum(count for _, _, count in sent)
