@@ -11,13 +11,17 @@ correctness. `tests/test_torch_internals.py` fails when what they rely on change
 - `pipeline_warmup_skips_own_rank`: leaves out of a pipeline stage's link warm-up the sends and
   receives between two stages of one rank (the V schedules' middle), which gloo cannot run.
 
-Two uses have no plain fallback and live where they are used. The evaluation of the V pipeline
+Some uses have no plain fallback and live where they are used. The evaluation of the V pipeline
 schedules (`src/parallel/pipeline_schedules.py`, `skip_backward`) registers torch's custom-action
 hook with its private action types; the V schedules' equivalence tests in `tests/test_mesh.py`
 fail if that changes. ep's experts (`src/parallel/expert_parallel.py`, `local_parameters`) swap
 their DTensor parameters for the local tensors in `nn.Module._parameters` while they compute, as
 `torch.func.functional_call` swaps parameters; the ep equivalence tests in `tests/test_ep.py`
-fail if that changes.
+fail if that changes. Tensor memory, planned and measured, subclasses torch's `MemTracker` and
+overrides its private members: the planner's trace (`src/planning/memory_trace.py`) its
+`_update_peak_stats` and `_pre_fw_hook` and reads `_mod_tracker`, the runs' `StorageTracker`
+(`src/observe/tensor_memory.py`) its `_track` and `_mod_tracker`; `tests/test_plan.py`'s peaks,
+planned and measured, fail if those change.
 
 Ending a finished process without the interpreter's teardown of its modules: a training process
 has imported torch, torch._dynamo (every `torch.optim` optimizer does),
