@@ -151,21 +151,21 @@ def wrapper_message_s(
     (their waits on each other grow with their number); the others in groups of `GROUP` (of
     one, in one process). Wrappers timed together share one figure."""
     size = min(GROUP, processes)
-    pairs = [new_group(range(first, first + size)) for first in range(0, processes, size)]
+    groups = [new_group(range(first, first + size)) for first in range(0, processes, size)]
     square = processes == GROUP * GROUP
     across = [new_group(range(first, processes, GROUP)) for first in range(GROUP)] if square else []
     together = new_group(range(processes))
     if rank >= processes:
         return {}
     torch.set_num_threads(max(1, usable_cores() // processes))
-    pair = DeviceMesh.from_group(pairs[rank // size], device.type)
-    meshes = dict.fromkeys(SENT, pair)
+    own = DeviceMesh.from_group(groups[rank // size], device.type)
+    meshes = dict.fromkeys(SENT, own)
     meshes["ddp"] = DeviceMesh.from_group(together, device.type)
     ranks = {wrapper: size for wrapper in SENT} | {"ddp": processes}
     if square:
         grid = torch.arange(processes).view(GROUP, GROUP)
-        groups = [across[rank % GROUP], pairs[rank // GROUP]]
-        mesh = DeviceMesh.from_group(groups, device.type, grid, mesh_dim_names=("dp", "tp"))
+        dims = [across[rank % GROUP], groups[rank // GROUP]]
+        mesh = DeviceMesh.from_group(dims, device.type, grid, mesh_dim_names=("dp", "tp"))
         meshes.update(fsdp=mesh["dp"], tp=mesh["tp"])
     timed = measured_together(processes)
     steps = [wrapped_step(wrappers, meshes, device) for wrappers in [(), *timed]]
