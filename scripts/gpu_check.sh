@@ -14,8 +14,8 @@
 #   GPU_CHECK_SKIP_SUITE=1 scripts/gpu_check.sh   # without part 5
 #
 # It runs on the machine's own torch (2.11 or later): the other requirements may come from a
-# folder on PYTHONPATH (`pip install --target`), as they do where torch's wheels are too big to
-# bring. PYTHON names the interpreter (default: python, else python3).
+# folder on PYTHONPATH, as they do on a machine without network (scripts/gpu_wheels.sh makes
+# the wheels; docs/gpus.md says how). PYTHON names the interpreter (default: python, else python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -292,7 +292,9 @@ def renamed(state: dict[str, Any], new_key: dict) -> dict[str, Any]:
 
 def rng_state() -> dict[str, Any]:
     state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    # Only a process that has used CUDA has GPU RNG states to keep: reading them initialises
+    # CUDA in this process, which a CPU run on a GPU machine (the tests there) has no use for.
+    if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
