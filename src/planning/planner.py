@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.components.data import Data, build_data
 from src.config.base import ConfigError, typed
-from src.config.parallel import AUTO, Offload
+from src.config.parallel import AUTO, Offload, at_least_one
 from src.config.plan import PlanConfig
 from src.config.trainer import Accelerator, TrainerConfig
 from src.parallel import build_strategy
@@ -80,6 +80,8 @@ def candidate_parallels(cfg: DictConfig, every: bool = False) -> list[DictConfig
     check_plan_settings(cfg.plan)
     every = every or cfg.parallel.name == AUTO
     names = list(cfg.plan.strategies or (STRATEGIES if every else [cfg.parallel.name]))
+    if not cfg.plan.devices:  # plan.devices' own counts are PlanConfig's to check
+        at_least_one(cfg.parallel, "devices")
     counts = list(cfg.plan.devices or [cfg.parallel.devices])
     candidates = []
     for name in names:
