@@ -106,7 +106,10 @@ def test_an_exported_safetensors_file_is_evaluated_with_the_model_it_names(tmp_p
     weights = tmp_path / "model.safetensors"
     export(run_dir, weights)
     data = [override for override in TINY if override.startswith("data.")]
-    run_eval(f"ckpt_path={weights}", *data, "parallel=ddp", "parallel.devices=2", eval_dir=tmp_path)
+    result = run_eval(
+        f"ckpt_path={weights}", *data, "parallel=ddp", "parallel.devices=2", eval_dir=tmp_path
+    )
+    assert "test | exported weights | loss " in result.stdout  # no step to name
     figures = eval_json(tmp_path)
     assert figures["step"] is None and figures["checkpoint"] == str(weights)
     assert abs(figures["loss"] - summary(run_dir)["test_loss"]) < 1e-5
