@@ -1,4 +1,5 @@
-"""Plan before you launch: `python plan.py [the same overrides as train.py]`.
+"""Plan before you launch: `python plan.py [the same overrides as train.py]` (`python train.py
+--help` lists the groups, their options and every key).
 
 Prints, for every strategy that can run on parallel.devices (or plan.strategies x plan.devices;
 or only the one named by a `parallel=<name>` override), the predicted peak memory per device

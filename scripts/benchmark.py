@@ -234,7 +234,7 @@ def compare(name: str, rounds: int, steps: int) -> tuple[float, float, list[floa
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--only",
         choices=[*sorted(COMPARISONS), "checkpoint", "checkpointing", "plan", "pp", "startup"],

@@ -543,6 +543,12 @@ ROWS = [
         id="init-from-other-shapes",
     ),
     pytest.param(
+        ["data=tokens"],
+        CHECK,
+        "data.path must be given: the chosen options leave no value (data.path=...)",
+        id="tokens-without-path",
+    ),
+    pytest.param(
         ["optimizer.schedule_steps=0"],
         CHECK,
         "optimizer.schedule_steps must be at least 1, or null for trainer.max_steps; got 0",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import ROOT, STRATEGIES, options, parallel_config
+from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -13,7 +14,7 @@ from omegaconf.errors import ConfigAttributeError, ValidationError
 from src.components.data import build_data
 from src.components.optimizer import build_optimizer
 from src.config.base import ConfigError, typed
-from src.config.schema import SCHEMAS
+from src.config.schema import SCHEMAS, register_configs
 from src.config.trainer import TrainerConfig
 from src.parallel import build_strategy
 
@@ -28,6 +29,16 @@ def test_default_config_has_every_group(compose_config):
         "src.components.data.synthetic_classification",
         "single",
     )
+
+
+def test_train_py_help_names_the_launchers_that_hydras_listing_leaves_out():
+    """`python train.py --help` lists conf/'s groups and options itself, but not Hydra's
+    (hydra/*): its footer names the launchers of conf/hydra/launcher/."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        footer = compose("config", return_hydra_config=True).hydra.help.footer
+    launchers = options("hydra/launcher")
+    assert launchers and all(f"hydra/launcher={name}" in footer for name in launchers), launchers
 
 
 @pytest.mark.parametrize(

@@ -60,7 +60,8 @@ def test_a_checkpoint_evaluated_under_another_layout_gives_the_runs_test_loss(
 ):
     """The test split (eval.py's default), which the run itself scored after its last step."""
     run_dir = trained(trained_as)
-    run_eval(f"ckpt_path={run_dir}", *evaluated_as, eval_dir=tmp_path)
+    result = run_eval(f"ckpt_path={run_dir}", *evaluated_as, eval_dir=tmp_path)
+    assert "Warning" not in result.stdout + result.stderr  # DCP's read by one process, too
 
     figures = eval_json(tmp_path)
     newest = saved_checkpoints(run_dir)[-1]
@@ -106,7 +107,10 @@ def test_an_exported_safetensors_file_is_evaluated_with_the_model_it_names(tmp_p
     weights = tmp_path / "model.safetensors"
     export(run_dir, weights)
     data = [override for override in TINY if override.startswith("data.")]
-    run_eval(f"ckpt_path={weights}", *data, "parallel=ddp", "parallel.devices=2", eval_dir=tmp_path)
+    result = run_eval(
+        f"ckpt_path={weights}", *data, "parallel=ddp", "parallel.devices=2", eval_dir=tmp_path
+    )
+    assert "test | exported weights | loss " in result.stdout  # no step to name
     figures = eval_json(tmp_path)
     assert figures["step"] is None and figures["checkpoint"] == str(weights)
     assert abs(figures["loss"] - summary(run_dir)["test_loss"]) < 1e-5

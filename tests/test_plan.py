@@ -14,10 +14,17 @@ from hydra import initialize_config_dir
 from torch.distributed._tools.mem_tracker import _MemRefType
 
 import src.planning.planner
+from src.config.base import ConfigError
 from src.launch.memory_check import measured_peaks_mb
 from src.parallel.shares import Messages
 from src.planning.memory_trace import RUNNING, STEPPING
-from src.planning.planner import choose, format_table, plan_all, resolve_auto
+from src.planning.planner import (
+    candidate_parallels,
+    choose,
+    format_table,
+    plan_all,
+    resolve_auto,
+)
 from src.planning.plans import MB, Plan
 from src.planning.step_time import BACKWARD_SHARE, DeviceSpeed
 
@@ -245,6 +252,14 @@ def test_bad_plan_settings_are_one_line_and_exit_2(command, message, tmp_path):
     output = (result.stdout + result.stderr).splitlines()  # train.py logs its error line
     error_lines = [line for line in output if "error" in line.lower()]
     assert len(error_lines) == 1 and message in error_lines[0]
+
+
+def test_no_devices_is_refused_before_any_strategy_is_planned(compose_config):
+    """`plan.py parallel.devices=0` once planned every strategy on 0 devices and then said that
+    none fits the memory; plan.py prints this line and exits 2 as for the settings above."""
+    cfg = compose_config("parallel.devices=0")
+    with pytest.raises(ConfigError, match="parallel.devices must be at least 1, got 0"):
+        candidate_parallels(cfg, every=True)
 
 
 def test_plan_py_help_names_the_plan_settings():

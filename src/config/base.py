@@ -37,6 +37,17 @@ def choices(name: str, values: str, module: str) -> type[Choice]:
     return Choice(name, values, module=module)
 
 
+def check_given(cfg: DictConfig) -> None:
+    """ConfigError, in one line, for the settings the chosen options leave without a value (`???`,
+    e.g. `data=tokens`'s `data.path`): reading one later would raise in the middle of the run."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(
+            f"{', '.join(missing)} must be given: the chosen options leave no value "
+            f"({missing[0]}=...)"
+        )
+
+
 def typed(schema: type, node: Any) -> Any:
     """`node` (a composed config group, or a plain dict such as a launched rank's) as an object
     of its `schema` dataclass, which checks its ranges in `__post_init__`. Plain attributes: an

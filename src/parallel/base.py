@@ -88,6 +88,7 @@ import contextlib
 import os
 import resource
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -386,7 +387,11 @@ class Strategy:
 
         state = dcp_state_dict(model, optimizer)  # the shapes and shards to fill
         saved = self.as_saved(state)
-        dcp.load(saved, checkpoint_id=path)  # into them (or views of them)
+        with warnings.catch_warnings():
+            # One process without a process group reads every shard itself, as meant here; DCP
+            # warns that it assumes so on every such load (eval.py, resume under single).
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(saved, checkpoint_id=path)  # into them (or views of them)
         self.place_loaded(state, saved)
         if optimizer is None:
             set_model_state_dict(model, state["model"], options=StateDictOptions())

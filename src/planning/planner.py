@@ -34,8 +34,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from src.components.data import Data, build_data
-from src.config.base import ConfigError, typed
-from src.config.parallel import AUTO, Offload
+from src.config.base import ConfigError, check_given, typed
+from src.config.parallel import AUTO, Offload, at_least_one
 from src.config.plan import PlanConfig
 from src.config.trainer import Accelerator, TrainerConfig
 from src.parallel import build_strategy
@@ -77,9 +77,12 @@ def candidate_parallels(cfg: DictConfig, every: bool = False) -> list[DictConfig
     strategy other than the configured one comes with its own option's settings
     (conf/parallel/<name>.yaml), composed through Hydra, which must be initialized (it is inside
     train.py and plan.py)."""
+    check_given(cfg)
     check_plan_settings(cfg.plan)
     every = every or cfg.parallel.name == AUTO
     names = list(cfg.plan.strategies or (STRATEGIES if every else [cfg.parallel.name]))
+    if not cfg.plan.devices:  # plan.devices' own counts are PlanConfig's to check
+        at_least_one(cfg.parallel, "devices")
     counts = list(cfg.plan.devices or [cfg.parallel.devices])
     candidates = []
     for name in names:

@@ -20,7 +20,7 @@ from src.components.batches import Tree, describe
 from src.components.blocks import saved_ops
 from src.components.data import Data, meta_samples
 from src.components.optimizer import build_optimizer, lr_schedule
-from src.config.base import ConfigError, typed
+from src.config.base import ConfigError, check_given, typed
 from src.config.parallel import Offload
 from src.config.trainer import Recomputation, TrainerConfig
 from src.observe.tracking import check_tracker
@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 def check_settings(cfg: DictConfig, ranks: Ranks | None) -> Strategy:
     """The checks of the settings themselves (no data, no model); returns the unstarted
     strategy. `ranks`: the ranks torchrun or srun started, this process among them, if any."""
+    check_given(cfg)
     trainer = cfg.trainer
     settings = typed(TrainerConfig, trainer)  # its ranges
     device_type = resolve_device_type(trainer.accelerator)

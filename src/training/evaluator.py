@@ -115,7 +115,8 @@ def evaluate_checkpoint(
     }
     if strategy.is_main:
         shown = " | ".join(f"{name} {value:.6g}" for name, value in figures.items())
-        log.info("%s | step %s | %s", cfg.split, results["step"], shown)
+        weights = "exported weights" if results["step"] is None else f"step {results['step']}"
+        log.info("%s | %s | %s", cfg.split, weights, shown)
         eval_file(eval_dir).write_text(json.dumps(results, indent=2) + "\n")
     tracker = build_tracker(cfg.logger, str(eval_dir), plain_config(cfg), strategy.is_main)
     step = results["step"] or 0  # an exported weights file has none
