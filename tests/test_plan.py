@@ -234,6 +234,8 @@ def test_train_with_parallel_auto_records_the_choice(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["strategy"] in ("dp", "dp_criterion")
     assert summary["chosen_by"].startswith(f"parallel=auto chose {summary['strategy']}")
+    log = (tmp_path / "train.log").read_text()
+    assert f'chosen_by="parallel=auto chose {summary["strategy"]} on' in log  # a sentence, quoted
 
 
 @pytest.mark.parametrize(

@@ -87,7 +87,8 @@ def format_summary(summary: dict[str, Any], run_dir: Path) -> str:
             return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
         if isinstance(value, list):
             return ",".join(fmt(v) for v in value)
-        return str(value).replace(" ", "_")
+        text = str(value)
+        return json.dumps(text) if " " in text else text  # a sentence (chosen_by) in quotes
 
     pairs = [f"{key}={fmt(value)}" for key, value in summary.items()]
     pairs.append(f"outputs={run_dir}")
