@@ -368,6 +368,13 @@ ROWS = [
         id="gpt-float-inputs",
     ),
     pytest.param(
+        ["data._target_=tests.odd_data.halves_and_values"],
+        CHECK,
+        "model: src.components.models.MLP cannot take inputs shaped {'left': [2, 16], 'right': "
+        "[2, 16]} (AttributeError: 'dict' object has no attribute 'flatten'); choose a data option",
+        id="mlp-dict-inputs",
+    ),
+    pytest.param(
         ["model=transformer", "data=synthetic_tokens", "model.heads=5"],
         CHECK,
         "model.hidden (64) must divide by model.heads (5)",

@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from src.checkpoint.writer import resolved_format
+from src.components import models
 from src.components.batches import Tree, describe
 from src.components.blocks import saved_ops
 from src.components.data import Data, meta_samples
@@ -134,8 +135,14 @@ def check_model_output(
     try:
         with torch.no_grad():
             outputs = model(inputs)
-    except Exception:  # noqa: BLE001 - e.g. no meta kernel, or a forward that reads the values
+    except Exception as error:  # noqa: BLE001 - e.g. no meta kernel, or a forward that reads the values
         check_token_inputs(model, inputs, name)
+        if type(model).__module__ == models.__name__:  # every one of them runs on meta tensors
+            raise ConfigError(
+                f"model: {name} cannot take inputs shaped {describe(inputs)} "
+                f"({type(error).__name__}: {first_line(error)}); choose a data option whose "
+                "inputs it takes, or a model of your own (model._target_)"
+            ) from error
         log.debug("model: no forward pass on the meta device", exc_info=True)
         return None
     shapes = (
@@ -151,9 +158,13 @@ def check_model_output(
     except (RuntimeError, TypeError, KeyError, IndexError, AttributeError) as error:
         raise ConfigError(
             f"{shapes}, which {type(task).__name__} cannot score "
-            f"({type(error).__name__}: {''.join(str(error).strip().splitlines()[:1])})"
+            f"({type(error).__name__}: {first_line(error)})"
         ) from error
     return list(task.figures([1.0] * len(sums), 1.0))  # the names; any values will do
+
+
+def first_line(error: Exception) -> str:
+    return "".join(str(error).strip().splitlines()[:1])
 
 
 def check_monitor(monitor: str | None, figures: list[str] | None, task: str) -> None:
