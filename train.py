@@ -18,6 +18,7 @@ from src.launch.command_line import (
     config_composed,
     expected_failures_in_one_line,
 )
+from src.launch.composing import composing_once
 from src.launch.early_server import start_rank_server_early
 from src.runtime.torch_private import exit_without_teardown
 
@@ -36,5 +37,5 @@ if __name__ == "__main__":
     with exit_without_teardown():  # a second less per run: see src/runtime/torch_private.py
         register_configs()
         follow_rank0_run_dir()  # ranks started by torchrun/srun share rank 0's run directory
-        with composition_errors_in_one_line("train.py"):
+        with composition_errors_in_one_line("train.py"), composing_once():
             main()

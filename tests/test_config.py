@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 from helpers import ROOT, STRATEGIES, options, parallel_config
@@ -158,3 +162,66 @@ def test_a_group_s_setting_may_interpolate_another_group_s(compose_config):
     trainer's settings are checked and typed (once a traceback: the schema has no `model`)."""
     cfg = compose_config("trainer.eval_batch_size=${model.hidden}", "model.hidden=48")
     assert typed(TrainerConfig, cfg.trainer).eval_batch_size == 48
+
+
+# What `@hydra.main` does with a command's overrides, as `hydra._internal.utils._run_app` does it
+# (run mode, no -m): read the mode, then compose the run's config (or the error composing it),
+# with Hydra's own class or `composing_once`'s; and how many compositions that took.
+MAIN_COMPOSES = """
+import json, sys
+from hydra._internal import hydra as hydra_internal
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+from hydra._internal.utils import create_automatic_config_search_path
+from hydra.core.global_hydra import GlobalHydra
+from hydra.types import RunMode
+from omegaconf import OmegaConf
+from src.config.schema import register_configs
+from src.launch.composing import RUN_MODE_OVERRIDE, ComposingOnce
+
+register_configs()
+compositions = []
+load_configuration = ConfigLoaderImpl.load_configuration
+ConfigLoaderImpl.load_configuration = lambda *args, **kwargs: (
+    compositions.append(1) or load_configuration(*args, **kwargs)
+)
+overrides = json.loads(sys.argv[1])
+search_path = create_automatic_config_search_path("train.py", None, "conf")
+for hydra_class in (hydra_internal.Hydra, ComposingOnce):
+    compositions.clear()
+    GlobalHydra.instance().clear()
+    hydra = hydra_class.create_main_hydra2("train", search_path)
+    mode = hydra.get_mode("config", list(overrides))
+    try:
+        if mode is None:
+            cfg = hydra.compose_config(
+                "config", [*overrides, RUN_MODE_OVERRIDE], RunMode.RUN, with_log_configuration=True
+            )
+            composed = OmegaConf.to_yaml(cfg)
+        else:
+            composed = None
+    except Exception as error:
+        composed = repr(error)
+    print(json.dumps([str(mode), composed, len(compositions)]))
+"""
+
+
+@pytest.mark.parametrize(
+    "overrides, mode, compositions",
+    [
+        (["parallel=ddp", "trainer.max_steps=3"], "None", (2, 1)),
+        # The mode only (the sweep composes afresh), from a run's composition.
+        (["hparams_search=optimizer_optuna"], "RunMode.MULTIRUN", (1, 1)),
+        (["trainer.max_step=3"], "None", (2, 2)),  # an error: Hydra's two tries, no third
+        (["parallel=single,ddp"], "None", (2, 2)),  # sweeps, without -m: Hydra's error
+    ],
+)
+def test_a_run_composes_its_config_once_as_hydra_composes_it_twice(overrides, mode, compositions):
+    """`composing_once` (train.py's, eval.py's): the mode, and the config a run gets (or the
+    error), are Hydra's, from one composition where Hydra makes two."""
+    lines = subprocess.run(
+        [sys.executable, "-c", MAIN_COMPOSES, json.dumps(overrides)],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout.splitlines()  # fmt: skip
+    hydra, once = (json.loads(line) for line in lines[-2:])
+    assert once[:2] == hydra[:2] and hydra[0] == mode
+    assert (hydra[2], once[2]) == compositions

@@ -12,6 +12,7 @@ never at import time.
 from __future__ import annotations
 
 import difflib
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,6 +121,7 @@ SCHEMAS = {
 }
 
 
+@functools.cache  # once per process: a run forked from the tests' preloader finds them stored
 def register_configs() -> None:
     """Store the schemas so that YAML files can start from `/schema/<group>/<name>@_here_`."""
     store = ConfigStore.instance()
