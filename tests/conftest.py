@@ -13,20 +13,24 @@ from src.config.schema import register_configs
 
 torch.set_num_threads(1)  # as in every process the tests start (helpers.QUIET_AND_FRUGAL says why)
 
-# The files whose tests take longest (mostly waiting on SLURM, signals and several processes),
+# The files whose tests take longest (SLURM's waits first, then by their measured time at -n 3),
 # handed to pytest-xdist's workers first (`--dist loadfile`, without its reordering by test
 # count), so that no worker is left running one of them alone at the end.
 SLOWEST_FIRST = (
     "test_slurm.py",
-    "test_resume.py",
-    "test_ddp.py",
-    "test_checkpoints.py",
-    "test_speed.py",
-    "test_two_nodes.py",
-    "test_vision.py",
-    "test_fsdp.py",
-    "test_faults.py",
+    "test_mesh.py",
     "test_plan.py",
+    "test_ep.py",
+    "test_speed.py",
+    "test_ddp.py",
+    "test_two_nodes.py",
+    "test_cp.py",
+    "test_eval.py",
+    "test_resume.py",
+    "test_equivalence.py",
+    "test_vision.py",
+    "test_faults.py",
+    "test_mesh_checkpoints.py",
 )
 
 

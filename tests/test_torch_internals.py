@@ -17,12 +17,17 @@ from helpers import ROOT
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from src.runtime.forking import end_with_launcher, start_rank_server
+from src.runtime.forking import RANKS_IMPORT, end_with_launcher, start_rank_server
 from src.runtime.torch_private import name_rendezvous_events_cheaply, pipeline_warmup_skips_own_rank
 
 
 def parent_pid(queue: multiprocessing.Queue) -> None:
     queue.put(os.getppid())
+
+
+def parent_and_missing_imports(queue: multiprocessing.Queue) -> None:
+    """A rank's parent, and what of `RANKS_IMPORT` it would still import itself."""
+    queue.put((os.getppid(), [name for name in RANKS_IMPORT if name not in sys.modules]))
 
 
 def test_the_rank_server_pid_is_the_parent_of_what_it_forks():
@@ -177,7 +182,7 @@ SERVER_START = """
 import json, multiprocessing, os, sys
 {imports}
 from src.runtime.forking import start_rank_server
-from test_torch_internals import parent_pid
+from test_torch_internals import parent_and_missing_imports
 
 def files(pid):  # beyond the standard streams, and /dev/null
     names = set()
@@ -192,14 +197,14 @@ mine = files(os.getpid())
 server = start_rank_server()
 context = multiprocessing.get_context("forkserver")
 queue = context.Queue()
-rank = context.Process(target=parent_pid, args=(queue,))
+rank = context.Process(target=parent_and_missing_imports, args=(queue,))
 rank.start()
-rank_parent = queue.get(timeout=60)
+rank_parent, rank_missing = queue.get(timeout=60)
 rank.join()
 inherited = files(server) & mine
 with open(f"/proc/{{server}}/cmdline", "rb") as cmdline:
     program = cmdline.read().split(b"\\0")[-2].decode()
-print(json.dumps([server, rank_parent, program, sorted(inherited)]))
+print(json.dumps([server, rank_parent, rank_missing, program, sorted(inherited)]))
 """
 
 
@@ -210,8 +215,9 @@ def test_a_process_with_the_rank_servers_imports_forks_it_else_starts_a_new_one(
     """A process with one thread that has imported what the rank server imports (a test's
     preloaded train.py run: OMP_NUM_THREADS=1 keeps torch from starting a thread on import) forks
     the server from itself; any other starts a new interpreter.
-    Either way the ranks are the server's children, and a forked server holds none of the
-    files it inherited but the standard streams (a pipe end kept would hold up its end)."""
+    Either way the ranks are the server's children, which it forks with the strategies' modules
+    imported (`RANKS_IMPORT`), and a forked server holds none of the files it inherited but the
+    standard streams (a pipe end kept would hold up its end)."""
     started = subprocess.run(
         [sys.executable, "-c", SERVER_START.format(imports=imports)],
         cwd=ROOT,
@@ -228,7 +234,7 @@ def test_a_process_with_the_rank_servers_imports_forks_it_else_starts_a_new_one(
         timeout=120,
     )
     assert started.returncode == 0, started.stderr
-    server, rank_parent, program, inherited = json.loads(started.stdout)
-    assert rank_parent == server
+    server, rank_parent, rank_missing, program, inherited = json.loads(started.stdout)
+    assert rank_parent == server and rank_missing == []
     assert program.startswith("from multiprocessing.forkserver import main") != forked, program
     assert inherited == []

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import importlib
 import json
 import os
 import select
@@ -262,6 +263,10 @@ def preload_and_serve(control_fd: int) -> list[str] | None:
 
     import src.launch.job  # noqa: F401
     from src.config.schema import register_configs
+    from src.runtime.forking import RANKS_IMPORT
+
+    for module in RANKS_IMPORT:  # a multi-process run's launcher imports them too
+        importlib.import_module(module)
 
     register_configs()  # every run's first step (0.025 s of CPU)
 

@@ -15,9 +15,9 @@ ENVIRONMENT = dict(os.environ)
 
 import importlib  # noqa: E402
 
-from src.runtime.forking import RANK_SERVER_IMPORTS, die_with_parent  # noqa: E402
+from src.runtime.forking import RANK_SERVER_IMPORTS, RANKS_IMPORT, die_with_parent  # noqa: E402
 
-for module in RANK_SERVER_IMPORTS:
+for module in (*RANK_SERVER_IMPORTS, *RANKS_IMPORT):
     importlib.import_module(module)
 
 # The server dies with the launcher, and its ranks with it (`forking.end_with_launcher`). (By

@@ -99,9 +99,10 @@ def run_job(task: Task) -> Callable[[DictConfig], float]:
 
 def release_device_memory() -> None:
     """Hand the GPU memory that this job's tensors left cached back to the driver: the next job
-    of the sweep runs in this process, maybe on other GPUs, and its peak counts from zero."""
-    gc.collect()  # a failed job's traceback can hold its model and optimizer
+    of the sweep runs in this process, maybe on other GPUs, and its peak counts from zero. (On
+    the CPU the collector frees what a job left in its own time.)"""
     if torch.cuda.is_initialized():
+        gc.collect()  # a failed job's traceback can hold its model and optimizer
         torch.cuda.empty_cache()
 
 
