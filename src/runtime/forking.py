@@ -59,7 +59,7 @@ RANK_SERVER = "src.launch.rank_server"
 RANK_SERVER_IMPORTS = ("torch._dynamo", "src.launch.job")  # what it imports, seconds of them
 # What each rank would import on its way, after these (the mesh strategies, with DTensor's
 # experimental parts and pipelining; DCP's state dicts): imported by the server, once for all its
-# ranks (0.3 s of CPU a rank).
+# ranks (docs/performance.md has the figure).
 RANKS_IMPORT = ("src.parallel.mesh", "torch.distributed.checkpoint.state_dict")
 
 
