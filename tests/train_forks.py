@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
-import importlib
 import json
 import os
 import select
@@ -258,20 +257,16 @@ def preload_and_serve(control_fd: int) -> list[str] | None:
     import hydra  # noqa: F401
     import matplotlib.backends.backend_agg  # noqa: F401 - every sweep's report draws with it
     import matplotlib.figure  # noqa: F401 - (scaling.png): 0.3 s of CPU per sweep otherwise
-    import torch._dynamo  # noqa: F401
     import wandb  # noqa: F401
 
-    import src.launch.job  # noqa: F401
     from src.config.schema import register_configs
-    from src.runtime.forking import RANKS_IMPORT
+    from src.runtime.forking import import_rank_modules
 
-    for module in RANKS_IMPORT:  # a multi-process run's launcher imports them too
-        importlib.import_module(module)
-
+    import_rank_modules()  # torch._dynamo, the training code; a launcher's strategy's modules
     register_configs()  # every run's first step (0.025 s of CPU)
 
     # The imports' objects live as long as every run: out of the collector's reach, a run's
-    # full collections (each sweep job ends with one) skip them, and leave their pages shared
+    # full collections skip them, and leave their pages shared
     # with the preloader rather than copying them (0.25 s of CPU a collection otherwise).
     gc.freeze()
     if len(os.listdir("/proc/self/task")) > 1:

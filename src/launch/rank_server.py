@@ -13,12 +13,9 @@ import signal
 # the rank, and (taken before these imports) whatever the imports set.
 ENVIRONMENT = dict(os.environ)
 
-import importlib  # noqa: E402
+from src.runtime.forking import die_with_parent, import_rank_modules  # noqa: E402
 
-from src.runtime.forking import RANK_SERVER_IMPORTS, RANKS_IMPORT, die_with_parent  # noqa: E402
-
-for module in (*RANK_SERVER_IMPORTS, *RANKS_IMPORT):
-    importlib.import_module(module)
+import_rank_modules()
 
 # The server dies with the launcher, and its ranks with it (`forking.end_with_launcher`). (By
 # itself it would live on while a rank did: each holds its end of the pipe it watches.) Until

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import importlib
 import logging
 import multiprocessing
 import os
@@ -61,6 +62,13 @@ RANK_SERVER_IMPORTS = ("torch._dynamo", "src.launch.job")  # what it imports, se
 # experimental parts and pipelining; DCP's state dicts): imported by the server, once for all its
 # ranks (docs/performance.md has the figure).
 RANKS_IMPORT = ("src.parallel.mesh", "torch.distributed.checkpoint.state_dict")
+
+
+def import_rank_modules() -> None:
+    """Import what the rank server holds for its ranks: `RANK_SERVER_IMPORTS`, then
+    `RANKS_IMPORT`."""
+    for module in (*RANK_SERVER_IMPORTS, *RANKS_IMPORT):
+        importlib.import_module(module)
 
 
 def holds_rank_server_imports() -> bool:
