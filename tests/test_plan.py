@@ -422,6 +422,29 @@ def test_tensor_parallel_splits_the_planned_linears_and_all_reduces_each_pair(co
     assert tp.traffic == {"activation all-reduce": 2 * (2 - 1) * ((40 + 32) * FLOAT * 16) // 2}
 
 
+def test_dtensor_s_dispatch_is_counted_where_parameters_and_layers_are_dtensors(compose_config):
+    """MESH_MLP at depth 4: five Linears, tp's two pairs and a head it leaves whole. Under tp 2
+    the pairs' 4 Linears run forward and backward on DTensors, and 8 of the 10 parameter
+    tensors are DTensors, so 8/10 of the optimizer's ops (it runs the same ops per tensor);
+    under fsdp every parameter is a DTensor (its layers compute on the gathered plain ones);
+    under single and ddp none. A tp layer runs once per micro-batch of the pipeline."""
+    five = (*MESH_MLP, "model.depth=4")
+    cfg = compose_config(*five)
+    layouts = [
+        ("parallel=tp",),
+        ("parallel=fsdp",),
+        ("parallel=ddp",),
+        ("parallel=fsdp_tp_pp", "parallel.devices=4"),
+    ]
+    parallels = [cfg.parallel, *(compose_config(*five, *layout).parallel for layout in layouts)]
+    single, tp, fsdp, ddp, tp_pp = (plan.device_plans for plan in plan_all(cfg, parallels))
+    assert [tp[0].dtensor_layers, fsdp[0].dtensor_layers, single[0].dtensor_layers] == [4, 0, 0]
+    assert fsdp[0].dtensor_ops > 0 and tp[0].dtensor_ops == pytest.approx(0.8 * fsdp[0].dtensor_ops)
+    assert single[0].dtensor_ops == ddp[0].dtensor_ops == 0
+    # tp 2 x pp 2: each stage holds one pair, run once for each of 2 micro-batches
+    assert [device.dtensor_layers for device in tp_pp] == [2 * 2, 2 * 2]
+
+
 def test_a_model_s_own_tensor_parallel_plan_reaches_the_planner(compose_config):
     """tests/planned_models.py's model, planned through its hook on MESH_MLP's sizes, depth 1:
     stem 544, block 2112 (up) + 2080 (down) and head 264 floats, 5000 in all. Its plan splits up's

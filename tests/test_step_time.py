@@ -13,14 +13,21 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import TINY_SGD, forked_ranks, run_plan, run_sweep
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.flop_counter import FlopCounterMode
 
 from src.observe.sweep_rows import Row, collect
 from src.parallel.shares import Messages
 from src.planning.calibration import Calibration, cache_path, calibration, load_per_core
+from src.planning.plans import DevicePlan
 from src.planning.step_time import CalibratedSpeed
 from src.planning.work import WorkCounter
-from src.planning.wrapper_costs import SENT, replica_threads_s, wrapper_message_s
+from src.planning.wrapper_costs import (
+    SENT,
+    dtensor_costs_s,
+    replica_threads_s,
+    wrapper_message_s,
+)
 
 LAYOUTS = ("single", "ddp", "fsdp", "model_parallel", "tp", "pp", "fsdp_tp")
 TIMED = (
@@ -141,6 +148,8 @@ def test_the_calibration_is_read_from_its_cache_and_times_each_message(tmp_path,
         op_s={"1": 2e-6},
         collectives={"all_reduce": {"1": [1e-5, 0.0], "2": [1e-4, 1e-9], "4": [2e-4, 2e-9]}},
         wrappers={"ddp": {"1": 2e-5, "2": 5e-4, "4": 8e-4}, "dp": {"2": 3e-4, "4": 6e-4}},
+        dtensor_op_s=3e-5,
+        dtensor_layer_s=1e-3,
     )
     path = cache_path("cpu")
     path.parent.mkdir(parents=True)
@@ -164,6 +173,10 @@ def test_the_calibration_is_read_from_its_cache_and_times_each_message(tmp_path,
     assert speed.message_s(Messages("", 2, 0, 4, wrapper="dp"), 1) == pytest.approx(2 * 6e-4)
     unmeasured = Messages("all_reduce", 1, 1000, 2, wrapper="tp")
     assert speed.message_s(unmeasured, 2) == pytest.approx(1.01e-4)
+    # DTensor's dispatch: each optimizer op on DTensors and each tp layer's pass, beyond the
+    # ops' own cost.
+    work = DevicePlan("cpu:0", ops=10, dtensor_ops=4, dtensor_layers=2)
+    assert speed.compute_s(work, 1) == pytest.approx(10 * 2e-6 + 4 * 3e-5 + 2 * 1e-3)
 
 
 ALL_REDUCE_S = 1e-4  # the latency the wrappers' figures are measured beyond (the others': none)
@@ -171,7 +184,8 @@ ALL_REDUCE_S = 1e-4  # the latency the wrappers' figures are measured beyond (th
 
 def measure_wrappers(rank: int, store: str, results: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    figures = wrapper_message_s(rank, 2, torch.device("cpu"), {2: {"all_reduce": ALL_REDUCE_S}})
+    latencies = {2: {"all_reduce": ALL_REDUCE_S}}
+    figures = wrapper_message_s(rank, 2, torch.device("cpu"), latencies, tp_layer_s=0.0)
     if rank == 0:
         with open(results, "w") as file:
             json.dump(figures, file)
@@ -192,6 +206,24 @@ def test_the_calibration_times_a_message_of_each_wrapper_inside_a_training_step(
     in_step = {wrapper: s + latencies.get(wrapper, 0.0) for wrapper, s in figures.items()}
     assert all(-1e-9 <= seconds < 1 for seconds in in_step.values()), figures
     assert any(seconds > 0 for seconds in in_step.values()), figures
+
+
+def measure_dtensor_costs(rank: int, store: str, results: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=1)
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    Path(results).write_text(json.dumps(dtensor_costs_s(mesh, torch.device("cpu"))))
+    dist.destroy_process_group()
+
+
+def test_the_calibration_times_dtensor_s_dispatch_in_one_process(tmp_path):
+    """An optimizer's op on DTensors and a tp layer's forward and backward cost more than on
+    plain tensors (DTensor's dispatch of each op, in Python): both figures positive, and far
+    below a second."""
+    results = tmp_path / "dtensor.json"
+    forked_ranks(measure_dtensor_costs, str(tmp_path / "store"), str(results), processes=1)
+    figures = json.loads(results.read_text())
+    assert set(figures) == {"op", "layer"}
+    assert all(0 < seconds < 0.1 for seconds in figures.values()), figures
 
 
 def test_the_calibration_times_dp_s_replicas_in_threads():

@@ -15,7 +15,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+)
 from torch.utils.flop_counter import FlopCounterMode
 
 from src.components.batches import Tree, batch_size
@@ -45,12 +50,26 @@ class TPSplit:
     split_saved_bytes: list[int]
     """Of those, the ones inside a pair (from a ColwiseParallel module's output to the next
     RowwiseParallel module's input), which the tp ranks split."""
+    parameter_tensors: list[int]
+    """Each block's parameter tensors (one shared by several blocks counted at the first)."""
+    distributed_tensors: list[int]
+    """Of those, the ones the plan makes DTensors (the planned Linears' and norms'), whose
+    every optimizer op pays DTensor's dispatch."""
+    distributed_layers: list[int]
+    """Each block's planned modules that run on DTensors (Linears, norms), each paying
+    DTensor's dispatch of its ops forward and backward."""
 
     def flops_kept(self, blocks: list[int], tp: int) -> float:
         """The share of `blocks`' FLOPs that one of `tp` ranks runs."""
         total = sum(self.flops[b] for b in blocks)
         split = sum(self.split_flops[b] for b in blocks)
         return 1 - (1 - 1 / tp) * split / total if total else 1.0
+
+    def distributed_share(self, blocks: list[int]) -> float:
+        """The share of `blocks`' parameter tensors that are DTensors."""
+        total = sum(self.parameter_tensors[b] for b in blocks)
+        # A tied parameter is counted at its first block, and distributed where it is planned.
+        return min(1.0, sum(self.distributed_tensors[b] for b in blocks) / total) if total else 0.0
 
     def activations_kept(self, blocks: list[int], tp: int) -> float:
         """The share of `blocks`' saved activations that one of `tp` ranks holds."""
@@ -141,6 +160,24 @@ def split_parameters(module: nn.Module, style: ParallelStyle) -> list[nn.Paramet
     return []
 
 
+def distributes(style: ParallelStyle) -> bool:
+    """Whether `style` makes its module's parameters DTensors (split, or replicated for
+    sequence parallel's norms); a layout change around a module (PrepareModuleInput) does
+    not."""
+    return isinstance(style, (ColwiseParallel, RowwiseParallel, SequenceParallel))
+
+
+def parameter_tensors(model: nn.Sequential) -> list[int]:
+    """Each block's parameter tensors, one shared by several blocks counted at the first."""
+    seen: set[int] = set()
+    counts = []
+    for block in model:
+        owned = [p for p in block.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in owned)
+        counts.append(len(owned))
+    return counts
+
+
 def block_of(name: str) -> int:
     return int(name.split(".")[0])
 
@@ -177,9 +214,13 @@ def tp_split(model: nn.Sequential, plan: dict[str, ParallelStyle], inputs: Tree)
         return hook
 
     handles = []
+    distributed, layers = [0] * len(model), [0] * len(model)
     for name, style in plan.items():
         module = model.get_submodule(name)
         split_bytes[block_of(name)] += sum(p.nbytes for p in split_parameters(module, style))
+        if distributes(style):
+            distributed[block_of(name)] += len(list(module.parameters()))
+            layers[block_of(name)] += 1
         if isinstance(style, RowwiseParallel):
             handles.append(module.register_forward_hook(record(block_of(name))))
         if isinstance(style, ColwiseParallel):
@@ -208,7 +249,17 @@ def tp_split(model: nn.Sequential, plan: dict[str, ParallelStyle], inputs: Tree)
         inner = by_module.get(name, 0) - sum(by_module.get(child, 0) for child in children)
         split_flops[block_of(name)] += inner // samples
     per_sample = [[size // samples for size in sizes] for sizes in (saved.whole, saved.split)]
-    return TPSplit(split_bytes, flops, split_flops, outputs, input_gradients, *per_sample)
+    return TPSplit(
+        split_bytes,
+        flops,
+        split_flops,
+        outputs,
+        input_gradients,
+        *per_sample,
+        parameter_tensors(model),
+        distributed,
+        layers,
+    )
 
 
 class SavedActivations(torch.autograd.graph.saved_tensors_hooks):

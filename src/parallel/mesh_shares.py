@@ -56,6 +56,7 @@ class LayoutShares:
     layout: Layout
     runs_ddp: bool  # dp_replicate alone: torch's DDP
     shards: bool  # FSDP2 shards the model over dp_shard (set, even of one rank)
+    fsdp: bool  # FSDP2 wraps the model (of one rank too: its parameters are DTensors)
     stage_cut: StageCut | None
     stage_points: tuple[int, ...] = ()
     split: TPSplit | None = None
@@ -114,11 +115,22 @@ class LayoutShares:
                     state_shards=layout.fsdp_shards,
                     state_kept=state_kept,
                     flops_kept=flops_kept / layout.cp,
+                    dtensor_parameters=self.dtensor_parameters(blocks),
+                    dtensor_layers=sum(self.split.distributed_layers[b] for b in blocks)
+                    if self.split is not None
+                    else 0,
                     activations_kept=activations_kept * ring_activations_kept(layout.cp),
                     **self.running_share(sizes, blocks, micro_batch // layout.dp),
                 )
             )
         return shares
+
+    def dtensor_parameters(self, blocks: list[int]) -> float:
+        """The share of `blocks`' parameter tensors that are DTensors: all under FSDP2, else
+        those tensor parallel plans (`TPSplit.distributed_share`)."""
+        if self.fsdp:
+            return 1.0
+        return self.split.distributed_share(blocks) if self.split is not None else 0.0
 
     def replica_shares(self, sizes: ModelSizes, samples: int) -> list[DeviceShare]:
         """A DDP replica fed `samples` per micro-step: the whole model, or its stages under the

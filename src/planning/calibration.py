@@ -24,12 +24,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from src.parallel.base import usable_cores
 from src.parallel.shares import COLLECTIVES
 from src.planning.timing import best_time_s, typical_time_s
 from src.planning.work import WorkCounter, size_class
-from src.planning.wrapper_costs import replica_threads_s, wrapper_message_s
+from src.planning.wrapper_costs import dtensor_costs_s, replica_threads_s, wrapper_message_s
 from src.runtime.forking import become_forked_child, start_rank_server
 
 PROJECT = "parallel-training-template"
@@ -43,7 +44,7 @@ ELEMENTWISE = 2**20  # floats added in place: memory-bound, as optimizers and ac
 SIZES = (2**10, 2**20)  # bytes per message: latency, then bandwidth
 PROCESS_COUNTS = (1, 2, 4)
 CALMER = 0.5
-VERSION = 7  # of the figures, in the cache's name: another version's are measured again
+VERSION = 8  # of the figures, in the cache's name: another version's are measured again
 
 
 @dataclass
@@ -68,6 +69,12 @@ class Calibration:
     costs in a training step beyond its collective's latency, its own work and the waits
     (`wrapper_costs.py`; negative where the bare collective read slower); on CPU also dp, by
     replicas: a micro-step's cost of running them in threads of one process."""
+    dtensor_op_s: float = 0.0
+    """The seconds an optimizer's op on DTensors costs beyond the same op on plain tensors
+    (`wrapper_costs.dtensor_costs_s`)."""
+    dtensor_layer_s: float = 0.0
+    """The seconds a tensor-parallel layer's forward and backward cost beyond the plain
+    layer's, in one process: DTensor's dispatch of its ops (`wrapper_costs.dtensor_costs_s`)."""
     seconds: float = 0.0
     """How long measuring took."""
     load_per_core: float = 0.0
@@ -168,6 +175,8 @@ def calibrate(device_type: str) -> Calibration:
         op,
         between_processes["collectives"],
         wrappers,
+        between_processes["dtensor"]["op"],
+        between_processes["dtensor"]["layer"],
         seconds=time.perf_counter() - started,
         load_per_core=load,
     )
@@ -239,13 +248,15 @@ def tiny_step_s_and_ops(device: torch.device, depth: int) -> tuple[float, int]:
 def process_figures(device_type: str) -> dict[str, dict]:
     """`collectives`: each collective's [latency, s per byte] at each of `PROCESS_COUNTS`
     processes (the largest in one job of that many processes, the others in groups of its
-    first ranks); `wrappers`: each wrapper's seconds per message at each (`wrapper_costs`)."""
+    first ranks); `wrappers`: each wrapper's seconds per message at each (`wrapper_costs`);
+    `dtensor`: DTensor's own costs in one process (`wrapper_costs.dtensor_costs_s`)."""
     world = max(PROCESS_COUNTS)
     if device_type == "cuda":
         world = min(world, torch.cuda.device_count())
         if world < 2:
             collectives = {name: {"2": [0.0, 0.0]} for name in COLLECTIVES}
-            return {"collectives": collectives, "wrappers": {}}
+            dtensor = {"op": 0.0, "layer": 0.0}
+            return {"collectives": collectives, "wrappers": {}, "dtensor": dtensor}
     server = start_rank_server()  # its forks import nothing: seconds sooner than interpreters
     forkserver = multiprocessing.get_context("forkserver")
     with tempfile.TemporaryDirectory() as folder:
@@ -310,14 +321,20 @@ def measure_collectives(
             ranks: {name: by[str(ranks)][0] for name, by in figures.items() if str(ranks) in by}
             for ranks in PROCESS_COUNTS
         }
+        alone = dist.new_group([0])  # rank 0 measures, the others wait
+        mesh = DeviceMesh.from_group(alone, device.type) if rank == 0 else None
+        dtensor = [dtensor_costs_s(mesh, device) if mesh else None]
+        dist.broadcast_object_list(dtensor, src=0)
         for processes in [count for count in PROCESS_COUNTS if count <= world]:
-            for wrapper, seconds in wrapper_message_s(rank, processes, device, latencies).items():
+            found = wrapper_message_s(rank, processes, device, latencies, dtensor[0]["layer"])
+            for wrapper, seconds in found.items():
                 wrappers.setdefault(wrapper, {})[str(processes)] = seconds
             dist.barrier()
     finally:
         dist.destroy_process_group()
     if rank == 0:
-        Path(results).write_text(json.dumps({"collectives": figures, "wrappers": wrappers}))
+        found = {"collectives": figures, "wrappers": wrappers, "dtensor": dtensor[0]}
+        Path(results).write_text(json.dumps(found))
 
 
 def latency_and_per_byte(times: list[float]) -> list[float]:

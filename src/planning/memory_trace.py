@@ -120,11 +120,12 @@ def model_sizes(cfg: DictConfig, data: Data) -> ModelSizes:
 class TracedShare:
     """What tracing a share found: its peaks by MemTracker's categories at each moment of a
     training step (`RUNNING`, `LOSS`, `STEPPING`) and of one evaluation batch; its work per
-    optimizer step (`work.WorkCounter`: aten ops, FLOPs by size, bytes moved), and its
-    micro-steps per optimizer step."""
+    optimizer step (`work.WorkCounter`: aten ops, FLOPs by size, bytes moved), of those ops
+    the optimizer's, and its micro-steps per optimizer step."""
 
     peaks: dict[str, dict[Any, int]]
     work: WorkCounter
+    optimizer_ops: int
     evaluation: dict[str, dict[Any, int]]
     micro_steps: int = 1
 
@@ -175,7 +176,7 @@ def trace_share(
             stage_inputs(model, start, eval_share.samples, sample_inputs) for start, _ in ranges
         ]
 
-        def training_step() -> None:
+        def training_step(stepping: contextlib.AbstractContextManager | None = None) -> None:
             for _ in range(trainer.accumulate):
                 inputs = [
                     fresh_inputs(template, from_stage=start > 0)
@@ -186,7 +187,8 @@ def trace_share(
                     loss = step(inputs, targets)
                 loss.backward()
             if not share.replica_only:  # a replica's gradients go to the output device
-                optimizer.step()
+                with stepping or contextlib.nullcontext():
+                    optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
         def evaluation_batch() -> None:
@@ -197,8 +199,9 @@ def trace_share(
                 eval_step(inputs, targets)
             stages.train()
 
+        optimizer_work = WorkCounter()  # its own ops, which `work` counts too
         with WorkCounter() as work:
-            training_step()
+            training_step(optimizer_work)
         tracker = StepMemTracker([block for stage in stages for block in stage])
         tracker.track_external(step, optimizer)
         with tracker:
@@ -208,7 +211,7 @@ def trace_share(
         with tracker:  # entered again: its peak starts again from what is alive
             evaluation_batch()
         evaluation = phase_peaks(tracker)
-    return TracedShare(peaks, work, evaluation, trainer.accumulate)
+    return TracedShare(peaks, work, optimizer_work.ops, evaluation, trainer.accumulate)
 
 
 @contextlib.contextmanager
@@ -253,6 +256,8 @@ def device_plan(
     work, kept = traced.work, share.flops_kept
     device.flops_by_size = {size: flops * kept for size, flops in work.flops_by_size.items()}
     device.moved_bytes, device.ops = work.moved_bytes * kept, work.ops
+    device.dtensor_ops = traced.optimizer_ops * share.dtensor_parameters
+    device.dtensor_layers = share.dtensor_layers * share.parts * traced.micro_steps  # passes
     device.evaluation = evaluation_peak(traced.evaluation, eval_share, offloaded)
     return device
 

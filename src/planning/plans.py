@@ -32,6 +32,12 @@ class DevicePlan:
     """Bytes its other ops read and write."""
     ops: int = 0
     """Aten ops."""
+    dtensor_ops: float = 0
+    """Of those, the optimizer's on DTensors (`DeviceShare.dtensor_parameters`), which pay
+    DTensor's dispatch beyond an op's own cost."""
+    dtensor_layers: int = 0
+    """Layers run forward and backward on DTensors per step (`DeviceShare.dtensor_layers`, in
+    each of its passes), each paying DTensor's dispatch of its ops."""
     evaluation: int = 0
     """The peak while it evaluates one batch: its state, and the forward's live activations."""
     host: int = 0

@@ -46,6 +46,8 @@ class DeviceSpeed:
             )
             + device.moved_bytes / self.moved_bytes_per_s(threads)
             + device.ops * self.op_s(threads)
+            + device.dtensor_ops * self.dtensor_op_s()
+            + device.dtensor_layers * self.dtensor_layer_s()
         )
 
     def flops_per_s(self, threads: int, size: int) -> float:
@@ -56,6 +58,14 @@ class DeviceSpeed:
         return math.inf
 
     def op_s(self, threads: int) -> float:
+        return 0.0
+
+    def dtensor_op_s(self) -> float:
+        """An optimizer op's seconds on DTensors beyond its own cost."""
+        return 0.0
+
+    def dtensor_layer_s(self) -> float:
+        """A tensor-parallel layer's seconds forward and backward beyond the plain layer's."""
         return 0.0
 
     def fixed_step_s(self, threads: int) -> float:
@@ -94,6 +104,12 @@ class CalibratedSpeed(DeviceSpeed):
 
     def op_s(self, threads: int) -> float:
         return self.figures.at_threads(self.figures.op_s, threads, best=min)
+
+    def dtensor_op_s(self) -> float:
+        return self.figures.dtensor_op_s
+
+    def dtensor_layer_s(self) -> float:
+        return self.figures.dtensor_layer_s
 
     def fixed_step_s(self, threads: int) -> float:
         return self.figures.at_threads(self.figures.step_s, threads, best=min)

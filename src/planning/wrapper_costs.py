@@ -20,13 +20,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
 from src.parallel.base import usable_cores
 from src.parallel.mechanisms.replicas import DataParallel
 from src.parallel.pipeline_schedules import apply_pp
-from src.planning.timing import typical_time_s, typical_times_s
+from src.planning.timing import best_time_s, typical_time_s, typical_times_s
+from src.planning.work import WorkCounter
 
 BLOCKS = 4  # a small model's depth: the wrapper's fixed cost spread over about as many units
 WIDTH = 16  # next to no arithmetic: the step is the wrappers' work and the messages
@@ -46,6 +48,7 @@ SENT = {
     "tp": {"all_reduce": 2 * BLOCKS - 1},
     "pp": {"send": 2 * MICROBATCHES},
 }
+TP_LAYERS = 2 * BLOCKS  # the Linears tensor parallel splits, each running on DTensors
 GROUP = 2  # ranks per wrapper group
 # dp's replicas on CPU: threads of one process, which contend for its cores' intra-op threads
 # only where the ops are large enough to run in parallel, so a layer of the default MLP's width.
@@ -142,7 +145,11 @@ def measured_together(processes: int) -> list[tuple[str, ...]]:
 
 
 def wrapper_message_s(
-    rank: int, processes: int, device: torch.device, latencies: dict[int, dict[str, float]]
+    rank: int,
+    processes: int,
+    device: torch.device,
+    latencies: dict[int, dict[str, float]],
+    tp_layer_s: float,
 ) -> dict[str, float]:
     """Each wrapper's seconds per message beyond its collective's latency (`latencies`: by
     ranks, then by collective) among `processes` processes, this one of rank `rank` (every
@@ -172,7 +179,11 @@ def wrapper_message_s(
     plain, *wrapped = steps_s(steps, together, device)
     beyond = {}
     for wrappers, step in zip(timed, wrapped, strict=True):
-        each = message_beyond_s(step - plain, wrappers, ranks, latencies)
+        # tp's layers cost their DTensor dispatch (`tp_layer_s`) with no message sent; with
+        # more processes than cores, each in turns.
+        layers_s = TP_LAYERS * tp_layer_s * max(1.0, processes / usable_cores())
+        own_s = layers_s if "tp" in wrappers else 0.0
+        each = message_beyond_s(step - plain - own_s, wrappers, ranks, latencies)
         beyond.update(dict.fromkeys(wrappers, each))
     return beyond
 
@@ -194,6 +205,33 @@ def message_beyond_s(
 
 def new_group(ranks: range) -> dist.ProcessGroup:
     return dist.new_group(list(ranks))
+
+
+def dtensor_costs_s(mesh: DeviceMesh, device: torch.device) -> dict[str, float]:
+    """DTensor's own costs in one process (`mesh` of one rank: no peer, no message), the best of
+    rounds (the machine's speed): `op`, the seconds an optimizer's op on DTensors costs beyond
+    the same op on plain tensors (AdamW's step, the template's default optimizer, over the tiny
+    model's parameters sharded, less its step over plain ones, over its ops); `layer`, a tensor-
+    parallel layer's forward and backward beyond the plain layer's (the tiny model's training
+    step under tp less the plain step, over its layers): DTensor's dispatch of every op, in
+    Python."""
+    plain = [nn.Parameter(p.detach().clone()) for p in tiny_model(device).parameters()]
+    split = [nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])) for p in plain]
+    for parameter in (*plain, *split):
+        parameter.grad = torch.ones_like(parameter)
+    fused = device.type == "cuda" or None  # as the template's AdamW
+    plain_step, split_step = (
+        torch.optim.AdamW(parameters, lr=1e-3, fused=fused).step for parameters in (plain, split)
+    )
+    with WorkCounter() as counter:
+        plain_step()
+    steps = [wrapped_step(wrappers, {"tp": mesh}, device) for wrappers in ((), ("tp",))]
+    works = [plain_step, split_step, *steps]
+    plain_s, split_s, step_s, tp_step_s = (best_time_s(work, device, REPEATS) for work in works)
+    return {
+        "op": max(0.0, (split_s - plain_s) / counter.ops),
+        "layer": max(0.0, (tp_step_s - step_s) / TP_LAYERS),
+    }
 
 
 def replica_threads_s(
