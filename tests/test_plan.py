@@ -434,15 +434,23 @@ def test_dtensor_s_dispatch_is_counted_where_parameters_and_layers_are_dtensors(
         ("parallel=tp",),
         ("parallel=fsdp",),
         ("parallel=ddp",),
+        ("parallel=fsdp_tp", "parallel.devices=4"),
         ("parallel=fsdp_tp_pp", "parallel.devices=4"),
     ]
     parallels = [cfg.parallel, *(compose_config(*five, *layout).parallel for layout in layouts)]
-    single, tp, fsdp, ddp, tp_pp = (plan.device_plans for plan in plan_all(cfg, parallels))
+    single, tp, fsdp, ddp, fsdp_tp, tp_pp = (p.device_plans for p in plan_all(cfg, parallels))
     assert [tp[0].dtensor_layers, fsdp[0].dtensor_layers, single[0].dtensor_layers] == [4, 0, 0]
     assert fsdp[0].dtensor_ops > 0 and tp[0].dtensor_ops == pytest.approx(0.8 * fsdp[0].dtensor_ops)
     assert single[0].dtensor_ops == ddp[0].dtensor_ops == 0
-    # tp 2 x pp 2: each stage holds one pair, run once for each of 2 micro-batches
+    # fsdp 2 x tp 2: FSDP2 makes every parameter a DTensor, and tp's layers run on DTensors
+    assert (fsdp_tp[0].dtensor_ops, fsdp_tp[0].dtensor_layers) == (fsdp[0].dtensor_ops, 4)
+    # tp 2 x pp 2 (no FSDP): each stage holds one pair, run once for each of 2 micro-batches;
+    # stage 0's 4 parameter tensors are its pair's, stage 1's 6 its pair's 4 and the head's 2
+    # (plain): 4 of the model's 10 tensors' optimizer ops on DTensors in each stage (AdamW runs
+    # about as many ops for each tensor)
     assert [device.dtensor_layers for device in tp_pp] == [2 * 2, 2 * 2]
+    shares = [device.dtensor_ops / fsdp[0].dtensor_ops for device in tp_pp]
+    assert shares == pytest.approx([0.4, 0.4], abs=0.02)
 
 
 def test_a_model_s_own_tensor_parallel_plan_reaches_the_planner(compose_config):

@@ -25,7 +25,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from src.components.batches import Tree, batch_size
 from src.components.precision import AUTOCAST_DTYPES
-from src.parallel.shares import Messages, ModelSizes, ring_bytes
+from src.parallel.shares import Messages, ModelSizes, owned_parameters, ring_bytes
 
 
 @dataclass(frozen=True)
@@ -68,8 +68,7 @@ class TPSplit:
     def distributed_share(self, blocks: list[int]) -> float:
         """The share of `blocks`' parameter tensors that are DTensors."""
         total = sum(self.parameter_tensors[b] for b in blocks)
-        # A tied parameter is counted at its first block, and distributed where it is planned.
-        return min(1.0, sum(self.distributed_tensors[b] for b in blocks) / total) if total else 0.0
+        return sum(self.distributed_tensors[b] for b in blocks) / total if total else 0.0
 
     def activations_kept(self, blocks: list[int], tp: int) -> float:
         """The share of `blocks`' saved activations that one of `tp` ranks holds."""
@@ -167,17 +166,6 @@ def distributes(style: ParallelStyle) -> bool:
     return isinstance(style, (ColwiseParallel, RowwiseParallel, SequenceParallel))
 
 
-def parameter_tensors(model: nn.Sequential) -> list[int]:
-    """Each block's parameter tensors, one shared by several blocks counted at the first."""
-    seen: set[int] = set()
-    counts = []
-    for block in model:
-        owned = [p for p in block.parameters() if id(p) not in seen]
-        seen.update(id(p) for p in owned)
-        counts.append(len(owned))
-    return counts
-
-
 def block_of(name: str) -> int:
     return int(name.split(".")[0])
 
@@ -256,7 +244,7 @@ def tp_split(model: nn.Sequential, plan: dict[str, ParallelStyle], inputs: Tree)
         outputs,
         input_gradients,
         *per_sample,
-        parameter_tensors(model),
+        [len(owned) for owned in owned_parameters(model)],
         distributed,
         layers,
     )

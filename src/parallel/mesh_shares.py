@@ -116,9 +116,7 @@ class LayoutShares:
                     state_kept=state_kept,
                     flops_kept=flops_kept / layout.cp,
                     dtensor_parameters=self.dtensor_parameters(blocks),
-                    dtensor_layers=sum(self.split.distributed_layers[b] for b in blocks)
-                    if self.split is not None
-                    else 0,
+                    dtensor_layers=self.dtensor_layers(blocks),
                     activations_kept=activations_kept * ring_activations_kept(layout.cp),
                     **self.running_share(sizes, blocks, micro_batch // layout.dp),
                 )
@@ -131,6 +129,12 @@ class LayoutShares:
         if self.fsdp:
             return 1.0
         return self.split.distributed_share(blocks) if self.split is not None else 0.0
+
+    def dtensor_layers(self, blocks: list[int]) -> int:
+        """The layers of `blocks` that tensor parallel runs on DTensors (`TPSplit`)."""
+        if self.split is None:
+            return 0
+        return sum(self.split.distributed_layers[b] for b in blocks)
 
     def replica_shares(self, sizes: ModelSizes, samples: int) -> list[DeviceShare]:
         """A DDP replica fed `samples` per micro-step: the whole model, or its stages under the

@@ -120,6 +120,16 @@ class Messages:
     measures (empty: a bare collective)."""
 
 
+def owned_parameters(model: nn.Sequential) -> list[list[nn.Parameter]]:
+    """Each block's parameters, one shared by several blocks at the first of them."""
+    seen: set[int] = set()
+    owned = []
+    for block in model:
+        owned.append([p for p in block.parameters() if id(p) not in seen])
+        seen.update(id(p) for p in owned[-1])
+    return owned
+
+
 def tied_block_groups(model: nn.Sequential) -> list[list[int]]:
     """Blocks that share a parameter, grouped (each block alone when it shares none)."""
     groups: list[tuple[set[int], list[int]]] = []

@@ -70,8 +70,9 @@ class Calibration:
     (`wrapper_costs.py`; negative where the bare collective read slower); on CPU also dp, by
     replicas: a micro-step's cost of running them in threads of one process."""
     dtensor_op_s: float = 0.0
-    """The seconds an optimizer's op on DTensors costs beyond the same op on plain tensors
-    (`wrapper_costs.dtensor_costs_s`)."""
+    """The seconds an optimizer's op (as the planner's trace counts them) on DTensors costs
+    beyond the same op on plain tensors (`wrapper_costs.dtensor_costs_s`; 0 where no job of
+    processes ran: CUDA with one GPU)."""
     dtensor_layer_s: float = 0.0
     """The seconds a tensor-parallel layer's forward and backward cost beyond the plain
     layer's, in one process: DTensor's dispatch of its ops (`wrapper_costs.dtensor_costs_s`)."""
@@ -322,12 +323,13 @@ def measure_collectives(
             for ranks in PROCESS_COUNTS
         }
         alone = dist.new_group([0])  # rank 0 measures, the others wait
-        mesh = DeviceMesh.from_group(alone, device.type) if rank == 0 else None
-        dtensor = [dtensor_costs_s(mesh, device) if mesh else None]
+        dtensor = [None]
+        if rank == 0:
+            dtensor = [dtensor_costs_s(DeviceMesh.from_group(alone, device.type), device)]
         dist.broadcast_object_list(dtensor, src=0)
         for processes in [count for count in PROCESS_COUNTS if count <= world]:
-            found = wrapper_message_s(rank, processes, device, latencies, dtensor[0]["layer"])
-            for wrapper, seconds in found.items():
+            costs = wrapper_message_s(rank, processes, device, latencies, dtensor[0]["layer"])
+            for wrapper, seconds in costs.items():
                 wrappers.setdefault(wrapper, {})[str(processes)] = seconds
             dist.barrier()
     finally:

@@ -25,7 +25,7 @@ from src.components.optimizer import build_optimizer
 from src.components.precision import autocast
 from src.config.base import typed
 from src.config.trainer import TrainerConfig
-from src.parallel.shares import DeviceShare, ModelSizes, tied_block_groups
+from src.parallel.shares import DeviceShare, ModelSizes, owned_parameters, tied_block_groups
 from src.planning.plans import DevicePlan
 from src.planning.work import WorkCounter
 
@@ -102,14 +102,8 @@ def model_sizes(cfg: DictConfig, data: Data) -> ModelSizes:
         for block in model:
             value = block(value)
             outputs.append(sum(leaf.nbytes for leaf in tree_leaves(value) if torch.is_tensor(leaf)))
-    seen: set[int] = set()
-    block_parameters = []
-    for block in model:
-        owned = [p for p in block.parameters() if id(p) not in seen]  # a tied one counts once
-        seen.update(id(p) for p in owned)
-        block_parameters.append(sum(p.nbytes for p in owned))
     return ModelSizes(
-        block_parameter_bytes=block_parameters,
+        block_parameter_bytes=[sum(p.nbytes for p in owned) for owned in owned_parameters(model)],
         input_bytes=inputs.nbytes,
         block_output_bytes=outputs,
         shared_blocks=tied_block_groups(model),
@@ -242,7 +236,9 @@ def device_plan(
     categories, shared out, with what the strategy adds at that moment (`share.running_bytes`
     while a block runs, `share.loss_bytes` while the loss does); and its evaluation's peak
     (`eval_share`'s). `offloaded` (parallel.offload=cpu): its share of the state is in host
-    memory, at the most it holds."""
+    memory, at the most it holds. Its work: the traced share's, its FLOPs and bytes cut to
+    `share.flops_kept`, and of its ops those on DTensors (`share.dtensor_parameters` of the
+    optimizer's, `share.dtensor_layers` in each pass)."""
     added = {RUNNING: share.running_bytes, LOSS: share.loss_bytes}
     devices = []
     for phase, peak in traced.peaks.items():

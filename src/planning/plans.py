@@ -32,7 +32,7 @@ class DevicePlan:
     """Bytes its other ops read and write."""
     ops: int = 0
     """Aten ops."""
-    dtensor_ops: float = 0
+    dtensor_ops: float = 0.0
     """Of those, the optimizer's on DTensors (`DeviceShare.dtensor_parameters`), which pay
     DTensor's dispatch beyond an op's own cost."""
     dtensor_layers: int = 0

@@ -38,7 +38,8 @@ class DeviceSpeed:
 
     def compute_s(self, device: DevicePlan, threads: int) -> float:
         """`device`'s work (`DevicePlan`) at `threads`: its matmuls' FLOPs at the rates of
-        their sizes, its other ops' bytes at memory's rate, and each op's own cost."""
+        their sizes, its other ops' bytes at memory's rate, each op's own cost, and DTensor's
+        dispatch of its optimizer's ops and its layers on DTensors."""
         return (
             sum(
                 flops / self.flops_per_s(threads, size)

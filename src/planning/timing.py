@@ -48,7 +48,15 @@ def round_times_s(
 
 def best_time_s(work: Callable[[], Any], device: torch.device, repeats: int = 1) -> float:
     """The shortest of `ROUNDS` rounds of `work` (`round_times_s`), per run of `work`."""
-    return min(round_times_s([work], device, [repeats], ROUNDS, None)[0])
+    return best_times_s([work], device, repeats)[0]
+
+
+def best_times_s(
+    works: Sequence[Callable[[], Any]], device: torch.device, repeats: int = 1
+) -> list[float]:
+    """Each of `works`' shortest of `ROUNDS` rounds, taken in turns (`round_times_s`), per run."""
+    rounds = round_times_s(works, device, [repeats] * len(works), ROUNDS, None)
+    return [min(each) for each in rounds]
 
 
 def typical_times_s(

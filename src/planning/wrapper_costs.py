@@ -1,14 +1,19 @@
 """The calibration's cost of a message as each wrapper sends it in a training step: DDP's reducer
 (its hooks, the bucket copies), FSDP2's units (pre- and post-hooks, the all-gather's copy-in and
-copy-out), tensor parallel's pairs (DTensor's dispatch of every op) and the 1F1B schedule (its
-stages' own work). A bare collective's best time misses all of that, and the wait for a peer
-that is not there yet. The figure is what a message costs beyond its collective's latency: a
-training step of a tiny model under the wrapper, less the same step unwrapped and less the
-latencies of the collectives it sent, over the messages. Measured in the calibration's job of
-processes (`calibration.measure_collectives`) within 1 of them, among 2 and among 4: DDP over all
-4, as ddp 4 runs; the others in groups of 2 (fsdp and tp together on a 2 x 2 mesh, as fsdp 2 x tp
-2 runs). Within one process only DDP and FSDP, which still run their hooks and copies there (ddp
-and fsdp on one device), wait for no peer."""
+copy-out), tensor parallel's pairs and the 1F1B schedule (its stages' own work). A bare
+collective's best time misses all of that, and the wait for a peer that is not there yet. The
+figure is what a message costs beyond its collective's latency: a training step of a tiny model
+under the wrapper, less the same step unwrapped and less the latencies of the collectives it
+sent, over the messages. Measured in the calibration's job of processes
+(`calibration.measure_collectives`) within 1 of them, among 2 and among 4: DDP over all 4, as
+ddp 4 runs; the others in groups of 2 (fsdp and tp together on a 2 x 2 mesh, as fsdp 2 x tp 2
+runs). Within one process only DDP and FSDP, which still run their hooks and copies there (ddp
+and fsdp on one device), wait for no peer.
+
+DTensor's own costs in one process (`dtensor_costs_s`: an optimizer's op, a tp layer) are
+measured apart, and the planner counts them where they run: tp's figure is measured beyond its
+layers'. (The steps' SGD, one op per tensor, runs on DTensors under fsdp and tp: its dispatch
+stays in their figures, a few hundredths of a millisecond a message.)"""
 
 from __future__ import annotations
 
@@ -21,13 +26,19 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
 from torch.nn.parallel import DistributedDataParallel
 
+from src.components.optimizer import adamw
 from src.parallel.base import usable_cores
 from src.parallel.mechanisms.replicas import DataParallel
 from src.parallel.pipeline_schedules import apply_pp
-from src.planning.timing import best_time_s, typical_time_s, typical_times_s
+from src.planning.timing import best_times_s, typical_time_s, typical_times_s
 from src.planning.work import WorkCounter
 
 BLOCKS = 4  # a small model's depth: the wrapper's fixed cost spread over about as many units
@@ -48,7 +59,6 @@ SENT = {
     "tp": {"all_reduce": 2 * BLOCKS - 1},
     "pp": {"send": 2 * MICROBATCHES},
 }
-TP_LAYERS = 2 * BLOCKS  # the Linears tensor parallel splits, each running on DTensors
 GROUP = 2  # ranks per wrapper group
 # dp's replicas on CPU: threads of one process, which contend for its cores' intra-op threads
 # only where the ops are large enough to run in parallel, so a layer of the default MLP's width.
@@ -105,21 +115,34 @@ def wrapped_step(
     wrappers: tuple[str, ...], meshes: dict[str, DeviceMesh], device: torch.device
 ) -> Callable[[], None]:
     """A training step of the tiny model on `device` under `wrappers` (none: plain), each over
-    its 1-D mesh in `meshes` (tp before fsdp, as the mesh layouts apply them)."""
+    its 1-D mesh in `meshes`."""
     if "pp" in wrappers:
         return pipeline_step(meshes["pp"], device)
+    model = wrapped_model(wrappers, meshes, device)
+    return training_step(model, torch.randn(SAMPLES, WIDTH, device=device))
+
+
+def wrapped_model(
+    wrappers: tuple[str, ...], meshes: dict[str, DeviceMesh], device: torch.device
+) -> nn.Module:
+    """The tiny model on `device` under `wrappers` other than pp, each over its 1-D mesh in
+    `meshes` (tp before fsdp, as the mesh layouts apply them)."""
     model = tiny_model(device)
     if "tp" in wrappers:
-        plan = {f"{block}.0": ColwiseParallel() for block in range(BLOCKS)}
-        plan.update({f"{block}.2": RowwiseParallel() for block in range(BLOCKS)})
-        model = parallelize_module(model, meshes["tp"], plan)
+        model = parallelize_module(model, meshes["tp"], tp_plan())
     if "fsdp" in wrappers:
         for block in model:
             fully_shard(block, mesh=meshes["fsdp"])
         fully_shard(model, mesh=meshes["fsdp"])
     if "ddp" in wrappers:
         model = DistributedDataParallel(model, process_group=meshes["ddp"].get_group())
-    return training_step(model, torch.randn(SAMPLES, WIDTH, device=device))
+    return model
+
+
+def tp_plan() -> dict[str, ParallelStyle]:
+    """Each block of the tiny model a Colwise/Rowwise pair."""
+    plan: dict[str, ParallelStyle] = {f"{block}.0": ColwiseParallel() for block in range(BLOCKS)}
+    return plan | {f"{block}.2": RowwiseParallel() for block in range(BLOCKS)}
 
 
 def steps_s(
@@ -156,7 +179,8 @@ def wrapper_message_s(
     rank of the world calls it, those beyond `processes` only to make the groups; they return
     {}). DDP runs over all `processes`, as a ddp job all-reduces among all of its processes
     (their waits on each other grow with their number); the others in groups of `GROUP` (of
-    one, in one process). Wrappers timed together share one figure."""
+    one, in one process). Wrappers timed together share one figure. tp's steps less its layers'
+    own cost (`tp_layer_s` each, `dtensor_costs_s`), which the planner counts by layer."""
     size = min(GROUP, processes)
     groups = [new_group(range(first, first + size)) for first in range(0, processes, size)]
     square = processes == GROUP * GROUP
@@ -174,14 +198,14 @@ def wrapper_message_s(
         dims = [across[rank % GROUP], groups[rank // GROUP]]
         mesh = DeviceMesh.from_group(dims, device.type, grid, mesh_dim_names=("dp", "tp"))
         meshes.update(fsdp=mesh["dp"], tp=mesh["tp"])
+    # tp's layers cost their DTensor dispatch (`tp_layer_s`) with no message sent; with more
+    # processes than cores, each in turns.
+    layers_s = len(tp_plan()) * tp_layer_s * max(1.0, processes / usable_cores())
     timed = measured_together(processes)
     steps = [wrapped_step(wrappers, meshes, device) for wrappers in [(), *timed]]
     plain, *wrapped = steps_s(steps, together, device)
     beyond = {}
     for wrappers, step in zip(timed, wrapped, strict=True):
-        # tp's layers cost their DTensor dispatch (`tp_layer_s`) with no message sent; with
-        # more processes than cores, each in turns.
-        layers_s = TP_LAYERS * tp_layer_s * max(1.0, processes / usable_cores())
         own_s = layers_s if "tp" in wrappers else 0.0
         each = message_beyond_s(step - plain - own_s, wrappers, ranks, latencies)
         beyond.update(dict.fromkeys(wrappers, each))
@@ -208,30 +232,46 @@ def new_group(ranks: range) -> dist.ProcessGroup:
 
 
 def dtensor_costs_s(mesh: DeviceMesh, device: torch.device) -> dict[str, float]:
-    """DTensor's own costs in one process (`mesh` of one rank: no peer, no message), the best of
-    rounds (the machine's speed): `op`, the seconds an optimizer's op on DTensors costs beyond
-    the same op on plain tensors (AdamW's step, the template's default optimizer, over the tiny
-    model's parameters sharded, less its step over plain ones, over its ops); `layer`, a tensor-
-    parallel layer's forward and backward beyond the plain layer's (the tiny model's training
-    step under tp less the plain step, over its layers): DTensor's dispatch of every op, in
-    Python."""
+    """DTensor's own costs in one process (`mesh` of one rank: no peer, no message): `op`, the
+    seconds an optimizer's op on DTensors costs beyond the same op on plain tensors (the
+    template's AdamW over the tiny model's parameters sharded, less over plain ones, over the
+    ops the planner's trace counts for it: its first step's, on the CPU, where AdamW updates
+    one tensor at a time; on GPUs a fused step runs fewer); `layer`, a tp layer's forward and
+    backward beyond the plain layer's (the tiny model's under tp less its plain one's, over its
+    layers). Taking turns, the best of rounds: the machine's speed."""
     plain = [nn.Parameter(p.detach().clone()) for p in tiny_model(device).parameters()]
     split = [nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])) for p in plain]
     for parameter in (*plain, *split):
         parameter.grad = torch.ones_like(parameter)
-    fused = device.type == "cuda" or None  # as the template's AdamW
-    plain_step, split_step = (
-        torch.optim.AdamW(parameters, lr=1e-3, fused=fused).step for parameters in (plain, split)
-    )
+    plain_step, split_step = (adamw_over(parameters).step for parameters in (plain, split))
+    traced = [nn.Parameter(p.detach().cpu()) for p in plain]
+    for parameter in traced:
+        parameter.grad = torch.ones_like(parameter)
     with WorkCounter() as counter:
-        plain_step()
-    steps = [wrapped_step(wrappers, {"tp": mesh}, device) for wrappers in ((), ("tp",))]
-    works = [plain_step, split_step, *steps]
-    plain_s, split_s, step_s, tp_step_s = (best_time_s(work, device, REPEATS) for work in works)
+        adamw_over(traced).step()
+    inputs = torch.randn(SAMPLES, WIDTH, device=device)
+    models = [wrapped_model(wrappers, {"tp": mesh}, device) for wrappers in ((), ("tp",))]
+    works = [plain_step, split_step, *(passes(model, inputs) for model in models)]
+    plain_s, split_s, pass_s, tp_pass_s = best_times_s(works, device, REPEATS)
     return {
         "op": max(0.0, (split_s - plain_s) / counter.ops),
-        "layer": max(0.0, (tp_step_s - step_s) / TP_LAYERS),
+        "layer": max(0.0, (tp_pass_s - pass_s) / len(tp_plan())),
     }
+
+
+def adamw_over(parameters: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """The template's AdamW (fused on GPUs) over `parameters`, torch's default settings."""
+    return adamw([{"params": parameters}], betas=(0.9, 0.999), lr=1e-3)
+
+
+def passes(model: nn.Module, inputs: torch.Tensor) -> Callable[[], None]:
+    """`model`'s forward and backward on `inputs`, its gradients dropped after."""
+
+    def run() -> None:
+        loss_of(model(inputs), inputs).backward()
+        model.zero_grad(set_to_none=True)
+
+    return run
 
 
 def replica_threads_s(
