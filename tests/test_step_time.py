@@ -148,6 +148,7 @@ def test_the_calibration_is_read_from_its_cache_and_times_each_message(tmp_path,
         op_s={"1": 2e-6},
         collectives={"all_reduce": {"1": [1e-5, 0.0], "2": [1e-4, 1e-9], "4": [2e-4, 2e-9]}},
         wrappers={"ddp": {"1": 2e-5, "2": 5e-4, "4": 8e-4}, "dp": {"2": 3e-4, "4": 6e-4}},
+        wrapper_bytes={"ddp": {"1": 0.0, "2": 1e-9, "4": -5e-9}},
         dtensor_op_s=3e-5,
         dtensor_layer_s=1e-3,
     )
@@ -164,8 +165,9 @@ def test_the_calibration_is_read_from_its_cache_and_times_each_message(tmp_path,
     # A wrapper's message: the collective's, plus the wrapper's cost beyond it at the job's
     # number of processes.
     ddp = Messages("all_reduce", 2, 1000, 2, wrapper="ddp")
-    assert speed.message_s(ddp, 2) == pytest.approx(2 * (1.01e-4 + 5e-4))
-    assert speed.message_s(ddp, 4) == pytest.approx(2 * (1.01e-4 + 8e-4))
+    # and its bytes' cost beyond the collective's at that number (never below none)
+    assert speed.message_s(ddp, 2) == pytest.approx(2 * (1.02e-4 + 5e-4))
+    assert speed.message_s(ddp, 4) == pytest.approx(2 * (1e-4 + 8e-4))
     # Within one process (ddp on one device) a message waits for no peer.
     alone = Messages("all_reduce", 2, 1000, 1, wrapper="ddp")
     assert speed.message_s(alone, 1) == pytest.approx(2 * (1e-5 + 2e-5))
@@ -185,7 +187,7 @@ ALL_REDUCE_S = 1e-4  # the latency the wrappers' figures are measured beyond (th
 def measure_wrappers(rank: int, store: str, results: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     latencies = {2: {"all_reduce": ALL_REDUCE_S}}
-    figures = wrapper_message_s(rank, 2, torch.device("cpu"), latencies, tp_layer_s=0.0)
+    figures = wrapper_message_s(rank, 2, torch.device("cpu"), latencies, 0.0, {2: 0.0})
     if rank == 0:
         with open(results, "w") as file:
             json.dump(figures, file)
@@ -194,14 +196,18 @@ def measure_wrappers(rank: int, store: str, results: str) -> None:
 
 def test_the_calibration_times_a_message_of_each_wrapper_inside_a_training_step(tmp_path):
     """DDP's, FSDP2's, tensor parallel's and the 1F1B pipeline's steps of a tiny model on 2 gloo
-    ranks, less the plain step and the collectives' latencies: each wrapper's message costs
+    ranks (DDP's also at a wider model's bucket), less the plain step and the collectives'
+    latencies: each wrapper's message costs
     what it adds beyond those, its latency and figure together never negative (9 s of CPU in 2
     processes: 25-30 s at a load of 6 per core; under such load a cost can come out 0, as
     ddp's did once)."""
     results = tmp_path / "wrappers.json"
     forked_ranks(measure_wrappers, str(tmp_path / "store"), str(results))
-    figures = json.loads(results.read_text())
+    figures, per_byte = json.loads(results.read_text())
     assert set(figures) == set(SENT)
+    # DDP's bucket at about 1 MB: its bytes cost beyond a bare all-reduce's (here none), a
+    # figure of nanoseconds a byte
+    assert set(per_byte) == {"ddp"} and abs(per_byte["ddp"]) < 1e-7, per_byte
     latencies = {"ddp": ALL_REDUCE_S, "tp": ALL_REDUCE_S}
     in_step = {wrapper: s + latencies.get(wrapper, 0.0) for wrapper, s in figures.items()}
     assert all(-1e-9 <= seconds < 1 for seconds in in_step.values()), figures

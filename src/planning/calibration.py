@@ -44,7 +44,7 @@ ELEMENTWISE = 2**20  # floats added in place: memory-bound, as optimizers and ac
 SIZES = (2**10, 2**20)  # bytes per message: latency, then bandwidth
 PROCESS_COUNTS = (1, 2, 4)
 CALMER = 0.5
-VERSION = 8  # of the figures, in the cache's name: another version's are measured again
+VERSION = 9  # of the figures, in the cache's name: another version's are measured again
 
 
 @dataclass
@@ -69,6 +69,9 @@ class Calibration:
     costs in a training step beyond its collective's latency, its own work and the waits
     (`wrapper_costs.py`; negative where the bare collective read slower); on CPU also dp, by
     replicas: a micro-step's cost of running them in threads of one process."""
+    wrapper_bytes: dict[str, dict[str, float]] = field(default_factory=dict)
+    """By wrapper (ddp), then processes in the job: the seconds per byte its message costs in a
+    training step beyond the bare collective's (`wrapper_costs.wrapper_message_s`)."""
     dtensor_op_s: float = 0.0
     """The seconds an optimizer's op (as the planner's trace counts them) on DTensors costs
     beyond the same op on plain tensors (`wrapper_costs.dtensor_costs_s`; 0 where no job of
@@ -102,9 +105,12 @@ class Calibration:
     ) -> float:
         """One message's seconds among `ranks` of a job of `processes`: latency plus bytes
         over bandwidth, at the nearest `ranks` measured (below where there is one), plus the
-        `wrapper`'s cost of a message beyond that, at the nearest `processes` measured."""
+        `wrapper`'s cost of a message and of a byte beyond those, at the nearest `processes`
+        measured (together never negative)."""
         latency, per_byte = nearest(self.collectives[collective], ranks) if collective else (0, 0)
         beyond = nearest(self.wrappers[wrapper], processes) if self.wrappers.get(wrapper) else 0.0
+        if self.wrapper_bytes.get(wrapper):
+            per_byte = max(0.0, per_byte + nearest(self.wrapper_bytes[wrapper], processes))
         return max(0.0, latency + beyond) + size * per_byte
 
 
@@ -176,6 +182,7 @@ def calibrate(device_type: str) -> Calibration:
         op,
         between_processes["collectives"],
         wrappers,
+        between_processes["wrapper_bytes"],
         between_processes["dtensor"]["op"],
         between_processes["dtensor"]["layer"],
         seconds=time.perf_counter() - started,
@@ -257,7 +264,12 @@ def process_figures(device_type: str) -> dict[str, dict]:
         if world < 2:
             collectives = {name: {"2": [0.0, 0.0]} for name in COLLECTIVES}
             dtensor = {"op": 0.0, "layer": 0.0}
-            return {"collectives": collectives, "wrappers": {}, "dtensor": dtensor}
+            return {
+                "collectives": collectives,
+                "wrappers": {},
+                "wrapper_bytes": {},
+                "dtensor": dtensor,
+            }
     server = start_rank_server()  # its forks import nothing: seconds sooner than interpreters
     forkserver = multiprocessing.get_context("forkserver")
     with tempfile.TemporaryDirectory() as folder:
@@ -308,6 +320,7 @@ def measure_collectives(
     )
     figures: dict[str, dict[str, list[float]]] = {name: {} for name in COLLECTIVES}
     wrappers: dict[str, dict[str, float]] = {}
+    wrapper_bytes: dict[str, dict[str, float]] = {}
     try:
         for ranks in [count for count in PROCESS_COUNTS if count <= world]:
             group = dist.new_group(list(range(ranks)))
@@ -327,15 +340,23 @@ def measure_collectives(
         if rank == 0:
             dtensor = [dtensor_costs_s(DeviceMesh.from_group(alone, device.type), device)]
         dist.broadcast_object_list(dtensor, src=0)
+        slopes = {int(ranks): slope for ranks, (_, slope) in figures["all_reduce"].items()}
         for processes in [count for count in PROCESS_COUNTS if count <= world]:
-            costs = wrapper_message_s(rank, processes, device, latencies, dtensor[0]["layer"])
-            for wrapper, seconds in costs.items():
-                wrappers.setdefault(wrapper, {})[str(processes)] = seconds
+            layer_s = dtensor[0]["layer"]
+            costs = wrapper_message_s(rank, processes, device, latencies, layer_s, slopes)
+            for found, by_wrapper in zip((wrappers, wrapper_bytes), costs, strict=True):
+                for wrapper, seconds in by_wrapper.items():
+                    found.setdefault(wrapper, {})[str(processes)] = seconds
             dist.barrier()
     finally:
         dist.destroy_process_group()
     if rank == 0:
-        found = {"collectives": figures, "wrappers": wrappers, "dtensor": dtensor[0]}
+        found = {
+            "collectives": figures,
+            "wrappers": wrappers,
+            "wrapper_bytes": wrapper_bytes,
+            "dtensor": dtensor[0],
+        }
         Path(results).write_text(json.dumps(found))
 
 

@@ -44,6 +44,7 @@ from src.planning.work import WorkCounter
 BLOCKS = 4  # a small model's depth: the wrapper's fixed cost spread over about as many units
 WIDTH = 16  # next to no arithmetic: the step is the wrappers' work and the messages
 SAMPLES = 8
+BUCKET_WIDTH = 176  # a tiny model of about 1 MB of parameters: a real model's DDP bucket
 MICROBATCHES = 2  # the pipeline's (parallel.microbatches' default)
 REPEATS = 5  # steps a round: longer runs of back-to-back steps wait less than training steps do
 # The wrappers take turns round by round: a message's wait swings from one second to the next
@@ -66,14 +67,19 @@ REPLICA_WIDTH, REPLICA_SAMPLES = 256, 32
 REPLICA_COUNTS = (2, 4)
 
 
-def tiny_model(device: torch.device) -> nn.Sequential:
-    """`BLOCKS` blocks of a Colwise/Rowwise pair of Linears."""
+def tiny_model(device: torch.device, width: int = WIDTH) -> nn.Sequential:
+    """`BLOCKS` blocks of a Colwise/Rowwise pair of Linears `width` wide."""
     torch.manual_seed(0)
     pairs = [
-        nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH))
+        nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
         for _ in range(BLOCKS)
     ]
     return nn.Sequential(*pairs).to(device)
+
+
+def parameter_bytes(width: int) -> int:
+    """The tiny model's parameter bytes at `width`: DDP's one bucket."""
+    return sum(p.nbytes for p in tiny_model(torch.device("meta"), width).parameters())
 
 
 def loss_of(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -112,22 +118,28 @@ def pipeline_step(mesh: DeviceMesh, device: torch.device) -> Callable[[], None]:
 
 
 def wrapped_step(
-    wrappers: tuple[str, ...], meshes: dict[str, DeviceMesh], device: torch.device
+    wrappers: tuple[str, ...],
+    meshes: dict[str, DeviceMesh],
+    device: torch.device,
+    width: int = WIDTH,
 ) -> Callable[[], None]:
-    """A training step of the tiny model on `device` under `wrappers` (none: plain), each over
-    its 1-D mesh in `meshes`."""
+    """A training step of the tiny model `width` wide on `device` under `wrappers` (none:
+    plain), each over its 1-D mesh in `meshes`."""
     if "pp" in wrappers:
         return pipeline_step(meshes["pp"], device)
-    model = wrapped_model(wrappers, meshes, device)
-    return training_step(model, torch.randn(SAMPLES, WIDTH, device=device))
+    model = wrapped_model(wrappers, meshes, device, width)
+    return training_step(model, torch.randn(SAMPLES, width, device=device))
 
 
 def wrapped_model(
-    wrappers: tuple[str, ...], meshes: dict[str, DeviceMesh], device: torch.device
+    wrappers: tuple[str, ...],
+    meshes: dict[str, DeviceMesh],
+    device: torch.device,
+    width: int = WIDTH,
 ) -> nn.Module:
-    """The tiny model on `device` under `wrappers` other than pp, each over its 1-D mesh in
-    `meshes` (tp before fsdp, as the mesh layouts apply them)."""
-    model = tiny_model(device)
+    """The tiny model `width` wide on `device` under `wrappers` other than pp, each over its
+    1-D mesh in `meshes` (tp before fsdp, as the mesh layouts apply them)."""
+    model = tiny_model(device, width)
     if "tp" in wrappers:
         model = parallelize_module(model, meshes["tp"], tp_plan())
     if "fsdp" in wrappers:
@@ -173,21 +185,25 @@ def wrapper_message_s(
     device: torch.device,
     latencies: dict[int, dict[str, float]],
     tp_layer_s: float,
-) -> dict[str, float]:
+    all_reduce_s_per_byte: dict[int, float],
+) -> tuple[dict[str, float], dict[str, float]]:
     """Each wrapper's seconds per message beyond its collective's latency (`latencies`: by
     ranks, then by collective) among `processes` processes, this one of rank `rank` (every
     rank of the world calls it, those beyond `processes` only to make the groups; they return
-    {}). DDP runs over all `processes`, as a ddp job all-reduces among all of its processes
+    nothing). DDP runs over all `processes`, as a ddp job all-reduces among all of its processes
     (their waits on each other grow with their number); the others in groups of `GROUP` (of
     one, in one process). Wrappers timed together share one figure. tp's steps less its layers'
-    own cost (`tp_layer_s` each, `dtensor_costs_s`), which the planner counts by layer."""
+    own cost (`tp_layer_s` each, `dtensor_costs_s`), which the planner counts by layer. Then by
+    wrapper, the seconds per byte of its message beyond the bare collective's
+    (`all_reduce_s_per_byte`, by ranks): DDP's, from its step again with a bucket of
+    `BUCKET_WIDTH`'s model."""
     size = min(GROUP, processes)
     groups = [new_group(range(first, first + size)) for first in range(0, processes, size)]
     square = processes == GROUP * GROUP
     across = [new_group(range(first, processes, GROUP)) for first in range(GROUP)] if square else []
     together = new_group(range(processes))
     if rank >= processes:
-        return {}
+        return {}, {}
     torch.set_num_threads(max(1, usable_cores() // processes))
     own = DeviceMesh.from_group(groups[rank // size], device.type)
     meshes = dict.fromkeys(SENT, own)
@@ -203,13 +219,17 @@ def wrapper_message_s(
     layers_s = len(tp_plan()) * tp_layer_s * max(1.0, processes / usable_cores())
     timed = measured_together(processes)
     steps = [wrapped_step(wrappers, meshes, device) for wrappers in [(), *timed]]
-    plain, *wrapped = steps_s(steps, together, device)
+    bucket = [wrapped_step(wrappers, meshes, device, BUCKET_WIDTH) for wrappers in ((), ("ddp",))]
+    plain, *wrapped, bucket_plain, bucket_ddp = steps_s([*steps, *bucket], together, device)
     beyond = {}
     for wrappers, step in zip(timed, wrapped, strict=True):
         own_s = layers_s if "tp" in wrappers else 0.0
         each = message_beyond_s(step - plain - own_s, wrappers, ranks, latencies)
         beyond.update(dict.fromkeys(wrappers, each))
-    return beyond
+    ddp_s = wrapped[timed.index(("ddp",))] - plain
+    more = parameter_bytes(BUCKET_WIDTH) - parameter_bytes(WIDTH)
+    per_byte = (bucket_ddp - bucket_plain - ddp_s) / more - all_reduce_s_per_byte[processes]
+    return beyond, {"ddp": per_byte}
 
 
 def message_beyond_s(
