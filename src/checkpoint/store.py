@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 from src.checkpoint.integrity import check_manifest
-from src.config.base import ConfigError
+from src.config.base import ConfigError, first_line
 from src.runtime.run_folder import checkpoints_dir
 
 if TYPE_CHECKING:
@@ -215,7 +215,7 @@ def read_torch_file(path: Path, mmap: bool) -> Any:
 
 
 def unreadable(path: Path, error: Exception) -> ConfigError:
-    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    reason = first_line(error) or type(error).__name__
     return ConfigError(
         f"trainer.resume: {path} is not a readable checkpoint ({reason}); point "
         "trainer.resume at an intact checkpoint, or leave it unset to start afresh"

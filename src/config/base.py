@@ -18,6 +18,11 @@ class ConfigError(ValueError):
     exit_code = 2
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of `error`'s message, for a one-line report (empty if it has none)."""
+    return "".join(str(error).strip().splitlines()[:1])
+
+
 class Choice(str, Enum):
     """A setting with a fixed set of values: the schema refuses any other while Hydra composes
     the config, naming the values it takes. Members compare equal to their names, and print as

@@ -20,6 +20,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.errors import MissingConfigException, OverrideParseException
 from omegaconf import MISSING, DictConfig
 
+from src.config.base import first_line
 from src.config.data import (
     ImageFolderConfig,
     SyntheticConfig,
@@ -154,7 +155,7 @@ def composition_error_line(error: Exception) -> str:
         parts.insert(0, f"Error parsing override '{error.override}'")
     cause = error.__cause__
     if cause is not None:
-        parts.append(str(cause).splitlines()[0])
+        parts.append(first_line(cause))
     line = ": ".join(part.rstrip(".") for part in parts)
     node, key = getattr(cause, "parent_node", None), getattr(cause, "key", None)
     if isinstance(node, DictConfig) and isinstance(key, str) and key not in node:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from src.config.base import ConfigError
+from src.config.base import ConfigError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class WandbTracker:
             try:
                 return self._start(mode)
             except Exception as error:  # noqa: BLE001 - whatever it was, offline still works
-                problem = str(error).splitlines()[0]
+                problem = first_line(error) or type(error).__name__
         log.warning(
             "W&B server %s cannot be reached (%s): logging to an offline run instead",
             server,

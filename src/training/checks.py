@@ -21,7 +21,7 @@ from src.components.batches import Tree, describe
 from src.components.blocks import saved_ops
 from src.components.data import Data, meta_samples
 from src.components.optimizer import build_optimizer, lr_schedule
-from src.config.base import ConfigError, check_given, typed
+from src.config.base import ConfigError, check_given, first_line, typed
 from src.config.parallel import Offload
 from src.config.trainer import Recomputation, TrainerConfig
 from src.observe.tracking import check_tracker
@@ -161,10 +161,6 @@ def check_model_output(
             f"({type(error).__name__}: {first_line(error)})"
         ) from error
     return list(task.figures([1.0] * len(sums), 1.0))  # the names; any values will do
-
-
-def first_line(error: Exception) -> str:
-    return "".join(str(error).strip().splitlines()[:1])
 
 
 def check_monitor(monitor: str | None, figures: list[str] | None, task: str) -> None:
