@@ -341,8 +341,8 @@ def measure_collectives(
             dtensor = [dtensor_costs_s(DeviceMesh.from_group(alone, device.type), device)]
         dist.broadcast_object_list(dtensor, src=0)
         slopes = {int(ranks): slope for ranks, (_, slope) in figures["all_reduce"].items()}
+        layer_s = dtensor[0]["layer"]
         for processes in [count for count in PROCESS_COUNTS if count <= world]:
-            layer_s = dtensor[0]["layer"]
             costs = wrapper_message_s(rank, processes, device, latencies, layer_s, slopes)
             for found, by_wrapper in zip((wrappers, wrapper_bytes), costs, strict=True):
                 for wrapper, seconds in by_wrapper.items():

@@ -261,12 +261,10 @@ def dtensor_costs_s(mesh: DeviceMesh, device: torch.device) -> dict[str, float]:
     layers). Taking turns, the best of rounds: the machine's speed."""
     plain = [nn.Parameter(p.detach().clone()) for p in tiny_model(device).parameters()]
     split = [nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])) for p in plain]
-    for parameter in (*plain, *split):
+    traced = [nn.Parameter(p.detach().cpu()) for p in plain]
+    for parameter in (*plain, *split, *traced):
         parameter.grad = torch.ones_like(parameter)
     plain_step, split_step = (adamw_over(parameters).step for parameters in (plain, split))
-    traced = [nn.Parameter(p.detach().cpu()) for p in plain]
-    for parameter in traced:
-        parameter.grad = torch.ones_like(parameter)
     with WorkCounter() as counter:
         adamw_over(traced).step()
     inputs = torch.randn(SAMPLES, WIDTH, device=device)
