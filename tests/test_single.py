@@ -63,6 +63,7 @@ def test_the_default_run_learns_and_prints_its_overrides_progress_and_summary_on
     train_accuracy = [row["train/accuracy"] for row in metrics(tmp_path) if "train/loss" in row]
     assert train_accuracy[-1] > max(0.5, train_accuracy[0])
     assert summary(tmp_path)["final_train_accuracy"] == train_accuracy[-1]
+    assert 0 < summary(tmp_path)["tensor_peak_mb"][0] < summary(tmp_path)["peak_memory_mb"][0]
 
 
 def test_single_run_writes_summary_and_loadable_checkpoint():
@@ -74,6 +75,7 @@ def test_single_run_writes_summary_and_loadable_checkpoint():
     assert result["steps"] == 6 and result["global_batch"] == 24
     assert result["matmul_precision"] == "highest"  # true fp32 on CPU unless asked otherwise
     assert len(result["peak_memory_mb"]) == 1 and result["samples_per_sec"] > 0
+    assert math.isnan(result["tensor_peak_mb"][0])  # trainer.count_tensor_memory=false
 
     state = checkpoint(tmp_path)
     assert state["step"] == 6 and state["config"]["trainer"]["max_steps"] == 6

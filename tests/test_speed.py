@@ -149,6 +149,7 @@ SELECTIVE_RUN = (
     *TINY_TRANSFORMER_SGD,
     "trainer.activation_checkpointing=selective",
     "trainer.peak_tflops=1.0",
+    "trainer.count_tensor_memory=true",
 )
 
 

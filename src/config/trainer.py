@@ -95,7 +95,12 @@ class TrainerConfig:
     (`src/observe/performance.py`), and leaves MFU out for other devices."""
     timing_warmup_steps: int = 5
     """Steps left out of the reported throughput; at least the first 2 where their tensor memory
-    is counted (`tensor_peak_mb`: on CPU, without compile)."""
+    is counted (`count_tensor_memory`)."""
+    count_tensor_memory: bool = True
+    """On CPU, without compile: count tensor memory with torch's MemTracker over the first 2
+    training steps and the first evaluation (summary.json's `tensor_peak_mb`, the sweep report's
+    `tensor peak MB` beside the planner's prediction). Those passes run slower, under the
+    tracker's dispatch; false runs them plain and reports no tensor peak."""
     resume: str | None = None
     """Continue a run: `auto` takes the newest checkpoint of the run folder (pass the old one as
     hydra.run.dir=...; with no checkpoint there yet, the run starts afresh and says so; a finished

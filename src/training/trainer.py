@@ -142,7 +142,11 @@ class Trainer:
         self.stepper = Stepper(self.settings, strategy, self.model, self.optimizer)
         # On CPU, beside the process's resident peak; not around compiled blocks, whose
         # graphs dynamo would build for the tracker's dispatch mode.
-        counted = strategy.device_type == "cpu" and not cfg.trainer.compile
+        counted = (
+            cfg.trainer.count_tensor_memory
+            and strategy.device_type == "cpu"
+            and not cfg.trainer.compile
+        )
         self.tensor_peak = TensorPeak(self.model, self.optimizer, counted)
         if state is not None:
             self.load_state_dict(state)
