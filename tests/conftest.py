@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 from slurm_cluster import Cluster, start_cluster, stop_cluster
 
 from src.config.schema import register_configs
-from src.planning.calibration import cache_path
+from src.planning.calibration import VERSION, cache_path
 
 torch.set_num_threads(1)  # as in every process the tests start (helpers.QUIET_AND_FRUGAL says why)
 
@@ -47,16 +47,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def seeded_calibration(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Every plan the tests make (sweep reports, `parallel=auto`, plan.py, in this process and
-    the runs it starts) reads one CPU calibration, measured on a quiet 2-core machine and kept in
+    """Every CPU plan the tests make (sweep reports, `parallel=auto`, plan.py, in this process
+    and the runs it starts) reads one calibration, measured on a quiet 2-core machine and kept in
     tests/fixtures, rather than this machine's: measuring takes 16 s alone, more under the
-    suite's load, and was measured again whenever the load fell (`calibration.CALMER`); and the
-    plans no longer depend on the machine. The timing tests measure this machine's
-    (test_step_time.py)."""
+    suite's load, and was measured again whenever the load fell (`calibration.CALMER`). Kept by
+    the figures' version: a new version needs a new file. The timing tests measure this
+    machine's, in a cache of their own (test_step_time.py)."""
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
     seeded = cache_path("cpu")
     seeded.parent.mkdir(parents=True)
-    shutil.copy(ROOT / "tests" / "fixtures" / "calibration-cpu.json", seeded)
+    shutil.copy(ROOT / "tests" / "fixtures" / f"calibration-v{VERSION}-cpu.json", seeded)
 
 
 @pytest.fixture(scope="session")

@@ -100,7 +100,7 @@ class TrainerConfig:
     """On CPU, without compile: count tensor memory with torch's MemTracker over the first 2
     training steps and the first evaluation (summary.json's `tensor_peak_mb`, the sweep report's
     `tensor peak MB` beside the planner's prediction). Those passes run slower, under the
-    tracker's dispatch; false runs them plain and reports no tensor peak."""
+    tracker's dispatch; false runs them plain, and a CPU run reports no tensor peak (NaN)."""
     resume: str | None = None
     """Continue a run: `auto` takes the newest checkpoint of the run folder (pass the old one as
     hydra.run.dir=...; with no checkpoint there yet, the run starts afresh and says so; a finished
