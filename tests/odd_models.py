@@ -214,3 +214,22 @@ class PacedMLP(MLP):
         if self.training and "SLURM_RESTART_COUNT" not in os.environ:
             time.sleep(self.STEP_S)
         return super().forward(inputs)
+
+
+class LoopMLP(nn.Module):
+    """The shape of most research code: not an `nn.Sequential`; `forward` loops over a
+    `ModuleList` of blocks between a stem and a head."""
+
+    def __init__(self, input_shape: Sequence[int], num_classes: int, width: int, layers: int):
+        super().__init__()
+        self.stem = nn.Linear(math.prod(input_shape), width)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers)
+        )
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        hidden = self.stem(inputs.flatten(1))
+        for layer in self.layers:
+            hidden = hidden + layer(hidden)
+        return self.head(hidden)

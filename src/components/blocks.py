@@ -14,13 +14,14 @@ from torch._ops import OpOverloadPacket
 from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from src.components.model_contract import blocks_of
 from src.components.tasks import Task
 from src.config.base import ConfigError
 from src.config.trainer import Recomputation
 
 
 def prepare_blocks(
-    model: nn.Sequential,
+    model: nn.Module,
     recomputation: Recomputation,
     compile: bool,
     checkpoint_ops: Sequence[str] = (),
@@ -42,7 +43,7 @@ def prepare_blocks(
     if recomputation == Recomputation.selective:
         policy = functools.partial(keep_outputs_of, saved_ops(checkpoint_ops))
         context = {"context_fn": functools.partial(create_selective_checkpoint_contexts, policy)}
-    for block in model:
+    for block in blocks_of(model):
         if recomputation != Recomputation.none:
             checkpoint(block, **context)
         if compile:

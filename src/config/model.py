@@ -1,10 +1,11 @@
-"""Schemas of `conf/model/`. A model is any `nn.Sequential` built by
-`_target_(input_shape=..., num_classes=..., **sizes)`; the block order is what model-parallel
-strategies split into stages."""
+"""Schemas of `conf/model/`. A model is any `nn.Module` built by `_target_(**settings)`, given
+the data's `input_shape` and `num_classes` where its constructor names them
+(`src/components/model_contract.py`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -99,3 +100,40 @@ class TransformerConfig:
     """Transformer blocks."""
     heads: int = 4
     """Attention heads per block."""
+
+
+@dataclass
+class HFCausalLMConfig:
+    _target_: str = "src.components.hf.causal_lm"
+    config: str = "llama"
+    """A transformers model type (llama, gpt2, qwen2, ...) or a folder holding config.json."""
+    sizes: dict[str, Any] = field(
+        default_factory=lambda: {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        }
+    )
+    """Keys of the transformers config set over `config`'s (its vocab_size is the data's, its
+    max_position_embeddings at least the data's sequence length)."""
+    pretrained: str | None = None
+    """A folder written by `save_pretrained` (or a hub name, with network): its config and
+    weights, instead of random ones."""
+    blocks: Any = None
+    """The repeated blocks (fsdp's units, the pipelines' cut points): a module's path
+    (model.layers) or class names; None: found (the largest run of one class in a ModuleList)."""
+
+
+@dataclass
+class TimmConfig:
+    _target_: str = "src.components.timm_model.create"
+    name: str = "resnet18"
+    """Any model name timm.create_model knows (resnet18, vit_tiny_patch16_224, convnext_atto...)."""
+    sizes: dict[str, Any] = field(default_factory=dict)
+    """More arguments of its constructor: img_size=32 for a ViT on 32x32 images, depth=..."""
+    pretrained: str | None = None
+    """A local weights file to start from (nothing is downloaded)."""
+    blocks: Any = None
+    """As `HFCausalLMConfig.blocks`."""

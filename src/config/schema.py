@@ -35,9 +35,11 @@ from src.config.model import (
     ConvNetConfig,
     FCNConfig,
     GPTConfig,
+    HFCausalLMConfig,
     MLPConfig,
     MoEConfig,
     ResNetConfig,
+    TimmConfig,
     TransformerConfig,
 )
 from src.config.optimizer import AdamWConfig, SGDConfig
@@ -95,6 +97,8 @@ SCHEMAS = {
         "gpt": GPTConfig,
         "moe": MoEConfig,
         "resnet": ResNetConfig,
+        "hf_causal_lm": HFCausalLMConfig,
+        "timm": TimmConfig,
     },
     "data": {
         "synthetic": SyntheticConfig,

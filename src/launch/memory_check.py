@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.components.blocks import prepare_blocks
 from src.components.data import Split, build_data, first_samples
+from src.components.model_contract import build_model
 from src.components.optimizer import build_optimizer
 from src.components.precision import LossScaling, autocast
 from src.config.base import typed
@@ -72,9 +73,7 @@ def step_peaks_mb(
     tracker = StorageTracker()
     try:
         with tracker:
-            model = instantiate(
-                cfg.model, input_shape=data.input_shape, num_classes=data.num_classes
-            )
+            model = build_model(cfg.model, data.input_shape, data.num_classes)
             prepare_blocks(model, trainer.activation_checkpointing, False, trainer.checkpoint_ops)
             model = strategy.wrap(model)
             optimizer = build_optimizer(cfg.optimizer, strategy.trained_parameters(model))

@@ -48,6 +48,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from src.components.model_contract import blocks_of
 from src.components.precision import AUTOCAST_DTYPES
 from src.config.parallel import Offload
 from src.parallel.shares import Messages, ModelSizes, tied_block_groups
@@ -269,10 +270,10 @@ def forward_working_set(units: list[int], spans: list[bool], precision: str) -> 
     return {"parameters": spanning + max(pairs, default=0)}
 
 
-def sharding_units(model: nn.Sequential) -> list[list[nn.Module]]:
+def sharding_units(model: nn.Module) -> list[list[nn.Module]]:
     """The blocks grouped into FSDP units: each block on its own, except that blocks sharing a
     parameter (tied embeddings) form one unit, since one unit alone can shard and gather it."""
-    blocks = list(model)
+    blocks = blocks_of(model)
     return [[blocks[index] for index in group] for group in tied_block_groups(model)]
 
 

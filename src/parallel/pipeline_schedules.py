@@ -33,6 +33,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from src.components.batches import batch_size
+from src.components.model_contract import check_cuttable
 from src.config.base import ConfigError
 from src.parallel.mechanisms.stage_pipeline import (
     balanced_split_points,
@@ -83,6 +84,7 @@ def stage_split(model: nn.Sequential, stages: int) -> list[int]:
     """Where stages 1.. start (balanced by parameter count); ConfigError when the model has
     fewer blocks than stages, or ties a parameter across two stages (each stage is another
     process: the tie would be broken)."""
+    check_cuttable(model, "parallel.pp")
     if len(model) < stages:
         raise ConfigError(
             f"parallel.pp x parallel.stages_per_rank = {stages} stages, but the model has only "

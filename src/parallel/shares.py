@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from src.components.model_contract import blocks_of
+
 
 @dataclass(frozen=True)
 class ModelSizes:
@@ -120,20 +122,20 @@ class Messages:
     measures (empty: a bare collective)."""
 
 
-def owned_parameters(model: nn.Sequential) -> list[list[nn.Parameter]]:
+def owned_parameters(model: nn.Module) -> list[list[nn.Parameter]]:
     """Each block's parameters, one shared by several blocks at the first of them."""
     seen: set[int] = set()
     owned = []
-    for block in model:
+    for block in blocks_of(model):
         owned.append([p for p in block.parameters() if id(p) not in seen])
         seen.update(id(p) for p in owned[-1])
     return owned
 
 
-def tied_block_groups(model: nn.Sequential) -> list[list[int]]:
+def tied_block_groups(model: nn.Module) -> list[list[int]]:
     """Blocks that share a parameter, grouped (each block alone when it shares none)."""
     groups: list[tuple[set[int], list[int]]] = []
-    for index, block in enumerate(model):
+    for index, block in enumerate(blocks_of(model)):
         params = {id(p) for p in block.parameters()}
         sharing = [g for g in groups if g[0] & params]
         groups = [g for g in groups if g not in sharing]

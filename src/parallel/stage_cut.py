@@ -14,6 +14,7 @@ from typing import Any
 from torch import nn
 
 from src.components.batches import Tree
+from src.components.model_contract import check_cuttable
 from src.config.parallel import StagesConfig
 from src.parallel.base import ConfigError
 from src.parallel.mechanisms.deferred_batchnorm import defer_batchnorm
@@ -53,6 +54,7 @@ class StageCut:
 
     def plan(self, model: nn.Sequential, inputs: Tree, device_type: str) -> None:
         """Settle the split points on `model` (meta) fed `inputs` (meta)."""
+        check_cuttable(model, self.stages_setting)
         self.split_points = self.plan_split_points(model, inputs)
         check_tied_parameters(model, self.split_points, device_type)
 

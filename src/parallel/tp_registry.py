@@ -23,11 +23,13 @@ registered the same way.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import Tensor, nn
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from src.config.base import ConfigError
 
@@ -89,11 +91,13 @@ def planned_names(option: str | None = None) -> str:
 
 
 def registered_spec(model: nn.Module, tp: int) -> TensorParallelSpec:
-    """The plan registered for `model`'s class or the nearest of its bases; ConfigError, in one
-    line, when there is none."""
+    """The plan registered for `model`'s class or the nearest of its bases, else the plan the
+    model declares (transformers' `_tp_plan`); ConfigError, in one line, when there is none."""
     for model_class in type(model).__mro__:
         if model_class in REGISTERED:
             return REGISTERED[model_class]
+    if declared_styles(model):
+        return TensorParallelSpec(declared_plan, no_row_orders, frozenset())
     raise ConfigError(
         f"parallel.tp={tp}: no tensor-parallel plan for {type(model).__name__} (plans: "
         f"{planned_names()}); a model brings its own with "
@@ -121,3 +125,43 @@ def check_divides(count: int, what: str, tp: int) -> None:
             f"parallel.tp={tp} does not divide the model's {count} {what}; choose a tp degree "
             "that divides them"
         )
+
+
+# transformers' names for its tp plans' styles (`base_model_tp_plan`), as torch's ParallelStyles.
+DECLARED_STYLES: dict[str, Callable[[], ParallelStyle]] = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+}
+# A model config's sizes that a tp split must divide (transformers' names).
+SPLIT_SIZES = ("num_attention_heads", "num_key_value_heads")
+
+
+def declared_styles(model: nn.Module) -> dict[str, str]:
+    """The tensor-parallel plan a model declares as transformers' models do: module name
+    patterns (`model.layers.*.self_attn.q_proj`) to style names; {} where it declares none."""
+    plan = getattr(model, "_tp_plan", None)
+    return dict(plan) if isinstance(plan, dict) else {}
+
+
+def declared_plan(
+    model: nn.Module, tp: int, sequence_parallel: bool, loss_parallel: bool
+) -> dict[str, ParallelStyle]:
+    """`declared_styles` for the modules of `model` they name (`*` standing for one name)."""
+    config = getattr(model, "config", None)
+    for size in SPLIT_SIZES:
+        if getattr(config, size, None):
+            check_divides(getattr(config, size), size, tp)
+    names = [name for name, _ in model.named_modules()]
+    plan: dict[str, ParallelStyle] = {}
+    for pattern, style in declared_styles(model).items():
+        if style not in DECLARED_STYLES:
+            raise ConfigError(
+                f"parallel.tp={tp}: {type(model).__name__}'s plan splits {pattern} as {style!r}, "
+                f"which the template does not run (it runs {', '.join(DECLARED_STYLES)})"
+            )
+        matching = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+") + "$")
+        for name in filter(matching.match, names):
+            plan[name] = DECLARED_STYLES[style]()
+    return plan

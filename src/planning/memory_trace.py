@@ -21,9 +21,10 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 
 from src.components.blocks import prepare_blocks
 from src.components.data import Data, first_samples
+from src.components.model_contract import build_model
 from src.components.optimizer import build_optimizer
 from src.components.precision import autocast
-from src.config.base import typed
+from src.config.base import ConfigError, typed
 from src.config.trainer import TrainerConfig
 from src.parallel.shares import DeviceShare, ModelSizes, owned_parameters, tied_block_groups
 from src.planning.plans import DevicePlan
@@ -87,7 +88,7 @@ class StepMemTracker(MemTracker):
 def meta_model_and_inputs(cfg: DictConfig, data: Data, samples: int) -> tuple[nn.Module, Any]:
     """The model on the meta device and `samples` samples' meta inputs."""
     with torch.device("meta"):
-        model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+        model = build_model(cfg.model, data.input_shape, data.num_classes)
     inputs, _ = first_samples(data.train, 2)
     shape = (samples, *inputs.shape[1:])
     return model, torch.empty(shape, dtype=inputs.dtype, device="meta")
@@ -97,6 +98,11 @@ def model_sizes(cfg: DictConfig, data: Data) -> ModelSizes:
     """Bytes per block (parameters) and per sample (inputs, each block's output), from the model
     run on the meta device."""
     model, inputs = meta_model_and_inputs(cfg, data, 1)
+    if not isinstance(model, nn.Sequential):
+        raise ConfigError(
+            f"the planner prices models that are an nn.Sequential of blocks; "
+            f"{type(model).__name__} is not: choose parallel= by hand"
+        )
     outputs, value = [], inputs
     with torch.no_grad():
         for block in model:
@@ -152,9 +158,7 @@ def trace_share(
     sample_inputs, sample_targets = first_samples(data.train, 1)
     with FakeTensorMode(allow_non_fake_inputs=True):
         with built_in(share.computes_in):  # its state is counted in fp32 by `in_categories`
-            model = instantiate(
-                cfg.model, input_shape=data.input_shape, num_classes=data.num_classes
-            )
+            model = build_model(cfg.model, data.input_shape, data.num_classes)
         settings = typed(TrainerConfig, trainer)
         prepare_blocks(model, settings.activation_checkpointing, False, settings.checkpoint_ops)
         ranges = share.stage_blocks(len(model))

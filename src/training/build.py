@@ -21,6 +21,7 @@ from torch import nn
 from src.checkpoint.store import is_sharded, load_checkpoint, resume_path
 from src.components.blocks import prepare_blocks
 from src.components.data import Data, build_data, first_samples
+from src.components.model_contract import build_model as build_model_of
 from src.config.base import typed
 from src.config.trainer import TrainerConfig
 from src.parallel.base import Strategy
@@ -88,7 +89,7 @@ def check_config(cfg: DictConfig, run_dir: Path, ranks: Ranks | None = None) -> 
 def build_model(cfg: DictConfig, data: Data, device: torch.device | None = None) -> nn.Module:
     """`cfg.model` for `data`'s shapes, on `device` (None: the CPU, initialised from the RNG)."""
     with blame("model"), torch.device(device or "cpu"):
-        return instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+        return build_model_of(cfg.model, data.input_shape, data.num_classes)
 
 
 def set_numerics(trainer: DictConfig, device_type: str) -> str:

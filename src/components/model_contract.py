@@ -1,0 +1,183 @@
+"""What the template asks of a model: any `nn.Module`, built by its config's `_target_`, whose
+`forward` takes the batch's inputs as one argument. What a strategy needs to know about it is
+found here, in one place:
+
+- its settings: the keys its config gives, `input_shape` and `num_classes` (the data's) only
+  where its constructor names them, and none of another option's keys (`model=mlp
+  model._target_=mine.Net` does not hand `Net` the MLP's `hidden`);
+- its blocks (`model_blocks`): the repeated modules that fsdp shards one by one, activation
+  checkpointing and torch.compile prepare one by one, and pipelines cut between. The members of
+  `model.blocks` (a module's path, or class names); else an `nn.Sequential`'s children; else
+  the runs of same-class members of the `ModuleList`s / `ModuleDict`s / `nn.Sequential`s inside
+  the model, of the class with the most such members.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+from hydra.utils import get_method
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from src.config.base import ConfigError, first_line
+
+# Settings of `model` that are the template's, not the constructor's.
+TEMPLATE_KEYS = ("_target_", "blocks")
+# Where `declare_blocks` keeps the names on the model instance (not a module attribute: no
+# state_dict key, no submodule; a deepcopy keeps it).
+DECLARED = "_template_blocks"
+
+
+def model_target(model_cfg: DictConfig | dict) -> Any:
+    """The class or function `model._target_` names; a ConfigError if it does not import."""
+    name = model_cfg["_target_"]
+    try:
+        return get_method(name)
+    except Exception as error:  # noqa: BLE001 - Hydra wraps any import failure
+        raise ConfigError(f"model._target_={name}: {first_line(error)}") from None
+
+
+def parameter_names(target: Any) -> set[str] | None:
+    """The keyword arguments `target` takes by name; None where it takes any (`**kwargs`)."""
+    parameters = inspect.signature(target).parameters.values()
+    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return {p.name for p in parameters if p.kind != inspect.Parameter.VAR_POSITIONAL}
+
+
+def settle_model_settings(cfg: DictConfig) -> None:
+    """`model._target_` set to another class than its option's: the option's own settings that
+    the new class does not take are left out (once, where the job starts: its ranks get the
+    settled config). The keys given beyond the option's (`+model.width=32`) all go to it."""
+    schema = OmegaConf.get_type(cfg.model)
+    if not dataclasses.is_dataclass(schema) or cfg.model._target_ == schema._target_:
+        return
+    taken = parameter_names(model_target(cfg.model))
+    if taken is None:
+        return
+    option_keys = {field.name for field in dataclasses.fields(schema)} - set(TEMPLATE_KEYS)
+    left_out = option_keys - taken
+    settings = OmegaConf.to_container(cfg.model)
+    cfg.model = OmegaConf.create({k: v for k, v in settings.items() if k not in left_out})
+
+
+def model_arguments(
+    model_cfg: DictConfig | dict, input_shape: Sequence[int], num_classes: int
+) -> dict:
+    """The keyword arguments `model._target_` is called with: its config's settings, and the
+    data's `input_shape` and `num_classes` where it names them. A setting it does not take is a
+    ConfigError naming it."""
+    target = model_target(model_cfg)
+    plain = OmegaConf.to_container(model_cfg) if isinstance(model_cfg, DictConfig) else model_cfg
+    settings = {k: v for k, v in plain.items() if k not in TEMPLATE_KEYS}
+    taken = parameter_names(target)
+    if taken is not None:
+        unknown = sorted(set(settings) - taken)
+        if unknown:
+            raise ConfigError(
+                f"model: {model_cfg['_target_']} takes no {unknown[0]!r}; it takes "
+                f"{', '.join(sorted(taken)) or 'no settings'}"
+            )
+    data = {"input_shape": tuple(input_shape), "num_classes": num_classes}
+    named = inspect.signature(target).parameters  # not through **kwargs
+    return {**{k: v for k, v in data.items() if k in named}, **settings}
+
+
+def build_model(
+    model_cfg: DictConfig | dict, input_shape: Sequence[int], num_classes: int
+) -> nn.Module:
+    """`model_cfg`'s model for data of `input_shape` and `num_classes`, its blocks declared."""
+    model = model_target(model_cfg)(**model_arguments(model_cfg, input_shape, num_classes))
+    declare_blocks(model, model_cfg.get("blocks"))
+    return model
+
+
+def model_blocks(model: nn.Module, named: str | Sequence[str] | None = None) -> list[str]:
+    """The names (as `named_modules` gives them) of `model`'s repeated blocks, in order: see the
+    module's docstring. `named`: `model.blocks`, a module's path whose members are the blocks, or
+    class names whose outermost instances are. [] where none are found."""
+    if named:
+        return named_blocks(model, named)
+    if isinstance(model, nn.Sequential):
+        return [name for name, _ in model.named_children()]
+    runs: dict[type, list[str]] = {}  # by class: the members of its runs, in order
+    for path, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            run = longest_same_class_run(module)
+            if len(run) > 1:
+                members = [f"{path}.{name}" if path else name for name in run]
+                runs.setdefault(type(module.get_submodule(run[0])), []).extend(members)
+    if not runs:
+        return []
+    # The class with the most members (a ResNet's blocks over its four stages), the shallowest
+    # of equals (a ModuleList's blocks before the Linears inside them).
+    best = max(runs.values(), key=lambda names: (len(names), -names[0].count(".")))
+    return best
+
+
+def longest_same_class_run(container: nn.Module) -> list[str]:
+    """The names of the longest run of consecutive children of one class."""
+    best: list[str] = []
+    run: list[str] = []
+    previous: type | None = None
+    for name, child in container.named_children():
+        run = [*run, name] if type(child) is previous else [name]
+        previous = type(child)
+        if len(run) > len(best):
+            best = run
+    return best
+
+
+def named_blocks(model: nn.Module, named: str | Sequence[str]) -> list[str]:
+    """`model.blocks`: a module's path (its children are the blocks) or a list of class names
+    (their outermost instances are)."""
+    if isinstance(named, str) and "." in named or isinstance(named, str) and hasattr(model, named):
+        try:
+            container = model.get_submodule(named)
+        except AttributeError:
+            raise ConfigError(f"model.blocks={named}: the model has no module {named!r}") from None
+        return [f"{named}.{name}" for name, _ in container.named_children()]
+    classes = {named} if isinstance(named, str) else set(named)
+    found: list[str] = []
+    for path, module in model.named_modules():
+        inside = any(path.startswith(f"{outer}.") for outer in found)
+        if type(module).__name__ in classes and not inside:
+            found.append(path)
+    if not found:
+        raise ConfigError(
+            f"model.blocks={named}: no module of the model is one of these classes, nor a "
+            "module's path (e.g. model.blocks=model.layers)"
+        )
+    return found
+
+
+def declare_blocks(model: nn.Module, named: str | Sequence[str] | None) -> None:
+    """Settle `model`'s blocks once, where it is built (`model.blocks` or found), for every
+    strategy that asks `blocks_of` later; a `model.blocks` naming nothing fails here."""
+    model.__dict__[DECLARED] = tuple(model_blocks(model, named))
+
+
+def block_names(model: nn.Module) -> list[str]:
+    """The names of `model`'s blocks, as declared where it was built, else found."""
+    declared = model.__dict__.get(DECLARED)
+    return list(declared) if declared is not None else model_blocks(model)
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """`model`'s blocks (`block_names`), the modules themselves."""
+    return [model.get_submodule(name) for name in block_names(model)]
+
+
+def check_cuttable(model: nn.Module, setting: str) -> None:
+    """A pipeline cuts the model between the children of an `nn.Sequential`: ConfigError, in one
+    line, for another model."""
+    if not isinstance(model, nn.Sequential):
+        raise ConfigError(
+            f"{setting} cuts a model into stages between the blocks of an nn.Sequential; "
+            f"{type(model).__name__} is not one: choose a strategy without pipeline stages "
+            "(single, dp, ddp, fsdp, tp, fsdp_tp)"
+        )
