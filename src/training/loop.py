@@ -27,6 +27,7 @@ from src.config.trainer import TrainerConfig
 from src.observe.report import rate_text
 from src.observe.tracking import Tracker
 from src.parallel.base import TrainingStrategy, process_peak_memory_mb
+from src.runtime.files import json_text
 from src.training.step import evaluate, reduced_figures
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,18 @@ class Throughput:
             "samples_per_sec": samples_per_sec,
             "tokens_per_sec": samples_per_sec * self.tokens_per_sample,
         }
+
+    def untimed(self) -> str | None:
+        """Why the speed figures are missing (null in summary.json), or None when they are not:
+        a run of no more steps than the warm-up times none."""
+        if self.window_ms:
+            return None
+        return (
+            f"no speed figures (samples_per_sec, step_time_ms and those from them are null in "
+            f"summary.json): the {self.steps_done} step(s) trained here are all warm-up, which "
+            f"is not timed (the first {self.warmup_steps}: trainer.timing_warmup_steps); train "
+            "more steps, or lower trainer.timing_warmup_steps"
+        )
 
     def summary(self) -> dict[str, float]:
         if not self.window_ms:
@@ -212,7 +225,7 @@ class History:
     def record(self, metrics: dict[str, float], step: int) -> None:
         self.tracker.log(metrics, step=step)
         if self.file:
-            self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+            self.file.write(json_text({"step": step, **metrics}) + "\n")
             self.file.flush()
 
 
