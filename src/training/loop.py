@@ -11,7 +11,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -27,7 +26,7 @@ from src.config.trainer import TrainerConfig
 from src.observe.report import rate_text
 from src.observe.tracking import Tracker
 from src.parallel.base import TrainingStrategy, process_peak_memory_mb
-from src.runtime.files import json_text
+from src.runtime.files import json_text, write_atomically
 from src.training.step import evaluate, reduced_figures
 
 log = logging.getLogger(__name__)
@@ -182,9 +181,8 @@ def open_history(tracker: Tracker, path: Path, start_step: int, is_main: bool) -
         return
     if path.exists():
         kept = [line for line in path.read_text().splitlines() if history_step(line) <= start_step]
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(f"{line}\n" for line in kept))
-        os.replace(tmp, path)
+        text = "".join(f"{line}\n" for line in kept)
+        write_atomically(path, lambda staging: staging.write_text(text))
     with path.open("a") as file:
         yield History(tracker, file)
 
