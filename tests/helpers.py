@@ -444,9 +444,19 @@ def strategy_runs(*overrides: str, strategies: tuple[str, ...] = BESIDES_SINGLE)
     return {key.removeprefix("parallel="): run_dir for key, run_dir in runs.items()}
 
 
+def strict_json(text: str) -> Any:
+    """`text` read as every JSON reader reads it (jq, JavaScript's JSON.parse): Python's `NaN`
+    and `Infinity` refused."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
 def metrics(run_dir: Path) -> list[dict[str, Any]]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
+    return [strict_json(line) for line in lines]
 
 
 def train_losses(run_dir: Path) -> list[float]:
@@ -458,7 +468,7 @@ def train_accuracies(run_dir: Path) -> list[float]:
 
 
 def summary(run_dir: Path) -> dict[str, Any]:
-    return json.loads((run_dir / "summary.json").read_text())
+    return strict_json((run_dir / "summary.json").read_text())
 
 
 def checkpoint(run_dir: Path) -> dict[str, Any]:

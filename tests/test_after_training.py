@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_SGD, evaluate_checkpoint, metrics, strategy_runs, summary
+from helpers import TINY, TINY_SGD, evaluate_checkpoint, metrics, run_train, strategy_runs, summary
 
 from src.checkpoint.store import best_dir, is_sharded, load_checkpoint, resume_path
 from src.checkpoint.writer import CheckpointWriter
@@ -57,6 +57,13 @@ def test_the_test_split_is_scored_after_training_alike_under_every_layout():
     report = (runs["single"].parent / "summary.md").read_text()  # the sweep's table
     assert "| val loss | test loss |" in report
     assert f"| {expected['test_loss']:.4f} |" in report
+
+
+def test_a_run_without_a_test_split_trains_and_tests_nothing(tmp_path):
+    run_train(*TINY, "data.test_fraction=0", "trainer.test=false", run_dir=tmp_path)
+    figures = summary(tmp_path)
+    assert figures["steps"] == 6 and not any(name.startswith("test_") for name in figures)
+    assert not any(name.startswith("test/") for row in metrics(tmp_path) for name in row)
 
 
 @pytest.mark.parametrize("strategy", ["single", "fsdp"])

@@ -57,6 +57,13 @@ ROWS = [
     ),
     pytest.param(["parallel.devices=0"], CHECK, "parallel.devices must be at least 1", id="dev0"),
     pytest.param(
+        ["data.test_fraction=0"],
+        CHECK,
+        "trainer.test=true scores the test split, but data.test_fraction=0 leaves none; set "
+        "trainer.test=false, or data.test_fraction above 0",
+        id="test-without-test-split",
+    ),
+    pytest.param(
         ["parallel=ddp", "parallel.nodes=2:1"],
         CHECK,
         "parallel.nodes=2:1: MIN:MAX needs 1 <= MIN < MAX (e.g. 1:2); for a fixed number of "

@@ -52,10 +52,18 @@ def test_synthetic_tokens_are_a_function_of_the_seed():
 
 
 SYNTHETIC_SETS = {
-    "classification": lambda seed: synthetic_classification(seed, 8, 3, 100, 0.2, 0.3),
-    "tokens": lambda seed: synthetic_tokens(seed, 50, 16, 100, 0.2, 0.3, successors=4),
-    "segmentation": lambda seed: synthetic_segmentation(seed, 3, [2, 4, 4], 100, 0.2, 0.3, 0.1, -1),
-    "regression": lambda seed: synthetic_regression(seed, 8, 2, 100, 0.2, 0.3),
+    "classification": lambda seed, test_fraction=0.3: synthetic_classification(
+        seed, 8, 3, 100, 0.2, test_fraction
+    ),
+    "tokens": lambda seed, test_fraction=0.3: synthetic_tokens(
+        seed, 50, 16, 100, 0.2, test_fraction, successors=4
+    ),
+    "segmentation": lambda seed, test_fraction=0.3: synthetic_segmentation(
+        seed, 3, [2, 4, 4], 100, 0.2, test_fraction, 0.1, -1
+    ),
+    "regression": lambda seed, test_fraction=0.3: synthetic_regression(
+        seed, 8, 2, 100, 0.2, test_fraction
+    ),
 }
 
 
@@ -82,6 +90,19 @@ def test_a_synthetic_test_split_leaves_training_and_validation_samples_as_they_w
     data = synthetic_classification(0, 8, 3, 100, 0.2, 0.3)
     assert torch.equal(fewer_tests.train.inputs, data.train.inputs)
     assert torch.equal(fewer_tests.val.targets, data.val.targets)
+
+
+@pytest.mark.parametrize("kind", SYNTHETIC_SETS)
+def test_a_test_fraction_of_0_leaves_no_test_split_and_the_others_as_they_were(kind):
+    """nanoGPT splits 90/10 with no test part: data.test_fraction=0 does the same."""
+    builder = SYNTHETIC_SETS[kind]
+    data = builder(0, test_fraction=0.0)
+    with_tests = builder(0, test_fraction=0.3)
+    assert data.test is None and data.splits == (data.train, data.val)
+    assert torch.equal(data.train.inputs, with_tests.train.inputs)
+    assert torch.equal(data.val.targets, with_tests.val.targets)
+    with pytest.raises(ValueError, match="data.test_fraction must be at least 0 .* got -0.1"):
+        builder(0, test_fraction=-0.1)
 
 
 def successor_counts(vocab_size: int, successors: int) -> torch.Tensor:
@@ -185,6 +206,12 @@ def test_a_token_file_of_its_own_is_the_test_split(tmp_path):
     assert len(data.train) == (900 - 1) // 8 and len(data.test) == (200 - 1) // 8
     assert data.test[0][0].tolist() == test_tokens[:8].tolist()
     assert data.num_classes == int(test_tokens.max()) + 1  # the vocabulary of both files
+
+
+def test_a_token_file_with_a_test_fraction_of_0_trains_on_all_but_validation(tmp_path):
+    write_tokens(tmp_path / "train.bin", count=1000, vocab=13)
+    data = tokens(0, str(tmp_path / "train.bin"), 8, None, 0.1, 0.0, None)
+    assert data.test is None and len(data.train) == (900 - 1) // 8
 
 
 def test_tokens_per_sample_counts_inputs_of_token_ids_only(tmp_path):

@@ -14,6 +14,7 @@ from helpers import (
     TINY,
     reference_run,
     run_eval,
+    strict_json,
     summary,
     sweep_runs,
     wandb_records,
@@ -42,7 +43,7 @@ def wandb_run() -> Path:
 
 
 def eval_json(eval_dir: Path) -> dict:
-    return json.loads((eval_dir / "eval.json").read_text())
+    return strict_json((eval_dir / "eval.json").read_text())
 
 
 @pytest.mark.equivalence

@@ -170,6 +170,24 @@ def test_report_of_a_quiet_sweep_flags_nothing(tmp_path):
     assert "tokens/s" not in summary_md  # no job trained on token sequences
 
 
+def test_report_leaves_blank_what_a_job_could_not_measure(tmp_path, saved_figures):
+    """summary.json's null: a job within its timing warm-up, tensor memory not counted."""
+    write_job(tmp_path, 0, "single", 1, 1000.0)
+    write_job(tmp_path, 1, "ddp", 2, 1000.0, tensor_peak_mb=[None, None])
+    untimed = tmp_path / "1" / "summary.json"
+    speeds = dict.fromkeys(("samples_per_sec", "step_time_ms", "step_time_spread"))
+    untimed.write_text(json.dumps(json.loads(untimed.read_text()) | speeds))
+
+    rows = write_report(tmp_path)
+
+    assert [(row.samples_per_sec, row.speedup, row.tensor_peak_max_mb) for row in rows] == [
+        (1000.0, 1.0, None),
+        (None, None, None),
+    ]
+    ddp = (tmp_path / "summary.md").read_text().splitlines()[-1]
+    assert ddp.startswith("| 1 | ddp | 2 | 2 |  |  |  |  |")
+
+
 def test_report_shows_the_tokens_per_second_of_jobs_on_token_sequences(tmp_path):
     write_job(tmp_path, 0, "single", 1, 0.42, tokens_per_sec=430.08)
     write_job(tmp_path, 1, "ddp", 2, 12_345.4, tokens_per_sec=12_641_689.6)

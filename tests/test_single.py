@@ -75,7 +75,7 @@ def test_single_run_writes_summary_and_loadable_checkpoint():
     assert result["steps"] == 6 and result["global_batch"] == 24
     assert result["matmul_precision"] == "highest"  # true fp32 on CPU unless asked otherwise
     assert len(result["peak_memory_mb"]) == 1 and result["samples_per_sec"] > 0
-    assert math.isnan(result["tensor_peak_mb"][0])  # trainer.count_tensor_memory=false
+    assert result["tensor_peak_mb"] == [None]  # trainer.count_tensor_memory=false
 
     state = checkpoint(tmp_path)
     assert state["step"] == 6 and state["config"]["trainer"]["max_steps"] == 6
@@ -86,6 +86,23 @@ def test_single_run_writes_summary_and_loadable_checkpoint():
     # Pinned by the tests' runner: on a GPU machine `auto` would pick CUDA.
     assert OmegaConf.load(tmp_path / ".hydra" / "config.yaml").trainer.accelerator == "cpu"
     assert result["memory_devices"] == ["cpu:rank0"]
+
+
+def test_a_run_within_its_timing_warm_up_writes_null_speeds_and_says_why(tmp_path):
+    """4 steps, all warm-up: nothing timed. summary.json stays JSON (`summary` refuses NaN)."""
+    overrides = [o for o in TINY if not o.startswith(("trainer.max_steps", "trainer.timing_"))]
+    result = run_train(
+        *overrides, "trainer.max_steps=4", "trainer.timing_warmup_steps=5", run_dir=tmp_path
+    )
+    figures = summary(tmp_path)
+    speeds = ("samples_per_sec", "step_time_ms", "step_time_spread", "data_wait_ms")
+    assert [figures[name] for name in (*speeds, "tflops_per_sec")] == [None] * 5
+    assert figures["steps"] == 4 and figures["final_train_loss"] > 0
+    assert (
+        "no speed figures (samples_per_sec, step_time_ms and those from them are null in "
+        "summary.json): the 4 step(s) trained here are all warm-up, which is not timed (the "
+        "first 5: trainer.timing_warmup_steps)"
+    ) in result.stdout + result.stderr
 
 
 def test_tests_choose_the_cpu_unless_they_choose_the_accelerator():

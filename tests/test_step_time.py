@@ -189,6 +189,27 @@ def test_the_calibration_is_read_from_its_cache_and_times_each_message(tmp_path,
     assert speed.compute_s(work, 1) == pytest.approx(10 * 2e-6 + 4 * 3e-5 + 2 * 1e-3)
 
 
+def test_plan_py_s_calibration_line_says_what_its_wrapper_figures_are():
+    """A wrapper's figure below 0, and dp's tens of milliseconds beside the others' under one:
+    the line says what each is (issue #61: they read as a bug)."""
+    figures = Calibration(
+        "cpu",
+        matmul_flops_per_s={"1": {"10": 1e8}},
+        elementwise_bytes_per_s={"1": 1e9},
+        step_s={"1": 1e-4},
+        op_s={"1": 2e-6},
+        collectives={"all_reduce": {"1": [1e-5, 0.0], "2": [1e-4, 1e-9]}},
+        wrappers={"ddp": {"2": -424e-6}, "fsdp": {"2": 865e-6}, "dp": {"2": 31217e-6}},
+    )
+    line = CalibratedSpeed(figures).describe()
+    assert (
+        "; what a message adds to a step beyond its collective's latency (hooks, copies, "
+        "waiting for peers; below 0 where it ran faster in the step, overlapped, than the bare "
+        "collective measured alone): ddp -424 us, fsdp 865 us; dp's 2 replicas, run in "
+        "threads of one process, add 31217 us to each micro-step; measured at load"
+    ) in line
+
+
 ALL_REDUCE_S = 1e-4  # the latency the wrappers' figures are measured beyond (the others': none)
 
 

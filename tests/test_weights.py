@@ -44,10 +44,13 @@ GPT = (
 EMBEDDING, HEAD = "0.token.weight", "3.1.weight"  # GPT of 2 layers: the head ties to the embedding
 
 
-def export(source: Path, target: Path) -> None:
-    """`python -m src.checkpoint.store export <source> <target>`, as a user runs it."""
+def export(source: Path, target: Path, umask: int = -1) -> None:
+    """`python -m src.checkpoint.store export <source> <target>`, as a user runs it (under
+    `umask`; -1: this process's)."""
     command = [sys.executable, "-m", "src.checkpoint.store", "export", str(source), str(target)]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, check=True, umask=umask
+    )
     assert f"wrote {target}" in result.stdout
 
 
@@ -81,6 +84,15 @@ def test_a_safetensors_export_round_trips_exactly_with_tied_weights_stored_once(
     model.load_state_dict(weights)  # strict
     assert model[-1][1].weight is model[0].token.weight  # still tied
     assert torch.equal(model[0].token.weight, saved[EMBEDDING])
+
+
+def test_an_export_is_whole_and_readable_as_the_umask_allows(tmp_path):
+    """A colleague on the cluster reads an export as they read the run's checkpoints: the mode
+    a new file gets under the umask (here 0027: the group reads), never owner-only."""
+    for name in ("model.safetensors", "model.pt"):
+        export(source_checkpoint(), tmp_path / name, umask=0o027)
+        assert oct((tmp_path / name).stat().st_mode & 0o777) == oct(0o640), name
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["model.pt", "model.safetensors"]
 
 
 def test_a_run_from_a_checkpoint_s_weights_trains_alike_under_single_and_ddp():

@@ -28,6 +28,7 @@ import torch
 from src.checkpoint.integrity import check_manifest
 from src.checkpoint.store import load_checkpoint, newest_checkpoint, read_torch_file
 from src.config.base import ConfigError
+from src.runtime.files import write_atomically
 
 SAFETENSORS = ".safetensors"
 # The train state's keys that describe the model (`Trainer.state_dict`), in a safetensors file's
@@ -156,7 +157,7 @@ def save_safetensors(
 def export(source: Path, target: Path) -> None:
     """Write the model's plain state_dict (single's keys) from the checkpoint `source` (a run
     folder: its newest), as safetensors with the model's config for a `.safetensors` target,
-    else with torch.save."""
+    else with torch.save; whole or not at all, readable as the umask allows."""
     try:
         checkpoint = load_checkpoint(checked_newest(source))
     except ConfigError as error:
@@ -164,12 +165,13 @@ def export(source: Path, target: Path) -> None:
     state = checkpoint["model"]
     target.parent.mkdir(parents=True, exist_ok=True)
     if target.suffix != SAFETENSORS:
-        torch.save(state, target)
+        write_atomically(target, lambda path: torch.save(state, path))
         return
     # Tied weights: the model's own record of them (a sharded checkpoint reads them back as
     # separate tensors), else (older checkpoints) the tensors a full checkpoint kept shared.
     tied = checkpoint.get("tied_keys") or shared_storage_keys(state)
-    save_safetensors(state, tied, model_config(checkpoint), target)
+    config = model_config(checkpoint)
+    write_atomically(target, lambda path: save_safetensors(state, tied, config, path))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,18 +65,21 @@ class Data:
     train: Split | Dataset
     val: Split | Dataset
     """Watched while training (evaluation steps, the best checkpoint, early stopping)."""
-    test: Split | Dataset
-    """Held out from training and from that watching: scored once, after training."""
+    test: Split | Dataset | None
+    """Held out from training and from that watching: scored once, after training. None: the
+    data has no test split (data.test_fraction=0)."""
     input_shape: tuple[int, ...]
     num_classes: int
     """Classes, or the vocabulary size for token data."""
 
     @property
     def splits(self) -> tuple[Split | Dataset, ...]:
-        return self.train, self.val, self.test
+        """The splits there are: train, val and, unless there is none, test."""
+        return tuple(split for split in (self.train, self.val, self.test) if split is not None)
 
     def to(self, device: torch.device) -> Data:
-        train, val, test = (split.to(device) for split in self.splits)
+        test = None if self.test is None else self.test.to(device)
+        train, val = self.train.to(device), self.val.to(device)
         return Data(train, val, test, self.input_shape, self.num_classes)
 
     @property
@@ -156,16 +159,27 @@ def test_generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed + TEST_SEED_OFFSET) % 2**32)
 
 
+def check_test_fraction(test_fraction: float) -> None:
+    if not 0 <= test_fraction < 1:
+        raise ValueError(
+            f"data.test_fraction must be at least 0 (0: no test split) and below 1, got "
+            f"{test_fraction}"
+        )
+
+
 def test_count(num_samples: int, test_fraction: float) -> int:
-    """How many test samples a synthetic set of `num_samples` draws besides them (at least one)."""
-    check_fraction("test_fraction", test_fraction)
-    return max(1, int(num_samples * test_fraction))
+    """How many test samples a synthetic set of `num_samples` draws besides them: at least one,
+    none at a `test_fraction` of 0."""
+    check_test_fraction(test_fraction)
+    return max(1, int(num_samples * test_fraction)) if test_fraction else 0
 
 
 def _split(samples: Split, test: Split, num_classes: int, val_fraction: float, seed: int) -> Data:
-    """A synthetic set: `samples` split into train and val (`carved`), and its `test` samples."""
+    """A synthetic set: `samples` split into train and val (`carved`), and its `test` samples
+    (none drawn: no test split)."""
     train, val = carved(samples, val_fraction, seed)
-    return Data(train, val, test, tuple(samples.inputs.shape[1:]), num_classes)
+    test_split = test if len(test) else None
+    return Data(train, val, test_split, tuple(samples.inputs.shape[1:]), num_classes)
 
 
 def synthetic_classification(
@@ -289,8 +303,9 @@ def tokens(
     test_path: str | None,
 ) -> Data:
     """A flat uint16 token file: the last `val_fraction` validates, the `test_fraction` before it
-    tests (or the whole file `test_path`, when given), the rest trains. The vocabulary is
-    `vocab_size`, by default the largest token + 1 (of the files read)."""
+    tests (or the whole file `test_path`, when given; at a `test_fraction` of 0 without it, none
+    does), the rest trains. The vocabulary is `vocab_size`, by default the largest token + 1 (of
+    the files read)."""
     del seed  # the order comes from the seed in `train_order`; the windows are fixed
     file = token_file("path", path)
     check_fraction("val_fraction", val_fraction)
@@ -298,10 +313,10 @@ def tokens(
     num_val = int(len(token_ids) * val_fraction)
     val = TokenWindows(file, len(token_ids) - num_val, num_val, seq_len)
     if test_path is None:
-        check_fraction("test_fraction", test_fraction)
+        check_test_fraction(test_fraction)
         num_test = int(len(token_ids) * test_fraction)
         num_train = len(token_ids) - num_val - num_test
-        test = TokenWindows(file, num_train, num_test, seq_len)
+        test = TokenWindows(file, num_train, num_test, seq_len) if test_fraction else None
         largest = largest_token(token_ids)
     else:
         test_file = token_file("test_path", test_path)
@@ -320,7 +335,7 @@ def tokens(
             f"data.path={path} has {len(token_ids)} tokens: too few for one validation window "
             f"of data.seq_len={seq_len} + 1; raise data.val_fraction or lower data.seq_len"
         )
-    if len(test) == 0:
+    if test is not None and len(test) == 0:
         where = f"data.test_path={test_path}" if test_path else f"data.path={path}'s test part"
         raise ValueError(
             f"{where} is too short for one test window of data.seq_len={seq_len} + 1; "

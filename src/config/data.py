@@ -39,7 +39,8 @@ class DataConfig(LoaderConfig):
     """The test split's size. Synthetic sets draw this share of num_samples as test samples
     besides them, from a generator seeded apart (seed + 0x9E3779B9), so that train and val hold
     what they hold without it; a token file's test part is this share of its tokens, just
-    before the validation part (unless `test_path` gives a file of its own)."""
+    before the validation part (unless `test_path` gives a file of its own). 0: no test split
+    (as nanoGPT's 90/10 train/val), with trainer.test=false."""
 
 
 @dataclass

@@ -124,7 +124,8 @@ class TrainerConfig:
     test: bool = True
     """After training, score the model on the data's test split (as evaluation does, in batches
     of `eval_batch`): `test_loss`, `test_<figure>` in summary.json, `test/<figure>` in the
-    metrics at the last step. After an early stop, the best checkpoint's weights are scored."""
+    metrics at the last step. After an early stop, the best checkpoint's weights are scored.
+    Data without a test split (data.test_fraction=0) needs false."""
     monitor: str | None = "val/loss"
     """The metric (as metrics.jsonl names it: `val/<figure>` or `train/<figure>` of the task)
     whose best value keeps a checkpoint in `checkpoints/best/`, written at the steps it is logged

@@ -73,7 +73,8 @@ def run_job(task: Task) -> Callable[[DictConfig], float]:
         earlier = status.finished_summary()
         if earlier is not None:
             log.info("job %s finished in an earlier run of this sweep: kept", hydra_cfg.job.num)
-            return earlier["final_val_loss"]
+            loss = earlier["final_val_loss"]
+            return math.nan if loss is None else loss  # null in summary.json: not finite
         # an earlier run of the sweep, or SLURM's requeue, stopped this job
         if cfg.trainer.resume is None and saved_checkpoints(status.job_dir):
             cfg.trainer.resume = "auto"

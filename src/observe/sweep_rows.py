@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from src.config.parallel import node_range
+from src.runtime.files import finite_or_null
 from src.runtime.run_folder import hydra_file, status_file, summary_file
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,8 @@ def read_row(job_dir: Path, variant: str) -> tuple[Row, DictConfig | None]:
     else:
         row.reason = "no summary.json or status.json: the job did not finish (killed?)"
     if row.status == "ok" and summary_path.exists():
-        fill_from_summary(row, json.loads(summary_path.read_text()))
+        # Figures not measured are null, or NaN in summaries written before they were null.
+        fill_from_summary(row, finite_or_null(json.loads(summary_path.read_text())))
         return row, config
     return row, None
 
@@ -224,7 +225,7 @@ def fill_from_summary(row: Row, summary: dict[str, Any]) -> None:
     if "pipeline" in summary:
         row.pipeline_bubble = summary["pipeline"]["bubble_fraction"]
         row.pipeline_idle = summary["pipeline"]["idle_fraction_per_rank"]
-    tensor_memory = [mb for mb in summary.get("tensor_peak_mb", []) if not math.isnan(mb)]
+    tensor_memory = [mb for mb in summary.get("tensor_peak_mb", []) if mb is not None]
     if tensor_memory:  # not counted around compiled blocks; older summaries lack it
         row.tensor_peak_max_mb = max(tensor_memory)
     memory = summary["peak_memory_mb"]
@@ -241,7 +242,7 @@ def add_speedups(rows: list[Row]) -> None:
             baselines.setdefault(non_parallel(row.variant), row.samples_per_sec)
     for row in rows:
         baseline = baselines.get(non_parallel(row.variant))
-        if row.status == "ok" and baseline and not math.isnan(baseline):
+        if row.status == "ok" and baseline and row.samples_per_sec is not None:
             row.speedup = row.samples_per_sec / baseline
             row.efficiency = row.speedup / row.devices
 

@@ -31,6 +31,7 @@ from src.parallel.shares import COLLECTIVES
 from src.planning.timing import best_time_s, typical_time_s
 from src.planning.work import WorkCounter, size_class
 from src.planning.wrapper_costs import dtensor_costs_s, replica_threads_s, wrapper_message_s
+from src.runtime.files import write_atomically
 from src.runtime.forking import become_forked_child, start_rank_server
 
 PROJECT = "parallel-training-template"
@@ -149,11 +150,10 @@ def calibration(device_type: str, refresh: bool = False) -> Calibration:
             return cached
     measured = calibrate(device_type)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Written whole, then renamed: processes planning at once (a sweep's jobs, test workers)
-    # read either the old file or the new one, never half of one.
-    written = path.with_suffix(f".{os.getpid()}.tmp")
-    written.write_text(json.dumps(dataclasses.asdict(measured), indent=1))
-    written.replace(path)
+    # Written whole: processes planning at once (a sweep's jobs, test workers) read either the
+    # old file or the new one, never half of one.
+    text = json.dumps(dataclasses.asdict(measured), indent=1)
+    write_atomically(path, lambda staging: staging.write_text(text))
     return measured
 
 

@@ -138,19 +138,39 @@ class CalibratedSpeed(DeviceSpeed):
         )
         latency = figures.collectives["all_reduce"]
         ranks = min(latency, key=lambda count: (int(count) < 2, int(count)))  # 2 if measured
-        beyond = ", ".join(
-            f"{wrapper} {by_processes[ranks] * 1e6:.0f} us"
-            for wrapper, by_processes in figures.wrappers.items()
-            if ranks in by_processes
-        )
+        wrappers = wrapper_costs(figures.wrappers, ranks)
         return (
             f"step times from this {figures.device_type.upper()}'s calibration ({rates}; "
             f"all-reduce on {ranks} processes {latency[ranks][0] * 1e6:.0f} us + "
             f"{1e-9 / max(latency[ranks][1], 1e-15):.3g} GB/s"
-            + (f"; a message costs beyond its collective: {beyond}" if beyond else "")
+            + (f"; {wrappers}" if wrappers else "")
             + "; measured at load "
             f"{figures.load_per_core:.1f} per core; plan.calibrate=true measures again)"
         )
+
+
+def wrapper_costs(wrappers: dict[str, dict[str, float]], processes: str) -> str:
+    """The calibration's wrapper figures at `processes` in words: what a message of each
+    wrapper adds to a step beyond its collective (below 0 where it ran faster than the bare
+    collective alone), and dp's, which is no message's but its replicas' threads'."""
+    by_message = [
+        f"{wrapper} {by_processes[processes] * 1e6:.0f} us"
+        for wrapper, by_processes in wrappers.items()
+        if wrapper != "dp" and processes in by_processes
+    ]
+    said = []
+    if by_message:
+        said.append(
+            "what a message adds to a step beyond its collective's latency (hooks, copies, "
+            "waiting for peers; below 0 where it ran faster in the step, overlapped, than the "
+            "bare collective measured alone): " + ", ".join(by_message)
+        )
+    if processes in wrappers.get("dp", {}):
+        said.append(
+            f"dp's {processes} replicas, run in threads of one process, add "
+            f"{wrappers['dp'][processes] * 1e6:.0f} us to each micro-step"
+        )
+    return "; ".join(said)
 
 
 @functools.cache

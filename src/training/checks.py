@@ -77,6 +77,11 @@ def check_data(cfg: DictConfig, data: Data) -> None:
             f"trainer.batch_size={cfg.trainer.batch_size} is more than the {len(data.train)} "
             "training samples; lower trainer.batch_size or use more data"
         )
+    if cfg.trainer.test and data.test is None:
+        raise ConfigError(
+            "trainer.test=true scores the test split, but data.test_fraction=0 leaves none; set "
+            "trainer.test=false, or data.test_fraction above 0"
+        )
     if cfg.data.augment and len(data.input_shape) != 3:
         raise ConfigError(
             f"data.augment=true crops and flips images (channels, height, width), but this "

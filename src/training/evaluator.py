@@ -8,7 +8,6 @@ outputs for every sample to `predictions.pt` (`predictions.py`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from src.config.base import ConfigError, plain_config, typed
 from src.config.trainer import TrainerConfig
 from src.observe.tracking import build_tracker, wandb_group
 from src.parallel.base import Strategy
+from src.runtime.files import json_text
 from src.runtime.run_folder import eval_file, predictions_file
 from src.training.build import (
     Blueprint,
@@ -117,7 +117,7 @@ def evaluate_checkpoint(
         shown = " | ".join(f"{name} {value:.6g}" for name, value in figures.items())
         weights = "exported weights" if results["step"] is None else f"step {results['step']}"
         log.info("%s | %s | %s", cfg.split, weights, shown)
-        eval_file(eval_dir).write_text(json.dumps(results, indent=2) + "\n")
+        eval_file(eval_dir).write_text(json_text(results, indent=2) + "\n")
     tracker = build_tracker(cfg.logger, str(eval_dir), plain_config(cfg), strategy.is_main)
     step = results["step"] or 0  # an exported weights file has none
     tracker.log({f"{cfg.split}/{name}": value for name, value in figures.items()}, step)

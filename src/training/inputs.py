@@ -19,9 +19,9 @@ log = logging.getLogger(__name__)
 
 def input_batches(
     cfg: DictConfig, trainer: TrainerConfig, strategy: Strategy, data: Data, start_step: int
-) -> tuple[TimedBatches, ValBatches, ValBatches]:
+) -> tuple[TimedBatches, ValBatches, ValBatches | None]:
     """This process's training batches from `start_step` on, and its validation and test
-    batches."""
+    batches (None without a test split)."""
     loading = input_loading(cfg, strategy)
     train = train_batches(
         data.train,
@@ -34,6 +34,8 @@ def input_batches(
     )
     val, test = (
         ValBatches(split, trainer.eval_batch, strategy.data_shard, strategy.data_shards, loading)
+        if split is not None
+        else None
         for split in (data.val, data.test)
     )
     return TimedBatches(train), val, test

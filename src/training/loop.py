@@ -11,7 +11,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +26,7 @@ from src.config.trainer import TrainerConfig
 from src.observe.report import rate_text
 from src.observe.tracking import Tracker
 from src.parallel.base import TrainingStrategy, process_peak_memory_mb
+from src.runtime.files import json_text, write_atomically
 from src.training.step import evaluate, reduced_figures
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,18 @@ class Throughput:
             "tokens_per_sec": samples_per_sec * self.tokens_per_sample,
         }
 
+    def untimed(self) -> str | None:
+        """Why the speed figures are missing (null in summary.json), or None when they are not:
+        a run of no more steps than the warm-up times none."""
+        if self.window_ms:
+            return None
+        return (
+            f"no speed figures (samples_per_sec, step_time_ms and those from them are null in "
+            f"summary.json): the {self.steps_done} step(s) trained here are all warm-up, which "
+            f"is not timed (the first {self.warmup_steps}: trainer.timing_warmup_steps); train "
+            "more steps, or lower trainer.timing_warmup_steps"
+        )
+
     def summary(self) -> dict[str, float]:
         if not self.window_ms:
             nan = float("nan")
@@ -169,9 +181,8 @@ def open_history(tracker: Tracker, path: Path, start_step: int, is_main: bool) -
         return
     if path.exists():
         kept = [line for line in path.read_text().splitlines() if history_step(line) <= start_step]
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(f"{line}\n" for line in kept))
-        os.replace(tmp, path)
+        text = "".join(f"{line}\n" for line in kept)
+        write_atomically(path, lambda staging: staging.write_text(text))
     with path.open("a") as file:
         yield History(tracker, file)
 
@@ -212,7 +223,7 @@ class History:
     def record(self, metrics: dict[str, float], step: int) -> None:
         self.tracker.log(metrics, step=step)
         if self.file:
-            self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+            self.file.write(json_text({"step": step, **metrics}) + "\n")
             self.file.flush()
 
 

@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 from src.observe.performance import device_peak_tflops, throughput_figures
 from src.parallel.base import Strategy, usable_cores
+from src.runtime.files import json_text
 from src.runtime.ranks import Ranks
 from src.runtime.run_folder import metrics_file, summary_file
 from src.training.loop import history_step
@@ -73,8 +74,8 @@ def write_summary(summary: dict[str, Any], run_dir: Path) -> None:
 
 
 def save_summary(summary: dict[str, Any], run_dir: Path) -> None:
-    """summary.json in the run folder."""
-    summary_file(run_dir).write_text(json.dumps(summary, indent=2) + "\n")
+    """summary.json in the run folder; a figure that could not be measured (NaN) is null."""
+    summary_file(run_dir).write_text(json_text(summary, indent=2) + "\n")
 
 
 def format_summary(summary: dict[str, Any], run_dir: Path) -> str:

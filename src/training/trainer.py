@@ -299,6 +299,8 @@ class Trainer:
         self.finished = True
         self.tracker.finish(summary, 0)
         if strategy.is_main:
+            if untimed := self.speed.untimed():
+                log.info(untimed)
             write_summary(summary, self.run_dir)
         return summary
 
