@@ -44,8 +44,8 @@ ROWS = [
     pytest.param(
         ["model=nosuch"],
         HYDRA,
-        "Could not find 'model/nosuch'; choose one of convnet, fcn, gpt, gpt2_124m, mlp, "
-        "moe, resnet, transformer",
+        "Could not find 'model/nosuch'; choose one of convnet, fcn, gpt, gpt2_124m, "
+        "hf_causal_lm, mlp, moe, resnet, timm, transformer",
         id="model",
     ),
     pytest.param(
@@ -56,6 +56,48 @@ ROWS = [
         id="strategy-class",
     ),
     pytest.param(["parallel.devices=0"], CHECK, "parallel.devices must be at least 1", id="dev0"),
+    pytest.param(
+        [f"model._target_={ODD}.LoopMLP", "+model.width=8", "+model.layers=2", "+model.wide=1"],
+        CHECK,
+        f"model: {ODD}.LoopMLP takes no 'wide'; it takes input_shape, layers, num_classes, width",
+        id="model-setting",
+    ),
+    pytest.param(
+        [f"model._target_={ODD}.LoopMLP", "+model.width=8", "+model.layers=2", "parallel=pp"],
+        CHECK,
+        "parallel.pp cuts a model into stages between the blocks of an nn.Sequential; LoopMLP is "
+        "not one",
+        id="pipeline-of-a-plain-module",
+    ),
+    pytest.param(
+        [
+            f"model._target_={ODD}.LoopMLP",
+            "+model.width=8",
+            "+model.layers=2",
+            "+model.blocks=nosuch",
+        ],
+        CHECK,
+        "model.blocks=nosuch: no module of the model is one of these classes, nor a module's path",
+        id="model-blocks",
+    ),
+    pytest.param(
+        ["model=hf_causal_lm", "model.config=nosuch"],
+        CHECK,
+        "model.config=nosuch: transformers has no such model type",
+        id="hf-model-type",
+    ),
+    pytest.param(
+        ["model=hf_causal_lm", "model.pretrained={config_only}"],
+        CHECK,
+        "holds no weights (model.safetensors",
+        id="hf-pretrained-without-weights",
+    ),
+    pytest.param(
+        ["model=timm", "model.name=nosuch", "data.image_shape=[3,8,8]", "data.input_dim=192"],
+        CHECK,
+        "model.name=nosuch: timm has no such model",
+        id="timm-name",
+    ),
     pytest.param(
         ["data.test_fraction=0"],
         CHECK,
@@ -590,7 +632,15 @@ def files(tmp_path):
     truncated.write_bytes(whole[: len(whole) // 2])
     foreign = tmp_path / "foreign.pt"
     torch.save({"weights": torch.ones(3)}, foreign)
-    return {"finished": finished, "truncated": truncated, "foreign": foreign}
+    config_only = tmp_path / "config-only"  # a transformers folder without its weights
+    config_only.mkdir()
+    (config_only / "config.json").write_text('{"model_type": "llama", "hidden_size": 32}')
+    return {
+        "finished": finished,
+        "truncated": truncated,
+        "foreign": foreign,
+        "config_only": config_only,
+    }
 
 
 @pytest.mark.parametrize("overrides, stage, message", ROWS)

@@ -108,15 +108,13 @@ def model_blocks(model: nn.Module, named: str | Sequence[str] | None = None) -> 
     for path, module in model.named_modules():
         if isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
             run = longest_same_class_run(module)
-            if len(run) > 1:
+            if run:
                 members = [f"{path}.{name}" if path else name for name in run]
                 runs.setdefault(type(module.get_submodule(run[0])), []).extend(members)
-    if not runs:
-        return []
     # The class with the most members (a ResNet's blocks over its four stages), the shallowest
     # of equals (a ModuleList's blocks before the Linears inside them).
-    best = max(runs.values(), key=lambda names: (len(names), -names[0].count(".")))
-    return best
+    best = max(runs.values(), key=lambda names: (len(names), -names[0].count(".")), default=[])
+    return best if len(best) > 1 else []
 
 
 def longest_same_class_run(container: nn.Module) -> list[str]:

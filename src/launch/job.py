@@ -21,7 +21,6 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoint.store import checkpoint_step, saved_checkpoints
-from src.components.model_contract import settle_model_settings
 from src.config.base import ConfigError, plain_config
 from src.config.parallel import AUTO, NodeRange, node_range
 from src.launch.as_rank import configure_logging, join_started_ranks, rank_store, run_as_rank
@@ -53,7 +52,6 @@ def run(cfg: DictConfig, ranks: Ranks | None) -> dict[str, Any]:
     torchrun or srun); returns the summary of this node's lowest rank."""
     hydra = HydraConfig.get()
     run_dir = Path(hydra.runtime.output_dir)
-    settle_model_settings(cfg)
     if cfg.parallel.name == AUTO:  # imported only then: its tracing tools take a second to load
         from src.planning.planner import resolve_auto
 

@@ -20,6 +20,7 @@ from src.components import models
 from src.components.batches import Tree, describe
 from src.components.blocks import saved_ops
 from src.components.data import Data, meta_samples
+from src.components.model_contract import settle_model_settings
 from src.components.optimizer import build_optimizer, lr_schedule
 from src.config.base import ConfigError, check_given, first_line, typed
 from src.config.parallel import Offload
@@ -36,6 +37,7 @@ def check_settings(cfg: DictConfig, ranks: Ranks | None) -> Strategy:
     """The checks of the settings themselves (no data, no model); returns the unstarted
     strategy. `ranks`: the ranks torchrun or srun started, this process among them, if any."""
     check_given(cfg)
+    settle_model_settings(cfg)
     trainer = cfg.trainer
     settings = typed(TrainerConfig, trainer)  # its ranges
     device_type = resolve_device_type(trainer.accelerator)

@@ -1,0 +1,151 @@
+"""Models the template did not write train under the strategies: a plain `nn.Module` that loops
+over a `ModuleList` (tests/odd_models.py's LoopMLP, the shape of most research code), Hugging
+Face transformers' Llama and GPT-2, and timm's image models, each through the real `train.py`
+and held to `single` under SGD (losses and final weights within 1e-5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import (
+    TINY_SGD,
+    assert_same_training,
+    checkpoint,
+    reference_run,
+    run_train,
+    strategy_runs,
+    summary,
+)
+from odd_models import LoopMLP
+from omegaconf import OmegaConf
+
+from src.components.model_contract import model_blocks, model_target, settle_model_settings
+from src.config.base import ConfigError
+
+transformers = pytest.importorskip("transformers")
+timm = pytest.importorskip("timm")
+
+# model=mlp's own keys (TINY's model.hidden and model.depth) are left out of LoopMLP's.
+LOOP_MLP = (*TINY_SGD, "model._target_=tests.odd_models.LoopMLP", "+model.width=32")
+LOOP_MLP = (*LOOP_MLP, "+model.layers=3", "trainer.accumulate=2", "trainer.grad_clip=0.05")
+TINY_TOKENS = ("data.seq_len=8", "data.vocab_size=16", "data.num_samples=600")
+DROPOUTS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
+
+
+def without_mlp_sizes(overrides: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(o for o in overrides if not o.startswith(("model.hidden=", "model.depth=")))
+
+
+LLAMA = (
+    *without_mlp_sizes(TINY_SGD),
+    "model=hf_causal_lm",
+    *TINY_TOKENS,
+    "model.sizes.hidden_size=32",
+    "model.sizes.intermediate_size=64",
+)
+GPT2 = (
+    *LLAMA,
+    "model.config=gpt2",
+    # Llama's size names (the schema's) are GPT-2's too, through its config's attribute map.
+    *(f"+model.sizes.{key}=0.0" for key in DROPOUTS),
+)
+TIMM = (
+    *without_mlp_sizes(TINY_SGD),
+    "model=timm",
+    "data.image_shape=[3,16,16]",
+    "data.input_dim=768",
+)
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("strategy", ["dp", "dp_criterion", "ddp", "fsdp", "mesh"])
+def test_a_plain_module_with_a_module_list_trains_like_single(strategy):
+    runs = strategy_runs(*LOOP_MLP, strategies=("dp", "dp_criterion", "ddp", "fsdp", "mesh"))
+    assert_same_training(runs["single"], runs[strategy])
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp", "fsdp_tp"])
+def test_a_transformers_llama_trains_like_single(strategy):
+    """tp splits it by its config's own plan (`base_model_tp_plan`: q, k, v, gate and up
+    colwise, o and down rowwise)."""
+    runs = strategy_runs(*LLAMA, strategies=("ddp", "fsdp", "tp", "fsdp_tp"))
+    assert_same_training(runs["single"], runs[strategy])
+    assert "model.layers.0.self_attn.q_proj.weight" in checkpoint(runs[strategy])["model"]
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_transformers_gpt2_trains_like_single(strategy):
+    runs = strategy_runs(*GPT2, strategies=("ddp", "fsdp"))
+    assert_same_training(runs["single"], runs[strategy])
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_timm_vit_trains_like_single(strategy):
+    vit = ("model.name=test_vit", "+model.sizes.img_size=16")
+    runs = strategy_runs(*TIMM, *vit, strategies=("ddp", "fsdp"))
+    assert_same_training(runs["single"], runs[strategy])
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_timm_resnet_trains_like_single_with_its_batch_statistics_synced(tmp_path, strategy):
+    resnet = (*TIMM, "model.name=test_resnet")
+    synced = (f"parallel={strategy}", "parallel.devices=2", "parallel.sync_batchnorm=true")
+    run_train(*resnet, *synced, run_dir=tmp_path)
+    assert_same_training(reference_run(*resnet), tmp_path)
+
+
+def test_a_llama_saved_by_transformers_trains_from_its_weights_under_fsdp(tmp_path):
+    """model.pretrained: a `save_pretrained` folder's config and weights, not random ones."""
+    config = transformers.LlamaConfig(
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(1)
+    saved = transformers.LlamaForCausalLM(config)
+    saved.save_pretrained(tmp_path / "llama")
+    run_dir = tmp_path / "run"
+    overrides = (*LLAMA, "trainer.max_steps=1", "parallel=fsdp", "parallel.devices=2")
+    run_train(*overrides, f"model.pretrained={tmp_path / 'llama'}", run_dir=run_dir)
+    assert summary(run_dir)["strategy"] == "fsdp"
+    # One SGD step from the saved weights: close to them, far from a random start.
+    trained = checkpoint(run_dir)["model"]["model.layers.0.mlp.up_proj.weight"]
+    start = saved.state_dict()["model.layers.0.mlp.up_proj.weight"]
+    assert (trained - start).abs().max() < 0.01
+
+
+def test_blocks_are_found_as_the_most_numerous_members_of_module_lists():
+    with torch.device("meta"):
+        loop = LoopMLP((4,), 3, 8, 3)
+        resnet = timm.create_model("resnet18", num_classes=10)
+        llama = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(hidden_size=32, num_hidden_layers=3, vocab_size=16)
+        )
+    assert model_blocks(loop) == ["layers.0", "layers.1", "layers.2"]
+    # Two BasicBlocks in each of its four stages' Sequentials.
+    assert model_blocks(resnet) == [f"layer{stage}.{i}" for stage in range(1, 5) for i in (0, 1)]
+    assert model_blocks(llama) == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    assert model_blocks(llama, "model.layers") == model_blocks(llama)
+    assert model_blocks(llama, ["LlamaDecoderLayer"]) == model_blocks(llama)
+    with pytest.raises(ConfigError, match="model.blocks=model.nosuch: the model has no module"):
+        model_blocks(llama, "model.nosuch")
+    with pytest.raises(ConfigError, match="no module of the model is one of these classes"):
+        model_blocks(llama, ["NoSuchLayer"])
+
+
+def test_another_target_does_not_get_the_options_own_keys(compose_config):
+    cfg = compose_config(*LOOP_MLP)
+    settle_model_settings(cfg)
+    assert OmegaConf.to_container(cfg.model) == {
+        "_target_": "tests.odd_models.LoopMLP",
+        "width": 32,
+        "layers": 3,
+    }
+    assert model_target(cfg.model).__qualname__ == "LoopMLP"
