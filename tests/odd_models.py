@@ -214,3 +214,14 @@ class PacedMLP(MLP):
         if self.training and "SLURM_RESTART_COUNT" not in os.environ:
             time.sleep(self.STEP_S)
         return super().forward(inputs)
+
+
+class SparseEmbeddingMLP(nn.Sequential):
+    """Token ids through an `nn.Embedding(sparse=True)` (word2vec's, a recommender's) and
+    Linear+ReLU blocks to per-token logits: its embedding's gradient is a sparse tensor, which
+    has no storage."""
+
+    def __init__(self, input_shape: Sequence[int], num_classes: int, hidden: int, depth: int):
+        blocks = [nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU()) for _ in range(depth - 1)]
+        embedding = nn.Embedding(num_classes, hidden, sparse=True)
+        super().__init__(embedding, *blocks, nn.Linear(hidden, num_classes))

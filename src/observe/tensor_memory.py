@@ -11,16 +11,20 @@ column). Counting costs each op of those passes a Python call; later steps run a
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn, optim
 from torch._guards import active_fake_mode
-from torch.distributed._tools.mem_tracker import MemTracker, _RefType
+from torch.distributed._tools.mem_tracker import MemTracker, _RefType, _WeakRefInfo
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from src.planning.memory_trace import TRACED_STEPS
 from src.planning.plans import MB
+
+log = logging.getLogger(__name__)
 
 
 class NoModuleHooks:
@@ -46,12 +50,17 @@ class StorageTracker(MemTracker):
     """MemTracker counting every tensor storage per device, without its module hooks: their
     gradient hooks break the pipeline schedules' `autograd.grad` ("A leaf node was passed to
     _will_engine_execute_node", torch 2.14.1). The peak's Total is the same; what the module
-    hooks would label (parameters, gradients, backward temporaries) counts as activations."""
+    hooks would label (parameters, gradients, backward temporaries) counts as activations.
+
+    A sparse COO tensor (an `nn.Embedding(sparse=True)`'s gradient) has no storage, which
+    MemTracker's count fails on: it counts as its indices and values. Any other tensor without a
+    storage (compressed sparse layouts, MKL-DNN) is left out, with one warning per layout."""
 
     def __init__(self) -> None:
         super().__init__()
         self._mod_tracker = NoModuleHooks()
         self.fake_mode_on_entry = active_fake_mode()
+        self.left_out: set[torch.layout] = set()
 
     def __enter__(self) -> StorageTracker:
         self.fake_mode_on_entry = active_fake_mode()
@@ -63,7 +72,30 @@ class StorageTracker(MemTracker):
         sharding propagation runs its ops on fake tensors, which torch 2.11's MemTracker counted
         as memory (docs/planner.md); torch 2.14's skips them as this does."""
         if active_fake_mode() is self.fake_mode_on_entry:
-            super()._track(reftype, t)
+            for part in self.stored_parts(t):
+                super()._track(reftype, part)
+
+    def _update_and_maybe_create_winfos(
+        self, t: torch.Tensor, reftype: _RefType, update_existing: bool = False
+    ) -> set[_WeakRefInfo]:
+        """Optimizer state and module tensors (a sparse gradient, SGD's sparse momentum) by their
+        stored parts, as `_track` counts them."""
+        winfos: set[_WeakRefInfo] = set()
+        for part in self.stored_parts(t):
+            winfos |= super()._update_and_maybe_create_winfos(part, reftype, update_existing)
+        return winfos
+
+    def stored_parts(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """The tensors whose storages hold `t`: itself, a sparse COO tensor's indices and values,
+        none for another layout without a storage (said once per layout)."""
+        if t.layout == torch.sparse_coo:
+            return [t._indices(), t._values()]
+        if t.layout == torch.strided or is_traceable_wrapper_subclass(t):
+            return [t]
+        if t.layout not in self.left_out:
+            self.left_out.add(t.layout)
+            log.warning("tensor memory: %s tensors have no storage and are not counted", t.layout)
+        return []
 
 
 def peak_mb(tracker: MemTracker) -> dict[str, float]:
