@@ -4,8 +4,10 @@ shipped models keep: picked with `model._target_=tests.odd_models.<Name>` and si
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -14,6 +16,8 @@ import torch
 from torch import nn
 
 from src.components.models import MLP, Transformer
+
+log = logging.getLogger(__name__)
 
 
 def unpack(value: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -199,6 +203,17 @@ class UnusedBranch(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+
+class ThreadNotingMLP(MLP):
+    """The MLP, logging the thread of each training forward pass on data (`training forward in
+    <thread name>`; not the start-up's checks on the meta device): under dp, one line per
+    replica."""
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self.training and not inputs.is_meta:
+            log.info("training forward in %s", threading.current_thread().name)
+        return super().forward(inputs)
 
 
 class PacedMLP(MLP):

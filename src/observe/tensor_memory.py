@@ -6,12 +6,14 @@ tensors peak at about 4 MB).
 A training run counts its first `TRACED_STEPS` steps (the second holds the optimizer state, as
 the planner's trace does) and its first evaluation, and reports the highest peak of them beside
 the planner's prediction (`summary.json`'s `tensor_peak_mb`, the sweep report's `tensor peak MB`
-column). Counting costs each op of those passes a Python call; later steps run as before."""
+column). Counting costs each op of those passes a Python call; later steps run as before, and
+dp's replicas run in their threads under the count too (`StorageTracker.thread_safe`)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -56,11 +58,18 @@ class StorageTracker(MemTracker):
     MemTracker's count fails on: it counts as its indices and values. Any other tensor without a
     storage (compressed sparse layouts, MKL-DNN) is left out, with one warning per layout."""
 
+    thread_safe = True
+    """dp's replica threads run under it too (`mechanisms.replicas.parallel_apply`): the count of
+    what is alive, which their ops and storages freed in any thread update, changes under a lock
+    (shared unlocked, a module-hooked MemTracker's peak once failed now and then with 'dictionary
+    changed size during iteration', 0254e07; two threads could also add one storage twice)."""
+
     def __init__(self) -> None:
         super().__init__()
         self._mod_tracker = NoModuleHooks()
         self.fake_mode_on_entry = active_fake_mode()
         self.left_out: set[torch.layout] = set()
+        self.lock = threading.RLock()  # re-entered: `_track` updates the snapshot
 
     def __enter__(self) -> StorageTracker:
         self.fake_mode_on_entry = active_fake_mode()
@@ -72,8 +81,17 @@ class StorageTracker(MemTracker):
         sharding propagation runs its ops on fake tensors, which torch 2.11's MemTracker counted
         as memory (docs/planner.md); torch 2.14's skips them as this does."""
         if active_fake_mode() is self.fake_mode_on_entry:
-            for part in self.stored_parts(t):
-                super()._track(reftype, part)
+            with self.lock:  # two threads may meet one storage (views of a shared parameter)
+                for part in self.stored_parts(t):
+                    super()._track(reftype, part)
+
+    def _update_snap(self, *args: Any, **kwargs: Any) -> None:
+        with self.lock:
+            super()._update_snap(*args, **kwargs)
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        with self.lock:  # it reads the snapshot that other threads update
+            super()._update_peak_stats(peak_state)
 
     def _update_and_maybe_create_winfos(
         self, t: torch.Tensor, reftype: _RefType, update_existing: bool = False
