@@ -4,8 +4,10 @@ shipped models keep: picked with `model._target_=tests.odd_models.<Name>` and si
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -14,6 +16,8 @@ import torch
 from torch import nn
 
 from src.components.models import MLP, Transformer
+
+log = logging.getLogger(__name__)
 
 
 def unpack(value: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -201,6 +205,17 @@ class UnusedBranch(nn.Module):
         return x
 
 
+class ThreadNotingMLP(MLP):
+    """The MLP, logging the thread of each training forward pass on data (`training forward in
+    <thread name>`; not the start-up's checks on the meta device): under dp, one line per
+    replica."""
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self.training and not inputs.is_meta:
+            log.info("training forward in %s", threading.current_thread().name)
+        return super().forward(inputs)
+
+
 class PacedMLP(MLP):
     """The MLP, whose training steps take at least STEP_S each (it waits, using no CPU) in the
     first run of a SLURM job: a run of known length, for tests that need a run still training
@@ -233,3 +248,14 @@ class LoopMLP(nn.Module):
         for layer in self.layers:
             hidden = hidden + layer(hidden)
         return self.head(hidden)
+
+
+class SparseEmbeddingMLP(nn.Sequential):
+    """Token ids through an `nn.Embedding(sparse=True)` (word2vec's, a recommender's) and
+    Linear+ReLU blocks to per-token logits: its embedding's gradient is a sparse tensor, which
+    has no storage."""
+
+    def __init__(self, input_shape: Sequence[int], num_classes: int, hidden: int, depth: int):
+        blocks = [nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU()) for _ in range(depth - 1)]
+        embedding = nn.Embedding(num_classes, hidden, sparse=True)
+        super().__init__(embedding, *blocks, nn.Linear(hidden, num_classes))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import collections
 import copy
 import logging
+import math
+import re
 import threading
 
 import pytest
@@ -17,6 +19,7 @@ from helpers import (
     parallel_config,
     reference_run,
     run_sweep,
+    run_train,
     summary,
     sweep_runs,
 )
@@ -44,6 +47,28 @@ def test_train_py_matches_single(name, devices):
     result = summary(run_dir)
     assert result["strategy"] == name and result["devices"] == devices
     assert result["world_size"] == 1 and len(result["peak_memory_mb"]) == 1
+
+
+# The tiny MLP noting its forward passes' threads, its first steps' tensor memory counted (the
+# default).
+THREAD_NOTING = (
+    *(override for override in TINY_SGD if not override.startswith("trainer.count_tensor_memory")),
+    "model._target_=tests.odd_models.ThreadNotingMLP",
+)
+
+
+def test_every_training_step_runs_its_replicas_in_threads_of_their_own(tmp_path):
+    """The first steps too, whose tensor memory is counted under a dispatch mode, which is
+    thread-local: the count sees dp's steps as dp runs them."""
+    run_train(*THREAD_NOTING, "parallel=dp", run_dir=tmp_path)
+
+    log_text = (tmp_path / "train.log").read_text()
+    threads = re.findall(r"training forward in (.+)", log_text)
+    steps = [threads[i : i + 2] for i in range(0, len(threads), 2)]  # 2 replicas a step
+    assert len(steps) == 6
+    for step, names in enumerate(steps, 1):
+        assert len(set(names)) == 2 and "MainThread" not in names, (step, names)
+    assert not math.isnan(summary(tmp_path)["tensor_peak_mb"][0])
 
 
 # ------------------------------------------------------------------- the strategies, in process

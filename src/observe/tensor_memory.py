@@ -6,21 +6,27 @@ tensors peak at about 4 MB).
 A training run counts its first `TRACED_STEPS` steps (the second holds the optimizer state, as
 the planner's trace does) and its first evaluation, and reports the highest peak of them beside
 the planner's prediction (`summary.json`'s `tensor_peak_mb`, the sweep report's `tensor peak MB`
-column). Counting costs each op of those passes a Python call; later steps run as before."""
+column). Counting costs each op of those passes a Python call; later steps run as before, and
+dp's replicas run in their threads under the count too (`StorageTracker.thread_safe`)."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn, optim
 from torch._guards import active_fake_mode
-from torch.distributed._tools.mem_tracker import MemTracker, _RefType
+from torch.distributed._tools.mem_tracker import MemTracker, _RefType, _WeakRefInfo
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from src.planning.memory_trace import TRACED_STEPS
 from src.planning.plans import MB
+
+log = logging.getLogger(__name__)
 
 
 class NoModuleHooks:
@@ -46,12 +52,24 @@ class StorageTracker(MemTracker):
     """MemTracker counting every tensor storage per device, without its module hooks: their
     gradient hooks break the pipeline schedules' `autograd.grad` ("A leaf node was passed to
     _will_engine_execute_node", torch 2.14.1). The peak's Total is the same; what the module
-    hooks would label (parameters, gradients, backward temporaries) counts as activations."""
+    hooks would label (parameters, gradients, backward temporaries) counts as activations.
+
+    A sparse COO tensor (an `nn.Embedding(sparse=True)`'s gradient) has no storage, which
+    MemTracker's count fails on: it counts as its indices and values. Any other tensor without a
+    storage (compressed sparse layouts, MKL-DNN) is left out, with one warning per layout."""
+
+    thread_safe = True
+    """dp's replica threads run under it too (`mechanisms.replicas.parallel_apply`): the count of
+    what is alive, which their ops and storages freed in any thread update, changes under a lock
+    (shared unlocked, a module-hooked MemTracker's peak once failed now and then with 'dictionary
+    changed size during iteration', 0254e07; two threads could also add one storage twice)."""
 
     def __init__(self) -> None:
         super().__init__()
         self._mod_tracker = NoModuleHooks()
         self.fake_mode_on_entry = active_fake_mode()
+        self.left_out: set[torch.layout] = set()
+        self.lock = threading.RLock()  # re-entered: `_track` updates the snapshot
 
     def __enter__(self) -> StorageTracker:
         self.fake_mode_on_entry = active_fake_mode()
@@ -63,7 +81,39 @@ class StorageTracker(MemTracker):
         sharding propagation runs its ops on fake tensors, which torch 2.11's MemTracker counted
         as memory (docs/planner.md); torch 2.14's skips them as this does."""
         if active_fake_mode() is self.fake_mode_on_entry:
-            super()._track(reftype, t)
+            with self.lock:  # two threads may meet one storage (views of a shared parameter)
+                for part in self.stored_parts(t):
+                    super()._track(reftype, part)
+
+    def _update_snap(self, *args: Any, **kwargs: Any) -> None:
+        with self.lock:
+            super()._update_snap(*args, **kwargs)
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        with self.lock:  # it reads the snapshot that other threads update
+            super()._update_peak_stats(peak_state)
+
+    def _update_and_maybe_create_winfos(
+        self, t: torch.Tensor, reftype: _RefType, update_existing: bool = False
+    ) -> set[_WeakRefInfo]:
+        """Optimizer state and module tensors (a sparse gradient, SGD's sparse momentum) by their
+        stored parts, as `_track` counts them."""
+        winfos: set[_WeakRefInfo] = set()
+        for part in self.stored_parts(t):
+            winfos |= super()._update_and_maybe_create_winfos(part, reftype, update_existing)
+        return winfos
+
+    def stored_parts(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """The tensors whose storages hold `t`: itself, a sparse COO tensor's indices and values,
+        none for another layout without a storage (said once per layout)."""
+        if t.layout == torch.sparse_coo:
+            return [t._indices(), t._values()]
+        if t.layout == torch.strided or is_traceable_wrapper_subclass(t):
+            return [t]
+        if t.layout not in self.left_out:
+            self.left_out.add(t.layout)
+            log.warning("tensor memory: %s tensors have no storage and are not counted", t.layout)
+        return []
 
 
 def peak_mb(tracker: MemTracker) -> dict[str, float]:

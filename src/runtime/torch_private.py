@@ -20,8 +20,11 @@ their DTensor parameters for the local tensors in `nn.Module._parameters` while 
 fail if that changes. Tensor memory, planned and measured, subclasses torch's `MemTracker` and
 overrides its private members: the planner's trace (`src/planning/memory_trace.py`) its
 `_update_peak_stats` and `_pre_fw_hook` and reads `_mod_tracker`, the runs' `StorageTracker`
-(`src/observe/tensor_memory.py`) its `_track` and `_mod_tracker`; `tests/test_plan.py`'s peaks,
-planned and measured, fail if those change.
+(`src/observe/tensor_memory.py`) its `_track`, `_update_and_maybe_create_winfos`, `_update_snap`,
+`_update_peak_stats` and `_mod_tracker`; `tests/test_plan.py`'s peaks, planned and measured, and
+`tests/test_tensor_memory.py` fail if those change. dp's replica threads run under the caller's
+dispatch modes (`src/parallel/mechanisms/replicas.py`, torch's private `_push_mode`);
+`tests/test_dp.py`'s threads test fails if that changes.
 
 Ending a finished process without the interpreter's teardown of its modules: a training process
 has imported torch, torch._dynamo (every `torch.optim` optimizer does),

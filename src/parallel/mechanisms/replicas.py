@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch._utils import ExceptionWrapper
 from torch.nn.parallel._functions import Gather
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
@@ -112,6 +112,18 @@ def gather(outputs: Sequence[Any], device: torch.device) -> Any:
 
 
 @contextlib.contextmanager
+def _dispatch_modes(modes: Sequence[Any]) -> Iterator[None]:
+    """The caller's torch dispatch modes (thread-local) in a worker thread too."""
+    for mode in modes:
+        _push_mode(mode)
+    try:
+        yield
+    finally:
+        for _ in modes:
+            _pop_mode()
+
+
+@contextlib.contextmanager
 def _selected(device: torch.device, stream: torch.cuda.Stream | None) -> Iterator[None]:
     """Make `device` and the caller's stream on it current in a worker thread (CUDA only)."""
     if device.type != "cuda":
@@ -129,7 +141,11 @@ def parallel_apply(
 ) -> list[Any]:
     """`fns[i](*args[i], **kwargs[i])` on `devices[i]`, each in its own thread, results in order.
 
-    Grad mode and autocast (enabled, dtype) are thread-local, so the workers copy the caller's.
+    Grad mode, autocast (enabled, dtype) and dispatch modes are thread-local, so the workers
+    copy the caller's. A dispatch mode that is not `thread_safe` (FakeTensorMode, most others)
+    cannot be shared: under one, the replicas run one after another in this thread, where the
+    mode is. The tensor memory count's is (`src/observe/tensor_memory.py`), so the first steps
+    of a run, which it counts, run their replicas in threads as every other step does.
     An exception in a worker is re-raised here, with the worker's traceback in its message.
     """
     kwargs = kwargs or [{}] * len(fns)
@@ -139,13 +155,14 @@ def parallel_apply(
     autocast_dtype = torch.get_autocast_dtype(device_type)
     streams = [torch.cuda.current_stream(d) if d.type == "cuda" else None for d in devices]
     results: list[Any] = [None] * len(fns)
-    # Dispatch modes (MemTracker, FakeTensorMode) are thread-local and not thread-safe: under
-    # one, the replicas run one after another in this thread, where the mode is.
-    threaded = len(fns) > 1 and not _get_current_dispatch_mode_stack()
+    modes = _get_current_dispatch_mode_stack()
+    shared = all(getattr(mode, "thread_safe", False) for mode in modes)
+    threaded = len(fns) > 1 and shared
 
     def work(i: int) -> None:
         try:
             with (
+                _dispatch_modes(modes if threaded else []),
                 torch.set_grad_enabled(grad_enabled),
                 torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_enabled),
                 _selected(devices[i], streams[i]),
