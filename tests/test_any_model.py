@@ -5,9 +5,13 @@ and held to `single` under SGD (losses and final weights within 1e-5)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from helpers import (
+    ROOT,
     TINY_SGD,
     assert_same_training,
     checkpoint,
@@ -49,12 +53,8 @@ GPT2 = (
     # Llama's size names (the schema's) are GPT-2's too, through its config's attribute map.
     *(f"+model.sizes.{key}=0.0" for key in DROPOUTS),
 )
-TIMM = (
-    *without_mlp_sizes(TINY_SGD),
-    "model=timm",
-    "data.image_shape=[3,16,16]",
-    "data.input_dim=768",
-)
+IMAGES = (*without_mlp_sizes(TINY_SGD), "data.image_shape=[3,16,16]", "data.input_dim=768")
+TIMM = (*IMAGES, "model=timm")
 
 
 @pytest.mark.equivalence
@@ -83,6 +83,15 @@ def test_a_transformers_gpt2_trains_like_single(strategy):
 
 @pytest.mark.equivalence
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_transformers_image_classifier_trains_like_single(strategy):
+    """An encoder (transformers' ViT) with task=classification."""
+    vit = (*IMAGES, "model=hf_image_classifier", "model.sizes.hidden_size=32")
+    runs = strategy_runs(*vit, strategies=("ddp", "fsdp"))
+    assert_same_training(runs["single"], runs[strategy])
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_timm_vit_trains_like_single(strategy):
     vit = ("model.name=test_vit", "+model.sizes.img_size=16")
     runs = strategy_runs(*TIMM, *vit, strategies=("ddp", "fsdp"))
@@ -98,8 +107,12 @@ def test_a_timm_resnet_trains_like_single_with_its_batch_statistics_synced(tmp_p
     assert_same_training(reference_run(*resnet), tmp_path)
 
 
-def test_a_llama_saved_by_transformers_trains_from_its_weights_under_fsdp(tmp_path):
-    """model.pretrained: a `save_pretrained` folder's config and weights, not random ones."""
+def test_a_llama_saved_by_transformers_trains_under_fsdp_and_exports_back_to_transformers(
+    tmp_path,
+):
+    """model.pretrained: a `save_pretrained` folder's config and weights, not random ones; the
+    checkpoint exported to a folder is one that transformers' `from_pretrained` loads, to the
+    trained model's logits."""
     config = transformers.LlamaConfig(
         vocab_size=16,
         hidden_size=32,
@@ -116,9 +129,17 @@ def test_a_llama_saved_by_transformers_trains_from_its_weights_under_fsdp(tmp_pa
     run_train(*overrides, f"model.pretrained={tmp_path / 'llama'}", run_dir=run_dir)
     assert summary(run_dir)["strategy"] == "fsdp"
     # One SGD step from the saved weights: close to them, far from a random start.
-    trained = checkpoint(run_dir)["model"]["model.layers.0.mlp.up_proj.weight"]
+    weights = checkpoint(run_dir)["model"]
     start = saved.state_dict()["model.layers.0.mlp.up_proj.weight"]
-    assert (trained - start).abs().max() < 0.01
+    assert (weights["model.layers.0.mlp.up_proj.weight"] - start).abs().max() < 0.01
+
+    exported = tmp_path / "exported"
+    export_command = [sys.executable, "-m", "src.checkpoint.store", "export", run_dir, exported]
+    subprocess.run(export_command, cwd=ROOT, check=True, capture_output=True)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(exported)
+    saved.load_state_dict(weights)
+    tokens = torch.randint(0, 16, (2, 8))
+    torch.testing.assert_close(loaded(tokens).logits, saved(tokens).logits, rtol=0, atol=1e-5)
 
 
 def test_blocks_are_found_as_the_most_numerous_members_of_module_lists():

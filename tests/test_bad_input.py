@@ -45,7 +45,7 @@ ROWS = [
         ["model=nosuch"],
         HYDRA,
         "Could not find 'model/nosuch'; choose one of convnet, fcn, gpt, gpt2_124m, "
-        "hf_causal_lm, mlp, moe, resnet, timm, transformer",
+        "hf_causal_lm, hf_image_classifier, mlp, moe, resnet, timm, transformer",
         id="model",
     ),
     pytest.param(

@@ -9,7 +9,9 @@ metadata the model's config as JSON strings: `model` (the resolved model group),
 and `num_classes` (what the model was built for: `instantiate(model, input_shape=...,
 num_classes=...)` rebuilds it), `state_dict_keys` (the keys in order) and `tied_keys` ({key: the
 key it shares its tensor with}). Any other suffix gets `torch.save` of the state_dict (a pickle;
-`torch.load(..., weights_only=True)` reads it).
+`torch.load(..., weights_only=True)` reads it). A target without a suffix is a folder in the
+Hugging Face format (config.json + model.safetensors, `save_pretrained`'s), for a model that has
+one (transformers' models, `model=hf_causal_lm`), which `from_pretrained` loads.
 
 `load_weights` reads the plain state_dict back from any of these (a run dir, a checkpoint, a
 `.pt` or `.safetensors` file), `weights_config` the model config it was saved with.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,7 @@ import torch
 
 from src.checkpoint.integrity import check_manifest
 from src.checkpoint.store import load_checkpoint, newest_checkpoint, read_torch_file
+from src.components.model_contract import build_model
 from src.config.base import ConfigError
 from src.runtime.files import write_atomically
 
@@ -164,6 +168,9 @@ def export(source: Path, target: Path) -> None:
         raise ConfigError(what_is_wrong(error)) from error
     state = checkpoint["model"]
     target.parent.mkdir(parents=True, exist_ok=True)
+    if not target.suffix:
+        save_pretrained(state, model_config(checkpoint), target)
+        return
     if target.suffix != SAFETENSORS:
         write_atomically(target, lambda path: torch.save(state, path))
         return
@@ -172,6 +179,24 @@ def export(source: Path, target: Path) -> None:
     tied = checkpoint.get("tied_keys") or shared_storage_keys(state)
     config = model_config(checkpoint)
     write_atomically(target, lambda path: save_safetensors(state, tied, config, path))
+
+
+def save_pretrained(state: dict[str, torch.Tensor], config: dict[str, Any], target: Path) -> None:
+    """The model of `config` holding `state`, written by its own `save_pretrained` into the
+    folder `target` (whole or not at all: into a folder beside it, then renamed)."""
+    with torch.device("meta"):
+        model = build_model(config["model"], config["input_shape"], config["num_classes"])
+    if not hasattr(model, "save_pretrained"):
+        raise ConfigError(
+            f"{type(model).__name__} has no Hugging Face format (only transformers' models do): "
+            "export it to a .safetensors or .pt file"
+        )
+    model.load_state_dict(state, assign=True)
+    partial = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     export_parser.add_argument(
         "target",
         type=Path,
-        help="the file to write: .safetensors (with the model's config), or .pt (torch.save)",
+        help="the file to write: .safetensors (with the model's config), .pt (torch.save), or "
+        "a folder (no suffix) in the Hugging Face format, for transformers' models",
     )
     args = parser.parse_args(argv)
     try:

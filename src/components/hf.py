@@ -1,8 +1,9 @@
-"""Hugging Face transformers models as the template's models (`model=hf_causal_lm`): built from a
-config (a model type and its sizes, or a folder holding `config.json`) with random weights, or
-loaded from a `save_pretrained` folder. The model is transformers' own class, its parameter names
-and `save_pretrained` its own; only its `forward` returns the logits alone, which the task scores.
-transformers is optional: it is imported here, when such a model is built.
+"""Hugging Face transformers models as the template's models (`model=hf_causal_lm`,
+`model=hf_image_classifier`): built from a config (a model type and its sizes, or a folder
+holding `config.json`) with random weights, or loaded from a `save_pretrained` folder. The model
+is transformers' own class, its parameter names and `save_pretrained` its own; only its `forward`
+returns the logits alone, which the task scores. transformers is optional: it is imported here,
+when such a model is built.
 """
 
 from __future__ import annotations
@@ -55,12 +56,37 @@ def causal_lm(
             f"data's {num_classes}"
         )
     model_config.use_cache = False  # training: no key/value cache returned
-    auto = transformers.AutoModelForCausalLM
+    return built(transformers.AutoModelForCausalLM, model_config, pretrained)
+
+
+def image_classifier(
+    input_shape: Sequence[int],
+    num_classes: int,
+    config: str = "vit",
+    sizes: dict[str, Any] | None = None,
+    pretrained: str | None = None,
+) -> nn.Module:
+    """A transformers image classifier for images of `input_shape` (channels, height, width)
+    and `num_classes` classes: `pretrained`'s weights (its head replaced where its classes
+    differ), or random ones from `config` (vit, convnext, ... or a folder) with `sizes`."""
+    transformers = transformers_module()
+    model_config = hf_config(transformers, pretrained or config, sizes or {}, pretrained is None)
+    model_config.num_labels = num_classes
+    if pretrained is None:
+        model_config.num_channels, model_config.image_size = input_shape[0], input_shape[-1]
+    return built(transformers.AutoModelForImageClassification, model_config, pretrained)
+
+
+def built(auto_class: Any, model_config: Any, pretrained: str | None) -> nn.Module:
+    """`auto_class`'s model of `model_config`, random or `pretrained`'s (on the meta device:
+    shapes only, nothing read), its forward returning the logits alone."""
     try:
         if pretrained is None or torch.get_default_device().type == "meta":
-            model = auto.from_config(model_config, dtype=torch.float32)
+            model = auto_class.from_config(model_config, dtype=torch.float32)
         else:
-            model = auto.from_pretrained(pretrained, config=model_config, dtype=torch.float32)
+            model = auto_class.from_pretrained(
+                pretrained, config=model_config, dtype=torch.float32, ignore_mismatched_sizes=True
+            )
     except (ValueError, KeyError, OSError) as error:
         raise ConfigError(f"model: transformers cannot build it: {first_line(error)}") from None
     model.__class__ = logits_class(type(model))

@@ -137,3 +137,25 @@ class TimmConfig:
     """A local weights file to start from (nothing is downloaded)."""
     blocks: Any = None
     """As `HFCausalLMConfig.blocks`."""
+
+
+@dataclass
+class HFImageClassifierConfig:
+    _target_: str = "src.components.hf.image_classifier"
+    config: str = "vit"
+    """A transformers model type (vit, convnext, ...) or a folder holding config.json."""
+    sizes: dict[str, Any] = field(
+        default_factory=lambda: {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "patch_size": 4,
+        }
+    )
+    """Keys of the transformers config set over `config`'s (its image_size, num_channels and
+    num_labels are the data's)."""
+    pretrained: str | None = None
+    """As `HFCausalLMConfig.pretrained` (its head is replaced where its classes differ)."""
+    blocks: Any = None
+    """As `HFCausalLMConfig.blocks`."""

@@ -36,6 +36,7 @@ from src.config.model import (
     FCNConfig,
     GPTConfig,
     HFCausalLMConfig,
+    HFImageClassifierConfig,
     MLPConfig,
     MoEConfig,
     ResNetConfig,
@@ -98,6 +99,7 @@ SCHEMAS = {
         "moe": MoEConfig,
         "resnet": ResNetConfig,
         "hf_causal_lm": HFCausalLMConfig,
+        "hf_image_classifier": HFImageClassifierConfig,
         "timm": TimmConfig,
     },
     "data": {
