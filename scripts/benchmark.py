@@ -25,6 +25,10 @@ out of both.
                     cannot overlap, so this shows what pipelining costs; on GPUs, what it gains
     ddp             the template's `parallel=ddp`, 2 CPU processes started by its launcher / a
                     hand-written DDP loop in 2 processes (1.0: no overhead)
+    hf, hf_ddp      a model the template did not write: transformers' Llama (2 layers, 128
+                    wide, 128-token sequences of 256 ids, batch 32, SGD), the template's
+                    `parallel=single` / a hand-written loop on one device, and its `parallel=ddp`
+                    / a hand-written DDP loop, 2 CPU processes each (1.0: no overhead)
     fsdp            the template's `parallel=fsdp` / its `parallel=ddp`, 2 CPU processes each:
                     what sharding costs in time (an all-gather per block in forward and again
                     in backward); what it saves in memory is in each run's summary.json
@@ -95,6 +99,13 @@ from benchmarks.against_plain import (  # noqa: E402
     template_overhead,
     template_resnet,
     template_single,
+)
+from benchmarks.any_model import (  # noqa: E402
+    HF_BATCH_SIZE,
+    plain_hf,
+    plain_hf_ddp,
+    template_hf,
+    template_hf_ddp,
 )
 from benchmarks.launched import (  # noqa: E402
     checkpoint_blocking,
@@ -172,6 +183,8 @@ COMPARISONS: dict[str, tuple[tuple[str, Run], tuple[str, Run]]] = {
         ("naive M=1", model_parallel_naive),
     ),
     "ddp": (("template", template_ddp), ("plain DDP", plain_ddp)),
+    "hf": (("template", template_hf), ("plain", plain_hf)),
+    "hf_ddp": (("template", template_hf_ddp), ("plain DDP", plain_hf_ddp)),
     "fsdp": (("fsdp", template_fsdp), ("ddp", template_ddp)),
     "tp": (("tp 2", template_tp), ("ddp 2", template_ddp_beside_tp)),
     "cp": (("cp 2", template_cp), ("ddp 2", template_ddp_beside_cp)),
@@ -200,7 +213,7 @@ def batch_size(name: str) -> int:
     if name == "gpt2":
         return compose_config(*gpt2_workload()).trainer.batch_size
     own = {"overhead": OVERHEAD_BATCH_SIZE, "resnet": RESNET_BATCH_SIZE}
-    own |= {"cp": CP_BATCH_SIZE, "ep": EP_BATCH_SIZE}
+    own |= {"cp": CP_BATCH_SIZE, "ep": EP_BATCH_SIZE, "hf": HF_BATCH_SIZE, "hf_ddp": HF_BATCH_SIZE}
     own |= dict.fromkeys(TRANSFORMER_COMPARISONS, TRANSFORMER_BATCH_SIZE)
     return own.get(name, BATCH_SIZE)
 

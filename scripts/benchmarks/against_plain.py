@@ -17,6 +17,7 @@ from benchmarks.workload import (
     WARMUP_STEPS,
     WORKLOAD,
     compose_config,
+    cross_entropy,
     template_speed,
     timed_steps,
 )
@@ -82,7 +83,7 @@ def plain_loop(
             position = 0
         batch = order[position : position + batch_size]
         position += batch_size
-        return F.cross_entropy(model(inputs[batch]), targets[batch])
+        return cross_entropy(model(inputs[batch]), targets[batch])
 
     return timed_steps(steps, batch_size, loss_of_step, optimizer)
 

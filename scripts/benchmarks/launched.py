@@ -8,23 +8,23 @@ import socket
 import statistics
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from hydra.utils import instantiate
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks import workload
 from benchmarks.workload import (
-    BATCH_SIZE,
     WARMUP_STEPS,
     WORKLOAD,
     compose_config,
+    cross_entropy,
 )
 from src.components.data import build_data
+from src.components.model_contract import build_model
 from src.launch.job import train_worker
 from src.launch.launcher import launch
 from src.training.build import check_config
@@ -140,6 +140,13 @@ def pipeline_idle(rounds: int, steps: int) -> None:
         )
 
 
+def plain_optimizer(settings: DictConfig, parameters: Iterable) -> torch.optim.Optimizer:
+    """The workload's optimizer as a hand-written loop builds it: SGD with momentum or AdamW."""
+    if settings.name == "sgd":
+        return torch.optim.SGD(parameters, lr=settings.lr, momentum=settings.momentum)
+    return torch.optim.AdamW(parameters, lr=settings.lr, weight_decay=settings.weight_decay)
+
+
 def plain_ddp_worker(rank: int, workload: dict, steps: int, port: int, result_path: str) -> None:
     """A hand-written DDP loop, as `torchrun --nproc_per_node=2` would run it (1 thread/rank)."""
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // DDP_PROCESSES))
@@ -148,13 +155,11 @@ def plain_ddp_worker(rank: int, workload: dict, steps: int, port: int, result_pa
     cfg = OmegaConf.create(workload)
     data = build_data(cfg.data, cfg.seed)
     torch.manual_seed(cfg.seed)
-    model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+    model = build_model(cfg.model, data.input_shape, data.num_classes)
     model = DistributedDataParallel(model)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay
-    )
+    optimizer = plain_optimizer(cfg.optimizer, model.parameters())
     inputs, targets = data.train.inputs, data.train.targets
-    local_batch = BATCH_SIZE // DDP_PROCESSES
+    local_batch = cfg.trainer.batch_size // DDP_PROCESSES
     generator = torch.Generator().manual_seed(cfg.seed)
     order, position = torch.randperm(len(targets), generator=generator), 0
     for step in range(steps):
@@ -165,7 +170,7 @@ def plain_ddp_worker(rank: int, workload: dict, steps: int, port: int, result_pa
         start = position + rank * local_batch
         batch = order[start : start + local_batch]
         position += cfg.trainer.batch_size
-        loss = F.cross_entropy(model(inputs[batch]), targets[batch])
+        loss = cross_entropy(model(inputs[batch]), targets[batch])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -178,15 +183,16 @@ def plain_ddp_worker(rank: int, workload: dict, steps: int, port: int, result_pa
     dist.destroy_process_group()
 
 
-def plain_ddp(steps: int) -> float:
-    workload = OmegaConf.to_container(compose_config(*WORKLOAD), resolve=True)
+def plain_ddp(steps: int, workload: tuple[str, ...] = WORKLOAD) -> float:
+    """samples/s of the workload in a hand-written DDP loop, 2 processes."""
+    resolved = OmegaConf.to_container(compose_config(*workload), resolve=True)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     with tempfile.TemporaryDirectory() as result_dir:
         result_path = str(Path(result_dir) / "samples_per_sec")
         torch.multiprocessing.spawn(
-            plain_ddp_worker, args=(workload, steps, port, result_path), nprocs=DDP_PROCESSES
+            plain_ddp_worker, args=(resolved, steps, port, result_path), nprocs=DDP_PROCESSES
         )
         return float(Path(result_path).read_text())
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
@@ -63,6 +64,11 @@ def template_speed(steps: int, *overrides: str, workload: tuple[str, ...] = WORK
     )
     with tempfile.TemporaryDirectory() as run_dir:
         return train(cfg, Path(run_dir), check_config(cfg, Path(run_dir)))["samples_per_sec"]
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Over the classes of every sample, or of every token of a sequence."""
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
 
 
 # SGD at a constant rate from the first step: the workloads compared with a plain SGD loop.
