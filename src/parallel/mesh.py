@@ -185,7 +185,9 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
         if self.stage_cut is not None:
             self.stage_cut.plan(model, inputs, self.device_type)
         if self.layout.pp > 1:
-            self.pipeline_inputs = meta_resized(inputs, self.microbatch_samples)
+            # What the tracer runs (an nn.Sequential is cut without: no inputs may be given).
+            if inputs is not None:
+                self.pipeline_inputs = meta_resized(inputs, self.microbatch_samples)
             cut = cut_model(model, self.layout.pp * self.cfg.stages_per_rank, self.pipeline_inputs)
             self.stage_points = tuple(cut.points)
             if not cut.shares_modules and (self.layout.tp > 1 or self.fsdp):
