@@ -13,6 +13,7 @@ import torch
 from helpers import (
     ROOT,
     TINY_SGD,
+    assert_goes_on_exactly,
     assert_same_training,
     checkpoint,
     reference_run,
@@ -62,6 +63,44 @@ TIMM = (*IMAGES, "model=timm")
 def test_a_plain_module_with_a_module_list_trains_like_single(strategy):
     runs = strategy_runs(*LOOP_MLP, strategies=("dp", "dp_criterion", "ddp", "fsdp", "mesh"))
     assert_same_training(runs["single"], runs[strategy])
+
+
+# pp's stages of LoopMLP, traced by torch (not an nn.Sequential), under a one-stage and a looped
+# schedule (its 3 blocks as 4 stages would be too few: 2 per rank of 2 takes 4 blocks); the 60
+# validation samples in batches of 7 end with a smaller batch, traced for its own shape.
+PP = ("parallel=pp", "parallel.microbatches=4", "trainer.eval_batch_size=7")
+LOOP_MLP_PP = (*LOOP_MLP, *PP)
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("checkpoint_format", ["full", "sharded"])
+def test_a_plain_module_with_a_module_list_trains_like_single_in_pipeline_stages(
+    checkpoint_format, tmp_path
+):
+    """Saved at step 3 in either format, single's keys; resumed from it, the run goes on as
+    single's did."""
+    saving = (
+        *LOOP_MLP_PP,
+        "trainer.checkpoint_every=3",
+        f"trainer.checkpoint_format={checkpoint_format}",
+    )
+    run_train(*saving, run_dir=tmp_path / "pp")
+    reference = reference_run(*LOOP_MLP)
+    assert_same_training(reference, tmp_path / "pp")
+    assert summary(tmp_path / "pp")["pipeline"]["stages"] == 2
+    resume = tmp_path / "pp" / "checkpoints" / "step-000003"
+    run_train(*saving, f"trainer.resume={resume}", run_dir=tmp_path / "resumed")
+    assert_goes_on_exactly(reference, tmp_path / "resumed", [4, 5, 6])
+
+
+@pytest.mark.equivalence
+def test_a_plain_module_trains_like_single_under_a_looped_schedule(tmp_path):
+    """Saved full: a sharded checkpoint of stages 0 and 2 on one rank reads back in rank order
+    (`store.in_block_order` restores the block order of an nn.Sequential's keys only)."""
+    four_blocks = (*(o for o in LOOP_MLP if o != "+model.layers=3"), "+model.layers=4")
+    looped = ("parallel.schedule=Interleaved1F1B", "parallel.stages_per_rank=2")
+    run_train(*four_blocks, *PP, *looped, "trainer.checkpoint_format=full", run_dir=tmp_path)
+    assert_same_training(reference_run(*four_blocks), tmp_path)
 
 
 @pytest.mark.equivalence

@@ -63,11 +63,53 @@ ROWS = [
         id="model-setting",
     ),
     pytest.param(
-        [f"model._target_={ODD}.LoopMLP", "+model.width=8", "+model.layers=2", "parallel=pp"],
+        [
+            f"model._target_={ODD}.LoopMLP",
+            "+model.width=8",
+            "+model.layers=2",
+            "parallel=model_parallel",
+        ],
         CHECK,
-        "parallel.pp cuts a model into stages between the blocks of an nn.Sequential; LoopMLP is "
-        "not one",
+        "parallel.devices cuts a model into stages between the blocks of an nn.Sequential; "
+        "LoopMLP is not one: choose a strategy without pipeline stages (single, dp, ddp, fsdp, "
+        "tp, fsdp_tp), or parallel=pp, which traces it",
         id="pipeline-of-a-plain-module",
+    ),
+    pytest.param(
+        [
+            f"model._target_={ODD}.LoopMLP",
+            "+model.width=8",
+            "+model.layers=2",
+            "parallel=pp",
+            "parallel.devices=4",
+            "parallel.tp=2",
+        ],
+        CHECK,
+        "parallel.pp cuts LoopMLP (not an nn.Sequential) into traced stages, which tensor "
+        "parallel and FSDP (parallel.tp, parallel.dp_shard, and parallel.dp_replicate beside pp) "
+        "cannot wrap; run pp alone (parallel=pp, one process per stage), or those without pp",
+        id="traced-pipeline-with-tp",
+    ),
+    pytest.param(
+        [
+            f"model._target_={ODD}.LoopMLP",
+            "+model.width=8",
+            "+model.layers=2",
+            "parallel=pp",
+            "parallel.schedule=Interleaved1F1B",
+            "parallel.stages_per_rank=2",
+        ],
+        CHECK,
+        "parallel.pp x parallel.stages_per_rank = 4 stages, but the model has only 2 blocks",
+        id="traced-pipeline-of-too-few-blocks",
+    ),
+    pytest.param(
+        ["model=hf_causal_lm", "data.seq_len=8", "data.vocab_size=16", "parallel=pp"],
+        CHECK,
+        "parallel.pp: torch's pipeline tracer cannot cut LlamaForCausalLM before model.layers.1: "
+        "Expected positional argument for parameter unsqueeze_default, but one was not passed "
+        "in!; choose a strategy without pipeline stages (single, dp, ddp, fsdp, tp, fsdp_tp)",
+        id="traced-pipeline-of-a-llama",
     ),
     pytest.param(
         [

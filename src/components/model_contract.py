@@ -6,10 +6,11 @@ found here, in one place:
   where its constructor names them, and none of another option's keys (`model=mlp
   model._target_=mine.Net` does not hand `Net` the MLP's `hidden`);
 - its blocks (`model_blocks`): the repeated modules that fsdp shards one by one, activation
-  checkpointing and torch.compile prepare one by one, and pipelines cut between. The members of
-  `model.blocks` (a module's path, or class names); else an `nn.Sequential`'s children; else
-  the runs of same-class members of the `ModuleList`s / `ModuleDict`s / `nn.Sequential`s inside
-  the model, of the class with the most such members.
+  checkpointing and torch.compile prepare one by one, and pipelines cut between (parallel=pp
+  any model's, by torch's tracer; the in-process stage cut an nn.Sequential's only). The
+  members of `model.blocks` (a module's path, or class names); else an `nn.Sequential`'s
+  children; else the runs of same-class members of the `ModuleList`s / `ModuleDict`s /
+  `nn.Sequential`s inside the model, of the class with the most such members.
 """
 
 from __future__ import annotations
@@ -171,11 +172,12 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
 
 
 def check_cuttable(model: nn.Module, setting: str) -> None:
-    """A pipeline cuts the model between the children of an `nn.Sequential`: ConfigError, in one
-    line, for another model."""
+    """The in-process stage cut (model_parallel, hybrid) cuts the model between the children of
+    an `nn.Sequential`: ConfigError, in one line, for another model (which parallel=pp traces:
+    `src/parallel/pipeline_cut.py`)."""
     if not isinstance(model, nn.Sequential):
         raise ConfigError(
             f"{setting} cuts a model into stages between the blocks of an nn.Sequential; "
             f"{type(model).__name__} is not one: choose a strategy without pipeline stages "
-            "(single, dp, ddp, fsdp, tp, fsdp_tp)"
+            "(single, dp, ddp, fsdp, tp, fsdp_tp), or parallel=pp, which traces it"
         )

@@ -41,7 +41,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
-from src.components.batches import move
+from src.components.batches import meta_resized, move
 from src.config.base import ConfigError
 from src.config.parallel import MeshConfig
 from src.parallel import ddp, hybrid
@@ -74,7 +74,8 @@ from src.parallel.layout import DIMENSIONS, Layout
 from src.parallel.mesh_checkpoints import SingleLayoutCheckpoints, summed
 from src.parallel.mesh_plan import tp_split
 from src.parallel.mesh_shares import LayoutShares
-from src.parallel.pipeline_schedules import PipelineRun, check_schedule, stage_parts, stage_split
+from src.parallel.pipeline_cut import cut_model
+from src.parallel.pipeline_schedules import PipelineRun, check_schedule, stage_parts
 from src.parallel.tensor_parallel import apply_tp, check_sequence, tp_plan
 from src.runtime.ranks import Ranks
 
@@ -135,6 +136,8 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
         self.run_contexts = contextlib.ExitStack()  # loss_parallel's kernels; cp's ring
         self.pipeline: PipelineRun | None = None
         self.held_bytes = 0  # of the wrapped model, for `report`
+        self.microbatch_samples = 1  # of a pipeline's micro-batch (`check_batch`)
+        self.pipeline_inputs: Tree = None  # a pipeline micro-batch's inputs, meta (`check_model`)
         self.parameter_order: list[str] = []  # the whole model's, as single's optimizer has them
 
     @property
@@ -161,6 +164,7 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
     def check_batch(self, micro_batch: int) -> None:
         super().check_batch(micro_batch)
         share = micro_batch // self.layout.dp
+        self.microbatch_samples = max(1, share // self.cfg.microbatches)
         if self.layout.pp > 1 and share % self.cfg.microbatches:
             raise ConfigError(
                 f"each data-parallel share of a micro-step ({share} samples) does not split into "
@@ -181,7 +185,18 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
         if self.stage_cut is not None:
             self.stage_cut.plan(model, inputs, self.device_type)
         if self.layout.pp > 1:
-            self.stage_points = tuple(stage_split(model, self.layout.pp * self.cfg.stages_per_rank))
+            # What the tracer runs (an nn.Sequential is cut without: no inputs may be given).
+            if inputs is not None:
+                self.pipeline_inputs = meta_resized(inputs, self.microbatch_samples)
+            cut = cut_model(model, self.layout.pp * self.cfg.stages_per_rank, self.pipeline_inputs)
+            self.stage_points = tuple(cut.points)
+            if not cut.shares_modules and (self.layout.tp > 1 or self.fsdp):
+                raise ConfigError(
+                    f"parallel.pp cuts {type(model).__name__} (not an nn.Sequential) into traced "
+                    "stages, which tensor parallel and FSDP (parallel.tp, parallel.dp_shard, and "
+                    "parallel.dp_replicate beside pp) cannot wrap; run pp alone (parallel=pp, "
+                    "one process per stage), or those without pp"
+                )
         if self.layout.tp > 1:
             plan = tp_plan(
                 model, self.layout.tp, self.cfg.sequence_parallel, self.cfg.loss_parallel
@@ -247,12 +262,14 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
         policy, offload = mixed_precision(self.precision), self.cfg.offload
         if self.layout.pp > 1:
             pp_mesh = self.mesh["pp"]
-            parts, block_ranks = stage_parts(
-                model, pp_mesh, self.cfg.schedule, self.cfg.stages_per_rank
+            stages = stage_parts(
+                model,
+                pp_mesh,
+                self.cfg.schedule,
+                self.cfg.stages_per_rank,
+                self.pipeline_inputs,
+                self.device,
             )
-            kept = {id(block) for part in parts.values() for block in part}
-            for block in model:
-                block.to(self.device if id(block) in kept else "meta")
         else:
             model = model.to(self.device)
         if self.layout.cp > 1:
@@ -277,9 +294,10 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
                     s: apply_fsdp(
                         part, data_parallel, policy, reshard_after_forward=False, offload=offload
                     )
-                    for s, part in parts.items()
+                    for s, part in stages.parts.items()
                 }
-            self.pipeline = PipelineRun(self.cfg, pp_mesh, self.device, parts, block_ranks)
+                stages = replace(stages, parts=parts)
+            self.pipeline = PipelineRun(self.cfg, pp_mesh, self.device, stages)
         elif self.fsdp:
             model = apply_fsdp(model, data_parallel, policy, offload=offload)
             if self.layout.cp > 1:  # the cp ranks' gradients summed, the data-parallel averaged

@@ -73,10 +73,10 @@ class SingleLayoutCheckpoints:
 
     def trains(self, name: str) -> bool:
         """Whether this process trains (and holds) the state_dict entry `name`: under pp, only
-        the entries of its stages' blocks."""
+        the entries of its stages."""
         if self.pipeline is None:
             return True
-        return self.pipeline.block_ranks[int(name.split(".")[0])] == self.pipeline.rank
+        return self.pipeline.owner[name] == self.pipeline.rank
 
     def as_saved(self, state: dict[str, Any]) -> dict[str, Any]:
         """The entries this process trains, each in single's layout (`in_single_rows`), and the

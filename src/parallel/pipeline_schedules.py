@@ -1,8 +1,9 @@
-"""Pipeline parallel over processes with torch.distributed.pipelining: the stage split, the
-stages each rank holds, the schedules by name and their up-front checks, and `apply_pp`.
+"""Pipeline parallel over processes with torch.distributed.pipelining: the stages each rank holds,
+the schedules by name and their up-front checks, and `apply_pp`.
 
-The model's blocks are cut into pp x stages_per_rank stages by the balanced cutter that
-model_parallel uses (`pipeline.balanced_split_points`, by parameter count). A rank holds stages
+The model is cut into pp x stages_per_rank stages at its blocks (`pipeline_cut.cut_model`,
+balanced by parameter count: an nn.Sequential between its children, any other model by torch's
+tracer). A rank holds stages
 r, r + pp, ... (the looped schedules), or r and 2 pp - 1 - r (the V of ZBVZeroBubble and
 DualPipeV, whose first and last stages are both on rank 0). The schedules run each micro-batch's
 forward and backward themselves; the losses they see are the task's sums, so their gradients are
@@ -15,6 +16,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,15 +34,11 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
-from src.components.batches import batch_size
-from src.components.model_contract import check_cuttable
+from src.components.batches import Tree, batch_size, meta_resized
 from src.config.base import ConfigError
-from src.parallel.mechanisms.stage_pipeline import (
-    balanced_split_points,
-    boundary_bytes,
-    parameter_count,
-)
-from src.parallel.shares import Messages, ModelSizes, tied_block_groups
+from src.parallel.mechanisms.stage_pipeline import boundary_bytes
+from src.parallel.pipeline_cut import cut_model, place
+from src.parallel.shares import Messages, ModelSizes
 from src.runtime.torch_private import pipeline_warmup_skips_own_rank
 
 ONE_STAGE = ("GPipe", "1F1B")  # one stage per rank
@@ -78,28 +76,6 @@ def check_schedule(schedule: str, pp: int, stages_per_rank: int, microbatches: i
             f"parallel.schedule={schedule} needs parallel.microbatches ({microbatches}) to be a "
             f"multiple of its rounds (microbatches // pp = {rounds})"
         )
-
-
-def stage_split(model: nn.Sequential, stages: int) -> list[int]:
-    """Where stages 1.. start (balanced by parameter count); ConfigError when the model has
-    fewer blocks than stages, or ties a parameter across two stages (each stage is another
-    process: the tie would be broken)."""
-    check_cuttable(model, "parallel.pp")
-    if len(model) < stages:
-        raise ConfigError(
-            f"parallel.pp x parallel.stages_per_rank = {stages} stages, but the model has only "
-            f"{len(model)} blocks; lower them"
-        )
-    points = balanced_split_points([parameter_count(block) for block in model], stages)
-    bounds = [0, *points, len(model)]
-    stage_of = {b: s for s in range(stages) for b in range(bounds[s], bounds[s + 1])}
-    for group in tied_block_groups(model):
-        if len({stage_of[block] for block in group}) > 1:
-            raise ConfigError(
-                f"blocks {group} share a parameter but fall on different pipeline stages (other "
-                "processes), which would untie it; set model.tie_weights=false"
-            )
-    return points
 
 
 def schedule_bubble(pp: int, stages_per_rank: int, microbatches: int) -> float:
@@ -146,23 +122,39 @@ def stage_messages(
     return [Messages("send", 2 * runs * boundaries, each, 2, wrapper="pp")]
 
 
+@dataclass(frozen=True)
+class RankStages:
+    """This pp rank's part of a model cut into stages (`cut_model`)."""
+
+    parts: dict[int, nn.Module]  # its stages' modules, by stage index
+    owner: dict[str, int]  # the pp rank holding each parameter and buffer name
+    ranks: list[int]  # the pp rank holding each stage
+    # Its stages' modules for batches shaped like the (meta) one given: `parts` again, unless
+    # the stages were traced (each shape its own).
+    reshaped: Callable[[Tree], dict[int, nn.Module]]
+
+
 def stage_parts(
-    model: nn.Sequential, mesh: DeviceMesh, schedule: str, stages_per_rank: int
-) -> tuple[dict[int, nn.Sequential], list[int]]:
-    """This rank's stages of `model` by stage index (each an `nn.Sequential` of the model's own
-    blocks, shared, not copied), and the pp rank that holds each block."""
+    model: nn.Module,
+    mesh: DeviceMesh,
+    schedule: str,
+    stages_per_rank: int,
+    example: Tree,
+    device: torch.device,
+) -> RankStages:
+    """This rank's stages of `model` (`cut_model`: sharing the model's tensors, not copies of
+    them) for micro-batches like `example` (meta); its tensors go to `device`, the others' to the
+    meta device."""
     pp, pp_rank = mesh.size(), mesh.get_local_rank()
-    stages = pp * stages_per_rank
-    bounds = [0, *stage_split(model, stages), len(model)]
-    owner = stage_ranks(schedule, pp, stages_per_rank)
-    blocks = list(model)
-    parts = {
-        s: nn.Sequential(*blocks[bounds[s] : bounds[s + 1]])
-        for s in range(stages)
-        if owner[s] == pp_rank
-    }
-    block_ranks = [owner[s] for s in range(stages) for _ in range(bounds[s], bounds[s + 1])]
-    return parts, block_ranks
+    cut = cut_model(model, pp * stages_per_rank, example)
+    ranks = stage_ranks(schedule, pp, stages_per_rank)
+    owner = {name: ranks[stage] for name, stage in cut.stage_of.items()}
+    place(model, lambda name: owner[name] == pp_rank, device)
+
+    def mine(batch: Tree) -> dict[int, nn.Module]:
+        return {s: module for s, module in enumerate(cut.modules(batch)) if ranks[s] == pp_rank}
+
+    return RankStages(mine(example), owner, ranks, mine)
 
 
 def apply_pp(
@@ -225,17 +217,17 @@ class PipelineRun:
         cfg,
         mesh: DeviceMesh,
         device: torch.device,
-        parts: dict[int, nn.Module],
-        block_ranks: list[int],
+        stages: RankStages,
     ):
         self.group, self.rank, self.device = mesh.get_group(), mesh.get_local_rank(), device
-        self.mesh, self.parts, self.block_ranks = mesh, parts, block_ranks
+        self.mesh, self.stages, self.owner = mesh, stages, stages.owner
+        parts = stages.parts
         self.clock = StageClock(device)
-        self.schedule, stages = apply_pp(
+        self.schedule, pipeline_stages = apply_pp(
             parts, mesh, device, cfg.schedule, cfg.microbatches, self.clock.timed(self.loss)
         )
-        self.clock.time_stages(stages)
-        self.first, self.last = block_ranks[0], block_ranks[-1]  # the first and last stages'
+        self.clock.time_stages(pipeline_stages)
+        self.first, self.last = stages.ranks[0], stages.ranks[-1]  # the first and last stages'
         self.parameters = [p for part in parts.values() for p in part.parameters()]
         self.microbatches = cfg.microbatches
         self.fn: Callable | None = None
@@ -258,7 +250,7 @@ class PipelineRun:
         args = (inputs,) if self.rank == self.first else ()
         target = targets if self.rank == self.last else None
         if not torch.is_grad_enabled():
-            self.evaluation(batch_size(inputs)).eval(*args, target=target)
+            self.evaluation(inputs).eval(*args, target=target)
             return self.broadcast_sums(1)
         before = [None if p.grad is None else p.grad.clone() for p in self.parameters]
         with self.clock.step():
@@ -268,13 +260,16 @@ class PipelineRun:
             sums, lambda factor: rescale_since(self.parameters, before, factor)
         )
 
-    def evaluation(self, samples: int) -> _PipelineSchedule:
-        """A schedule for evaluating batches of `samples`, whole (one micro-batch: no split to
+    def evaluation(self, inputs: Tree) -> _PipelineSchedule:
+        """A schedule for evaluating batches like `inputs`, whole (one micro-batch: no split to
         divide, and no gradients to keep): torch's stages keep the shapes they first ran, so
-        each batch size (an evaluation's last, smaller batch) gets stages of its own."""
+        each batch size (an evaluation's last, smaller batch) gets stages of its own (traced
+        stages, traced for it: `RankStages.reshaped`)."""
+        samples = batch_size(inputs)
         if samples not in self.evaluations:
             kind = self.evaluation_kind
-            schedule, _ = apply_pp(self.parts, self.mesh, self.device, kind, 1, self.loss)
+            parts = self.stages.reshaped(meta_resized(inputs, samples))
+            schedule, _ = apply_pp(parts, self.mesh, self.device, kind, 1, self.loss)
             if kind in V_SHAPED:
                 # torch 2.14.1's eval() of a V schedule still runs its backward actions, and the
                 # one between a rank's two adjacent stages asserts a backward ("can't
@@ -299,10 +294,10 @@ class PipelineRun:
         return sums
 
     def gathered(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The state_dict with each block's tensors from the rank that trains it (the others
-        hold that block on the meta device: its shapes, into which they receive)."""
+        """The state_dict with each tensor from the rank that trains it (the others hold it on
+        the meta device: its shapes, into which they receive)."""
         for name, value in state.items():
-            owner = self.block_ranks[int(name.split(".")[0])]
+            owner = self.owner[name]
             if owner == self.rank:
                 on_device = value.to(self.device)
             else:

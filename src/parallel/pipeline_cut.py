@@ -1,0 +1,202 @@
+"""Where a pipeline over processes cuts a model, in one place: `cut_model` gives the stages' modules
+and the stage that holds each parameter and buffer name, whatever the model.
+
+An `nn.Sequential` is cut between its children: each stage an `nn.Sequential` of the model's own
+blocks (tensor parallel and FSDP, which replace parameters on the modules, reach them). Any other
+model is cut before its blocks (`block_names`) by torch's own tracer
+(`torch.distributed.pipelining.pipeline`, through torch.export): the stages are graph modules
+whose parameters and buffers are the model's own tensors, bound to them by name. torch.export
+fixes the shapes it traced (a `view` keeps its sizes), so such stages are traced for each
+micro-batch shape they run (training's, each evaluation batch size's). They are traced on a copy
+of the model on the meta device, so a model with its blocks anywhere (some on the meta device, as
+a pp rank holds those of others) traces alike.
+
+The split is balanced by the blocks' parameter counts (the cutter model_parallel uses).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import SplitPoint, pipeline
+
+from src.components.batches import Tree, tensors
+from src.components.model_contract import block_names, blocks_of
+from src.config.base import ConfigError, first_line
+from src.parallel.mechanisms.stage_pipeline import balanced_split_points, parameter_count
+from src.parallel.shares import tied_block_groups
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A model cut into stages before blocks `points`."""
+
+    points: list[int]
+    stage_of: dict[str, int]  # every parameter and buffer name (shared ones under each name)
+    # The stages' modules for micro-batches shaped like the (meta) batch given.
+    modules: Callable[[Tree], list[nn.Module]]
+    # Whether the stages are the model's own modules (else traced graph modules that share its
+    # tensors only, which tp and FSDP, replacing parameters on the modules, cannot reach).
+    shares_modules: bool
+
+
+def state_names(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of `model` by name, a shared tensor under each of its names."""
+    return [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+
+
+def cut_model(model: nn.Module, stages: int, example: Tree) -> Cut:
+    """`model` cut into `stages` stages, balanced by its blocks' parameter counts; `example`:
+    a micro-batch of inputs (meta). ConfigError, in one line, where it cannot be cut: fewer
+    blocks than stages, a parameter shared across stages (each stage is another process: the tie
+    would be broken), or a model torch's tracer cannot cut into stages that run."""
+    blocks = list(model) if isinstance(model, nn.Sequential) else blocks_of(model)
+    if len(blocks) < stages:
+        raise ConfigError(
+            f"parallel.pp x parallel.stages_per_rank = {stages} stages, but the model has only "
+            f"{len(blocks)} blocks; lower them"
+        )
+    points = balanced_split_points([parameter_count(block) for block in blocks], stages)
+    bounds = [0, *points, len(blocks)]
+    stage_of_block = {b: s for s in range(stages) for b in range(bounds[s], bounds[s + 1])}
+    for group in tied_block_groups(model):
+        if len({stage_of_block[block] for block in group}) > 1:
+            raise ConfigError(
+                f"blocks {group} share a parameter but fall on different pipeline stages (other "
+                "processes), which would untie it; set model.tie_weights=false"
+            )
+    if isinstance(model, nn.Sequential):
+        parts = [nn.Sequential(*blocks[bounds[s] : bounds[s + 1]]) for s in range(stages)]
+        stage_of = {name: stage_of_block[int(name.split(".")[0])] for name, _ in state_names(model)}
+        return Cut(points, stage_of, lambda _: parts, shares_modules=True)
+    names = block_names(model)
+    traced = functools.partial(traced_stages, model, [names[point] for point in points])
+    stage_of = traced_owners(model, traced(example))
+    return Cut(points, stage_of, remembered_by_shape(traced), shares_modules=False)
+
+
+def remembered_by_shape(
+    traced: Callable[[Tree], list[nn.Module]],
+) -> Callable[[Tree], list[nn.Module]]:
+    """`traced`, once per batch shape."""
+    made: dict[str, list[nn.Module]] = {}
+
+    def modules(example: Tree) -> list[nn.Module]:
+        shape = repr([(tuple(leaf.shape), leaf.dtype) for leaf in tensors(example)])
+        if shape not in made:
+            made[shape] = traced(example)
+        return made[shape]
+
+    return modules
+
+
+def traced_stages(model: nn.Module, starts: list[str], example: Tree) -> list[nn.Module]:
+    """`model` cut by torch's tracer before the blocks named `starts`, fed `example` (meta):
+    traced on a meta copy and run there once, then each stage's parameters and buffers bound to
+    `model`'s own. ConfigError where the tracer fails or its stages do not run in a chain."""
+    with torch.no_grad():
+        memo = {id(tensor): meta_like(tensor) for _, tensor in state_names(model)}
+    shell = copy.deepcopy(model, memo)
+    name = type(model).__name__
+    where = f"parallel.pp: torch's pipeline tracer cannot cut {name} before {', '.join(starts)}"
+    args = (example,)  # the model's forward takes the inputs as one argument
+    try:
+        split_spec = dict.fromkeys(starts, SplitPoint.BEGINNING)
+        pipe = pipeline(shell, mb_args=args, split_spec=split_spec)
+        stages = [pipe.get_stage_module(s) for s in range(pipe.num_stages)]
+        with torch.no_grad():
+            for stage in stages:
+                outputs = stage(*args)
+                args = outputs if isinstance(outputs, tuple) else (outputs,)
+    except Exception as error:  # noqa: BLE001 - torch.export's and the graph's, of any kind
+        raise ConfigError(f"{where}: {first_line(error)}; {RUNS_WITHOUT_CUT}") from None
+    check_handed_on(pipe.split_gm.graph, where)
+    for stage in stages:
+        bind(stage, model)
+    return stages
+
+
+def bind(stage: nn.Module, model: nn.Module) -> None:
+    """`stage`'s parameters and buffers replaced by `model`'s of the same names."""
+    getters = [
+        *(
+            (name, model.get_parameter)
+            for name, _ in stage.named_parameters(remove_duplicate=False)
+        ),
+        *((name, model.get_buffer) for name, _ in stage.named_buffers(remove_duplicate=False)),
+    ]
+    for name, get in getters:
+        owner, _, key = name.rpartition(".")
+        setattr(stage.get_submodule(owner), key, get(name))
+
+
+# Where a model cannot be cut at its blocks: what still trains it.
+RUNS_WITHOUT_CUT = "choose a strategy without pipeline stages (single, dp, ddp, fsdp, tp, fsdp_tp)"
+
+
+def check_handed_on(graph: torch.fx.Graph, where: str) -> None:
+    """ConfigError unless each traced stage takes exactly what the stage before it returns, in
+    order (the first: the model's inputs): torch's stages hand values to the next stage only."""
+    calls = [node for node in graph.nodes if node.op == "call_module"]
+    for stage, (before, after) in enumerate(itertools.pairwise(calls), start=1):
+        picked = sorted(
+            (user for user in before.users if user.target is operator.getitem),
+            key=lambda user: user.args[1],
+        )
+        handed = picked or [before]
+        if list(after.args) != handed or after.kwargs or any(len(v.users) > 1 for v in handed):
+            raise ConfigError(
+                f"{where}: stage {stage} takes other values than those stage {stage - 1} "
+                f"returns (a value skips a stage, or goes to two), which torch's stages cannot "
+                f"hand on; {RUNS_WITHOUT_CUT}"
+            )
+
+
+def traced_owners(model: nn.Module, stages: list[nn.Module]) -> dict[str, int]:
+    """The stage of each of `model`'s parameter and buffer names (stage 0 for one no stage
+    uses); ConfigError where two stages share a tensor (other processes: it would be untied)."""
+    stage_of_tensor: dict[int, int] = {}
+    for stage, module in enumerate(stages):
+        for _, tensor in state_names(module):
+            first = stage_of_tensor.setdefault(id(tensor), stage)
+            if first != stage:
+                shared = [name for name, t in state_names(model) if t is tensor]
+                raise ConfigError(
+                    f"parallel.pp: {' and '.join(shared)} are one tensor used on pipeline stages "
+                    f"{first} and {stage} (other processes), which would untie it; set "
+                    "model.tie_weights=false (tie_word_embeddings for transformers), or "
+                    f"{RUNS_WITHOUT_CUT}"
+                )
+    return {name: stage_of_tensor.get(id(tensor), 0) for name, tensor in state_names(model)}
+
+
+def meta_like(tensor: torch.Tensor) -> torch.Tensor:
+    """An empty tensor like `tensor` on the meta device, a Parameter for a Parameter."""
+    meta = torch.empty_like(tensor, device="meta")
+    return nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+
+
+def place(model: nn.Module, kept: Callable[[str], bool], device: torch.device) -> None:
+    """Each parameter and buffer of `model` to `device` where `kept(name)`, else to the meta
+    device (shapes, no memory). The kept stay the same tensors (`.data` moves them), so that
+    stages bound to them before see them moved."""
+    with torch.no_grad():
+        for name, tensor in state_names(model):
+            moved = tensor.to(device if kept(name) else torch.device("meta"))
+            if moved is tensor:
+                continue
+            if kept(name):
+                tensor.data = moved
+            else:  # a new tensor: the meta device's cannot take another's data
+                owner, _, key = name.rpartition(".")
+                setattr(model.get_submodule(owner), key, meta_like(tensor))
