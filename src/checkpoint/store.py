@@ -185,6 +185,8 @@ def load_checkpoint(path: Path, mmap: bool = False) -> dict[str, Any]:
         state["model"], state["optimizer"] = (
             (sharded_shapes(path), None) if mmap else read_sharded(path)
         )
+        if "state_dict_keys" in state:  # older checkpoints: `in_block_order`'s order
+            state["model"] = {key: state["model"][key] for key in state["state_dict_keys"]}
     else:
         state = read_torch_file(path, mmap)
     if not isinstance(state, dict) or any(key not in state for key in REQUIRED_KEYS):

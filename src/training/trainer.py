@@ -101,6 +101,8 @@ class Trainer:
         self.model_description = {
             "model_args": {"input_shape": list(data.input_shape), "num_classes": data.num_classes},
             "tied_keys": tied_keys(self.blueprint.meta_model),
+            # A sharded checkpoint's tensors read back in the order its ranks wrote them.
+            "state_dict_keys": list(self.blueprint.meta_model.state_dict()),
         }
         self.step = 0  # the last step trained
         self.tracker_id: str | None = None  # the W&B run to continue
