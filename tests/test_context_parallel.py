@@ -197,6 +197,13 @@ def test_cp_refuses_a_model_without_causal_attention(model, refusal):
         check_attention(model.to("meta"), torch.empty(2, 8, device="meta"))
 
 
+def test_cp_refuses_attention_dropout_before_the_ring_fails_on_it():
+    with torch.device("meta"):
+        model = GPT(input_shape=(8,), num_classes=16, n_layer=1, n_head=2, n_embd=8, dropout=0.1)
+    with pytest.raises(ConfigError, match=r"has a dropout \(0.1\) random mask.*model.dropout=0"):
+        check_attention(model, torch.zeros(2, 8, dtype=torch.long, device="meta"))
+
+
 def test_cp_takes_the_gpt_s_causal_attention_traced_on_the_meta_device():
     with torch.device("meta"):
         model = GPT(input_shape=(16,), num_classes=32, n_layer=2, n_head=2, n_embd=16)

@@ -103,6 +103,12 @@ def test_predicted_peaks_within_10_percent_of_measured(compose_config, overrides
     "overrides",
     [
         pytest.param((*TINY_GPT, "parallel=tp"), id="gpt-tp"),
+        # nanoGPT's layout: no biases in the Linears and LayerNorms (nor in the fused qkv the
+        # plan regroups), and dropout's masks kept for backward.
+        pytest.param(
+            (*TINY_GPT, "parallel=tp", "model.bias=false", "model.dropout=0.1"),
+            id="gpt-tp-nanogpt-layout",
+        ),
         pytest.param((*TINY_MLP, "parallel=pp", "parallel.schedule=1F1B"), id="mlp-pp-1F1B"),
         pytest.param(
             (*TINY_MLP, "parallel=fsdp_tp"),

@@ -2,9 +2,10 @@
 
 Every model is an `nn.Sequential`: a strategy may run it whole, replicate it, or cut the block list
 into stages, and the state_dict keys (`0.weight`, `1.0.weight`, ...) stay the same either way.
-Nothing here knows about devices or parallelism. The models have no dropout and no BatchNorm, so
-that every strategy computes exactly the same function as `single` (per-replica batch statistics
-would differ by design).
+Nothing here knows about devices or parallelism. The models have no BatchNorm, and dropout only
+where a config asks for it (`model.dropout`, off by default), so that every strategy computes
+exactly the same function as `single` (per-replica batch statistics, and masks drawn from each
+process's own random stream, differ by design: docs/strategies.md#dropout).
 """
 
 from __future__ import annotations
@@ -85,27 +86,34 @@ class FCN(nn.Sequential):
 
 
 class TokenEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, seq_len: int, hidden: int):
+    def __init__(self, vocab_size: int, seq_len: int, hidden: int, dropout: float = 0.0):
         super().__init__()
         self.token = nn.Embedding(vocab_size, hidden)
         self.position = nn.Embedding(seq_len, hidden)
+        self.dropout = nn.Dropout(dropout)
         # Each token's place in its sequence, kept (not saved) rather than made in `forward`: a
         # strategy that gives a process some of a sequence's tokens gives it their places too.
         self.register_buffer("positions", torch.arange(seq_len), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.token(tokens) + self.position(self.positions[: tokens.shape[1]])
+        embedded = self.token(tokens) + self.position(self.positions[: tokens.shape[1]])
+        return self.dropout(embedded)
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, hidden: int, heads: int):
+    """Causal multi-head attention; `dropout` on the attention weights and on the output, as
+    nanoGPT's."""
+
+    def __init__(self, hidden: int, heads: int, bias: bool = True, dropout: float = 0.0):
         super().__init__()
         if hidden % heads:
             raise ValueError(f"model.hidden ({hidden}) must divide by model.heads ({heads})")
         self.heads = heads
         self.head_width = hidden // heads
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.proj = nn.Linear(hidden, hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=bias)
+        self.proj = nn.Linear(hidden, hidden, bias=bias)
+        self.attention_dropout = dropout
+        self.output_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # As many heads as qkv's output holds: all of them here, a share of them when its rows
@@ -113,18 +121,25 @@ class CausalSelfAttention(nn.Module):
         batch, length, _ = x.shape
         qkv = self.qkv(x).view(batch, length, 3, -1, self.head_width)
         q, k, v = qkv.transpose(1, 3).unbind(2)
-        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, length, -1))
+        dropout_p = self.attention_dropout if self.training else 0.0
+        y = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        return self.output_dropout(self.proj(y.transpose(1, 2).reshape(batch, length, -1)))
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, hidden: int, heads: int):
+    """Pre-norm block; `bias=False` drops the biases of its Linears and LayerNorms (nanoGPT's
+    `bias`), `dropout` is nanoGPT's too (attention weights, and each residual branch's output)."""
+
+    def __init__(self, hidden: int, heads: int, bias: bool = True, dropout: float = 0.0):
         super().__init__()
-        self.norm1 = nn.LayerNorm(hidden)
-        self.attention = CausalSelfAttention(hidden, heads)
-        self.norm2 = nn.LayerNorm(hidden)
+        self.norm1 = nn.LayerNorm(hidden, bias=bias)
+        self.attention = CausalSelfAttention(hidden, heads, bias, dropout)
+        self.norm2 = nn.LayerNorm(hidden, bias=bias)
         self.mlp = nn.Sequential(
-            nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden)
+            nn.Linear(hidden, 4 * hidden, bias=bias),
+            nn.GELU(),
+            nn.Linear(4 * hidden, hidden, bias=bias),
+            nn.Dropout(dropout),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,13 +182,22 @@ class Transformer(nn.Sequential):
     """
 
     def __init__(
-        self, input_shape: Sequence[int], num_classes: int, hidden: int, depth: int, heads: int
+        self,
+        input_shape: Sequence[int],
+        num_classes: int,
+        hidden: int,
+        depth: int,
+        heads: int,
+        bias: bool = True,
+        dropout: float = 0.0,
     ):
         (seq_len,) = input_shape
         super().__init__(
-            TokenEmbedding(num_classes, seq_len, hidden),
-            *[TransformerBlock(hidden, heads) for _ in range(depth)],
-            nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, num_classes)),
+            TokenEmbedding(num_classes, seq_len, hidden, dropout),
+            *[TransformerBlock(hidden, heads, bias, dropout) for _ in range(depth)],
+            nn.Sequential(
+                nn.LayerNorm(hidden, bias=bias), nn.Linear(hidden, num_classes, bias=bias)
+            ),
         )
         init_like_gpt2(self)
 
@@ -190,7 +214,7 @@ class GPT(nn.Sequential):
     heads, final norm and a bias-free vocabulary head, with the head's weight tied to the token
     embedding when `tie_weights`, initialised as GPT-2 (`init_like_gpt2`). Input: token ids
     (batch, seq_len); output: logits (batch, seq_len, vocab_size rounded up to a multiple of
-    `vocab_multiple`)."""
+    `vocab_multiple`). `bias` and `dropout` are nanoGPT's (its own default: `bias=False`)."""
 
     def __init__(
         self,
@@ -201,14 +225,15 @@ class GPT(nn.Sequential):
         n_embd: int,
         tie_weights: bool = True,
         vocab_multiple: int = 1,
+        bias: bool = True,
+        dropout: float = 0.0,
     ):
         (seq_len,) = input_shape
         vocab = padded_vocab(num_classes, vocab_multiple)
-        embedding = TokenEmbedding(vocab, seq_len, n_embd)
-        head = nn.Sequential(nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab, bias=False))
+        embedding = TokenEmbedding(vocab, seq_len, n_embd, dropout)
+        head = nn.Sequential(nn.LayerNorm(n_embd, bias=bias), nn.Linear(n_embd, vocab, bias=False))
         if tie_weights:
             head[1].weight = embedding.token.weight
-        super().__init__(
-            embedding, *[TransformerBlock(n_embd, n_head) for _ in range(n_layer)], head
-        )
+        blocks = [TransformerBlock(n_embd, n_head, bias, dropout) for _ in range(n_layer)]
+        super().__init__(embedding, *blocks, head)
         init_like_gpt2(self)

@@ -31,8 +31,9 @@ class ConvNetConfig:
 
 
 @dataclass
-class GPTConfig:
-    _target_: str = "src.components.models.GPT"
+class DecoderShape:
+    """What `gpt` and `moe` share: a GPT-2-style decoder's shape."""
+
     n_layer: int = 2
     """Transformer blocks; with the embedding and the head, n_layer + 2 blocks for a pipeline to
     split into stages."""
@@ -49,7 +50,19 @@ class GPTConfig:
 
 
 @dataclass
-class MoEConfig(GPTConfig):
+class GPTConfig(DecoderShape):
+    _target_: str = "src.components.models.GPT"
+    bias: bool = True
+    """Biases in the Linears and LayerNorms (GPT-2 has them; nanoGPT's default is false, which
+    drops them all, LayerNorm(bias=False) included). The vocabulary head has none either way."""
+    dropout: float = 0.0
+    """nanoGPT's dropout: after the embedding, on the attention weights and on each residual
+    branch's output, in training only. Above 0, most strategies no longer reproduce `single`
+    (docs/strategies.md#dropout)."""
+
+
+@dataclass
+class MoEConfig(DecoderShape):
     _target_: str = "src.components.moe.MoEGPT"
     experts: int = 4
     """Feed-forward experts per block, their weights stacked (experts x in x out)."""
@@ -100,6 +113,11 @@ class TransformerConfig:
     """Transformer blocks."""
     heads: int = 4
     """Attention heads per block."""
+    bias: bool = True
+    """Biases in every Linear and LayerNorm (as `gpt`'s, head included)."""
+    dropout: float = 0.0
+    """As `gpt`'s: after the embedding, on the attention weights and on each residual branch's
+    output, in training only (docs/strategies.md#dropout)."""
 
 
 @dataclass

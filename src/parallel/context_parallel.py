@@ -266,9 +266,12 @@ def mask_kind(
     is_causal: bool = False,
     **_: object,
 ) -> str:
-    """'causal', or what the ring cannot take: 'an explicit attn_mask', 'no (full attention)'."""
+    """'causal', or what the ring cannot take: 'an explicit attn_mask', a dropout's random mask
+    (torch's ring fails on it mid-step), 'no (full attention)'."""
     if attn_mask is not None:
         return "an explicit attn_mask"
+    if dropout_p:
+        return f"a dropout ({dropout_p}) random"
     return "causal" if is_causal else "no (full attention)"
 
 
@@ -290,8 +293,8 @@ def check_attention(model: nn.Module, inputs: torch.Tensor) -> list[int]:
     if unsupported:
         raise ConfigError(
             f"parallel.cp's ring attention takes causal masks only, and the model's attention has "
-            f"{unsupported[0]} mask; use a causal model (model=transformer or model=gpt), or "
-            "parallel.cp=1"
+            f"{unsupported[0]} mask; use a causal model (model=transformer or model=gpt) without "
+            "attention dropout (model.dropout=0), or parallel.cp=1"
         )
     length = inputs.shape[SEQUENCE_OF_BATCH]
     if length in calls.ranges:

@@ -55,7 +55,8 @@ def qkv_row_orders(model: nn.Module, tp: int) -> dict[str, Tensor]:
         if isinstance(module, CausalSelfAttention):
             rows = module.qkv.out_features
             order = torch.arange(rows).view(3, tp, rows // (3 * tp)).transpose(0, 1).reshape(-1)
-            orders[f"{name}.qkv.weight"] = orders[f"{name}.qkv.bias"] = order
+            for parameter_name, _ in module.qkv.named_parameters():  # a bias-less qkv: weight
+                orders[f"{name}.qkv.{parameter_name}"] = order
     return orders
 
 

@@ -169,11 +169,12 @@ def name_rendezvous_events_cheaply() -> None:
 
 def pipeline_warmup_skips_own_rank() -> None:
     """Before a schedule's first step, each pipeline stage sends and receives one number to and
-    from its neighbour stages, to set up the links. torch 2.11 does so also where the neighbour is
-    on the same rank, as the two middle stages of a V schedule (ZBVZeroBubble, DualPipeV) are:
-    gloo has no link to its own rank and fails ("Pair is not connected"); NCCL's does nothing of
-    use. Later torch sets the links up otherwise, without the method. Those operations are left
-    out: the stages of one rank hand their tensors over in memory anyway."""
+    from its neighbour stages, to set up the links. torch 2.11 to 2.14 do so also where the
+    neighbour is on the same rank, as the two middle stages of a V schedule (ZBVZeroBubble,
+    DualPipeV) are: gloo has no link to its own rank and fails ("Pair is not connected"); NCCL's
+    does nothing of use. Those operations are left out: the stages of one rank hand their
+    tensors over in memory anyway. torch 2.15 has no such warm-up (nor the method), and this
+    steps aside."""
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
     torchs = getattr(_PipelineStageBase, "_get_init_p2p_neighbors_ops", None)
