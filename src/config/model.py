@@ -120,28 +120,48 @@ class TransformerConfig:
     output, in training only (docs/strategies.md#dropout)."""
 
 
+# The transformers config keys that size a small model (the options' defaults: CPU-sized).
+SMALL_TRANSFORMER = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+}
+
+
 @dataclass
-class HFCausalLMConfig:
-    _target_: str = "src.components.hf.causal_lm"
-    config: str = "llama"
-    """A transformers model type (llama, gpt2, qwen2, ...) or a folder holding config.json."""
-    sizes: dict[str, Any] = field(
-        default_factory=lambda: {
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-        }
-    )
-    """Keys of the transformers config set over `config`'s (its vocab_size is the data's, its
-    max_position_embeddings at least the data's sequence length)."""
+class HFModelConfig:
+    """What the transformers options share."""
+
     pretrained: str | None = None
     """A folder written by `save_pretrained` (or a hub name, with network): its config and
     weights, instead of random ones."""
     blocks: Any = None
     """The repeated blocks (fsdp's units, the pipelines' cut points): a module's path
-    (model.layers) or class names; None: found (the largest run of one class in a ModuleList)."""
+    (model.layers) or class names; None: found (src/components/model_contract.py)."""
+
+
+@dataclass
+class HFCausalLMConfig(HFModelConfig):
+    _target_: str = "src.components.hf.causal_lm"
+    config: str = "llama"
+    """A transformers model type (llama, gpt2, qwen2, ...) or a folder holding config.json."""
+    sizes: dict[str, Any] = field(
+        default_factory=lambda: {**SMALL_TRANSFORMER, "num_key_value_heads": 2}
+    )
+    """Keys of the transformers config set over `config`'s (its vocab_size is the data's, its
+    max_position_embeddings at least the data's sequence length)."""
+
+
+@dataclass
+class HFImageClassifierConfig(HFModelConfig):
+    _target_: str = "src.components.hf.image_classifier"
+    config: str = "vit"
+    """A transformers model type (vit, convnext, ...) or a folder holding config.json; its
+    pretrained weights get a new head where their classes differ."""
+    sizes: dict[str, Any] = field(default_factory=lambda: {**SMALL_TRANSFORMER, "patch_size": 4})
+    """Keys of the transformers config set over `config`'s (its image_size, num_channels and
+    num_labels are the data's)."""
 
 
 @dataclass
@@ -154,26 +174,4 @@ class TimmConfig:
     pretrained: str | None = None
     """A local weights file to start from (nothing is downloaded)."""
     blocks: Any = None
-    """As `HFCausalLMConfig.blocks`."""
-
-
-@dataclass
-class HFImageClassifierConfig:
-    _target_: str = "src.components.hf.image_classifier"
-    config: str = "vit"
-    """A transformers model type (vit, convnext, ...) or a folder holding config.json."""
-    sizes: dict[str, Any] = field(
-        default_factory=lambda: {
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "patch_size": 4,
-        }
-    )
-    """Keys of the transformers config set over `config`'s (its image_size, num_channels and
-    num_labels are the data's)."""
-    pretrained: str | None = None
-    """As `HFCausalLMConfig.pretrained` (its head is replaced where its classes differ)."""
-    blocks: Any = None
-    """As `HFCausalLMConfig.blocks`."""
+    """As `HFModelConfig.blocks`."""
