@@ -33,6 +33,8 @@ from src.config.base import ConfigError, first_line
 from src.parallel.mechanisms.stage_pipeline import balanced_split_points, parameter_count
 from src.parallel.shares import tied_block_groups
 
+META = torch.device("meta")
+
 
 @dataclass(frozen=True)
 class Cut:
@@ -55,11 +57,12 @@ def state_names(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
-def cut_model(model: nn.Module, stages: int, example: Tree) -> Cut:
+def cut_model(model: nn.Module, stages: int, example: Tree, device: torch.device = META) -> Cut:
     """`model` cut into `stages` stages, balanced by its blocks' parameter counts; `example`:
-    a micro-batch of inputs (meta). ConfigError, in one line, where it cannot be cut: fewer
-    blocks than stages, a parameter shared across stages (each stage is another process: the tie
-    would be broken), or a model torch's tracer cannot cut into stages that run."""
+    a micro-batch of inputs (meta); `device`: where traced stages will run. ConfigError, in one
+    line, where it cannot be cut: fewer blocks than stages, a parameter shared across stages
+    (each stage is another process: the tie would be broken), or a model torch's tracer cannot
+    cut into stages that run."""
     blocks = list(model) if isinstance(model, nn.Sequential) else blocks_of(model)
     if len(blocks) < stages:
         raise ConfigError(
@@ -80,7 +83,7 @@ def cut_model(model: nn.Module, stages: int, example: Tree) -> Cut:
         stage_of = {name: stage_of_block[int(name.split(".")[0])] for name, _ in state_names(model)}
         return Cut(points, stage_of, lambda _: parts, shares_modules=True)
     names = block_names(model)
-    traced = functools.partial(traced_stages, model, [names[point] for point in points])
+    traced = functools.partial(traced_stages, model, [names[point] for point in points], device)
     stage_of = traced_owners(model, traced(example))
     return Cut(points, stage_of, remembered_by_shape(traced), shares_modules=False)
 
@@ -100,10 +103,13 @@ def remembered_by_shape(
     return modules
 
 
-def traced_stages(model: nn.Module, starts: list[str], example: Tree) -> list[nn.Module]:
+def traced_stages(
+    model: nn.Module, starts: list[str], device: torch.device, example: Tree
+) -> list[nn.Module]:
     """`model` cut by torch's tracer before the blocks named `starts`, fed `example` (meta):
     traced on a meta copy and run there once, then each stage's parameters and buffers bound to
-    `model`'s own. ConfigError where the tracer fails or its stages do not run in a chain."""
+    `model`'s own, and its graph moved to `device`. ConfigError where the tracer fails or its
+    stages do not run in a chain."""
     with torch.no_grad():
         memo = {id(tensor): meta_like(tensor) for _, tensor in state_names(model)}
     shell = copy.deepcopy(model, memo)
@@ -123,7 +129,27 @@ def traced_stages(model: nn.Module, starts: list[str], example: Tree) -> list[nn
     check_handed_on(pipe.split_gm.graph, where)
     for stage in stages:
         bind(stage, model)
+        retarget(stage, device)
     return stages
+
+
+def retarget(stage: nn.Module, device: torch.device) -> None:
+    """torch.export keeps the device it traced on (the meta copy's) in the graph, as an argument
+    of the ops that make tensors (`arange(..., device=...)`) and of its checks of a tensor's
+    device (`_assert_tensor_metadata`): `device` instead, in every graph of `stage`."""
+
+    def moved(value: object) -> object:
+        return device if isinstance(value, torch.device) and value == META else value
+
+    for module in stage.modules():
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        for node in graph.nodes:
+            node.args = torch.fx.node.map_aggregate(node.args, moved)
+            node.kwargs = torch.fx.node.map_aggregate(node.kwargs, moved)
+        if isinstance(module, torch.fx.GraphModule):
+            module.recompile()
 
 
 def bind(stage: nn.Module, model: nn.Module) -> None:

@@ -146,7 +146,7 @@ def stage_parts(
     them) for micro-batches like `example` (meta); its tensors go to `device`, the others' to the
     meta device."""
     pp, pp_rank = mesh.size(), mesh.get_local_rank()
-    cut = cut_model(model, pp * stages_per_rank, example)
+    cut = cut_model(model, pp * stages_per_rank, example, device)
     ranks = stage_ranks(schedule, pp, stages_per_rank)
     owner = {name: ranks[stage] for name, stage in cut.stage_of.items()}
     place(model, lambda name: owner[name] == pp_rank, device)
