@@ -30,8 +30,8 @@ class Segments:
     pipelines cut between). Any other model's are its blocks (`block_names`) between two
     segments of its rest (what lies outside the blocks: stem, embeddings, norms, head), one
     before them and one after, which share the rest's parameters (counted at the first): FSDP's
-    root unit holds them, gathered from the first forward to the end of the last one and again
-    through backward, as the planner prices a unit of tied blocks that are not neighbours."""
+    root unit holds them, gathered through the model's forward and again through its backward,
+    as the planner prices a unit of tied blocks that are not neighbours."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -106,7 +106,8 @@ class Segments:
 
 @dataclass(frozen=True)
 class ModelSizes:
-    """What the planner knows of the model before tracing it (bytes, from the meta device)."""
+    """What the planner knows of the model before tracing it (bytes, from the meta device); its
+    "blocks" are the model's `Segments` (an nn.Sequential's children, as its pipelines cut it)."""
 
     block_parameter_bytes: list[int]
     """Each block's parameters (one shared by several blocks counted at the first)."""
