@@ -286,7 +286,7 @@ class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
         return hook
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        # (fake copies of the parameters are parameters too)
+        # By class, not identity: the fake copies of the parameters (`shapes_only`) are ones.
         if not isinstance(tensor, nn.Parameter) and not isinstance(tensor._base, nn.Parameter):
             self.whole[self.block] += tensor.nbytes
             if self.in_pair:

@@ -102,8 +102,8 @@ def meta_model_and_inputs(cfg: DictConfig, data: Data, samples: int) -> tuple[nn
 
 
 def model_sizes(cfg: DictConfig, data: Data) -> ModelSizes:
-    """Bytes per block (parameters) and per sample (inputs, each block's output), from the model
-    run on the meta device."""
+    """Bytes per segment (`Segments`: its parameters) and per sample (inputs, each segment's
+    output), from the model built on the meta device and run on fake tensors."""
     model, inputs = meta_model_and_inputs(cfg, data, 1)
     with torch.no_grad(), shapes_only():
         outputs = Segments(model).outputs(inputs)
@@ -125,7 +125,7 @@ def check_traceable(model: nn.Module, shares: list[DeviceShare]) -> None:
     whole = [(0, len(segments))]
     if not segments.sequential and any(s.stage_blocks(len(segments)) != whole for s in shares):
         raise ConfigError(
-            f"the planner prices pipeline stages of an nn.Sequential only; "
+            "the planner prices pipeline stages of an nn.Sequential only; "
             f"{type(model).__name__} is not one: plan a strategy without them "
             "(single, dp, dp_criterion, ddp, fsdp, mesh, tp, fsdp_tp)"
         )
