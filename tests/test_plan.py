@@ -14,10 +14,18 @@ from hydra import initialize_config_dir
 from torch.distributed._tools.mem_tracker import _MemRefType
 
 import src.planning.planner
+from src.components.data import build_data
+from src.components.model_contract import settle_model_settings
 from src.config.base import ConfigError
 from src.launch.memory_check import measured_peaks_mb
-from src.parallel.shares import Messages
-from src.planning.memory_trace import RUNNING, STEPPING
+from src.parallel.shares import DeviceShare, Messages
+from src.planning.memory_trace import (
+    RUNNING,
+    STEPPING,
+    check_traceable,
+    meta_model_and_inputs,
+    model_sizes,
+)
 from src.planning.planner import (
     candidate_parallels,
     choose,
@@ -47,6 +55,21 @@ TINY_RESNET = (
 TINY_MOE = (*TINY_GPT, "model=moe", "model.experts=4")
 NEEDS_TORCHVISION = pytest.mark.skipif(
     importlib.util.find_spec("torchvision") is None, reason="model=resnet needs torchvision"
+)
+# Models that are not an nn.Sequential: tests/odd_models.py's LoopMLP (a stem, a ModuleList of
+# 3 blocks it loops over, a head) and transformers' Llama as tests/test_any_model.py sizes it
+# (4 attention heads, 2 key/value heads).
+TINY_LOOP = (
+    *("model._target_=tests.odd_models.LoopMLP", "+model.width=64", "+model.layers=3"),
+    *("trainer.batch_size=64", "logger=none"),
+)
+TINY_LLAMA = (
+    *("model=hf_causal_lm", "model.sizes.hidden_size=32", "model.sizes.intermediate_size=64"),
+    *("data.seq_len=8", "data.vocab_size=16", "data.num_samples=600"),
+    *("trainer.batch_size=16", "logger=none"),
+)
+NEEDS_TRANSFORMERS = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="model=hf_causal_lm needs transformers"
 )
 FSDP_2 = ("parallel=fsdp", "parallel.devices=2")
 RESNET_CASES = {
@@ -87,6 +110,19 @@ RESNET_CASES = {
         *[
             pytest.param((*TINY_RESNET, *case), id=name, marks=NEEDS_TORCHVISION)
             for name, case in RESNET_CASES.items()
+        ],
+        pytest.param((*TINY_LOOP, "parallel=single"), id="loop-mlp-single"),
+        pytest.param((*TINY_LOOP, "parallel=ddp", "parallel.devices=2"), id="loop-mlp-ddp"),
+        # Its stem and head in FSDP's root unit, gathered while the blocks run.
+        pytest.param((*TINY_LOOP, *FSDP_2), id="loop-mlp-fsdp"),
+        *[
+            pytest.param(
+                (*TINY_LLAMA, f"parallel={name}", "parallel.devices=2"),
+                id=f"llama-{name}",
+                marks=NEEDS_TRANSFORMERS,
+            )
+            # tp by the model's own plan (`_tp_plan`), embedding and head included
+            for name in ("ddp", "fsdp", "tp")
         ],
     ],
 )
@@ -305,6 +341,37 @@ def test_plan_py_plans_every_strategy_that_runs_and_recommends_one():
     assert last.startswith("recommended: parallel=") and "the fastest of those that fit" in last
     planned = [option for option in options("parallel") if option != "auto"]
     assert f"planned fsdp on 2 device(s) (6/{len(planned)}, " in result.stderr  # progress
+
+
+def test_plan_py_plans_a_model_that_is_not_a_sequential_but_not_its_pipelines():
+    """LoopMLP on 4 devices: every strategy that runs it whole is planned; the pipelines are
+    refused, not the table."""
+    result = run_plan(*TINY_LOOP, "parallel.devices=4")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    (end,) = (i for i, line in enumerate(lines) if line.startswith("cannot run: "))
+    rows = {line.split()[0] for line in lines[2:end] if not line.startswith(" ")}
+    assert rows == {"ddp", "dp", "dp_criterion", "fsdp", "mesh"}
+    cannot = lines[end].removeprefix("cannot run: ").partition(" (")[0].split(", ")
+    assert {"pp x4", "model_parallel x4", "hybrid x4", "fsdp_tp_pp x4"} <= set(cannot)
+    assert lines[-1].startswith("recommended: parallel=")
+
+
+def test_the_planner_refuses_a_pipeline_of_a_model_that_is_not_a_sequential(compose_config):
+    """LoopMLP's segments: its 3 blocks between the two ends of its rest (stem and head), which
+    share its parameters. Stages of them are refused in one line of the planner's own, whether
+    or not the strategy cuts the model: it traces stages as runs of a Sequential's children."""
+    cfg = compose_config(*TINY_LOOP)
+    settle_model_settings(cfg)  # model=mlp's own keys left out, as plan_all does
+    data = build_data(cfg.data, cfg.seed)
+    sizes = model_sizes(cfg, data)
+    assert len(sizes.block_parameter_bytes) == 3 + 2  # the blocks between the rest's two ends
+    assert sorted(sizes.shared_blocks, key=min)[0] == [0, 4]  # tied: FSDP's root unit
+    model, _ = meta_model_and_inputs(cfg, data, 2)
+    stages = [DeviceShare("cpu:0", 8, blocks=(0, 2)), DeviceShare("cpu:1", 8, blocks=(2, 5))]
+    with pytest.raises(ConfigError, match="the planner prices pipeline stages of an nn.Sequen"):
+        check_traceable(model, stages)
+    check_traceable(model, [DeviceShare("cpu:0", 8)])
 
 
 def test_equal_shares_are_traced_once(compose_config, monkeypatch):

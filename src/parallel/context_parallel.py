@@ -33,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 from src.components.batches import Tree
 from src.config.base import ConfigError
 from src.parallel.base import LossFn
+from src.parallel.shares import shapes_only
 
 SEQUENCE_DIM = 2
 """Of SDPA's query, key and value: (batch, heads, sequence, head size)."""
@@ -280,9 +281,10 @@ def check_attention(model: nn.Module, inputs: torch.Tensor) -> list[int]:
     it with a mask the ring cannot take (causal only), that makes its positions in the forward
     pass (`torch.arange` over the sequence: each rank would number its share from 0) or whose
     outputs are not one tensor per token (what `apply_cp` splits the loss by). Runs the model
-    once on `inputs` (meta tensors, as `check_model` has them, cost nothing). Returns each SDPA
-    call's key and value bytes per sample, for the planner (`context_parallel_plan.py`)."""
-    with torch.no_grad(), AttentionCalls() as calls:
+    once on `inputs` (meta tensors, as `check_model` has them, cost nothing; run as fake ones,
+    `shapes_only`). Returns each SDPA call's key and value bytes per sample, for the planner
+    (`context_parallel_plan.py`)."""
+    with torch.no_grad(), shapes_only(), AttentionCalls() as calls:
         outputs = model(inputs)
     if not calls.masks:
         raise ConfigError(

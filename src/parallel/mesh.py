@@ -203,8 +203,7 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
             )
             if self.cfg.sequence_parallel:
                 check_sequence(inputs, self.layout.tp)
-            # What the planner prices, per block of a Sequential (it prices no other model).
-            self.split = tp_split(model, plan, inputs) if isinstance(model, nn.Sequential) else None
+            self.split = tp_split(model, plan, inputs)  # what the planner prices
         elif self.cfg.sequence_parallel or self.cfg.loss_parallel:
             raise ConfigError(
                 "parallel.sequence_parallel and parallel.loss_parallel need tensor parallel; set "

@@ -25,7 +25,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from src.components.batches import Tree, batch_size
 from src.components.precision import AUTOCAST_DTYPES
-from src.parallel.shares import Messages, ModelSizes, owned_parameters, ring_bytes
+from src.parallel.shares import (
+    Messages,
+    ModelSizes,
+    Segments,
+    owned_parameters,
+    ring_bytes,
+    shapes_only,
+)
 
 
 @dataclass(frozen=True)
@@ -166,10 +173,6 @@ def distributes(style: ParallelStyle) -> bool:
     return isinstance(style, (ColwiseParallel, RowwiseParallel, SequenceParallel))
 
 
-def block_of(name: str) -> int:
-    return int(name.split(".")[0])
-
-
 def pair_holders(plan: dict[str, ParallelStyle]) -> set[str]:
     """The modules inside a block with a ColwiseParallel and a RowwiseParallel child: what their
     own forward runs between the two (an attention over its heads) is on each rank's share."""
@@ -180,9 +183,12 @@ def pair_holders(plan: dict[str, ParallelStyle]) -> set[str]:
     return {name for name in parents(ColwiseParallel) & parents(RowwiseParallel) if name}
 
 
-def tp_split(model: nn.Sequential, plan: dict[str, ParallelStyle], inputs: Tree) -> TPSplit:
-    """`plan`'s split of `model` (on the meta device), from one forward pass of `inputs`."""
-    split_bytes = [0] * len(model)
+def tp_split(model: nn.Module, plan: dict[str, ParallelStyle], inputs: Tree) -> TPSplit:
+    """`plan`'s split of `model` (on the meta device) by segment (`Segments`), from one forward
+    pass of `inputs`."""
+    segments = Segments(model)
+    block_of = segments.index_of
+    split_bytes = [0] * len(segments)
     outputs: list[tuple[int, int]] = []
     samples = batch_size(inputs)
 
@@ -202,7 +208,7 @@ def tp_split(model: nn.Sequential, plan: dict[str, ParallelStyle], inputs: Tree)
         return hook
 
     handles = []
-    distributed, layers = [0] * len(model), [0] * len(model)
+    distributed, layers = [0] * len(segments), [0] * len(segments)
     for name, style in plan.items():
         module = model.get_submodule(name)
         split_bytes[block_of(name)] += sum(p.nbytes for p in split_parameters(module, style))
@@ -213,9 +219,9 @@ def tp_split(model: nn.Sequential, plan: dict[str, ParallelStyle], inputs: Tree)
             handles.append(module.register_forward_hook(record(block_of(name))))
         if isinstance(style, ColwiseParallel):
             handles.append(module.register_forward_pre_hook(record_input(block_of(name))))
-    saved = SavedActivations(model, plan)
+    saved = SavedActivations(segments, plan)
     try:
-        with saved, FlopCounterMode(display=False) as counter:
+        with shapes_only(), saved, FlopCounterMode(display=False) as counter:
             model(inputs)
     finally:
         for handle in handles:
@@ -224,9 +230,12 @@ def tp_split(model: nn.Sequential, plan: dict[str, ParallelStyle], inputs: Tree)
         name.partition(".")[2]: sum(counts.values())
         for name, counts in counter.get_flop_counts().items()
     }
-    flops, split_flops = [0] * len(model), [0] * len(model)
-    for index in range(len(model)):
-        flops[index] = by_module.get(str(index), 0) // samples
+    flops, split_flops = [0] * len(segments), [0] * len(segments)
+    for index, name in enumerate(segments.names, segments.first):
+        flops[index] = by_module.get(name, 0) // samples
+    if not segments.sequential:  # the rest's, at its first segment as its parameters are
+        in_blocks = sum(by_module.get(name, 0) for name in segments.names)
+        flops[0] = (counter.get_total_flops() - in_blocks) // samples
     # The split Linears only: a layout change around a whole module (sequence parallel's
     # PrepareModuleInput on an attention) splits none of its work, and counted it twice.
     for name, style in plan.items():
@@ -251,31 +260,24 @@ def tp_split(model: nn.Sequential, plan: dict[str, ParallelStyle], inputs: Tree)
 
 
 class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
-    """The bytes autograd saves for backward in each block of `model` during a forward pass
+    """The bytes autograd saves for backward in each of `segments` during a forward pass
     (`whole`), and those saved inside one of `plan`'s pairs (`split`): after a ColwiseParallel
     module's forward until a RowwiseParallel module's ends (the Rowwise Linear's own input is
     split; the Colwise one's is not). Parameters (and views of them) are not activations."""
 
-    def __init__(self, model: nn.Sequential, plan: dict[str, ParallelStyle]):
+    def __init__(self, segments: Segments, plan: dict[str, ParallelStyle]):
         super().__init__(self.pack, lambda tensor: tensor)
-        self.whole, self.split = [0] * len(model), [0] * len(model)
+        self.whole, self.split = [0] * len(segments), [0] * len(segments)
         self.block, self.in_pair = 0, False
-        self.parameters = {id(p) for p in model.parameters()}
-        self.handles = [
-            block.register_forward_pre_hook(self.entering(index))
-            for index, block in enumerate(model)
-        ]
+        self.handles = segments.hooks(self.entering)
         for name, style in plan.items():
             if isinstance(style, (ColwiseParallel, RowwiseParallel)):
                 opens = isinstance(style, ColwiseParallel)
                 hook = self.pair_hook(opens)
-                self.handles.append(model.get_submodule(name).register_forward_hook(hook))
+                self.handles.append(segments.model.get_submodule(name).register_forward_hook(hook))
 
-    def entering(self, index: int):
-        def hook(module: nn.Module, args: object) -> None:
-            self.block = index
-
-        return hook
+    def entering(self, index: int) -> None:
+        self.block = index
 
     def pair_hook(self, opens: bool):
         def hook(module: nn.Module, args: object, output: object) -> None:
@@ -284,7 +286,8 @@ class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
         return hook
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        if id(tensor) not in self.parameters and id(tensor._base) not in self.parameters:
+        # By class, not identity: the fake copies of the parameters (`shapes_only`) are ones.
+        if not isinstance(tensor, nn.Parameter) and not isinstance(tensor._base, nn.Parameter):
             self.whole[self.block] += tensor.nbytes
             if self.in_pair:
                 self.split[self.block] += tensor.nbytes

@@ -1,21 +1,113 @@
 """What a strategy tells the planner (src/planning/) about a step, touching no device: the model's
-sizes, each device's share of the state and the work (`DeviceShare`), and the messages a rank
-sends (`Messages`), with the arithmetic every strategy shares (ring and bucket sizes, tied
-blocks)."""
+parts (`Segments`) and sizes, each device's share of the state and the work (`DeviceShare`), and
+the messages a rank sends (`Messages`), with the arithmetic every strategy shares (ring and
+bucket sizes, tied blocks)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.hooks import RemovableHandle
 
-from src.components.model_contract import blocks_of
+from src.components.model_contract import block_names, blocks_of
+
+
+def shapes_only() -> FakeTensorMode:
+    """Where a model built on the meta device runs a forward pass to be measured: on fake
+    tensors, which code that reads values (transformers' checks of its masks) takes for a
+    trace and skips, where meta tensors fail."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+class Segments:
+    """A model's parts in forward order as the planner prices them: `ModelSizes`' and
+    `TPSplit`'s lists have an entry for each. An nn.Sequential's are its children (what its
+    pipelines cut between). Any other model's are its blocks (`block_names`) between two
+    segments of its rest (what lies outside the blocks: stem, embeddings, norms, head), one
+    before them and one after, which share the rest's parameters (counted at the first): FSDP's
+    root unit holds them, gathered through the model's forward and again through its backward,
+    as the planner prices a unit of tied blocks that are not neighbours."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.sequential = isinstance(model, nn.Sequential)
+        self.names = (
+            [name for name, _ in model.named_children()] if self.sequential else block_names(model)
+        )
+        self.first = 0 if self.sequential else 1  # block 0's segment
+
+    def __len__(self) -> int:
+        return len(self.names) + 2 * self.first
+
+    @property
+    def blocks(self) -> list[nn.Module]:
+        return [self.model.get_submodule(name) for name in self.names]
+
+    def parameters(self) -> list[list[nn.Parameter]]:
+        """Each segment's parameters (one shared by several segments in each of them)."""
+        blocks = [list(block.parameters()) for block in self.blocks]
+        if self.sequential:
+            return blocks
+        inside = {id(p) for block in blocks for p in block}
+        rest = [p for p in self.model.parameters() if id(p) not in inside]
+        return [rest, *blocks, rest]
+
+    def index_of(self, name: str) -> int:
+        """The segment of the module `name` (as `named_modules` names it): its block's, else
+        the rest's first."""
+        for index, block in enumerate(self.names):
+            if name == block or name.startswith(f"{block}."):
+                return self.first + index
+        return 0
+
+    def hooks(self, entered: Callable[[int], None]) -> list[RemovableHandle]:
+        """Forward hooks calling `entered(segment)` as each segment starts to run: a block as it
+        starts, and the rest's last as a block ends (what runs between blocks is the rest's)."""
+        handles = []
+        for index, block in enumerate(self.blocks, self.first):
+            handles.append(block.register_forward_pre_hook(lambda *_, i=index: entered(i)))
+            if not self.sequential:
+                handles.append(block.register_forward_hook(lambda *_: entered(len(self) - 1)))
+        return handles
+
+    def outputs(self, inputs: Any) -> list[Any]:
+        """Each segment's output in a forward pass of `inputs` (what the next segment takes):
+        a block's; the rest's first, the first block's positional inputs; the rest's last, the
+        model's output."""
+        outputs: list[Any] = [None] * len(self)
+
+        def keep(index: int) -> Callable[..., None]:
+            def hook(module: nn.Module, args: tuple, *output: Any) -> None:
+                outputs[index] = output[0] if output else args  # a forward hook's, a pre-hook's
+
+            return hook
+
+        blocks = self.blocks
+        handles = [
+            block.register_forward_hook(keep(index))
+            for index, block in enumerate(blocks, self.first)
+        ]
+        if not self.sequential and blocks:
+            handles.append(blocks[0].register_forward_pre_hook(keep(0)))
+        try:
+            output = self.model(inputs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        if not self.sequential:
+            outputs[-1] = output
+        return outputs
 
 
 @dataclass(frozen=True)
 class ModelSizes:
-    """What the planner knows of the model before tracing it (bytes, from the meta device)."""
+    """What the planner knows of the model before tracing it (bytes, from the meta device); its
+    "blocks" are the model's `Segments` (an nn.Sequential's children, as its pipelines cut it)."""
 
     block_parameter_bytes: list[int]
     """Each block's parameters (one shared by several blocks counted at the first)."""
@@ -123,20 +215,30 @@ class Messages:
 
 
 def owned_parameters(model: nn.Module) -> list[list[nn.Parameter]]:
-    """Each block's parameters, one shared by several blocks at the first of them."""
+    """Each segment's parameters (`Segments`), one shared by several at the first of them."""
     seen: set[int] = set()
     owned = []
-    for block in blocks_of(model):
-        owned.append([p for p in block.parameters() if id(p) not in seen])
+    for parameters in Segments(model).parameters():
+        owned.append([p for p in parameters if id(p) not in seen])
         seen.update(id(p) for p in owned[-1])
     return owned
 
 
 def tied_block_groups(model: nn.Module) -> list[list[int]]:
-    """Blocks that share a parameter, grouped (each block alone when it shares none)."""
+    """Blocks (`blocks_of`) that share a parameter, grouped (each alone when it shares none)."""
+    return tied_groups([list(block.parameters()) for block in blocks_of(model)])
+
+
+def tied_segment_groups(model: nn.Module) -> list[list[int]]:
+    """Segments (`Segments`) that share a parameter, grouped: the rest's two among them."""
+    return tied_groups(Segments(model).parameters())
+
+
+def tied_groups(parts: list[list[nn.Parameter]]) -> list[list[int]]:
+    """The indices of `parts` that share a parameter, grouped (each alone when it shares none)."""
     groups: list[tuple[set[int], list[int]]] = []
-    for index, block in enumerate(blocks_of(model)):
-        params = {id(p) for p in block.parameters()}
+    for index, parameters in enumerate(parts):
+        params = {id(p) for p in parameters}
         sharing = [g for g in groups if g[0] & params]
         groups = [g for g in groups if g not in sharing]
         merged_ids = params.union(*(g[0] for g in sharing))

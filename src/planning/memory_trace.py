@@ -26,7 +26,14 @@ from src.components.optimizer import build_optimizer
 from src.components.precision import autocast
 from src.config.base import ConfigError, typed
 from src.config.trainer import TrainerConfig
-from src.parallel.shares import DeviceShare, ModelSizes, owned_parameters, tied_block_groups
+from src.parallel.shares import (
+    DeviceShare,
+    ModelSizes,
+    Segments,
+    owned_parameters,
+    shapes_only,
+    tied_segment_groups,
+)
 from src.planning.plans import DevicePlan
 from src.planning.work import WorkCounter
 
@@ -95,25 +102,33 @@ def meta_model_and_inputs(cfg: DictConfig, data: Data, samples: int) -> tuple[nn
 
 
 def model_sizes(cfg: DictConfig, data: Data) -> ModelSizes:
-    """Bytes per block (parameters) and per sample (inputs, each block's output), from the model
-    run on the meta device."""
+    """Bytes per segment (`Segments`: its parameters) and per sample (inputs, each segment's
+    output), from the model built on the meta device and run on fake tensors."""
     model, inputs = meta_model_and_inputs(cfg, data, 1)
-    if not isinstance(model, nn.Sequential):
-        raise ConfigError(
-            f"the planner prices models that are an nn.Sequential of blocks; "
-            f"{type(model).__name__} is not: choose parallel= by hand"
-        )
-    outputs, value = [], inputs
-    with torch.no_grad():
-        for block in model:
-            value = block(value)
-            outputs.append(sum(leaf.nbytes for leaf in tree_leaves(value) if torch.is_tensor(leaf)))
+    with torch.no_grad(), shapes_only():
+        outputs = Segments(model).outputs(inputs)
     return ModelSizes(
         block_parameter_bytes=[sum(p.nbytes for p in owned) for owned in owned_parameters(model)],
         input_bytes=inputs.nbytes,
-        block_output_bytes=outputs,
-        shared_blocks=tied_block_groups(model),
+        block_output_bytes=[
+            sum(leaf.nbytes for leaf in tree_leaves(output) if torch.is_tensor(leaf))
+            for output in outputs
+        ],
+        shared_blocks=tied_segment_groups(model),
     )
+
+
+def check_traceable(model: nn.Module, shares: list[DeviceShare]) -> None:
+    """ConfigError, in one line, where a share runs part of a model that is not an
+    nn.Sequential: the planner traces pipeline stages as runs of a Sequential's children."""
+    segments = Segments(model)
+    whole = [(0, len(segments))]
+    if not segments.sequential and any(s.stage_blocks(len(segments)) != whole for s in shares):
+        raise ConfigError(
+            "the planner prices pipeline stages of an nn.Sequential only; "
+            f"{type(model).__name__} is not one: plan a strategy without them "
+            "(single, dp, dp_criterion, ddp, fsdp, mesh, tp, fsdp_tp)"
+        )
 
 
 @dataclass(frozen=True)
@@ -161,10 +176,14 @@ def trace_share(
             model = build_model(cfg.model, data.input_shape, data.num_classes)
         settings = typed(TrainerConfig, trainer)
         prepare_blocks(model, settings.activation_checkpointing, False, settings.checkpoint_ops)
-        ranges = share.stage_blocks(len(model))
-        stages = nn.ModuleList(nn.Sequential(*list(model)[start:end]) for start, end in ranges)
+        segments = Segments(model)
+        ranges = share.stage_blocks(len(segments))  # another model's whole: `check_traceable`
+        stages = nn.ModuleList(
+            nn.Sequential(*segments.blocks[start:end]) if segments.sequential else model
+            for start, end in ranges
+        )
         optimizer = build_optimizer(cfg.optimizer, stages.parameters())
-        lasts = [end == len(model) for _, end in ranges]
+        lasts = [end == len(segments) for _, end in ranges]
         step = ShareStep(stages, share, task, lasts)
         templates = [
             stage_inputs(model, start, share.samples, sample_inputs) for start, _ in ranges
@@ -200,7 +219,9 @@ def trace_share(
         optimizer_work = WorkCounter()  # its own ops, which `work` counts too
         with WorkCounter() as work:
             training_step(optimizer_work)
-        tracker = StepMemTracker([block for stage in stages for block in stage])
+        # A Sequential runs nothing outside its blocks; another model runs its rest outside
+        # them, while FSDP holds its root unit gathered as while a block runs.
+        tracker = StepMemTracker(segments.blocks if segments.sequential else [model])
         tracker.track_external(step, optimizer)
         with tracker:
             training_step()
@@ -317,11 +338,10 @@ def shared_out(
     return device
 
 
-def stage_inputs(
-    model: nn.Sequential, start: int, samples: int, sample_inputs: torch.Tensor
-) -> Any:
+def stage_inputs(model: nn.Module, start: int, samples: int, sample_inputs: torch.Tensor) -> Any:
     """What block `start` takes for `samples` samples (fake): the data, or (before tracking
-    starts) the previous blocks' output, as a template for `fresh_inputs`."""
+    starts) the previous blocks' output (of a Sequential: `check_traceable`), as a template
+    for `fresh_inputs`."""
     inputs = sample_inputs.new_zeros(samples, *sample_inputs.shape[1:])
     if start == 0:
         return inputs

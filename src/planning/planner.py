@@ -44,6 +44,7 @@ from src.parallel.base import resolve_device_type, usable_cores
 from src.parallel.shares import ModelSizes
 from src.planning.memory_trace import (
     TracedShare,
+    check_traceable,
     device_plan,
     meta_model_and_inputs,
     model_sizes,
@@ -148,16 +149,18 @@ def plan_one(
     plan = Plan(parallel.name, parallel.devices, parallel)
     trainer = cfg.trainer
     traces = {} if traces is None else traces
+    micro_batch = trainer.batch_size // trainer.accumulate
     try:
         strategy = build_strategy(parallel, planned_device_type(cfg), trainer.precision)
-        strategy.check_batch(trainer.batch_size // trainer.accumulate)
+        strategy.check_batch(micro_batch)
         strategy.check_accumulate(trainer.accumulate)
-        strategy.check_model(*meta_model_and_inputs(cfg, data, 2))
+        model, inputs = meta_model_and_inputs(cfg, data, 2)
+        strategy.check_model(model, inputs)
+        shares = strategy.device_shares(sizes, micro_batch)
+        check_traceable(model, shares)
     except ConfigError as error:
         plan.problem = str(error)
         return plan
-    micro_batch = trainer.batch_size // trainer.accumulate
-    shares = strategy.device_shares(sizes, micro_batch)
     eval_batch = min(typed(TrainerConfig, trainer).eval_batch, len(data.val))  # the largest
     eval_shares = strategy.device_shares(sizes, eval_batch)
     for share, eval_share in zip(shares, eval_shares, strict=True):
