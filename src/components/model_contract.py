@@ -70,7 +70,7 @@ def model_arguments(
     model_cfg: DictConfig | dict, input_shape: Sequence[int], num_classes: int
 ) -> dict:
     """The keyword arguments `model._target_` is called with: its config's settings, and the
-    data's `input_shape` and `num_classes` where it names them. A setting it does not take is a
+    data's `input_shape` and `num_classes` where it names them or takes any (`**kwargs`). A setting it does not take is a
     ConfigError naming it."""
     target = model_target(model_cfg)
     plain = OmegaConf.to_container(model_cfg) if isinstance(model_cfg, DictConfig) else model_cfg
@@ -84,8 +84,8 @@ def model_arguments(
                 f"{', '.join(sorted(taken)) or 'no settings'}"
             )
     data = {"input_shape": tuple(input_shape), "num_classes": num_classes}
-    named = inspect.signature(target).parameters  # not through **kwargs
-    return {**{k: v for k, v in data.items() if k in named}, **settings}
+    # A constructor that takes **kwargs hands them on (a subclass's `**sizes` to its parent's).
+    return {**{k: v for k, v in data.items() if taken is None or k in taken}, **settings}
 
 
 def build_model(
