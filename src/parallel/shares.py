@@ -75,8 +75,12 @@ class DeviceShare:
     """What the strategy adds only while the model runs (forward and backward, not at the
     optimizer step), by category: FSDP's gathered units and the gradients it reduce-scatters."""
     forward_bytes: dict[str, int] = field(default_factory=dict)
-    """What the strategy adds while the model runs forward alone (evaluation), by category:
-    FSDP's gathered units."""
+    """What the strategy adds while the model runs forward alone (evaluation), by category, at
+    every block: under pp FSDP's gathered stages, ep's exchange, cp's ring."""
+    gathered_forward: tuple[tuple[int, int], ...] = ()
+    """FSDP's gathered parameters (bytes) at each block of the model in a forward pass alone,
+    beside `forward_bytes`: (as the block is entered, while it runs); empty where FSDP gathers
+    nothing block by block."""
     loss_bytes: dict[str, int] = field(default_factory=dict)
     """What the strategy adds while the task's loss runs, outside every block: under pp,
     FSDP's gathered stages (without pp FSDP has resharded the last unit by then)."""
