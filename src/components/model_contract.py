@@ -70,8 +70,8 @@ def model_arguments(
     model_cfg: DictConfig | dict, input_shape: Sequence[int], num_classes: int
 ) -> dict:
     """The keyword arguments `model._target_` is called with: its config's settings, and the
-    data's `input_shape` and `num_classes` where it names them or takes any (`**kwargs`). A setting it does not take is a
-    ConfigError naming it."""
+    data's `input_shape` and `num_classes` where it names them or takes any (`**kwargs`). A
+    setting it does not take is a ConfigError naming it."""
     target = model_target(model_cfg)
     plain = OmegaConf.to_container(model_cfg) if isinstance(model_cfg, DictConfig) else model_cfg
     settings = {k: v for k, v in plain.items() if k not in TEMPLATE_KEYS}

@@ -71,6 +71,12 @@ def sharded_scaler(device_type: str, enabled: bool, init_scale: float) -> torch.
     return ShardedGradScaler(device_type, init_scale=init_scale, enabled=enabled)
 
 
+# torch 2.14's `FSDPParamGroup.wait_for_unshard` holds the previous unit's all-gather output in a
+# local through the next unit's copy-out; 2.15 frees it first
+# (`FSDPCommContext.release_all_gather_state_for_comm_reuse`).
+OUTPUT_KEPT_THROUGH_COPY_OUT = torch.__version__ < "2.15"
+
+
 def gathered_bytes(fp32_bytes: int, precision: str) -> int:
     """Parameters of `fp32_bytes` as `mixed_precision(precision)` gathers them."""
     return fp32_bytes // 2 if precision in AUTOCAST_DTYPES else fp32_bytes
@@ -157,7 +163,7 @@ def sharded_messages(
 
 def sharded_share(
     units: list[int],
-    spans: list[bool],
+    blocks: list[list[int]],
     held: int,
     staged: bool,
     shards: int,
@@ -165,21 +171,23 @@ def sharded_share(
     device_type: str,
 ) -> dict[str, Any]:
     """What FSDP adds to the `DeviceShare` (its fields) of a rank holding `held` bytes (fp32),
-    its units' `units` in forward order (`spans`: `unit_spans`). While a block runs: under pp
-    (`staged`) all of its stages gathered (they stay so through the schedule's run, and the
-    loss's: `Mesh.wrap`), else `working_set` of its units (`forward_working_set` while one runs
-    forward alone, in evaluation). Its gradients whole between syncs outside pp
-    (`gradient_sync`). Its parameters gathered, and run, in the autocast dtype under bf16/fp16
-    (`mixed_precision`)."""
+    its units' `units` in forward order (their `blocks`: `units_in_forward_order`). While a
+    block runs: under pp (`staged`) all of its stages gathered (they stay so through the
+    schedule's run, and the loss's: `Mesh.wrap`), else `working_set` of its units
+    (`forward_working_set` at each block of a forward pass alone, in evaluation). Its gradients
+    whole between syncs outside pp (`gradient_sync`). Its parameters gathered, and run, in the
+    autocast dtype under bf16/fp16 (`mixed_precision`)."""
     if staged:
         running = {"parameters": gathered_bytes(held, precision)}
     else:
         gathered = [gathered_bytes(unit, precision) for unit in units]
+        spans = unit_spans(blocks)
         parameters, gradients = working_set(gathered, units, spans, shards, device_type)
         running = {"parameters": parameters, "gradients": gradients}
     return {
         "running_bytes": running,
-        "forward_bytes": running if staged else forward_working_set(units, spans, precision),
+        "forward_bytes": running if staged else {},
+        "gathered_forward": () if staged else forward_working_set(units, blocks, precision),
         "loss_bytes": running if staged else {},
         "unsynced_gradients_whole": not staged,
         "computes_in": AUTOCAST_DTYPES.get(precision),
@@ -205,10 +213,10 @@ def units_in_forward_order(sizes: ModelSizes) -> list[list[int]]:
     return sorted(sizes.shared_blocks, key=min)
 
 
-def unit_spans(sizes: ModelSizes) -> list[bool]:
-    """Whether each sharding unit (in forward order) holds blocks that are not neighbours (a
-    tied embedding and head)."""
-    return [max(b) - min(b) >= len(b) for b in units_in_forward_order(sizes)]
+def unit_spans(blocks: list[list[int]]) -> list[bool]:
+    """Whether each sharding unit (its `blocks`) holds blocks that are not neighbours (a tied
+    embedding and head)."""
+    return [max(b) - min(b) >= len(b) for b in blocks]
 
 
 def unit_bytes(sizes: ModelSizes) -> list[int]:
@@ -259,15 +267,32 @@ def apart(sizes: list[int], spans: list[bool]) -> list[int]:
     return [size for size, span in zip(sizes, spans, strict=True) if not span]
 
 
-def forward_working_set(units: list[int], spans: list[bool], precision: str) -> dict[str, int]:
-    """FSDP2's largest working set in a forward pass alone (evaluation: nothing to reduce), from
-    each unit's bytes (fp32, in forward order; `spans` as `working_set`'s): a unit gathered,
-    the next one gathered ahead of it, and the units that span, gathered throughout."""
+def forward_working_set(
+    units: list[int], blocks: list[list[int]], precision: str
+) -> tuple[tuple[int, int], ...]:
+    """FSDP2's gathered parameters at each block of a forward pass alone (evaluation: nothing to
+    reduce), from each unit's bytes (fp32) and blocks, in forward order: (as the block is
+    entered, while it runs). A unit is gathered as its first block is entered and resharded
+    after its last (a tied embedding and head stay gathered in between). Its parameters are
+    copied out of the all-gather's output, which FSDP2 keeps until the next unit's copy-out (to
+    overlap that unit's all-gather with this copy-out): the unit gathered last is held twice
+    while its blocks run, its output once through the blocks after them. Entering the block
+    where a unit is gathered: the previous unit's output beside its own, and on torch 2.14 its
+    copied-out parameters too (`OUTPUT_KEPT_THROUGH_COPY_OUT`). Measured on rank 0
+    (docs/planner.md): the resnet's evaluation peaks entering its last stage on 2.14, inside it
+    on 2.15."""
     gathered = [gathered_bytes(unit, precision) for unit in units]
-    spanning = sum(gathered) - sum(apart(gathered, spans))
-    gathered = apart(gathered, spans)
-    pairs = (sum(gathered[i : i + 2]) for i in range(len(gathered)))
-    return {"parameters": spanning + max(pairs, default=0)}
+    starts = {min(unit): size for unit, size in zip(blocks, gathered, strict=True)}
+    ranges = [(min(unit), max(unit), size) for unit, size in zip(blocks, gathered, strict=True)]
+    moments, output = [], 0
+    for block in range(sum(len(unit) for unit in blocks)):
+        held = sum(size for first, last, size in ranges if first <= block <= last)
+        entering = held + output
+        if block in starts:
+            entering += starts[block] if OUTPUT_KEPT_THROUGH_COPY_OUT else 0
+            output = starts[block]
+        moments.append((entering, held + output))
+    return tuple(moments)
 
 
 def sharding_units(model: nn.Module) -> list[list[nn.Module]]:

@@ -31,7 +31,6 @@ from src.parallel.fsdp import (
     sharded_messages,
     sharded_share,
     sharded_traffic,
-    unit_spans,
     units_in_forward_order,
 )
 from src.parallel.layout import Layout
@@ -154,8 +153,9 @@ class LayoutShares:
         if self.shards:
             held, units = self.kept_bytes(sizes, blocks), self.fsdp_units(sizes)
             staged, shards = self.layout.pp > 1, self.layout.fsdp_shards
+            unit_blocks = units_in_forward_order(sizes)
             share = sharded_share(
-                units, unit_spans(sizes), held, staged, shards, self.precision, self.device_type
+                units, unit_blocks, held, staged, shards, self.precision, self.device_type
             )
         copied = ep_copied_bytes(self.ep_split, self.precision)
         running = summed(

@@ -57,6 +57,10 @@ class Segments:
         rest = [p for p in self.model.parameters() if id(p) not in inside]
         return [rest, *blocks, rest]
 
+    def indexed(self) -> list[tuple[int, nn.Module]]:
+        """Each block with its segment's index."""
+        return list(enumerate(self.blocks, self.first))
+
     def index_of(self, name: str) -> int:
         """The segment of the module `name` (as `named_modules` names it): its block's, else
         the rest's first."""
@@ -69,7 +73,7 @@ class Segments:
         """Forward hooks calling `entered(segment)` as each segment starts to run: a block as it
         starts, and the rest's last as a block ends (what runs between blocks is the rest's)."""
         handles = []
-        for index, block in enumerate(self.blocks, self.first):
+        for index, block in self.indexed():
             handles.append(block.register_forward_pre_hook(lambda *_, i=index: entered(i)))
             if not self.sequential:
                 handles.append(block.register_forward_hook(lambda *_: entered(len(self) - 1)))
@@ -167,8 +171,12 @@ class DeviceShare:
     """What the strategy adds only while the model runs (forward and backward, not at the
     optimizer step), by category: FSDP's gathered units and the gradients it reduce-scatters."""
     forward_bytes: dict[str, int] = field(default_factory=dict)
-    """What the strategy adds while the model runs forward alone (evaluation), by category:
-    FSDP's gathered units."""
+    """What the strategy adds while the model runs forward alone (evaluation), by category, at
+    every block: under pp FSDP's gathered stages, ep's exchange, cp's ring."""
+    gathered_forward: tuple[tuple[int, int], ...] = ()
+    """FSDP's gathered parameters (bytes) at each block of the model in a forward pass alone,
+    beside `forward_bytes`: (as the block is entered, while it runs); empty where FSDP gathers
+    nothing block by block."""
     loss_bytes: dict[str, int] = field(default_factory=dict)
     """What the strategy adds while the task's loss runs, outside every block: under pp,
     FSDP's gathered stages (without pp FSDP has resharded the last unit by then)."""

@@ -54,33 +54,45 @@ TRACKED_AS = {
 # The moments of a step whose peaks the planner compares: while a block runs (forward or
 # backward; what a strategy holds then, such as FSDP's gathered units, is added to this one),
 # while the task's loss runs outside every block (FSDP has resharded the last unit by then),
-# and the rest (the optimizer step).
-RUNNING, LOSS, STEPPING = "running", "loss", "stepping"
+# and the rest (the optimizer step). An evaluation's are per block, each as it is entered too
+# (`(ENTERING, index)`, `(RUNNING, index)`): FSDP gathers different units at each.
+RUNNING, ENTERING, LOSS, STEPPING = "running", "entering", "loss", "stepping"
 
 
 class StepMemTracker(MemTracker):
     """`MemTracker` for whole training steps: the model may run several times per step
     (accumulation micro-steps), which MemTracker refuses for a root module. Its per-module
     statistics are dropped at each new forward pass of the root; the peak of the one device
-    traced is kept, and apart for the moments `RUNNING` (inside one of `blocks`), `LOSS` and
-    `STEPPING` (`phase_peaks`)."""
+    traced is kept, and apart for the moments `RUNNING` (inside one of `blocks`, each the
+    model's block of its index), `LOSS` and `STEPPING` (`phase_peaks`); `by_block`: for each
+    block apart, entered and running (an evaluation's)."""
 
-    def __init__(self, blocks: list[nn.Module]) -> None:
+    def __init__(self, blocks: dict[nn.Module, int]) -> None:
         super().__init__()
-        self.phase_peaks: dict[str, dict[Any, int]] = {}
-        self.blocks = set(blocks)
-        self.block_names: set[str] = set()  # as the module tracker names them, once they ran
+        self.phase_peaks: dict[Any, dict[Any, int]] = {}
+        self.blocks = blocks
+        self.block_indices: dict[str, int] = {}  # by the module tracker's names, once they ran
+        self.by_block = False
 
     def _update_peak_stats(self, peak_state: _State) -> None:
         super()._update_peak_stats(peak_state)
         tracker = self._mod_tracker
         if self._in_opt or not (tracker.is_bw or len(tracker.parents) > 1):  # only Global
-            phase = STEPPING
-        else:
-            phase = RUNNING if self.block_names.intersection(tracker.parents) else LOSS
+            self.keep_peak(STEPPING)
+            return
+        running = [
+            self.block_indices[name] for name in tracker.parents if name in self.block_indices
+        ]
+        if not running:
+            self.keep_peak(LOSS)
+        else:  # inside a block of a model that is no Sequential: the block's, not the model's
+            self.keep_peak((RUNNING, max(running)) if self.by_block else RUNNING)
+
+    def keep_peak(self, moment: Any) -> None:
+        """The memory now, as `moment`'s peak if it is the highest yet."""
         for snapshot in self._curr_mem_snap.values():
-            if snapshot[_TOTAL_KEY] > self.phase_peaks.get(phase, {}).get(_TOTAL_KEY, -1):
-                self.phase_peaks[phase] = dict(snapshot)
+            if snapshot[_TOTAL_KEY] > self.phase_peaks.get(moment, {}).get(_TOTAL_KEY, -1):
+                self.phase_peaks[moment] = dict(snapshot)
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
         tracker = self._mod_tracker
@@ -88,7 +100,9 @@ class StepMemTracker(MemTracker):
         if root and module in self.memory_tracking and not tracker.is_bw:
             self.reset_mod_stats()
         if module in self.blocks:
-            self.block_names.add(tracker.get_known_fqn(module))
+            self.block_indices[tracker.get_known_fqn(module)] = self.blocks[module]
+            if self.by_block:
+                self.keep_peak((ENTERING, self.blocks[module]))
         super()._pre_fw_hook(module, inputs)
 
 
@@ -134,14 +148,15 @@ def check_traceable(model: nn.Module, shares: list[DeviceShare]) -> None:
 @dataclass(frozen=True)
 class TracedShare:
     """What tracing a share found: its peaks by MemTracker's categories at each moment of a
-    training step (`RUNNING`, `LOSS`, `STEPPING`) and of one evaluation batch; its work per
-    optimizer step (`work.WorkCounter`: aten ops, FLOPs by size, bytes moved), of those ops
-    the optimizer's, and its micro-steps per optimizer step."""
+    training step (`RUNNING`, `LOSS`, `STEPPING`) and of one evaluation batch (each block's
+    apart: `StepMemTracker.by_block`); its work per optimizer step (`work.WorkCounter`: aten
+    ops, FLOPs by size, bytes moved), of those ops the optimizer's, and its micro-steps per
+    optimizer step."""
 
     peaks: dict[str, dict[Any, int]]
     work: WorkCounter
     optimizer_ops: int
-    evaluation: dict[str, dict[Any, int]]
+    evaluation: dict[Any, dict[Any, int]]
     micro_steps: int = 1
 
 
@@ -220,13 +235,20 @@ def trace_share(
         with WorkCounter() as work:
             training_step(optimizer_work)
         # A Sequential runs nothing outside its blocks; another model runs its rest outside
-        # them, while FSDP holds its root unit gathered as while a block runs.
-        tracker = StepMemTracker(segments.blocks if segments.sequential else [model])
+        # them (its segment 0: FSDP's root unit), inside the model as a whole.
+        if segments.sequential:
+            blocks = zip(stages, ranges, strict=True)
+            indices = {
+                block: start + i for stage, (start, _) in blocks for i, block in enumerate(stage)
+            }
+        else:
+            indices = {model: 0, **{block: index for index, block in segments.indexed()}}
+        tracker = StepMemTracker(indices)
         tracker.track_external(step, optimizer)
         with tracker:
             training_step()
         peaks = phase_peaks(tracker)
-        tracker.phase_peaks = {}
+        tracker.phase_peaks, tracker.by_block = {}, True
         with tracker:  # entered again: its peak starts again from what is alive
             evaluation_batch()
         evaluation = phase_peaks(tracker)
@@ -246,7 +268,7 @@ def built_in(dtype: torch.dtype | None) -> Iterator[None]:
         torch.set_default_dtype(before)
 
 
-def phase_peaks(tracker: StepMemTracker) -> dict[str, dict[Any, int]]:
+def phase_peaks(tracker: StepMemTracker) -> dict[Any, dict[Any, int]]:
     """The tracker's peak at each moment; where MemTracker's internals recorded none (another
     torch's), its whole peak, taken as the model's: what the strategy holds while it runs is
     added to it."""
@@ -284,16 +306,34 @@ def device_plan(
 
 
 def evaluation_peak(
-    peaks: dict[str, dict[Any, int]], share: DeviceShare, offloaded: bool = False
+    peaks: dict[Any, dict[Any, int]], share: DeviceShare, offloaded: bool = False
 ) -> int:
     """The highest of a traced evaluation's moments' peaks (by MemTracker's categories) shared
-    out as `share`'s device, with what the strategy adds while a block runs forward alone
-    (`share.forward_bytes`) or while the loss runs (`share.loss_bytes`)."""
-    added = {RUNNING: share.forward_bytes, LOSS: share.loss_bytes}
+    out as `share`'s device, each with what the strategy holds at that moment
+    (`forward_added`)."""
     return max(
-        shared_out(in_categories(peak, share), share, added.get(phase, {}), False, offloaded).peak
-        for phase, peak in peaks.items()
+        shared_out(
+            in_categories(peak, share), share, forward_added(share, moment), False, offloaded
+        ).peak
+        for moment, peak in peaks.items()
     )
+
+
+def forward_added(share: DeviceShare, moment: Any) -> dict[str, int]:
+    """What `share`'s strategy adds at a `moment` of a forward pass alone: while the loss runs
+    `share.loss_bytes`; as a block is entered or runs (`(ENTERING | RUNNING, index)`)
+    `share.forward_bytes` and FSDP's units gathered then (`share.gathered_forward`)."""
+    if moment == LOSS:
+        return share.loss_bytes
+    if moment == STEPPING:
+        return {}
+    gathered = share.gathered_forward
+    if moment == RUNNING:  # a trace without blocks' moments (`phase_peaks`): the most at any
+        held = max((max(pair) for pair in gathered), default=0)
+    else:
+        phase, block = moment
+        held = gathered[block][phase == RUNNING] if gathered else 0  # (entering, running)
+    return {**share.forward_bytes, "parameters": share.forward_bytes.get("parameters", 0) + held}
 
 
 def in_categories(peak: dict[Any, int], share: DeviceShare) -> DevicePlan:
