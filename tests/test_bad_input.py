@@ -104,14 +104,6 @@ ROWS = [
         id="traced-pipeline-of-too-few-blocks",
     ),
     pytest.param(
-        ["model=hf_causal_lm", "data.seq_len=8", "data.vocab_size=16", "parallel=pp"],
-        CHECK,
-        "parallel.pp: torch's pipeline tracer cannot cut LlamaForCausalLM before model.layers.1: "
-        "Expected positional argument for parameter unsqueeze_default, but one was not passed "
-        "in!; choose a strategy without pipeline stages (single, dp, ddp, fsdp, tp, fsdp_tp)",
-        id="traced-pipeline-of-a-llama",
-    ),
-    pytest.param(
         [
             f"model._target_={ODD}.LoopMLP",
             "+model.width=8",
