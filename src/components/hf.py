@@ -26,7 +26,8 @@ def transformers_module() -> Any:
         import transformers
     except ImportError:
         raise ConfigError(
-            "model=hf_causal_lm needs Hugging Face transformers: pip install transformers"
+            "model=hf_causal_lm and model=hf_image_classifier need Hugging Face transformers: "
+            "pip install transformers"
         ) from None
     transformers.logging.set_verbosity_error()  # its notes on random weights and unused keys
     return transformers

@@ -3,8 +3,8 @@
 found here, in one place:
 
 - its settings: the keys its config gives, `input_shape` and `num_classes` (the data's) only
-  where its constructor names them, and none of another option's keys (`model=mlp
-  model._target_=mine.Net` does not hand `Net` the MLP's `hidden`);
+  where its constructor names them (or takes `**kwargs`), and none of another option's keys
+  (`model=mlp model._target_=mine.Net` does not hand `Net` the MLP's `hidden`);
 - its blocks (`model_blocks`): the repeated modules that fsdp shards one by one, activation
   checkpointing and torch.compile prepare one by one, and pipelines cut between (parallel=pp
   any model's, by torch's tracer; the in-process stage cut an nn.Sequential's only). The
@@ -67,12 +67,11 @@ def settle_model_settings(cfg: DictConfig) -> None:
 
 
 def model_arguments(
-    model_cfg: DictConfig | dict, input_shape: Sequence[int], num_classes: int
+    model_cfg: DictConfig | dict, target: Any, input_shape: Sequence[int], num_classes: int
 ) -> dict:
-    """The keyword arguments `model._target_` is called with: its config's settings, and the
-    data's `input_shape` and `num_classes` where it names them or takes any (`**kwargs`). A
-    setting it does not take is a ConfigError naming it."""
-    target = model_target(model_cfg)
+    """The keyword arguments `target` (`model._target_`'s) is called with: its config's
+    settings, and the data's `input_shape` and `num_classes` where it names them or takes any
+    (`**kwargs`). A setting it does not take is a ConfigError naming it."""
     plain = OmegaConf.to_container(model_cfg) if isinstance(model_cfg, DictConfig) else model_cfg
     settings = {k: v for k, v in plain.items() if k not in TEMPLATE_KEYS}
     taken = parameter_names(target)
@@ -92,7 +91,8 @@ def build_model(
     model_cfg: DictConfig | dict, input_shape: Sequence[int], num_classes: int
 ) -> nn.Module:
     """`model_cfg`'s model for data of `input_shape` and `num_classes`, its blocks declared."""
-    model = model_target(model_cfg)(**model_arguments(model_cfg, input_shape, num_classes))
+    target = model_target(model_cfg)
+    model = target(**model_arguments(model_cfg, target, input_shape, num_classes))
     declare_blocks(model, model_cfg.get("blocks"))
     return model
 
@@ -134,7 +134,7 @@ def longest_same_class_run(container: nn.Module) -> list[str]:
 def named_blocks(model: nn.Module, named: str | Sequence[str]) -> list[str]:
     """`model.blocks`: a module's path (its children are the blocks) or a list of class names
     (their outermost instances are)."""
-    if isinstance(named, str) and "." in named or isinstance(named, str) and hasattr(model, named):
+    if isinstance(named, str) and ("." in named or hasattr(model, named)):
         try:
             container = model.get_submodule(named)
         except AttributeError:
