@@ -6,8 +6,8 @@ found here, in one place:
   where its constructor names them (or takes `**kwargs`), and none of another option's keys
   (`model=mlp model._target_=mine.Net` does not hand `Net` the MLP's `hidden`);
 - its blocks (`model_blocks`): the repeated modules that fsdp shards one by one, activation
-  checkpointing and torch.compile prepare one by one, and pipelines cut between (parallel=pp
-  any model's, by torch's tracer; the in-process stage cut an nn.Sequential's only). The
+  checkpointing and torch.compile prepare one by one, and pipelines cut between (any model
+  but an nn.Sequential by torch's tracer: `src/parallel/pipeline_cut.py`). The
   members of `model.blocks` (a module's path, or class names); else an `nn.Sequential`'s
   children; else the runs of same-class members of the `ModuleList`s / `ModuleDict`s /
   `nn.Sequential`s inside the model, of the class with the most such members.
@@ -169,15 +169,3 @@ def block_names(model: nn.Module) -> list[str]:
 def blocks_of(model: nn.Module) -> list[nn.Module]:
     """`model`'s blocks (`block_names`), the modules themselves."""
     return [model.get_submodule(name) for name in block_names(model)]
-
-
-def check_cuttable(model: nn.Module, setting: str) -> None:
-    """The in-process stage cut (model_parallel, hybrid) cuts the model between the children of
-    an `nn.Sequential`: ConfigError, in one line, for another model (which parallel=pp traces:
-    `src/parallel/pipeline_cut.py`)."""
-    if not isinstance(model, nn.Sequential):
-        raise ConfigError(
-            f"{setting} cuts a model into stages between the blocks of an nn.Sequential; "
-            f"{type(model).__name__} is not one: choose a strategy without pipeline stages "
-            "(single, dp, ddp, fsdp, tp, fsdp_tp), or parallel=pp, which traces it"
-        )

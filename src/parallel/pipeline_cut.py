@@ -1,5 +1,7 @@
-"""Where a pipeline over processes cuts a model, in one place: `cut_model` gives the stages' modules
-and the stage that holds each parameter and buffer name, whatever the model.
+"""Where a pipeline cuts a model, in one place: `cut_at` gives the stages' modules and the stage
+that holds each parameter and buffer name, whatever the model; for stages over processes
+(parallel.pp) `cut_model` also picks the split points, and for those on one process's devices
+(model_parallel, hybrid) `src/parallel/stage_cut.py` does.
 
 An `nn.Sequential` is cut between its children: each stage an `nn.Sequential` of the model's own
 blocks (tensor parallel and FSDP, which replace parameters on the modules, reach them). Any other
@@ -11,7 +13,7 @@ micro-batch shape they run (training's, each evaluation batch size's). They are 
 of the model on the meta device, so a model with its blocks anywhere (some on the meta device, as
 a pp rank holds those of others) traces alike.
 
-The split is balanced by the blocks' parameter counts (the cutter model_parallel uses).
+`cut_model`'s split is balanced by the blocks' parameter counts (as the stage cut's is).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import copy
 import functools
 import itertools
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -58,11 +60,11 @@ def state_names(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def cut_model(model: nn.Module, stages: int, example: Tree, device: torch.device = META) -> Cut:
-    """`model` cut into `stages` stages, balanced by its blocks' parameter counts; `example`:
-    a micro-batch of inputs (meta); `device`: where traced stages will run. ConfigError, in one
-    line, where it cannot be cut: fewer blocks than stages, a parameter shared across stages
-    (each stage is another process: the tie would be broken), or a model torch's tracer cannot
-    cut into stages that run."""
+    """`model` cut into `stages` stages over processes (parallel.pp), balanced by its blocks'
+    parameter counts; `example`: a micro-batch of inputs (meta); `device`: where traced stages
+    will run. ConfigError, in one line, where it cannot be cut: fewer blocks than stages, a
+    parameter shared across stages (each stage is another process: the tie would be broken),
+    or a model torch's tracer cannot cut into stages that run."""
     blocks = list(model) if isinstance(model, nn.Sequential) else blocks_of(model)
     if len(blocks) < stages:
         raise ConfigError(
@@ -70,22 +72,47 @@ def cut_model(model: nn.Module, stages: int, example: Tree, device: torch.device
             f"{len(blocks)} blocks; lower them"
         )
     points = balanced_split_points([parameter_count(block) for block in blocks], stages)
-    bounds = [0, *points, len(blocks)]
-    stage_of_block = {b: s for s in range(stages) for b in range(bounds[s], bounds[s + 1])}
+    stage_of_block = block_stages(points, len(blocks))
     for group in tied_block_groups(model):
         if len({stage_of_block[block] for block in group}) > 1:
             raise ConfigError(
                 f"blocks {group} share a parameter but fall on different pipeline stages (other "
                 "processes), which would untie it; set model.tie_weights=false"
             )
+    return cut_at(model, points, example, [device] * stages, "parallel.pp")
+
+
+def cut_at(
+    model: nn.Module,
+    points: list[int],
+    example: Tree,
+    devices: Sequence[torch.device],
+    setting: str,
+) -> Cut:
+    """`model` cut before its blocks `points`, stage i to run on `devices[i]` (where a traced
+    stage's graph makes tensors); `example`: a micro-batch of inputs (meta); `setting`: the
+    setting that asks for the stages, for messages. ConfigError, in one line, where torch's
+    tracer cannot cut it into stages that run, or a tensor would be used on two stages."""
     if isinstance(model, nn.Sequential):
-        parts = [nn.Sequential(*blocks[bounds[s] : bounds[s + 1]]) for s in range(stages)]
+        parts = [
+            nn.Sequential(*model[a:b]) for a, b in itertools.pairwise([0, *points, len(model)])
+        ]
+        stage_of_block = block_stages(points, len(model))
         stage_of = {name: stage_of_block[int(name.split(".")[0])] for name, _ in state_names(model)}
         return Cut(points, stage_of, lambda _: parts, shares_modules=True)
     names = block_names(model)
-    traced = functools.partial(traced_stages, model, [names[point] for point in points], device)
-    stage_of = traced_owners(model, traced(example))
+    starts = [names[point] for point in points]
+    traced = functools.partial(traced_stages, model, starts, list(devices), setting)
+    stage_of = traced_owners(model, traced(example), setting)
     return Cut(points, stage_of, remembered_by_shape(traced), shares_modules=False)
+
+
+def block_stages(points: list[int], blocks: int) -> dict[int, int]:
+    """The stage of each of `blocks` blocks, the stages starting at blocks `points`."""
+    bounds = [0, *points, blocks]
+    return {
+        b: s for s, (start, end) in enumerate(itertools.pairwise(bounds)) for b in range(start, end)
+    }
 
 
 def remembered_by_shape(
@@ -104,17 +131,21 @@ def remembered_by_shape(
 
 
 def traced_stages(
-    model: nn.Module, starts: list[str], device: torch.device, example: Tree
+    model: nn.Module,
+    starts: list[str],
+    devices: list[torch.device],
+    setting: str,
+    example: Tree,
 ) -> list[nn.Module]:
     """`model` cut by torch's tracer before the blocks named `starts`, fed `example` (meta):
     traced on a meta copy and run there once, then each stage's parameters and buffers bound to
-    `model`'s own, and its graph moved to `device`. ConfigError where the tracer fails or its
-    stages do not run in a chain."""
+    `model`'s own, and stage i's graph moved to `devices[i]`. ConfigError (naming `setting`)
+    where the tracer fails or its stages do not run in a chain."""
     with torch.no_grad():
         memo = {id(tensor): meta_like(tensor) for _, tensor in state_names(model)}
     shell = copy.deepcopy(model, memo)
     name = type(model).__name__
-    where = f"parallel.pp: torch's pipeline tracer cannot cut {name} before {', '.join(starts)}"
+    where = f"{setting}: torch's pipeline tracer cannot cut {name} before {', '.join(starts)}"
     args = (example,)  # the model's forward takes the inputs as one argument
     try:
         split_spec = dict.fromkeys(starts, SplitPoint.BEGINNING)
@@ -127,7 +158,7 @@ def traced_stages(
     except Exception as error:  # noqa: BLE001 - torch.export's and the graph's, of any kind
         raise ConfigError(f"{where}: {first_line(error)}; {RUNS_WITHOUT_CUT}") from None
     check_handed_on(pipe.split_gm.graph, where)
-    for stage in stages:
+    for stage, device in zip(stages, devices, strict=True):
         bind(stage, model)
         retarget(stage, device)
     return stages
@@ -188,9 +219,10 @@ def check_handed_on(graph: torch.fx.Graph, where: str) -> None:
             )
 
 
-def traced_owners(model: nn.Module, stages: list[nn.Module]) -> dict[str, int]:
+def traced_owners(model: nn.Module, stages: list[nn.Module], setting: str) -> dict[str, int]:
     """The stage of each of `model`'s parameter and buffer names (stage 0 for one no stage
-    uses); ConfigError where two stages share a tensor (other processes: it would be untied)."""
+    uses); ConfigError (naming `setting`) where two stages share a tensor (on other processes
+    or devices: it would be untied)."""
     stage_of_tensor: dict[int, int] = {}
     for stage, module in enumerate(stages):
         for _, tensor in state_names(module):
@@ -198,8 +230,8 @@ def traced_owners(model: nn.Module, stages: list[nn.Module]) -> dict[str, int]:
             if first != stage:
                 shared = [name for name, t in state_names(model) if t is tensor]
                 raise ConfigError(
-                    f"parallel.pp: {' and '.join(shared)} are one tensor used on pipeline stages "
-                    f"{first} and {stage} (other processes), which would untie it; set "
+                    f"{setting}: {' and '.join(shared)} are one tensor used on pipeline stages "
+                    f"{first} and {stage} (other processes or devices), which would untie it; set "
                     "model.tie_weights=false (tie_word_embeddings for transformers), or "
                     f"{RUNS_WITHOUT_CUT}"
                 )
@@ -212,16 +244,17 @@ def meta_like(tensor: torch.Tensor) -> torch.Tensor:
     return nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
 
 
-def place(model: nn.Module, kept: Callable[[str], bool], device: torch.device) -> None:
-    """Each parameter and buffer of `model` to `device` where `kept(name)`, else to the meta
-    device (shapes, no memory). The kept stay the same tensors (`.data` moves them), so that
-    stages bound to them before see them moved."""
+def place(model: nn.Module, device_of: Callable[[str], torch.device]) -> None:
+    """Each parameter and buffer of `model` to `device_of(name)`: a device of memory, or the
+    meta device (shapes, no memory). Those moved to memory stay the same tensors (`.data`
+    moves them), so that stages bound to them before see them moved."""
     with torch.no_grad():
         for name, tensor in state_names(model):
-            moved = tensor.to(device if kept(name) else torch.device("meta"))
+            device = device_of(name)
+            moved = tensor.to(device)
             if moved is tensor:
                 continue
-            if kept(name):
+            if device != META:
                 tensor.data = moved
             else:  # a new tensor: the meta device's cannot take another's data
                 owner, _, key = name.rpartition(".")

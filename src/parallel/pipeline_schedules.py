@@ -37,7 +37,7 @@ from torch.distributed.pipelining.schedules import (
 from src.components.batches import Tree, batch_size, meta_resized
 from src.config.base import ConfigError
 from src.parallel.mechanisms.stage_pipeline import boundary_bytes
-from src.parallel.pipeline_cut import cut_model, place
+from src.parallel.pipeline_cut import META, cut_model, place
 from src.parallel.shares import Messages, ModelSizes
 from src.runtime.torch_private import pipeline_warmup_skips_own_rank
 
@@ -149,7 +149,7 @@ def stage_parts(
     cut = cut_model(model, pp * stages_per_rank, example, device)
     ranks = stage_ranks(schedule, pp, stages_per_rank)
     owner = {name: ranks[stage] for name, stage in cut.stage_of.items()}
-    place(model, lambda name: owner[name] == pp_rank, device)
+    place(model, lambda name: device if owner[name] == pp_rank else META)
 
     def mine(batch: Tree) -> dict[int, nn.Module]:
         return {s: module for s, module in enumerate(cut.modules(batch)) if ranks[s] == pp_rank}

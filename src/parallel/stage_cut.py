@@ -13,8 +13,8 @@ from typing import Any
 
 from torch import nn
 
-from src.components.batches import Tree
-from src.components.model_contract import check_cuttable
+from src.components.batches import Tree, meta_resized
+from src.components.model_contract import blocks_of
 from src.config.parallel import StagesConfig
 from src.parallel.base import ConfigError
 from src.parallel.mechanisms.deferred_batchnorm import defer_batchnorm
@@ -30,6 +30,7 @@ from src.parallel.mechanisms.stage_pipeline import (
     stage_shares,
     unmovable_boundaries,
 )
+from src.parallel.pipeline_cut import META, Cut, cut_at, place
 from src.parallel.shares import DeviceShare, ModelSizes
 
 
@@ -42,6 +43,8 @@ class StageCut:
         self.check_split_points(cfg.split_points)
         self.split_points = cfg.split_points  # until `plan` has looked at the model
         self.layout: dict[str, Any] = {}
+        self.microbatch_samples = 1  # the largest micro-batch's (`check_samples`)
+        self.example: Tree = None  # a micro-batch of inputs (meta), to trace stages with (`plan`)
 
     def check_samples(self, samples: int, batch: str) -> None:
         """ConfigError when `samples` (what one pipeline gets per micro-step, described by
@@ -51,12 +54,32 @@ class StageCut:
                 f"{batch} is {samples} samples, too few for parallel.microbatches="
                 f"{self.cfg.microbatches}; lower parallel.microbatches or raise trainer.batch_size"
             )
+        self.microbatch_samples = -(-samples // self.cfg.microbatches)  # tensor_split's first
 
-    def plan(self, model: nn.Sequential, inputs: Tree, device_type: str) -> None:
-        """Settle the split points on `model` (meta) fed `inputs` (meta)."""
-        check_cuttable(model, self.stages_setting)
-        self.split_points = self.plan_split_points(model, inputs)
-        check_tied_parameters(model, self.split_points, device_type)
+    def plan(self, model: nn.Module, inputs: Tree, device_type: str) -> None:
+        """Settle the split points on `model` (meta) fed `inputs` (meta). An nn.Sequential is
+        cut between its children; any other model before its blocks by torch's tracer
+        (`pipeline_cut.cut_at`, as parallel.pp cuts it), tried here so that a model it cannot
+        cut is refused before any work."""
+        self.example = meta_resized(inputs, self.microbatch_samples)
+        if isinstance(model, nn.Sequential):
+            self.split_points = self.plan_split_points(
+                list(model), unmovable_boundaries(model, inputs)
+            )
+            check_tied_parameters(model, self.split_points, device_type)
+            return
+        if self.cfg.deferred_batchnorm:
+            raise ConfigError(
+                "parallel.deferred_batchnorm defers the BatchNorms of an nn.Sequential's blocks "
+                f"only; {type(model).__name__} is cut by torch's tracer, whose stages cannot "
+                "defer them: set parallel.deferred_batchnorm=false"
+            )
+        self.split_points = self.plan_split_points(blocks_of(model), {})
+        self.cut(model, [META] * self.stages)
+
+    def cut(self, model: nn.Module, devices: list) -> Cut:
+        """`model` (not an nn.Sequential) cut at the split points, stage i on `devices[i]`."""
+        return cut_at(model, self.split_points, self.example, devices, self.stages_setting)
 
     def check_split_points(
         self, split_points: Sequence[int] | None, blocks: int | None = None
@@ -87,13 +110,13 @@ class StageCut:
                 f"(index {blocks - 1}); every stage needs at least one block"
             )
 
-    def plan_split_points(self, model: nn.Sequential, inputs: Tree) -> list[int]:
-        """Where stages 1.. start for `model` (built on the meta device) fed `inputs` (meta):
-        `parallel.split_points` when given, else the split balanced by parameter count. Raises
-        ConfigError when a stage would start at a block whose input cannot change devices."""
+    def plan_split_points(self, blocks: list[nn.Module], unmovable: dict[int, Any]) -> list[int]:
+        """Where stages 1.. start for a model of `blocks` (built on the meta device), none where
+        the block before returns what cannot change devices (`unmovable`: block index: that
+        value): `parallel.split_points` when given, else the split balanced by parameter count.
+        Raises ConfigError when a stage would start at a block in `unmovable`."""
         split_points = self.cfg.split_points
-        self.check_split_points(split_points, blocks=len(model))
-        unmovable = unmovable_boundaries(model, inputs)
+        self.check_split_points(split_points, blocks=len(blocks))
         if split_points is not None:
             for point in (point for point in split_points if point in unmovable):
                 raise ConfigError(
@@ -104,8 +127,8 @@ class StageCut:
                     "parallel.split_points unset"
                 )
             return list(split_points)
-        cuttable = set(range(1, len(model))) - unmovable.keys()
-        points = balanced_split_points([parameter_count(b) for b in model], self.stages, cuttable)
+        cuttable = set(range(1, len(blocks))) - unmovable.keys()
+        points = balanced_split_points([parameter_count(b) for b in blocks], self.stages, cuttable)
         if points is None:
             blocked = ", ".join(
                 f"block {point} (block {point - 1} returns {describe_value(value)})"
@@ -113,7 +136,7 @@ class StageCut:
             )
             raise ConfigError(
                 f"{self.stages_setting}={self.stages} stages need {self.stages - 1} block "
-                f"boundaries to cut at, but only {len(cuttable)} of the model's {len(model) - 1} "
+                f"boundaries to cut at, but only {len(cuttable)} of the model's {len(blocks) - 1} "
                 f"pass tensors (no stage can start at {blocked}); lower {self.stages_setting}"
             )
         return points
@@ -122,7 +145,11 @@ class StageCut:
         """`model` cut into stages on `devices`, its layout logged and kept for `report`."""
         if self.cfg.deferred_batchnorm:
             model = defer_batchnorm(model, self.cfg.microbatches)
-        pipeline = Pipeline(model, devices, self.cfg.microbatches, self.split_points)
+        cut = None
+        if not isinstance(model, nn.Sequential):
+            cut = self.cut(model, devices)
+            place(model, lambda name: devices[cut.stage_of[name]])
+        pipeline = Pipeline(model, devices, self.cfg.microbatches, self.split_points, cut)
         self.layout = pipeline.describe()
         log_layout(self.layout)
         return pipeline

@@ -1,7 +1,9 @@
 """A block stack cut into stages on their own devices, run over micro-batches in GPipe order.
 
-`Pipeline` wraps a plain `nn.Sequential` without copying it: each stage is a slice that shares
-the original blocks, so the parameters and state_dict keys stay those of `single`. Its forward
+`Pipeline` wraps a model without copying it, so the parameters and state_dict keys stay those
+of `single`: each stage of an `nn.Sequential` is a slice that shares the original blocks; any
+other model's are torch's traced stages, bound to its tensors (`src/parallel/pipeline_cut.py`,
+the cut parallel.pp makes too). Its forward
 takes the targets and the loss function too, so that the loss is computed on the last stage
 where the outputs are; `model_parallel` calls it directly and `hybrid` wraps it in DDP
 (`device_ids=None`), which passes the arguments through.
@@ -19,15 +21,18 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Collection, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from src.components.batches import Tree, batch_size, move, split
+from src.components.batches import Tree, batch_size, meta_resized, move, split
 from src.parallel.base import ConfigError, LossFn
 from src.parallel.shares import DeviceShare, ModelSizes
+
+if TYPE_CHECKING:  # pipeline_cut imports this module
+    from src.parallel.pipeline_cut import Cut
 
 log = logging.getLogger(__name__)
 
@@ -148,16 +153,32 @@ def parameter_count(module: nn.Module) -> int:
 
 class Pipeline(nn.Module):
     """`model` cut at `split_points` (balanced by parameter count when None), stage i on
-    `devices[i]`; forward returns the sum of `fn` over `microbatches` micro-batches."""
+    `devices[i]`; forward returns the sum of `fn` over `microbatches` micro-batches. An
+    nn.Sequential is cut here, into slices of its own blocks; any other model comes with its
+    `cut` (`pipeline_cut.cut_at`: stages traced by torch for each micro-batch shape, sharing the
+    model's tensors, which are on their stages' devices already)."""
 
     def __init__(
         self,
-        model: nn.Sequential,
+        model: nn.Module,
         devices: Sequence[torch.device],
         microbatches: int,
         split_points: Sequence[int] | None = None,
+        cut: Cut | None = None,
     ):
         super().__init__()
+        self.model = model
+        self.devices = list(devices)
+        self.microbatches = microbatches
+        self.cut = cut
+        if cut is not None:
+            self.split_points = cut.points
+            parameters = dict(model.named_parameters())
+            self.stage_parameters = [
+                sum(p.numel() for name, p in parameters.items() if cut.stage_of[name] == stage)
+                for stage in range(len(self.devices))
+            ]
+            return
         if split_points is None:  # every block boundary taken to be cuttable
             split_points = balanced_split_points([parameter_count(b) for b in model], len(devices))
         # The strategy has checked its settings (`stage_cut.py`); this guards the module's use.
@@ -166,9 +187,6 @@ class Pipeline(nn.Module):
             raise ValueError(
                 f"{len(model)} blocks cannot be cut into {len(devices)} stages at {split_points}"
             )
-        self.model = model
-        self.devices = list(devices)
-        self.microbatches = microbatches
         self.split_points = list(split_points)
         blocks = list(model)
         # A plain list, not registered: the blocks are registered once, through `self.model`.
@@ -176,6 +194,20 @@ class Pipeline(nn.Module):
             nn.Sequential(*blocks[a:b]).to(device)
             for (a, b), device in zip(itertools.pairwise(bounds), devices, strict=True)
         ]
+        self.stage_parameters = [parameter_count(stage) for stage in self.stages]
+
+    def stage_modules(self, micro_batch: Tree) -> list[nn.Module]:
+        """The stages' modules for `micro_batch`: traced ones are traced for its shape."""
+        if self.cut is None:
+            return self.stages
+        return self.cut.modules(meta_resized(micro_batch, batch_size(micro_batch)))
+
+    def run_stage(self, module: nn.Module, stage: int, value: Tree) -> Tree:
+        """`module` (stage `stage`) on `value`: a traced stage after the first takes the values
+        the stage before returned (a tuple of them) as its arguments."""
+        if self.cut is not None and stage > 0 and isinstance(value, tuple):
+            return module(*value)
+        return module(value)
 
     def forward(self, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
         # Uneven micro-batches are exact: `fn` returns sums. An eval batch smaller than M gets
@@ -183,12 +215,13 @@ class Pipeline(nn.Module):
         chunks = min(self.microbatches, batch_size(inputs))
         activations = split(move(inputs, self.devices[0]), chunks)
         micro_targets = split(move(targets, self.devices[-1]), chunks)
+        modules = [self.stage_modules(micro_batch) for micro_batch in activations]
         total = None
-        last = len(self.stages) - 1
-        for tick in gpipe_ticks(len(self.stages), chunks):
+        last = len(self.devices) - 1
+        for tick in gpipe_ticks(len(self.devices), chunks):
             for stage, micro in tick:
                 x = move(activations[micro], self.devices[stage])
-                activations[micro] = self.stages[stage](x)
+                activations[micro] = self.run_stage(modules[micro][stage], stage, x)
                 if stage == last:
                     part = fn(activations[micro], micro_targets[micro])
                     total = part if total is None else total + part
@@ -197,12 +230,12 @@ class Pipeline(nn.Module):
     def describe(self) -> dict[str, Any]:
         """The layout and schedule, for the log and summary.json."""
         return {
-            "stages": len(self.stages),
+            "stages": len(self.devices),
             "split_points": self.split_points,
-            "stage_parameters": [parameter_count(stage) for stage in self.stages],
+            "stage_parameters": self.stage_parameters,
             "stage_devices": [str(d) for d in self.devices],
             "microbatches": self.microbatches,
-            "bubble_fraction": bubble_fraction(len(self.stages), self.microbatches),
+            "bubble_fraction": bubble_fraction(len(self.devices), self.microbatches),
         }
 
 
