@@ -250,6 +250,18 @@ class LoopMLP(nn.Module):
         return self.head(hidden)
 
 
+class LongSkipLoopMLP(LoopMLP):
+    """LoopMLP whose head also takes the stem's output (a U-Net's long skip): in three pipeline
+    stages a value that passes over the middle one, which torch's stages cannot hand on."""
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        stem = self.stem(inputs.flatten(1))
+        hidden = stem
+        for layer in self.layers:
+            hidden = hidden + layer(hidden)
+        return self.head(hidden + stem)
+
+
 class SparseEmbeddingMLP(nn.Sequential):
     """Token ids through an `nn.Embedding(sparse=True)` (word2vec's, a recommender's) and
     Linear+ReLU blocks to per-token logits: its embedding's gradient is a sparse tensor, which

@@ -61,10 +61,14 @@ IMAGES = (*TRAINING_ONLY, "data.image_shape=[3,16,16]", "data.input_dim=768")
 TIMM = (*IMAGES, "model=timm")
 
 
+# model_parallel and hybrid cut it into stages traced by torch (pp's cut), in one process.
+LOOP_MLP_STRATEGIES = ("dp", "dp_criterion", "ddp", "fsdp", "mesh", "model_parallel", "hybrid")
+
+
 @pytest.mark.equivalence
-@pytest.mark.parametrize("strategy", ["dp", "dp_criterion", "ddp", "fsdp", "mesh"])
+@pytest.mark.parametrize("strategy", LOOP_MLP_STRATEGIES)
 def test_a_plain_module_with_a_module_list_trains_like_single(strategy):
-    runs = strategy_runs(*LOOP_MLP, strategies=("dp", "dp_criterion", "ddp", "fsdp", "mesh"))
+    runs = strategy_runs(*LOOP_MLP, strategies=LOOP_MLP_STRATEGIES)
     assert_same_training(runs["single"], runs[strategy])
 
 
