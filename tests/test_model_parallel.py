@@ -141,8 +141,9 @@ def test_the_automatic_split_avoids_a_boundary_that_is_not_tensors():
     assert balanced_split_points([parameter_count(b) for b in model], 2) == [2]
 
     def planned(**settings) -> list[int]:
-        strategy = build_strategy(pipeline_config(**settings), "cpu")
-        return strategy.stage_cut.plan_split_points(model, inputs)
+        stage_cut = build_strategy(pipeline_config(**settings), "cpu").stage_cut
+        stage_cut.plan(model, inputs, "cpu")
+        return stage_cut.split_points
 
     assert planned(devices=2) == [1]
     assert planned(devices=3) == [1, 3]
