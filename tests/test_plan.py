@@ -115,6 +115,11 @@ RESNET_CASES = {
         pytest.param((*TINY_LOOP, "parallel=ddp", "parallel.devices=2"), id="loop-mlp-ddp"),
         # Its stem and head in FSDP's root unit, gathered while the blocks run.
         pytest.param((*TINY_LOOP, *FSDP_2), id="loop-mlp-fsdp"),
+        # Its stages traced by torch, each micro-batch through them in turn.
+        pytest.param(
+            (*TINY_LOOP, "parallel=model_parallel", "parallel.microbatches=2"),
+            id="loop-mlp-model-parallel",
+        ),
         *[
             pytest.param(
                 (*TINY_LLAMA, f"parallel={name}", "parallel.devices=2"),
