@@ -349,16 +349,17 @@ def test_plan_py_plans_every_strategy_that_runs_and_recommends_one():
 
 
 def test_plan_py_plans_a_model_that_is_not_a_sequential_but_not_its_pipelines():
-    """LoopMLP on 4 devices: every strategy that runs it whole is planned; the pipelines are
-    refused, not the table."""
+    """LoopMLP on 4 devices: every strategy that runs it whole on a CPU is planned, hybrid's
+    two stages in each process included; the pipelines over processes are refused (and
+    model_parallel's 4 stages of its 3 blocks), not the table."""
     result = run_plan(*TINY_LOOP, "parallel.devices=4")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     (end,) = (i for i, line in enumerate(lines) if line.startswith("cannot run: "))
     rows = {line.split()[0] for line in lines[2:end] if not line.startswith(" ")}
-    assert rows == {"ddp", "dp", "dp_criterion", "fsdp", "mesh"}
+    assert rows == {"ddp", "dp", "dp_criterion", "fsdp", "mesh", "hybrid"}
     cannot = lines[end].removeprefix("cannot run: ").partition(" (")[0].split(", ")
-    assert {"pp x4", "model_parallel x4", "hybrid x4", "fsdp_tp_pp x4"} <= set(cannot)
+    assert {"pp x4", "model_parallel x4", "fsdp_tp_pp x4"} <= set(cannot)
     assert lines[-1].startswith("recommended: parallel=")
 
 

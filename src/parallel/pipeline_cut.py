@@ -94,9 +94,9 @@ def cut_at(
     setting that asks for the stages, for messages. ConfigError, in one line, where torch's
     tracer cannot cut it into stages that run, or a tensor would be used on two stages."""
     if isinstance(model, nn.Sequential):
-        parts = [
-            nn.Sequential(*model[a:b]) for a, b in itertools.pairwise([0, *points, len(model)])
-        ]
+        blocks = list(model)  # a slice of a subclass would build the subclass
+        bounds = itertools.pairwise([0, *points, len(blocks)])
+        parts = [nn.Sequential(*blocks[a:b]) for a, b in bounds]
         stage_of_block = block_stages(points, len(model))
         stage_of = {name: stage_of_block[int(name.split(".")[0])] for name, _ in state_names(model)}
         return Cut(points, stage_of, lambda _: parts, shares_modules=True)

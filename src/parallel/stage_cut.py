@@ -1,7 +1,8 @@
 """What `model_parallel` and `hybrid` compose: a model cut into stages on one process's
 devices. `StageCut` checks the pipeline's settings before any work, plans the split points on the
 meta model, builds the `Pipeline` (`mechanisms/stage_pipeline.py`) and gives the planner its
-figures. `model_parallel` is a `StageCut` on the process's `parallel.devices` devices; `hybrid`
+figures. An nn.Sequential is cut between its children; any other model by torch's tracer at its
+blocks, as parallel.pp cuts it (`pipeline_cut.cut_at`). `model_parallel` is a `StageCut` on the process's `parallel.devices` devices; `hybrid`
 (`hybrid.py`) is DDP over one on each process's `parallel.stages` devices.
 """
 
@@ -30,8 +31,8 @@ from src.parallel.mechanisms.stage_pipeline import (
     stage_shares,
     unmovable_boundaries,
 )
-from src.parallel.pipeline_cut import META, Cut, cut_at, place
-from src.parallel.shares import DeviceShare, ModelSizes
+from src.parallel.pipeline_cut import META, cut_at, place
+from src.parallel.shares import DeviceShare, ModelSizes, Segments
 
 
 class StageCut:
@@ -42,6 +43,7 @@ class StageCut:
         self.cfg, self.stages, self.stages_setting = cfg, stages, stages_setting
         self.check_split_points(cfg.split_points)
         self.split_points = cfg.split_points  # until `plan` has looked at the model
+        self.segment_points = cfg.split_points  # the same, as the planner's `Segments` count
         self.layout: dict[str, Any] = {}
         self.microbatch_samples = 1  # the largest micro-batch's (`check_samples`)
         self.example: Tree = None  # a micro-batch of inputs (meta), to trace stages with (`plan`)
@@ -62,24 +64,26 @@ class StageCut:
         (`pipeline_cut.cut_at`, as parallel.pp cuts it), tried here so that a model it cannot
         cut is refused before any work."""
         self.example = meta_resized(inputs, self.microbatch_samples)
+        self.split_points = self.settled_points(model, inputs, device_type)
+        first = Segments(model).first  # block 0's segment: after the rest's first, if any
+        self.segment_points = [point + first for point in self.split_points]
+
+    def settled_points(self, model: nn.Module, inputs: Tree, device_type: str) -> list[int]:
+        """`plan`'s split points, checked: where they cut an nn.Sequential, or where torch's
+        tracer cuts any other model."""
         if isinstance(model, nn.Sequential):
-            self.split_points = self.plan_split_points(
-                list(model), unmovable_boundaries(model, inputs)
-            )
-            check_tied_parameters(model, self.split_points, device_type)
-            return
+            points = self.plan_split_points(list(model), unmovable_boundaries(model, inputs))
+            check_tied_parameters(model, points, device_type)
+            return points
         if self.cfg.deferred_batchnorm:
             raise ConfigError(
                 "parallel.deferred_batchnorm defers the BatchNorms of an nn.Sequential's blocks "
                 f"only; {type(model).__name__} is cut by torch's tracer, whose stages cannot "
                 "defer them: set parallel.deferred_batchnorm=false"
             )
-        self.split_points = self.plan_split_points(blocks_of(model), {})
-        self.cut(model, [META] * self.stages)
-
-    def cut(self, model: nn.Module, devices: list) -> Cut:
-        """`model` (not an nn.Sequential) cut at the split points, stage i on `devices[i]`."""
-        return cut_at(model, self.split_points, self.example, devices, self.stages_setting)
+        points = self.plan_split_points(blocks_of(model), {})
+        cut_at(model, points, self.example, [META] * self.stages, self.stages_setting)
+        return points
 
     def check_split_points(
         self, split_points: Sequence[int] | None, blocks: int | None = None
@@ -146,8 +150,8 @@ class StageCut:
         if self.cfg.deferred_batchnorm:
             model = defer_batchnorm(model, self.cfg.microbatches)
         cut = None
-        if not isinstance(model, nn.Sequential):
-            cut = self.cut(model, devices)
+        if not isinstance(model, nn.Sequential):  # traced, bound to its tensors, moved here
+            cut = cut_at(model, self.split_points, self.example, devices, self.stages_setting)
             place(model, lambda name: devices[cut.stage_of[name]])
         pipeline = Pipeline(model, devices, self.cfg.microbatches, self.split_points, cut)
         self.layout = pipeline.describe()
@@ -160,11 +164,17 @@ class StageCut:
         """The stages of a pipeline fed `samples` per micro-step; with `gradient_buckets` each
         keeps a second copy of its gradients (DDP's buckets)."""
         return stage_shares(
-            device_type, self.split_points, sizes, samples, self.cfg.microbatches, gradient_buckets
+            device_type,
+            self.segment_points,
+            sizes,
+            samples,
+            self.cfg.microbatches,
+            gradient_buckets,
         )
 
     def step_traffic(self, sizes: ModelSizes, samples: int, accumulate: int) -> dict[str, int]:
-        return {"stage activations": accumulate * boundary_bytes(self.split_points, sizes, samples)}
+        traffic = boundary_bytes(self.segment_points, sizes, samples)
+        return {"stage activations": accumulate * traffic}
 
     def idle_fraction(self) -> float:
         return bubble_fraction(self.stages, self.cfg.microbatches)
