@@ -2,8 +2,9 @@
 devices. `StageCut` checks the pipeline's settings before any work, plans the split points on the
 meta model, builds the `Pipeline` (`mechanisms/stage_pipeline.py`) and gives the planner its
 figures. An nn.Sequential is cut between its children; any other model by torch's tracer at its
-blocks, as parallel.pp cuts it (`pipeline_cut.cut_at`). `model_parallel` is a `StageCut` on the process's `parallel.devices` devices; `hybrid`
-(`hybrid.py`) is DDP over one on each process's `parallel.stages` devices.
+blocks, as parallel.pp cuts it (`pipeline_cut.cut_at`). `model_parallel` is a `StageCut` on the
+process's `parallel.devices` devices; `hybrid` (`hybrid.py`) is DDP over one on each process's
+`parallel.stages` devices.
 """
 
 from __future__ import annotations
