@@ -141,6 +141,16 @@ def test_a_transformers_gpt2_trains_like_single(strategy):
 
 
 @pytest.mark.equivalence
+def test_a_transformers_gpt2_with_an_untied_head_trains_like_single_in_pipeline_stages(tmp_path):
+    """Cut at transformer.h by torch's tracer. Its head tied to the token embedding would span
+    the two stages: refused in one line that names the setting (tests/test_bad_input.py)."""
+    untied = (*GPT2, "+model.sizes.tie_word_embeddings=false")
+    run_train(*untied, *PP, run_dir=tmp_path)
+    assert summary(tmp_path)["pipeline"]["stages"] == 2
+    assert_same_training(reference_run(*untied), tmp_path)
+
+
+@pytest.mark.equivalence
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_transformers_image_classifier_trains_like_single(strategy):
     """An encoder (transformers' ViT) with task=classification."""
