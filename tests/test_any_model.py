@@ -135,10 +135,23 @@ def test_a_transformers_llama_in_pipeline_stages_trains_like_single_from_torch_2
 
 
 @pytest.mark.equivalence
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp", "fsdp_tp"])
 def test_a_transformers_gpt2_trains_like_single(strategy):
-    runs = strategy_runs(*GPT2, strategies=("ddp", "fsdp"))
+    """tp splits it by the plan the template registers (src/parallel/tp_transformers.py): its
+    Conv1D weights are [in, out], and c_attn's q, k and v columns are regrouped into whole heads
+    per rank; its checkpoints hold single's columns."""
+    runs = strategy_runs(*GPT2, strategies=("ddp", "fsdp", "tp", "fsdp_tp"))
     assert_same_training(runs["single"], runs[strategy])
+
+
+@pytest.mark.equivalence
+def test_a_transformers_gpt2_with_an_untied_head_trains_like_single_in_pipeline_stages(tmp_path):
+    """Cut at transformer.h by torch's tracer. Its head tied to the token embedding would span
+    the two stages: refused in one line that names the setting (tests/test_bad_input.py)."""
+    untied = (*GPT2, "+model.sizes.tie_word_embeddings=false")
+    run_train(*untied, *PP, run_dir=tmp_path)
+    assert summary(tmp_path)["pipeline"]["stages"] == 2
+    assert_same_training(reference_run(*untied), tmp_path)
 
 
 @pytest.mark.equivalence

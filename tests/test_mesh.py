@@ -282,8 +282,9 @@ def test_a_tp_checkpoint_is_single_s_state_dict():
         (
             ConvNet(input_shape=(1, 16, 16), num_classes=10, width=8, depth=2, hidden=16),
             {},
-            "parallel.tp=2: no tensor-parallel plan for ConvNet (plans: GPT, MLP, "
-            "ResidualFeedForward, Transformer); a model brings its own with @tensor_parallel_plan",
+            "parallel.tp=2: no tensor-parallel plan for ConvNet (plans: GPT, GPT2PreTrainedModel, "
+            "MLP, ResidualFeedForward, Transformer); a model brings its own with "
+            "@tensor_parallel_plan",
         ),
         (
             GPT(input_shape=(9,), num_classes=16, n_layer=1, n_head=3, n_embd=24),

@@ -39,6 +39,7 @@ import functools
 import logging
 import runpy
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -116,19 +117,26 @@ def dcp_places_rows() -> bool:
     return hasattr(dcp, "CheckpointableTensor")
 
 
-def rows_placed(local: torch.Tensor, rows: list[int], shape: torch.Size) -> torch.Tensor:
-    """`local`, whose row i is row `rows[i]` of a tensor of `shape`, as DCP saves and loads a
-    piece of that tensor (its `CheckpointableTensor` protocol): one chunk per run of consecutive
-    rows. A view of `local`: what DCP loads into it lands in `local`."""
+def rows_placed(
+    local: torch.Tensor, rows: list[int], shape: torch.Size, dim: int, corner: Sequence[int]
+) -> torch.Tensor:
+    """`local`, whose row i along `dim` is row `rows[i]` of a tensor of `shape` (in the other
+    dimensions it starts at `corner`, the piece's offsets), as DCP saves and loads a piece of
+    that tensor (its `CheckpointableTensor` protocol): one chunk per run of consecutive rows. A
+    view of `local`: what DCP loads into it lands in `local`."""
     view = local.detach()  # another tensor object on the same memory, to carry the attributes
     starts = [i for i in range(len(rows)) if i == 0 or rows[i] != rows[i - 1] + 1]
     ends = [*starts[1:], len(rows)]
-    rest = tuple(shape[1:])
-    zeros = (0,) * len(rest)
+
+    def at(row: int, others: Sequence[int]) -> tuple[int, ...]:
+        return tuple(row if d == dim else other for d, other in enumerate(others))
+
     view.global_shape = tuple(shape)
-    view.global_offsets = tuple((rows[start], *zeros) for start in starts)
-    view.local_offsets = tuple((start, *zeros) for start in starts)
-    view.local_sizes = tuple((end - start, *rest) for start, end in zip(starts, ends, strict=True))
+    view.global_offsets = tuple(at(rows[start], corner) for start in starts)
+    view.local_offsets = tuple(at(start, [0] * len(shape)) for start in starts)
+    view.local_sizes = tuple(
+        at(end - start, local.shape) for start, end in zip(starts, ends, strict=True)
+    )
     return view
 
 

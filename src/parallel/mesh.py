@@ -77,6 +77,7 @@ from src.parallel.mesh_shares import LayoutShares
 from src.parallel.pipeline_cut import cut_model
 from src.parallel.pipeline_schedules import PipelineRun, check_schedule, stage_parts
 from src.parallel.tensor_parallel import apply_tp, check_sequence, tp_plan
+from src.parallel.tp_registry import RowOrder
 from src.runtime.ranks import Ranks
 
 
@@ -132,7 +133,7 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
                 "parallel.cp does not run with parallel.pp > 1 yet (the pipeline's stages are "
                 "shaped for whole sequences); set parallel.cp=1 or parallel.pp=1"
             )
-        self.row_orders: dict[str, torch.Tensor] = {}
+        self.row_orders: dict[str, RowOrder] = {}
         self.run_contexts = contextlib.ExitStack()  # loss_parallel's kernels; cp's ring
         self.pipeline: PipelineRun | None = None
         self.held_bytes = 0  # of the wrapped model, for `report`

@@ -25,6 +25,7 @@ from src.parallel.fsdp import parameter_names
 from src.parallel.layout import Layout
 from src.parallel.pipeline_schedules import PipelineRun
 from src.parallel.tensor_parallel import single_layout, tp_layout
+from src.parallel.tp_registry import RowOrder
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -59,7 +60,7 @@ class SingleLayoutCheckpoints:
     layout: Layout
     shards: bool  # FSDP2 shards the model over dp_shard (set, even of one rank)
     pipeline: PipelineRun | None
-    row_orders: dict[str, torch.Tensor]
+    row_orders: dict[str, RowOrder]
     parameter_order: list[str]
     unwrap: Any  # Mesh's: the plain model
 
@@ -123,14 +124,18 @@ class SingleLayoutCheckpoints:
             return value
         if not dcp_places_rows():  # the whole tensor, every rank of its mesh alike (DCP: once)
             return single_layout(name, full_tensor(value), self.row_orders)
-        return rows_placed(value.to_local(), self.local_rows(name, value), value.shape)
+        rows, corner = self.local_rows(name, value)
+        dim = self.row_orders[name].dim
+        return rows_placed(value.to_local(), rows, value.shape, dim, corner)
 
-    def local_rows(self, name: str, value: DTensor) -> list[int]:
-        """The rows of single's tensor `name` that this rank's shard of a regrouped qkv tensor
-        holds, in the shard's order."""
+    def local_rows(self, name: str, value: DTensor) -> tuple[list[int], list[int]]:
+        """The rows (along the regrouped dimension) of single's tensor `name` that this rank's
+        shard of a regrouped qkv tensor holds, in the shard's order, and the shard's offsets in
+        single's tensor (in the other dimensions, where FSDP also shards it, its own)."""
         (chunk,) = value.__create_chunk_list__()  # where this shard lies, in regrouped rows
-        start, count = chunk.offsets[0], chunk.sizes[0]
-        return self.row_orders[name][start : start + count].tolist()
+        dim = self.row_orders[name].dim
+        start, count = chunk.offsets[dim], chunk.sizes[dim]
+        return self.row_orders[name].order[start : start + count].tolist(), list(chunk.offsets)
 
     def place_loaded(self, state: dict[str, Any], saved: dict[str, Any]) -> None:
         """Where DCP cannot place the rows itself (`dcp_places_rows`), each regrouped qkv
@@ -150,7 +155,13 @@ class SingleLayoutCheckpoints:
         for name, value, whole in read:
             if name in self.row_orders and isinstance(value, DTensor):
                 local = value.to_local()
-                local.copy_(whole[self.local_rows(name, value)].to(local.device))
+                rows, corner = self.local_rows(name, value)
+                dim = self.row_orders[name].dim
+                shard = whole.index_select(dim, torch.tensor(rows))
+                for d, (start, size) in enumerate(zip(corner, local.shape, strict=True)):
+                    if d != dim:  # FSDP's share of the other dimensions
+                        shard = shard.narrow(d, start, size)
+                local.copy_(shard.to(local.device))
 
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Single's state_dict: under pp, the entries of blocks this rank does not hold (meta) are

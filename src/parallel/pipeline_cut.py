@@ -232,7 +232,8 @@ def traced_owners(model: nn.Module, stages: list[nn.Module], setting: str) -> di
                 raise ConfigError(
                     f"{setting}: {' and '.join(shared)} are one tensor used on pipeline stages "
                     f"{first} and {stage} (other processes or devices), which would untie it; set "
-                    "model.tie_weights=false (tie_word_embeddings for transformers), or "
+                    "model.tie_weights=false (a transformers model: "
+                    "+model.sizes.tie_word_embeddings=false), or "
                     f"{RUNS_WITHOUT_CUT}"
                 )
     return {name: stage_of_tensor.get(id(tensor), 0) for name, tensor in state_names(model)}

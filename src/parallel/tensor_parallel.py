@@ -14,7 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 import src.parallel.tp_plans  # noqa: F401  (registers the built-in models' plans)
-from src.parallel.tp_registry import check_divides, check_options, registered_spec
+import src.parallel.tp_transformers  # noqa: F401  (and transformers' GPT-2's)
+from src.parallel.tp_registry import RowOrder, check_divides, check_options, registered_spec
 
 
 def tp_plan(
@@ -32,30 +33,32 @@ def check_sequence(inputs: Tensor, tp: int) -> None:
     check_divides(inputs.shape[1], "tokens per sequence (data.seq_len)", tp)
 
 
-def single_layout(name: str, tensor: Tensor, orders: dict[str, Tensor]) -> Tensor:
+def single_layout(name: str, tensor: Tensor, orders: dict[str, RowOrder]) -> Tensor:
     """`tensor` (the full value of state_dict key `name`) in single's row order."""
     if name not in orders:
         return tensor
-    restored = tensor.new_empty(tensor.shape)
-    restored[orders[name]] = tensor
-    return restored
+    regrouped = orders[name]
+    order = regrouped.order.to(tensor.device)
+    return tensor.new_empty(tensor.shape).index_copy_(regrouped.dim, order, tensor)
 
 
-def tp_layout(name: str, tensor: Tensor, orders: dict[str, Tensor]) -> Tensor:
+def tp_layout(name: str, tensor: Tensor, orders: dict[str, RowOrder]) -> Tensor:
     """The inverse of `single_layout`: single's `tensor` in the row order `apply_tp` uses."""
-    return tensor[orders[name]] if name in orders else tensor
+    if name not in orders:
+        return tensor
+    return tensor.index_select(orders[name].dim, orders[name].order.to(tensor.device))
 
 
 def apply_tp(
     model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False, loss_parallel: bool = False
-) -> dict[str, Tensor]:
+) -> dict[str, RowOrder]:
     """Split `model` in place over the 1-D `mesh` by its plan; returns the row orders of its
     fused parameters (for `single_layout`)."""
     tp = mesh.size()
     plan = tp_plan(model, tp, sequence_parallel, loss_parallel)
     orders = registered_spec(model, tp).row_orders(model, tp)
     parameters = dict(model.named_parameters())
-    for name, order in orders.items():
-        parameters[name].data = parameters[name].data[order]
+    for name in orders:
+        parameters[name].data = tp_layout(name, parameters[name].data, orders)
     parallelize_module(model, mesh, plan)
     return orders

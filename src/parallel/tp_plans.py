@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import (
 
 from src.components.models import GPT, MLP, CausalSelfAttention, Transformer
 from src.config.base import ConfigError
-from src.parallel.tp_registry import check_divides, tensor_parallel_plan
+from src.parallel.tp_registry import RowOrder, check_divides, tensor_parallel_plan
 
 
 @tensor_parallel_plan(MLP)
@@ -47,14 +47,18 @@ def linear_pairs_plan(
     return plan
 
 
-def qkv_row_orders(model: nn.Module, tp: int) -> dict[str, Tensor]:
-    """For each fused qkv parameter (by state_dict key), the order of its rows that puts each tp
-    rank's q, k and v rows next to each other: rows (3, tp, n) become (tp, 3, n)."""
+def qkv_order(rows: int, tp: int) -> Tensor:
+    """The order of a fused qkv output's `rows` that puts each of `tp` ranks' q, k and v rows
+    next to each other: rows (3, tp, n) become (tp, 3, n)."""
+    return torch.arange(rows).view(3, tp, rows // (3 * tp)).transpose(0, 1).reshape(-1)
+
+
+def qkv_row_orders(model: nn.Module, tp: int) -> dict[str, RowOrder]:
+    """For each fused qkv parameter (by state_dict key), its rows in `qkv_order`."""
     orders = {}
     for name, module in model.named_modules():
         if isinstance(module, CausalSelfAttention):
-            rows = module.qkv.out_features
-            order = torch.arange(rows).view(3, tp, rows // (3 * tp)).transpose(0, 1).reshape(-1)
+            order = RowOrder(qkv_order(module.qkv.out_features, tp))
             for parameter_name, _ in module.qkv.named_parameters():  # a bias-less qkv: weight
                 orders[f"{name}.qkv.{parameter_name}"] = order
     return orders

@@ -9,7 +9,8 @@ A plan names which submodules are split how over `tp` ranks (torch's `paralleliz
 plan); whatever it leaves out is replicated. It raises ConfigError, in one line, for a model it
 cannot split (`check_divides`). `sequence_parallel` and `loss_parallel` reach it only if
 registered as taken (`sequence_parallel=True`, `loss_parallel=True`); otherwise `tp_plan` refuses
-them. `row_orders` is for fused parameters whose rows a plain split would deal out wrongly (the
+them. `row_orders` is for fused parameters whose rows (slices along the dimension the plan
+splits: a Linear's rows, a transposed weight's columns) a plain split would deal out wrongly (the
 qkv Linear of src/parallel/tp_plans.py): `apply_tp` puts them in that order before the split, and
 checkpoints undo it.
 
@@ -18,7 +19,8 @@ its parent's plan. Register where the model's class is defined: every process th
 model (each rank of `train.py`; `plan.py`) imports that module for Hydra's
 `model._target_`, so the plan is there before `tp_plan` asks for it, with nothing to configure
 or to send between processes. The built-in models' plans, in src/parallel/tp_plans.py, are
-registered the same way.
+registered the same way; so is a library's class, by its dotted path (`module.ClassName`), with
+nothing of the library imported until its model is split.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from src.config.base import ConfigError
 
 Plan = Callable[[nn.Module, int, bool, bool], dict[str, ParallelStyle]]
-RowOrders = Callable[[nn.Module, int], dict[str, Tensor]]
 
 # What each option does, for the refusal of a plan that does not take it.
 OPTIONS = {
@@ -43,7 +44,19 @@ OPTIONS = {
 }
 
 
-def no_row_orders(model: nn.Module, tp: int) -> dict[str, Tensor]:
+@dataclass(frozen=True)
+class RowOrder:
+    """A fused parameter's rows along `dim` in the order that puts each tp rank's share together:
+    row i of the regrouped tensor is row `order[i]` of single's."""
+
+    order: Tensor
+    dim: int = 0
+
+
+RowOrders = Callable[[nn.Module, int], dict[str, RowOrder]]
+
+
+def no_row_orders(model: nn.Module, tp: int) -> dict[str, RowOrder]:
     """A model without fused parameters: every row stays where it is."""
     return {}
 
@@ -58,16 +71,22 @@ class TensorParallelSpec:
     """Of `OPTIONS`, the ones `plan` takes."""
 
 
-REGISTERED: dict[type[nn.Module], TensorParallelSpec] = {}
+# By model class, or a library's class by its dotted path (`class_path`).
+REGISTERED: dict[type[nn.Module] | str, TensorParallelSpec] = {}
+
+
+def class_path(model_class: type) -> str:
+    return f"{model_class.__module__}.{model_class.__qualname__}"
 
 
 def tensor_parallel_plan(
-    *model_classes: type[nn.Module],
+    *model_classes: type[nn.Module] | str,
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
     row_orders: RowOrders = no_row_orders,
 ) -> Callable[[Plan], Plan]:
-    """Register the decorated function as the tensor-parallel plan of `model_classes`."""
+    """Register the decorated function as the tensor-parallel plan of `model_classes` (classes,
+    or dotted paths of classes)."""
     taken = {"sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel}
     options = frozenset(option for option, on in taken.items() if on)
 
@@ -83,7 +102,7 @@ def planned_names(option: str | None = None) -> str:
     """The planned model classes (those whose plans take `option`), by name: one name for a
     class imported under two module names, as a test's own model may be."""
     names = {
-        kind.__name__
+        kind.rpartition(".")[2] if isinstance(kind, str) else kind.__name__
         for kind, spec in REGISTERED.items()
         if option is None or option in spec.options
     }
@@ -94,8 +113,9 @@ def registered_spec(model: nn.Module, tp: int) -> TensorParallelSpec:
     """The plan registered for `model`'s class or the nearest of its bases, else the plan the
     model declares (transformers' `_tp_plan`); ConfigError, in one line, when there is none."""
     for model_class in type(model).__mro__:
-        if model_class in REGISTERED:
-            return REGISTERED[model_class]
+        for key in (model_class, class_path(model_class)):
+            if key in REGISTERED:
+                return REGISTERED[key]
     if declared_styles(model):
         return TensorParallelSpec(declared_plan, no_row_orders, frozenset())
     raise ConfigError(
