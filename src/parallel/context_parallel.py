@@ -342,8 +342,9 @@ def check_attention(model: nn.Module, inputs: torch.Tensor) -> list[int]:
         raise ConfigError(
             f"parallel.cp's ring attention takes causal masks only, and the model's attention has "
             f"{unsupported[0]} mask; use a causal model (model=transformer or model=gpt, or a "
-            "transformers model whose every layer is full causal attention) without attention "
-            "dropout (model.dropout=0), or parallel.cp=1"
+            "transformers model whose every layer is full causal attention: "
+            "supports_context_parallel) without attention dropout (model.dropout=0), or "
+            "parallel.cp=1"
         )
     if length in calls.ranges and not positions:
         raise ConfigError(
