@@ -24,8 +24,10 @@ from helpers import (
 from odd_models import LoopMLP
 from omegaconf import OmegaConf
 
+from src.components.hf import causal_lm
 from src.components.model_contract import model_blocks, model_target, settle_model_settings
 from src.config.base import ConfigError
+from src.parallel.context_parallel import check_attention
 
 transformers = pytest.importorskip("transformers")
 TORCH = tuple(int(part) for part in torch.__version__.split(".")[:2])
@@ -110,14 +112,35 @@ def test_a_plain_module_trains_like_single_under_a_looped_schedule(tmp_path):
     assert_same_training(reference_run(*four_blocks), tmp_path)
 
 
+LLAMA_STRATEGIES = ("ddp", "fsdp", "tp", "fsdp_tp", "cp")
+
+
 @pytest.mark.equivalence
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp", "fsdp_tp"])
+@pytest.mark.parametrize("strategy", LLAMA_STRATEGIES)
 def test_a_transformers_llama_trains_like_single(strategy):
     """tp splits it by its config's own plan (`base_model_tp_plan`: q, k, v, gate and up
-    colwise, o and down rowwise)."""
-    runs = strategy_runs(*LLAMA, strategies=("ddp", "fsdp", "tp", "fsdp_tp"))
+    colwise, o and down rowwise); cp gives each rank its tokens' `position_ids` in the whole
+    sequence, and its attention runs causal in torch's ring."""
+    runs = strategy_runs(*LLAMA, strategies=LLAMA_STRATEGIES)
     assert_same_training(runs["single"], runs[strategy])
     assert "model.layers.0.self_attn.q_proj.weight" in checkpoint(runs[strategy])["model"]
+
+
+@pytest.mark.parametrize("config", ["llama", "mistral"])
+def test_cp_takes_transformers_models_of_full_causal_layers_and_refuses_sliding_windows(config):
+    """On fake tensors transformers makes its masks whole: those of a model that declares
+    every layer full causal (`supports_context_parallel`) are taken as causal; Mistral's
+    sliding window is refused in one line."""
+    sizes = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
+    sizes["num_key_value_heads"] = 2
+    with torch.device("meta"):
+        model = causal_lm((8,), 16, config=config, sizes=sizes)
+    tokens = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    if config == "llama":
+        assert len(check_attention(model, tokens)) == 2  # an SDPA call a layer
+        return
+    with pytest.raises(ConfigError, match="an explicit attn_mask mask; .* supports_context_par"):
+        check_attention(model, tokens)
 
 
 @pytest.mark.equivalence

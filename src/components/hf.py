@@ -9,6 +9,7 @@ when such a model is built.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -118,9 +119,12 @@ def hf_config(transformers: Any, source: str, sizes: dict[str, Any], random: boo
 @functools.cache
 def logits_class(model_class: type[nn.Module]) -> type[nn.Module]:
     """`model_class` whose forward returns the logits alone, under the same name (so that
-    `save_pretrained` writes its architecture as transformers knows it)."""
+    `save_pretrained` writes its architecture as transformers knows it), and the same signature
+    (what a strategy reads to find the keywords it takes, such as `position_ids`)."""
 
-    def forward(self: nn.Module, inputs: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return model_class.forward(self, inputs, *args, **kwargs).logits
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return model_class.forward(self, *args, **kwargs).logits
 
+    signature = inspect.signature(model_class.forward)
+    forward.__signature__ = signature.replace(return_annotation=torch.Tensor)
     return type(model_class.__name__, (model_class,), {"forward": forward})

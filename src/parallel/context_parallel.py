@@ -17,6 +17,8 @@ torch's. `tests/test_context_parallel.py` fails once torch rings the CPU kernel 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -39,6 +41,12 @@ SEQUENCE_DIM = 2
 """Of SDPA's query, key and value: (batch, heads, sequence, head size)."""
 SEQUENCE_OF_BATCH = 1
 """Of a batch of token ids, their labels, a language model's outputs: (batch, sequence, ...)."""
+POSITIONS = "position_ids"
+"""The keyword by which a model's forward takes its tokens' places in the sequence (transformers'
+name); under cp, each rank's tokens' places in the whole sequence."""
+NO_PADDING = "attention_mask"
+"""The keyword by which a transformers model takes which of its tokens are real (1) and which
+padding (0)."""
 
 aten = torch.ops.aten
 CPU_FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -258,6 +266,9 @@ def key_value_bytes(
     return key.nbytes + value.nbytes
 
 
+EXPLICIT_MASK = "an explicit attn_mask"
+
+
 def mask_kind(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -270,36 +281,72 @@ def mask_kind(
     """'causal', or what the ring cannot take: 'an explicit attn_mask', a dropout's random mask
     (torch's ring fails on it mid-step), 'no (full attention)'."""
     if attn_mask is not None:
-        return "an explicit attn_mask"
+        return EXPLICIT_MASK
     if dropout_p:
         return f"a dropout ({dropout_p}) random"
     return "causal" if is_causal else "no (full attention)"
 
 
+def takes_positions(model: nn.Module) -> bool:
+    """Whether the model's forward takes its tokens' places (`POSITIONS`), as transformers'
+    language models do."""
+    return POSITIONS in inspect.signature(model.forward).parameters
+
+
+def declares_causal_masks(model: nn.Module) -> bool:
+    """Whether the model says that every mask its attention makes is the causal one:
+    transformers' `supports_context_parallel` (every layer full causal attention, no sliding
+    window, chunks or recurrent state). On fake tensors transformers makes its masks whole,
+    values unread; on real ones without padding it calls SDPA causal, mask-free."""
+    return getattr(model, "supports_context_parallel", False) is True
+
+
+def given_positions(
+    model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The keywords that give the model's forward the places of `tokens` (`positions`), where
+    it takes them: `POSITIONS`, and for a model that `declares_causal_masks`, `NO_PADDING`, all
+    real. Without it, transformers takes a cp rank's positions (chunks r and 2 x cp - 1 - r of
+    the sequence, not one run) for packed sequences, and masks them from each other."""
+    if not takes_positions(model):
+        return {}
+    keywords = {POSITIONS: positions}
+    if declares_causal_masks(model):
+        keywords[NO_PADDING] = torch.ones_like(tokens)
+    return keywords
+
+
 def check_attention(model: nn.Module, inputs: torch.Tensor) -> list[int]:
     """ConfigError, in one line, for a model that runs no SDPA (nothing for cp to split) or runs
-    it with a mask the ring cannot take (causal only), that makes its positions in the forward
-    pass (`torch.arange` over the sequence: each rank would number its share from 0) or whose
-    outputs are not one tensor per token (what `apply_cp` splits the loss by). Runs the model
-    once on `inputs` (meta tensors, as `check_model` has them, cost nothing; run as fake ones,
-    `shapes_only`). Returns each SDPA call's key and value bytes per sample, for the planner
+    it with a mask the ring cannot take (causal only, or any mask of a model that
+    `declares_causal_masks`), that makes its positions in the forward pass (`torch.arange`
+    over the sequence: each rank would number its share from 0) without taking them
+    (`takes_positions`), or whose outputs are not one tensor per token (what `apply_cp` splits
+    the loss by). Runs the model once on `inputs` (meta tensors, as `check_model` has them, cost
+    nothing; run as fake ones, `shapes_only`), with their positions where it takes them.
+    Returns each SDPA call's key and value bytes per sample, for the planner
     (`context_parallel_plan.py`)."""
+    length = inputs.shape[SEQUENCE_OF_BATCH]
+    whole = torch.arange(length, device=inputs.device).unsqueeze(0)
+    positions = given_positions(model, inputs, whole)
     with torch.no_grad(), shapes_only(), AttentionCalls() as calls:
-        outputs = model(inputs)
+        outputs = model(inputs, **positions)
     if not calls.masks:
         raise ConfigError(
             "parallel.cp splits sequences for attention, and the model runs none "
             "(F.scaled_dot_product_attention); use model=transformer or model=gpt, or parallel.cp=1"
         )
-    unsupported = sorted(set(calls.masks) - {"causal"})
+    causal = {"causal", EXPLICIT_MASK} if declares_causal_masks(model) else {"causal"}
+    unsupported = sorted(set(calls.masks) - causal)
     if unsupported:
         raise ConfigError(
             f"parallel.cp's ring attention takes causal masks only, and the model's attention has "
-            f"{unsupported[0]} mask; use a causal model (model=transformer or model=gpt) without "
-            "attention dropout (model.dropout=0), or parallel.cp=1"
+            f"{unsupported[0]} mask; use a causal model (model=transformer or model=gpt, or a "
+            "transformers model whose every layer is full causal attention: "
+            "supports_context_parallel) without attention dropout (model.dropout=0), or "
+            "parallel.cp=1"
         )
-    length = inputs.shape[SEQUENCE_OF_BATCH]
-    if length in calls.ranges:
+    if length in calls.ranges and not positions:
         raise ConfigError(
             f"parallel.cp gives each rank a share of every sequence, and the model numbers its "
             f"positions with torch.arange({length}) in its forward pass; keep them in a buffer "
@@ -315,12 +362,27 @@ def check_attention(model: nn.Module, inputs: torch.Tensor) -> list[int]:
 
 
 def shard_positions(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Every buffer named `positions` (each token's place in the sequence, as TokenEmbedding
-    keeps them) cut as `shard_sequence` cuts the tokens: each rank's tokens keep their places."""
+    """Each rank's tokens keep their places in the whole sequence: every buffer named
+    `positions` (as TokenEmbedding keeps them) cut as `shard_sequence` cuts the tokens, and
+    where the forward takes them (`takes_positions`), each call given this rank's."""
     for module in model.modules():
         positions = module._buffers.get("positions")
         if positions is not None:
             module.positions = shard_sequence(mesh, [positions], [0])[0]
+    if takes_positions(model):
+        given = functools.partial(with_shard_positions, mesh)
+        model.register_forward_pre_hook(given, with_kwargs=True)
+
+
+def with_shard_positions(
+    mesh: DeviceMesh, model: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]
+) -> tuple[tuple[object, ...], dict[str, object]]:
+    """The forward's arguments with `given_positions`: the places in the whole sequence of
+    this rank's share of it, its tokens `args[0]`."""
+    tokens = args[0]
+    whole = torch.arange(tokens.shape[SEQUENCE_OF_BATCH] * mesh.size(), device=tokens.device)
+    (positions,) = shard_sequence(mesh, [whole.unsqueeze(0)], [SEQUENCE_OF_BATCH])
+    return args, {**kwargs, **given_positions(model, tokens, positions)}
 
 
 def apply_cp(
