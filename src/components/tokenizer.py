@@ -205,7 +205,13 @@ class HFTokenizer(Tokenizer):
     @classmethod
     def of_file(cls, path: Path, chosen: str) -> HFTokenizer:
         tokenizers = library("tokenizers", chosen)
-        return cls(tokenizers.Tokenizer.from_file(str(path)), chosen)
+        try:
+            tokenizer = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as error:  # tokenizers raises plain Exceptions
+            raise ValueError(
+                f"data.tokenizer={chosen}: tokenizers cannot load it: {first_line(error)}"
+            ) from error
+        return cls(tokenizer, chosen)
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, np.uint32)
