@@ -16,6 +16,7 @@ each is imported when its kind is chosen, and a missing one is named in one line
 
 from __future__ import annotations
 
+import base64
 import importlib
 import json
 from abc import ABC, abstractmethod
@@ -147,10 +148,9 @@ class TiktokenTokenizer(Tokenizer):
         """A `.tiktoken` file of GPT-2's kind: its ranks under GPT-2's pattern, `<|endoftext|>`
         after them."""
         library("tiktoken", chosen)
-        from tiktoken.load import load_tiktoken_bpe
         from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
 
-        ranks = load_tiktoken_bpe(str(path))
+        ranks = read_tiktoken_bpe(path)
         settings = {"pat_str": r50k_pat_str, "special_tokens": {ENDOFTEXT: len(ranks)}}
         return cls.of_ranks(path.stem, ranks, settings)
 
@@ -167,20 +167,29 @@ class TiktokenTokenizer(Tokenizer):
         return self.encoding.decode(list(ids))
 
     def save_files(self, folder: Path) -> None:
-        from tiktoken.load import dump_tiktoken_bpe
-
         encoding = self.encoding  # its fields that tiktoken's own pickling reads
-        dump_tiktoken_bpe(encoding._mergeable_ranks, str(folder / self.BPE_FILE))
+        write_tiktoken_bpe(encoding._mergeable_ranks, folder / self.BPE_FILE)
         settings = {"pat_str": encoding._pat_str, "special_tokens": encoding._special_tokens}
         (folder / self.SETTINGS_FILE).write_text(json.dumps({"name": encoding.name, **settings}))
 
     @classmethod
     def load(cls, folder: Path) -> TiktokenTokenizer:
-        from tiktoken.load import load_tiktoken_bpe
-
         settings = json.loads((folder / cls.SETTINGS_FILE).read_text())
-        ranks = load_tiktoken_bpe(str(folder / cls.BPE_FILE))
+        ranks = read_tiktoken_bpe(folder / cls.BPE_FILE)
         return cls.of_ranks(settings.pop("name"), ranks, settings)
+
+
+# A `.tiktoken` file: a line per token, its bytes in base64 and its rank. Read and written here:
+# tiktoken's `load_tiktoken_bpe` also copies a local file into its download cache, and its
+# `dump_tiktoken_bpe` needs the blobfile package.
+def read_tiktoken_bpe(path: Path) -> dict[bytes, int]:
+    lines = (line.split() for line in path.read_text().splitlines() if line)
+    return {base64.b64decode(token): int(rank) for token, rank in lines}
+
+
+def write_tiktoken_bpe(ranks: dict[bytes, int], path: Path) -> None:
+    lines = (f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in ranks.items())
+    path.write_text("".join(sorted(lines, key=lambda line: int(line.split()[1]))))
 
 
 class HFTokenizer(Tokenizer):
