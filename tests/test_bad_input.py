@@ -33,6 +33,9 @@ NEEDS_GPU_WITHOUT_BF16 = pytest.mark.skipif(
 # (overrides on top of TINY, where it is refused, what the message must say). {finished},
 # {truncated} and {foreign} are files made by the test: a finished run's checkpoint (6 of 6 steps,
 # MLP hidden=32, adamw), that checkpoint cut in half, and a torch file that is no checkpoint.
+# data=text on the text file the `files` fixture writes (char: its 11 characters and the
+# end-of-text token).
+TEXT = ("model=gpt", "data=text", "data.path={text}", "data.tokenizer=char", "data.seq_len=4")
 ROWS = [
     pytest.param(
         ["parallel=nosuch"],
@@ -648,6 +651,38 @@ ROWS = [
         id="tokens-without-path",
     ),
     pytest.param(
+        [*TEXT, "data.path={no_text}"],
+        CHECK,
+        "no-text holds no text files (.txt, .jsonl, .json, .parquet, each optionally .gz)",
+        id="text-without-text-files",
+    ),
+    pytest.param(
+        [*TEXT, "data.path={jsonl}"],
+        CHECK,
+        "records.jsonl line 1 has no such text field (its fields: body); name the field that "
+        "holds the text",
+        id="jsonl-without-text-field",
+    ),
+    pytest.param(
+        [*TEXT, "data.tokenizer={config_only}/config.json"],
+        CHECK,
+        "config.json: tokenizers cannot load it: ",
+        id="tokenizer-unreadable",
+    ),
+    pytest.param(
+        [*TEXT, "data.tokenizer=gpt2"],
+        CHECK,
+        "data.tokenizer=gpt2: tiktoken could not download its BPE (no network?): give a local "
+        "copy, data.tokenizer=/path/to/r50k_base.tiktoken",
+        id="gpt2-offline",
+    ),
+    pytest.param(
+        [*TEXT, "data.vocab_size=4"],
+        CHECK,
+        "data.tokenizer=char has 12 tokens, more than data.vocab_size=4 (the model's vocabulary)",
+        id="vocabulary-over-the-model-s",
+    ),
+    pytest.param(
         ["optimizer.schedule_steps=0"],
         CHECK,
         "optimizer.schedule_steps must be at least 1, or null for trainer.max_steps; got 0",
@@ -668,7 +703,7 @@ def with_overrides(base: tuple[str, ...], overrides: list[str]) -> list[str]:
 
 
 @pytest.fixture
-def files(tmp_path):
+def files(tmp_path, monkeypatch):
     finished = reference_run(*TINY) / "checkpoints" / "step-000006"
     truncated = tmp_path / "truncated.pt"
     whole = (finished / "checkpoint.pt").read_bytes()
@@ -678,7 +713,20 @@ def files(tmp_path):
     config_only = tmp_path / "config-only"  # a transformers folder without its weights
     config_only.mkdir()
     (config_only / "config.json").write_text('{"model_type": "llama", "hidden_size": 32}')
+    text = tmp_path / "text.txt"
+    text.write_text("the cat sat on a mat. " * 50)
+    jsonl = tmp_path / "records.jsonl"
+    jsonl.write_text('{"body": "no text field"}\n')
+    no_text = tmp_path / "no-text"
+    no_text.mkdir()
+    (no_text / "notes.md").write_text("not one of the text formats")
+    # As on a machine without network, with tiktoken's download cache empty.
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken"))
     return {
+        "text": text,
+        "jsonl": jsonl,
+        "no_text": no_text,
         "finished": finished,
         "truncated": truncated,
         "foreign": foreign,

@@ -13,11 +13,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
@@ -25,6 +23,7 @@ from torch.utils.data import Dataset, Subset
 
 from src.components import batches
 from src.components.batches import Tree
+from src.components.token_files import TokenWindows, largest_token, stream_ranges, token_files
 from src.config.data import data_builder_config
 
 log = logging.getLogger(__name__)
@@ -71,6 +70,9 @@ class Data:
     input_shape: tuple[int, ...]
     num_classes: int
     """Classes, or the vocabulary size for token data."""
+    tokenizer: Any = None
+    """Text data's tokenizer (`src/components/tokenizer.py`), which the run keeps in its folder;
+    None for other data."""
 
     @property
     def splits(self) -> tuple[Split | Dataset, ...]:
@@ -79,8 +81,7 @@ class Data:
 
     def to(self, device: torch.device) -> Data:
         test = None if self.test is None else self.test.to(device)
-        train, val = self.train.to(device), self.val.to(device)
-        return Data(train, val, test, self.input_shape, self.num_classes)
+        return replace(self, train=self.train.to(device), val=self.val.to(device), test=test)
 
     @property
     def in_memory(self) -> bool:
@@ -97,7 +98,7 @@ class Data:
             train = Split(*self.train[:count])
         else:
             train = Subset(self.train, range(count))
-        return Data(train, self.val, self.test, self.input_shape, self.num_classes)
+        return replace(self, train=train)
 
 
 def first_samples(dataset: Split | Dataset, count: int) -> Batch:
@@ -269,30 +270,6 @@ def logged_progress(steps: range, what: str, every_s: float = PROGRESS_EVERY_S) 
         log.info("%s: done in %.1f s", what, time.perf_counter() - started)
 
 
-class TokenWindows(Dataset):
-    """Windows of `seq_len + 1` tokens of a flat uint16 token file (nanoGPT's `train.bin`): window
-    i starts at token `first + i * seq_len`, so together they predict every next token once. The
-    file is a numpy memmap, opened in each process that reads it (a DataLoader worker too)."""
-
-    def __init__(self, path: Path, first: int, num_tokens: int, seq_len: int):
-        self.path, self.first, self.seq_len = path, first, seq_len
-        self.num_windows = (num_tokens - 1) // seq_len
-        self._tokens: np.memmap | None = None
-
-    def __len__(self) -> int:
-        return self.num_windows
-
-    def __getitem__(self, index: int) -> Batch:
-        if self._tokens is None:
-            self._tokens = np.memmap(self.path, dtype=np.uint16, mode="r")
-        start = self.first + index * self.seq_len
-        window = torch.from_numpy(self._tokens[start : start + self.seq_len + 1].astype(np.int64))
-        return window[:-1], window[1:]
-
-    def __getstate__(self) -> dict:  # a memmap does not travel to workers; each opens its own
-        return {**self.__dict__, "_tokens": None}
-
-
 def tokens(
     seed: int,
     path: str,
@@ -301,29 +278,32 @@ def tokens(
     val_fraction: float,
     test_fraction: float,
     test_path: str | None,
+    dtype: str = "uint16",
 ) -> Data:
-    """A flat uint16 token file: the last `val_fraction` validates, the `test_fraction` before it
-    tests (or the whole file `test_path`, when given; at a `test_fraction` of 0 without it, none
-    does), the rest trains. The vocabulary is `vocab_size`, by default the largest token + 1 (of
-    the files read)."""
+    """Token files (`src/components/token_files.py`: one, or a glob of shards, read as one
+    sequence): the last `val_fraction` validates, the `test_fraction` before it tests (or the
+    files `test_path` names, when given; at a `test_fraction` of 0 without it, none does), the
+    rest trains. The vocabulary is `vocab_size`, by default the largest token + 1 (of the files
+    read)."""
     del seed  # the order comes from the seed in `train_order`; the windows are fixed
-    file = token_file("path", path)
+    files = token_files("path", path, dtype)
     check_fraction("val_fraction", val_fraction)
-    token_ids = np.memmap(file, dtype=np.uint16, mode="r")
-    num_val = int(len(token_ids) * val_fraction)
-    val = TokenWindows(file, len(token_ids) - num_val, num_val, seq_len)
+    total = sum(file.count for file in files)
+    num_val = int(total * val_fraction)
+    val = TokenWindows(files, stream_ranges(files, total - num_val, num_val), seq_len)
     if test_path is None:
         check_test_fraction(test_fraction)
-        num_test = int(len(token_ids) * test_fraction)
-        num_train = len(token_ids) - num_val - num_test
-        test = TokenWindows(file, num_train, num_test, seq_len) if test_fraction else None
-        largest = largest_token(token_ids)
+        num_test = int(total * test_fraction)
+        num_train = total - num_val - num_test
+        test_ranges = stream_ranges(files, num_train, num_test)
+        test = TokenWindows(files, test_ranges, seq_len) if test_fraction else None
+        largest = largest_token(files)
     else:
-        test_file = token_file("test_path", test_path)
-        test_ids = np.memmap(test_file, dtype=np.uint16, mode="r")
-        num_train = len(token_ids) - num_val
-        test = TokenWindows(test_file, 0, len(test_ids), seq_len)
-        largest = max(largest_token(token_ids), largest_token(test_ids))
+        test_files = token_files("test_path", test_path, dtype)
+        num_train = total - num_val
+        test_total = sum(file.count for file in test_files)
+        test = TokenWindows(test_files, stream_ranges(test_files, 0, test_total), seq_len)
+        largest = max(largest_token(files), largest_token(test_files))
     vocab_size = largest + 1 if vocab_size is None else vocab_size
     if largest >= vocab_size:
         raise ValueError(
@@ -332,7 +312,7 @@ def tokens(
         )
     if len(val) == 0:
         raise ValueError(
-            f"data.path={path} has {len(token_ids)} tokens: too few for one validation window "
+            f"data.path={path} has {total} tokens: too few for one validation window "
             f"of data.seq_len={seq_len} + 1; raise data.val_fraction or lower data.seq_len"
         )
     if test is not None and len(test) == 0:
@@ -342,19 +322,8 @@ def tokens(
             f"{'give a longer file' if test_path else 'raise data.test_fraction'} or lower "
             "data.seq_len"
         )
-    train = TokenWindows(file, 0, num_train, seq_len)
+    train = TokenWindows(files, stream_ranges(files, 0, num_train), seq_len)
     return Data(train, val, test, input_shape=(seq_len,), num_classes=vocab_size)
-
-
-def token_file(setting: str, path: str) -> Path:
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise FileNotFoundError(f"data.{setting}={path}: no such token file")
-    return file
-
-
-def largest_token(token_ids: np.ndarray) -> int:
-    return int(token_ids.max()) if len(token_ids) else -1
 
 
 def synthetic_segmentation(

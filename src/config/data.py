@@ -10,6 +10,11 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from src.config.base import choices
+
+TokenDtype = choices("TokenDtype", "uint16 uint32", __name__)
+SampleBy = choices("SampleBy", "document paragraph line", __name__)
+
 
 @dataclass
 class LoaderConfig:
@@ -129,12 +134,44 @@ class ImageFolderConfig(LoaderConfig):
 class TokensConfig(DataConfig):
     _target_: str = "src.components.data.tokens"
     path: str = MISSING
-    """A flat uint16 token file, as nanoGPT's prepare scripts write `train.bin`."""
+    """A token file (as nanoGPT's prepare scripts write `train.bin`), or a glob of them
+    (`'shards/*.bin'`, llm.c's fineweb shards), read as one sequence in name order."""
     seq_len: int = 256
     vocab_size: int | None = None
     """None: the files' largest token + 1."""
     test_path: str | None = None
-    """A token file of its own for the test split; None: `test_fraction` of `path`."""
+    """A token file (or glob) of its own for the test split; None: `test_fraction` of `path`."""
+    dtype: TokenDtype = TokenDtype.uint16
+    """The token ids of files without llm.c's shard header (a header names its own)."""
+
+
+@dataclass
+class TextConfig(DataConfig):
+    _target_: str = "src.components.text.text"
+    path: str = MISSING
+    """A file, folder (with its subfolders) or glob of text files: .txt, .jsonl/.json (one
+    document per record) and .parquet, each optionally .gz. The first run tokenizes them into
+    `.token_cache/` beside them; later runs with the same files and tokenizer read that."""
+    tokenizer: str = "gpt2"
+    """char (each character a token), gpt2 (GPT-2's BPE through tiktoken, which downloads it;
+    or any encoding tiktoken names), a .tiktoken file (GPT-2's kind, for machines without
+    network: r50k_base.tiktoken is GPT-2's), a tokenizer.json (Hugging Face tokenizers) or a
+    transformers tokenizer's folder. The run keeps it in `<run>/tokenizer/`."""
+    text_field: str = "text"
+    """The field (.jsonl/.json) or column (.parquet) that holds each document's text."""
+    sample_by: SampleBy = SampleBy.document
+    """What a document of a .txt file is: the whole file, each paragraph (split at blank
+    lines), or each line. Documents are separated by the tokenizer's end-of-text token, and
+    train, val and test get whole documents."""
+    seq_len: int = 256
+    """Input tokens per sample; the targets are the tokens that follow each one."""
+    vocab_size: int | None = None
+    """The model's vocabulary; None: the tokenizer's. Smaller than the tokenizer's is refused."""
+    cache_dir: str | None = None
+    """Where the token cache goes (a folder per set of files and tokenizer); None: a
+    `.token_cache/` folder in the folder that holds the files."""
+    num_proc: int | None = None
+    """Processes that tokenize; None: one per core this process may use."""
 
 
 def data_builder_config(data: DictConfig) -> DictConfig:

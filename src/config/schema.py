@@ -27,6 +27,7 @@ from src.config.data import (
     SyntheticRegressionConfig,
     SyntheticSegmentationConfig,
     SyntheticTokensConfig,
+    TextConfig,
     TokensConfig,
     TorchvisionSetConfig,
 )
@@ -110,6 +111,7 @@ SCHEMAS = {
         "torchvision_set": TorchvisionSetConfig,
         "image_folder": ImageFolderConfig,
         "tokens": TokensConfig,
+        "text": TextConfig,
     },
     "task": {
         "classification": TaskConfig,

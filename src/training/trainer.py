@@ -38,7 +38,7 @@ from src.observe.performance import profiling, step_flops
 from src.observe.tensor_memory import TensorPeak
 from src.observe.tracking import Tracker, build_tracker
 from src.parallel.base import Strategy, process_peak_memory_mb
-from src.runtime.run_folder import metrics_file
+from src.runtime.run_folder import metrics_file, tokenizer_dir
 from src.runtime.stopping import Interrupted, StopOnSignal, agree_to_stop
 from src.training.build import (
     Blueprint,
@@ -155,6 +155,8 @@ class Trainer:
         self.tracker = build_tracker(
             cfg.logger, str(self.run_dir), self.resolved, strategy.is_main, self.tracker_id
         )
+        if strategy.is_main and data.tokenizer is not None:
+            data.tokenizer.save(tokenizer_dir(self.run_dir))
         settings = self.settings
         self.batches, self.val, self.test = input_batches(cfg, settings, strategy, data, self.step)
         self.lr_at = lr_schedule(cfg.optimizer, settings.max_steps)
