@@ -609,7 +609,7 @@ ROWS = [
         ["trainer.init_from=/nonexistent/weights.pt"],
         CHECK,
         "trainer.init_from: no file or folder /nonexistent/weights.pt; give a checkpoint folder, "
-        "a run folder, or a .pt or .safetensors weights file",
+        "a run folder, a .pt or .safetensors weights file, or a transformers folder",
         id="init-from-missing",
     ),
     pytest.param(

@@ -35,6 +35,7 @@ from src.config.base import ConfigError
 from src.runtime.files import write_atomically
 
 SAFETENSORS = ".safetensors"
+HF_CONFIG, HF_WEIGHTS = "config.json", "model.safetensors"  # a transformers folder's
 # The train state's keys that describe the model (`Trainer.state_dict`), in a safetensors file's
 # metadata as JSON: the model config is `config`'s `model` group.
 MODEL_ARGS = ("input_shape", "num_classes")
@@ -51,6 +52,8 @@ def load_weights(path: Path, shapes_only: bool = False) -> dict[str, torch.Tenso
     try:
         if not path.exists():
             raise ConfigError(f"no file or folder {path}")
+        if is_transformers_folder(path):
+            return read_safetensors(transformers_weights(path), shapes_only)
         if path.suffix == SAFETENSORS:
             return read_safetensors(path, shapes_only)
         if path.is_file():
@@ -73,6 +76,8 @@ def weights_config(path: Path) -> dict[str, Any] | None:
     missing from checkpoints written before they were saved); None for a file without one (a
     `.pt` export, torchvision's weights)."""
     try:
+        if is_transformers_folder(path):
+            return None
         if path.suffix == SAFETENSORS:
             from safetensors import safe_open
 
@@ -87,6 +92,27 @@ def weights_config(path: Path) -> dict[str, Any] | None:
         return model_config(load_checkpoint(newest_checkpoint(path), mmap=True))
     except ConfigError as error:
         raise ConfigError(what_is_wrong(error)) from error
+
+
+def is_transformers_folder(path: Path) -> bool:
+    """A folder written by transformers' `save_pretrained` (config.json beside the weights)."""
+    return (path / HF_CONFIG).is_file()
+
+
+def transformers_weights(folder: Path) -> Path:
+    weights = folder / HF_WEIGHTS
+    if not weights.is_file():
+        raise ConfigError(f"{folder} holds no {HF_WEIGHTS} (what save_pretrained writes)")
+    return weights
+
+
+def transformers_config(path: Path) -> dict[str, Any] | None:
+    """The config.json of a transformers folder, or of the folder of a safetensors file of
+    transformers' (no model config of the template's in its metadata); else None."""
+    if path.is_file() and (path.suffix != SAFETENSORS or weights_config(path) is not None):
+        return None
+    config = (path if path.is_dir() else path.parent) / HF_CONFIG
+    return json.loads(config.read_text()) if config.is_file() else None
 
 
 def checked_newest(source: Path) -> Path:

@@ -149,7 +149,7 @@ def check_architecture(config: dict[str, Any]) -> None:
         raise ConfigError(
             f"is a {architecture}, not GPT-2 ({ARCHITECTURE}), the only weights model=gpt "
             "starts from; to train that model as it is, choose model=hf_causal_lm "
-            "model.config=<its folder>"
+            "model.pretrained=<its folder>"
         )
     unlike = [
         f"{option}={config[option]}"
@@ -168,29 +168,35 @@ def check_architecture(config: dict[str, Any]) -> None:
 def check_fits(ours: Shape, theirs: Shape) -> None:
     """A ConfigError, in one line, naming every setting that makes the GPT other than GPT-2's
     `theirs` (the data's vocabulary and sequence length included)."""
-    settings = [
-        f"model.{name}={getattr(theirs, name)}"
+    other = [
+        name
         for name in ("n_layer", "n_head", "n_embd", "gelu")
         if getattr(theirs, name) is not None and getattr(theirs, name) != getattr(ours, name)
     ]
+    settings = [f"model.{name}={getattr(theirs, name)}" for name in other]
+    here = [str(getattr(ours, name)) for name in other]
     if theirs.bias and not ours.bias:
-        settings.append("model.bias=true")
+        settings, here = [*settings, "model.bias=true"], [*here, "false"]
     if ours.tied and not theirs.tied:
-        settings.append("model.tie_weights=false")
+        settings, here = [*settings, "model.tie_weights=false"], [*here, "true"]
+    needs = [f"set {' '.join(settings)} (here {', '.join(here)})"] if settings else []
     if theirs.vocab != ours.vocab:
-        settings.append(
-            f"a vocabulary of {theirs.vocab} (data.vocab_size rounded up to "
+        needs.append(
+            f"its vocabulary is {theirs.vocab} tokens (data.vocab_size rounded up to "
             f"model.vocab_multiple: {ours.vocab} here)"
         )
     if ours.positions > theirs.positions:
-        settings.append(f"data.seq_len={theirs.positions} or less (GPT-2's positions)")
+        needs.append(
+            f"data.seq_len at most {theirs.positions} (its positions; {ours.positions} here)"
+        )
     if theirs.gelu not in (None, *ACTIVATIONS):
-        settings.append(f"a GELU for its activation_function {theirs.gelu}, which it has not")
+        needs.append(f"its activation_function {theirs.gelu} has no counterpart in model=gpt")
     if theirs.eps is not None and theirs.eps != ours.eps:
-        settings.append(f"a LayerNorm epsilon of {theirs.eps} (model=gpt's is {ours.eps})")
-    if settings:
-        needs = "; ".join(settings)
-        raise ConfigError(f"is a GPT-2 of other settings than this model's: needs {needs}")
+        needs.append(
+            f"its LayerNorm epsilon {theirs.eps} has none either (model=gpt's: {ours.eps})"
+        )
+    if needs:
+        raise ConfigError(f"is a GPT-2 of other sizes than this model's: {'; '.join(needs)}")
 
 
 def gpt2_config(shape: Shape, dtype: torch.dtype) -> dict[str, Any]:
