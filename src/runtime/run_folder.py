@@ -13,6 +13,7 @@ PROFILE_TRACE = "profile_trace.json"  # trainer.profile's trace
 HYDRA = ".hydra"  # Hydra's record of the job: config.yaml and overrides.yaml
 EVAL = "eval.json"  # eval.py's figures, in its own run folder
 PREDICTIONS = "predictions.pt"  # eval.py predict=true: the model's outputs per sample
+TOKENIZER = "tokenizer"  # the run's tokenizer's files, which an export in the HF format takes
 
 
 def summary_file(run_dir: Path) -> Path:
@@ -46,3 +47,7 @@ def eval_file(eval_dir: Path) -> Path:
 
 def predictions_file(eval_dir: Path) -> Path:
     return eval_dir / PREDICTIONS
+
+
+def tokenizer_dir(run_dir: Path) -> Path:
+    return run_dir / TOKENIZER
