@@ -15,7 +15,9 @@ import pytest
 import torch
 from helpers import TINY, needs_gpus, pretend_gpus, reference_run, run_train
 from hydra.errors import ConfigCompositionException, OverrideParseException
+from safetensors.torch import save_file
 
+from src.components.models import GPT
 from src.config.base import ConfigError
 from src.config.schema import composition_error_line
 from src.training.build import check_config
@@ -32,7 +34,8 @@ NEEDS_GPU_WITHOUT_BF16 = pytest.mark.skipif(
 
 # (overrides on top of TINY, where it is refused, what the message must say). {finished},
 # {truncated} and {foreign} are files made by the test: a finished run's checkpoint (6 of 6 steps,
-# MLP hidden=32, adamw), that checkpoint cut in half, and a torch file that is no checkpoint.
+# MLP hidden=32, adamw), that checkpoint cut in half, and a torch file that is no checkpoint;
+# {gpt2} and {llama} transformers folders (`files`).
 ROWS = [
     pytest.param(
         ["parallel=nosuch"],
@@ -633,6 +636,22 @@ ROWS = [
         id="init-from-other-shapes",
     ),
     pytest.param(
+        ["model=gpt", "data=synthetic_tokens", "trainer.init_from={llama}"],
+        CHECK,
+        "llama is a LlamaForCausalLM, not GPT-2 (GPT2LMHeadModel), the only weights model=gpt "
+        "starts from; to train that model as it is, choose model=hf_causal_lm "
+        "model.pretrained=<its folder>",
+        id="init-from-not-gpt2",
+    ),
+    pytest.param(
+        ["model=gpt", "data=synthetic_tokens", "data.seq_len=32", "trainer.init_from={gpt2}"],
+        CHECK,
+        "gpt2 is a GPT-2 of other sizes than this model's: set model.n_embd=32 model.gelu=tanh "
+        "(here 64, erf); its vocabulary is 16 tokens (data.vocab_size rounded up to "
+        "model.vocab_multiple: 64 here); data.seq_len at most 8 (its positions; 32 here)",
+        id="init-from-gpt2-of-other-sizes",
+    ),
+    pytest.param(
         ["data=tokens"],
         CHECK,
         "data.path must be given: the chosen options leave no value (data.path=...)",
@@ -669,11 +688,21 @@ def files(tmp_path):
     config_only = tmp_path / "config-only"  # a transformers folder without its weights
     config_only.mkdir()
     (config_only / "config.json").write_text('{"model_type": "llama", "hidden_size": 32}')
+    gpt2 = tmp_path / "gpt2"  # GPT-2 as transformers writes it, 32 wide, 8 positions, 16 tokens
+    GPT((8,), 16, n_layer=2, n_head=2, n_embd=32, gelu="tanh").save_pretrained(gpt2)
+    llama = tmp_path / "llama"  # a transformers folder of another architecture
+    llama.mkdir()
+    (llama / "config.json").write_text(
+        '{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}'
+    )
+    save_file({"model.embed_tokens.weight": torch.zeros(16, 8)}, llama / "model.safetensors")
     return {
         "finished": finished,
         "truncated": truncated,
         "foreign": foreign,
         "config_only": config_only,
+        "gpt2": gpt2,
+        "llama": llama,
     }
 
 
