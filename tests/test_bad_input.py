@@ -15,7 +15,9 @@ import pytest
 import torch
 from helpers import TINY, needs_gpus, pretend_gpus, reference_run, run_train
 from hydra.errors import ConfigCompositionException, OverrideParseException
+from safetensors.torch import save_file
 
+from src.components.models import GPT
 from src.config.base import ConfigError
 from src.config.schema import composition_error_line
 from src.training.build import check_config
@@ -32,9 +34,9 @@ NEEDS_GPU_WITHOUT_BF16 = pytest.mark.skipif(
 
 # (overrides on top of TINY, where it is refused, what the message must say). {finished},
 # {truncated} and {foreign} are files made by the test: a finished run's checkpoint (6 of 6 steps,
-# MLP hidden=32, adamw), that checkpoint cut in half, and a torch file that is no checkpoint.
-# data=text on the text file the `files` fixture writes (char: its 11 characters and the
-# end-of-text token).
+# MLP hidden=32, adamw), that checkpoint cut in half, and a torch file that is no checkpoint;
+# {gpt2} and {llama} transformers folders (`files`). data=text on the text file the `files`
+# fixture writes (char: its 11 characters and the end-of-text token).
 TEXT = ("model=gpt", "data=text", "data.path={text}", "data.tokenizer=char", "data.seq_len=4")
 ROWS = [
     pytest.param(
@@ -621,7 +623,7 @@ ROWS = [
         ["trainer.init_from=/nonexistent/weights.pt"],
         CHECK,
         "trainer.init_from: no file or folder /nonexistent/weights.pt; give a checkpoint folder, "
-        "a run folder, or a .pt or .safetensors weights file",
+        "a run folder, a .pt or .safetensors weights file, or a transformers folder",
         id="init-from-missing",
     ),
     pytest.param(
@@ -643,6 +645,22 @@ ROWS = [
         "does not fit this model: 7 shapes differ (first 0.1.weight: [32, 32] in the file, "
         "[64, 32] here)",
         id="init-from-other-shapes",
+    ),
+    pytest.param(
+        ["model=gpt", "data=synthetic_tokens", "trainer.init_from={llama}"],
+        CHECK,
+        "llama is a LlamaForCausalLM, not GPT-2 (GPT2LMHeadModel), the only weights model=gpt "
+        "starts from; to train that model as it is, choose model=hf_causal_lm "
+        "model.pretrained=<its folder>",
+        id="init-from-not-gpt2",
+    ),
+    pytest.param(
+        ["model=gpt", "data=synthetic_tokens", "data.seq_len=32", "trainer.init_from={gpt2}"],
+        CHECK,
+        "gpt2 is a GPT-2 of other sizes than this model's: set model.n_embd=32 model.gelu=tanh "
+        "(here 64, erf); its vocabulary is 16 tokens (data.vocab_size rounded up to "
+        "model.vocab_multiple: 64 here); data.seq_len at most 8 (its positions; 32 here)",
+        id="init-from-gpt2-of-other-sizes",
     ),
     pytest.param(
         ["data=tokens"],
@@ -723,6 +741,14 @@ def files(tmp_path, monkeypatch):
     # As on a machine without network, with tiktoken's download cache empty.
     monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken"))
+    gpt2 = tmp_path / "gpt2"  # GPT-2 as transformers writes it, 32 wide, 8 positions, 16 tokens
+    GPT((8,), 16, n_layer=2, n_head=2, n_embd=32, gelu="tanh").save_pretrained(gpt2)
+    llama = tmp_path / "llama"  # a transformers folder of another architecture
+    llama.mkdir()
+    (llama / "config.json").write_text(
+        '{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}'
+    )
+    save_file({"model.embed_tokens.weight": torch.zeros(16, 8)}, llama / "model.safetensors")
     return {
         "text": text,
         "jsonl": jsonl,
@@ -731,6 +757,8 @@ def files(tmp_path, monkeypatch):
         "truncated": truncated,
         "foreign": foreign,
         "config_only": config_only,
+        "gpt2": gpt2,
+        "llama": llama,
     }
 
 

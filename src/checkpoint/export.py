@@ -9,12 +9,15 @@ metadata the model's config as JSON strings: `model` (the resolved model group),
 and `num_classes` (what the model was built for: `instantiate(model, input_shape=...,
 num_classes=...)` rebuilds it), `state_dict_keys` (the keys in order) and `tied_keys` ({key: the
 key it shares its tensor with}). Any other suffix gets `torch.save` of the state_dict (a pickle;
-`torch.load(..., weights_only=True)` reads it). A target without a suffix is a folder in the
-Hugging Face format (config.json + model.safetensors, `save_pretrained`'s), for a model that has
-one (transformers' models, `model=hf_causal_lm`), which `from_pretrained` loads.
+`torch.load(..., weights_only=True)` reads it). A target without a suffix (or `--format hf`) is a
+folder in the Hugging Face format (config.json + model.safetensors, `save_pretrained`'s), which
+`from_pretrained` loads, for a model that has one: transformers' models (`model=hf_causal_lm`)
+their own, `gpt` and `gpt2_124m` GPT-2's (`GPT2LMHeadModel`: `components/gpt2_format.py`); the
+run's tokenizer's files (`<run>/tokenizer/`), if it saved any, go beside them.
 
 `load_weights` reads the plain state_dict back from any of these (a run dir, a checkpoint, a
-`.pt` or `.safetensors` file), `weights_config` the model config it was saved with.
+`.pt` or `.safetensors` file, a transformers folder), `weights_config` the model config it was
+saved with.
 """
 
 from __future__ import annotations
@@ -31,10 +34,15 @@ import torch
 from src.checkpoint.integrity import check_manifest
 from src.checkpoint.store import load_checkpoint, newest_checkpoint, read_torch_file
 from src.components.model_contract import build_model
+from src.components.state_dicts import tie_again, tied_keys
 from src.config.base import ConfigError
-from src.runtime.files import write_atomically
+from src.runtime.files import readable_as_umask_allows, write_atomically
+from src.runtime.run_folder import CHECKPOINTS, tokenizer_dir
 
 SAFETENSORS = ".safetensors"
+HF_CONFIG, HF_WEIGHTS = "config.json", "model.safetensors"  # a transformers folder's
+HF, SAFETENSORS_FORMAT, PT = "hf", "safetensors", "pt"
+FORMATS = (HF, SAFETENSORS_FORMAT, PT)  # export's --format
 # The train state's keys that describe the model (`Trainer.state_dict`), in a safetensors file's
 # metadata as JSON: the model config is `config`'s `model` group.
 MODEL_ARGS = ("input_shape", "num_classes")
@@ -43,14 +51,17 @@ MODEL_ARGS = ("input_shape", "num_classes")
 def load_weights(path: Path, shapes_only: bool = False) -> dict[str, torch.Tensor]:
     """The plain state_dict (single's keys, tied ones too) of a run folder (its newest
     checkpoint), a checkpoint (folder or `checkpoint.pt`, full or sharded), a `.safetensors`
-    export or a `torch.save`d state_dict (a `.pt` export, torchvision's weights). Anything
-    missing or unreadable is a ConfigError.
+    export, a `torch.save`d state_dict (a `.pt` export, torchvision's weights) or a transformers
+    folder (its model.safetensors, in transformers' names). Anything missing or unreadable is a
+    ConfigError.
 
     `shapes_only=True` reads what checks need (keys and shapes) and no more: the tensors may then
     be meta tensors or memory-mapped."""
     try:
         if not path.exists():
             raise ConfigError(f"no file or folder {path}")
+        if is_transformers_folder(path):
+            return read_safetensors(transformers_weights(path), shapes_only)
         if path.suffix == SAFETENSORS:
             return read_safetensors(path, shapes_only)
         if path.is_file():
@@ -73,6 +84,8 @@ def weights_config(path: Path) -> dict[str, Any] | None:
     missing from checkpoints written before they were saved); None for a file without one (a
     `.pt` export, torchvision's weights)."""
     try:
+        if is_transformers_folder(path):
+            return None
         if path.suffix == SAFETENSORS:
             from safetensors import safe_open
 
@@ -87,6 +100,27 @@ def weights_config(path: Path) -> dict[str, Any] | None:
         return model_config(load_checkpoint(newest_checkpoint(path), mmap=True))
     except ConfigError as error:
         raise ConfigError(what_is_wrong(error)) from error
+
+
+def is_transformers_folder(path: Path) -> bool:
+    """A folder written by transformers' `save_pretrained` (config.json beside the weights)."""
+    return (path / HF_CONFIG).is_file()
+
+
+def transformers_weights(folder: Path) -> Path:
+    weights = folder / HF_WEIGHTS
+    if not weights.is_file():
+        raise ConfigError(f"{folder} holds no {HF_WEIGHTS} (what save_pretrained writes)")
+    return weights
+
+
+def transformers_config(path: Path) -> dict[str, Any] | None:
+    """The config.json of a transformers folder, or of the folder of a safetensors file of
+    transformers' (no model config of the template's in its metadata); else None."""
+    if path.is_file() and (path.suffix != SAFETENSORS or weights_config(path) is not None):
+        return None
+    config = (path if path.is_dir() else path.parent) / HF_CONFIG
+    return json.loads(config.read_text()) if config.is_file() else None
 
 
 def checked_newest(source: Path) -> Path:
@@ -158,20 +192,25 @@ def save_safetensors(
     save_file(tensors, str(target), metadata=metadata)
 
 
-def export(source: Path, target: Path) -> None:
+def export(source: Path, target: Path, file_format: str | None = None) -> None:
     """Write the model's plain state_dict (single's keys) from the checkpoint `source` (a run
-    folder: its newest), as safetensors with the model's config for a `.safetensors` target,
-    else with torch.save; whole or not at all, readable as the umask allows."""
+    folder: its newest) in `file_format` (FORMATS; None: the target's suffix says, no suffix
+    being a folder in the Hugging Face format); whole or not at all, readable as the umask
+    allows."""
     try:
-        checkpoint = load_checkpoint(checked_newest(source))
+        checkpoint_path = checked_newest(source)
+        checkpoint = load_checkpoint(checkpoint_path)
     except ConfigError as error:
         raise ConfigError(what_is_wrong(error)) from error
     state = checkpoint["model"]
+    file_format = file_format or target_format(target)
+    if target.is_dir() and file_format != HF:
+        raise ConfigError(f"{target} is a folder: give --format hf to write the HF format there")
     target.parent.mkdir(parents=True, exist_ok=True)
-    if not target.suffix:
-        save_pretrained(state, model_config(checkpoint), target)
+    if file_format == HF:
+        save_pretrained(state, model_config(checkpoint), target, run_tokenizer(checkpoint_path))
         return
-    if target.suffix != SAFETENSORS:
+    if file_format == PT:
         write_atomically(target, lambda path: torch.save(state, path))
         return
     # Tied weights: the model's own record of them (a sharded checkpoint reads them back as
@@ -181,20 +220,48 @@ def export(source: Path, target: Path) -> None:
     write_atomically(target, lambda path: save_safetensors(state, tied, config, path))
 
 
-def save_pretrained(state: dict[str, torch.Tensor], config: dict[str, Any], target: Path) -> None:
+def target_format(target: Path) -> str:
+    """The format a target's suffix asks for: a folder (no suffix) is the Hugging Face format,
+    `.safetensors` safetensors, any other suffix a torch file."""
+    if not target.suffix:
+        return HF
+    return SAFETENSORS_FORMAT if target.suffix == SAFETENSORS else PT
+
+
+def run_tokenizer(checkpoint: Path) -> Path | None:
+    """The tokenizer saved in the run folder of `checkpoint` (`<run>/tokenizer/`), if any."""
+    for folder in checkpoint.parents:
+        if folder.name == CHECKPOINTS:
+            found = tokenizer_dir(folder.parent)
+            return found if found.is_dir() else None
+    return None
+
+
+def save_pretrained(
+    state: dict[str, torch.Tensor],
+    config: dict[str, Any],
+    target: Path,
+    tokenizer: Path | None = None,
+) -> None:
     """The model of `config` holding `state`, written by its own `save_pretrained` into the
-    folder `target` (whole or not at all: into a folder beside it, then renamed)."""
+    folder `target`, with the files of `tokenizer` (a folder) beside it; whole or not at all:
+    into a folder beside it, then renamed."""
     with torch.device("meta"):
         model = build_model(config["model"], config["input_shape"], config["num_classes"])
     if not hasattr(model, "save_pretrained"):
         raise ConfigError(
-            f"{type(model).__name__} has no Hugging Face format (only transformers' models do): "
-            "export it to a .safetensors or .pt file"
+            f"{type(model).__name__} has no Hugging Face format (transformers' models and "
+            "model=gpt or gpt2_124m have one): export it to a .safetensors or .pt file"
         )
+    tied = tied_keys(model)
     model.load_state_dict(state, assign=True)
+    tie_again(model, tied)  # assign gave each key a tensor of its own
     partial = target.with_name(f".{target.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
+    if tokenizer is not None:
+        shutil.copytree(tokenizer, partial, dirs_exist_ok=True)
+    readable_as_umask_allows(partial)
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
 
@@ -210,11 +277,17 @@ def main(argv: list[str] | None = None) -> int:
         "target",
         type=Path,
         help="the file to write: .safetensors (with the model's config), .pt (torch.save), or "
-        "a folder (no suffix) in the Hugging Face format, for transformers' models",
+        "a folder (no suffix) in the Hugging Face format (transformers' models, gpt and "
+        "gpt2_124m as GPT-2), with the run's tokenizer",
+    )
+    export_parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        help="the format, whatever the target's suffix (hf: a folder)",
     )
     args = parser.parse_args(argv)
     try:
-        export(args.source, args.target)
+        export(args.source, args.target, args.format)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
+
+from src.components import gpt2_format
 
 
 def _mlp_block(width_in: int, width_out: int) -> nn.Sequential:
@@ -128,16 +132,19 @@ class CausalSelfAttention(nn.Module):
 
 class TransformerBlock(nn.Module):
     """Pre-norm block; `bias=False` drops the biases of its Linears and LayerNorms (nanoGPT's
-    `bias`), `dropout` is nanoGPT's too (attention weights, and each residual branch's output)."""
+    `bias`), `dropout` is nanoGPT's too (attention weights, and each residual branch's output).
+    `gelu`: `erf`, the exact GELU, or `tanh`, its tanh approximation (GPT-2's)."""
 
-    def __init__(self, hidden: int, heads: int, bias: bool = True, dropout: float = 0.0):
+    def __init__(
+        self, hidden: int, heads: int, bias: bool = True, dropout: float = 0.0, gelu: str = "erf"
+    ):
         super().__init__()
         self.norm1 = nn.LayerNorm(hidden, bias=bias)
         self.attention = CausalSelfAttention(hidden, heads, bias, dropout)
         self.norm2 = nn.LayerNorm(hidden, bias=bias)
         self.mlp = nn.Sequential(
             nn.Linear(hidden, 4 * hidden, bias=bias),
-            nn.GELU(),
+            nn.GELU(approximate="tanh" if gelu == "tanh" else "none"),
             nn.Linear(4 * hidden, hidden, bias=bias),
             nn.Dropout(dropout),
         )
@@ -214,7 +221,9 @@ class GPT(nn.Sequential):
     heads, final norm and a bias-free vocabulary head, with the head's weight tied to the token
     embedding when `tie_weights`, initialised as GPT-2 (`init_like_gpt2`). Input: token ids
     (batch, seq_len); output: logits (batch, seq_len, vocab_size rounded up to a multiple of
-    `vocab_multiple`). `bias` and `dropout` are nanoGPT's (its own default: `bias=False`)."""
+    `vocab_multiple`). `bias` and `dropout` are nanoGPT's (its own default: `bias=False`), `gelu`
+    the feed-forwards' (`TransformerBlock`). It reads and writes GPT-2's weights as transformers
+    holds them (`gpt2_format`)."""
 
     def __init__(
         self,
@@ -227,6 +236,7 @@ class GPT(nn.Sequential):
         vocab_multiple: int = 1,
         bias: bool = True,
         dropout: float = 0.0,
+        gelu: str = "erf",
     ):
         (seq_len,) = input_shape
         vocab = padded_vocab(num_classes, vocab_multiple)
@@ -234,6 +244,18 @@ class GPT(nn.Sequential):
         head = nn.Sequential(nn.LayerNorm(n_embd, bias=bias), nn.Linear(n_embd, vocab, bias=False))
         if tie_weights:
             head[1].weight = embedding.token.weight
-        blocks = [TransformerBlock(n_embd, n_head, bias, dropout) for _ in range(n_layer)]
+        blocks = [TransformerBlock(n_embd, n_head, bias, dropout, gelu) for _ in range(n_layer)]
         super().__init__(embedding, *blocks, head)
         init_like_gpt2(self)
+
+    def from_hf_format(
+        self, weights: dict[str, torch.Tensor], config: dict[str, Any] | None
+    ) -> dict[str, torch.Tensor]:
+        """GPT-2's weights as transformers holds them (`config`: its config.json, if any) in this
+        model's keys (`trainer.init_from`)."""
+        return gpt2_format.from_gpt2(self, weights, config)
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        """This model as transformers' GPT-2 (`GPT2LMHeadModel`) in `folder`: config.json and
+        model.safetensors, which `from_pretrained` loads to the same logits."""
+        gpt2_format.save_gpt2(self, Path(folder))

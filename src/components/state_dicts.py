@@ -89,3 +89,11 @@ def tied_keys(model: nn.Module) -> dict[str, str]:
         else:
             first_name[id(parameter)] = name
     return tied
+
+
+def tie_again(model: nn.Module, tied: dict[str, str]) -> None:
+    """Tie `tied`'s parameters again (`tied_keys`'s record, taken before) once
+    `load_state_dict(assign=True)` has given each key a tensor of its own."""
+    for key, first in tied.items():
+        owner, _, name = key.rpartition(".")
+        setattr(model.get_submodule(owner), name, model.get_parameter(first))

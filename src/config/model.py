@@ -7,6 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from src.config.base import choices
+
+Gelu = choices("Gelu", "erf tanh", __name__)
+
 
 @dataclass
 class MLPConfig:
@@ -59,6 +63,10 @@ class GPTConfig(DecoderShape):
     """nanoGPT's dropout: after the embedding, on the attention weights and on each residual
     branch's output, in training only. Above 0, most strategies no longer reproduce `single`
     (docs/strategies.md#dropout)."""
+    gelu: Gelu = Gelu.erf
+    """The feed-forwards' GELU: `erf`, the exact one (torch's default, nanoGPT's), or `tanh`, its
+    tanh approximation, which GPT-2 was trained with (transformers' `gelu_new`): GPT-2's weights
+    (trainer.init_from) compute GPT-2's logits only with it."""
 
 
 @dataclass

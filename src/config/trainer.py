@@ -109,8 +109,10 @@ class TrainerConfig:
     another max_steps needs optimizer.schedule_steps."""
     init_from: str | None = None
     """Start a new run (step 0, a fresh optimizer, a new W&B run) from the weights of a checkpoint
-    folder, a run folder (its newest checkpoint), an exported `.pt` or `.safetensors` file, or a
-    state_dict saved from `torchvision.models.resnet18()` (model=resnet), under any strategy. With
+    folder, a run folder (its newest checkpoint), an exported `.pt` or `.safetensors` file, a
+    state_dict saved from `torchvision.models.resnet18()` (model=resnet), or, for model=gpt and
+    gpt2_124m, GPT-2's weights: a transformers folder (save_pretrained's), its model.safetensors,
+    or `hf:<hub name>` (`hf:gpt2`, downloaded into the hub's cache), under any strategy. With
     trainer.resume, a checkpoint to resume wins: a resumed fine-tune continues."""
     init_strict: bool = True
     """trainer.init_from's keys must be the model's; false loads the keys that fit, keeps the

@@ -44,3 +44,15 @@ def write_atomically(target: Path, write: Callable[[Path], None]) -> None:
         os.replace(staging, target)
     finally:
         staging.unlink(missing_ok=True)
+
+
+def readable_as_umask_allows(folder: Path) -> None:
+    """Give every file in `folder` the mode a new file gets under the umask, as
+    `write_atomically` does: a library's writer may leave its files owner-only (safetensors)."""
+    probe = folder / ".mode-probe"
+    probe.touch()
+    mode = probe.stat().st_mode & 0o777
+    probe.unlink()
+    for path in folder.rglob("*"):
+        if path.is_file():
+            path.chmod(mode)

@@ -13,7 +13,7 @@ PROFILE_TRACE = "profile_trace.json"  # trainer.profile's trace
 HYDRA = ".hydra"  # Hydra's record of the job: config.yaml and overrides.yaml
 EVAL = "eval.json"  # eval.py's figures, in its own run folder
 PREDICTIONS = "predictions.pt"  # eval.py predict=true: the model's outputs per sample
-TOKENIZER = "tokenizer"  # text data's tokenizer (`components/tokenizer.py`'s load_tokenizer)
+TOKENIZER = "tokenizer"  # the run's tokenizer (`components/tokenizer.py`'s load_tokenizer); exports take its files
 
 
 def summary_file(run_dir: Path) -> Path:
@@ -51,3 +51,7 @@ def eval_file(eval_dir: Path) -> Path:
 
 def predictions_file(eval_dir: Path) -> Path:
     return eval_dir / PREDICTIONS
+
+
+def tokenizer_dir(run_dir: Path) -> Path:
+    return run_dir / TOKENIZER

@@ -27,7 +27,7 @@ from src.config.trainer import TrainerConfig
 from src.parallel.base import Strategy
 from src.runtime.ranks import Ranks
 from src.training.checks import blame, check_data, check_model, check_settings
-from src.training.init_from import check_init_weights, load_init_weights
+from src.training.init_from import check_init_weights, init_from_path, load_init_weights
 from src.training.resume import check_resumable
 
 
@@ -60,7 +60,7 @@ def build_blueprint(
     # A resumed fine-tune continues from its checkpoint: trainer.init_from only starts a run.
     init_from = None
     if checkpoint is None and cfg.trainer.init_from is not None:
-        init_from = Path(cfg.trainer.init_from).expanduser()
+        init_from = init_from_path(cfg.trainer.init_from)
         check_init_weights(model, init_from, cfg.trainer.init_strict)
     return Blueprint(data, task, model, checkpoint, saved, init_from)
 
