@@ -13,7 +13,7 @@ PROFILE_TRACE = "profile_trace.json"  # trainer.profile's trace
 HYDRA = ".hydra"  # Hydra's record of the job: config.yaml and overrides.yaml
 EVAL = "eval.json"  # eval.py's figures, in its own run folder
 PREDICTIONS = "predictions.pt"  # eval.py predict=true: the model's outputs per sample
-TOKENIZER = "tokenizer"  # the run's tokenizer (`components/tokenizer.py`'s load_tokenizer); exports take its files
+TOKENIZER = "tokenizer"  # the run's tokenizer (`tokenizer.load_tokenizer`), exports take its files
 
 
 def summary_file(run_dir: Path) -> Path:
@@ -30,10 +30,6 @@ def status_file(run_dir: Path) -> Path:
 
 def checkpoints_dir(run_dir: Path) -> Path:
     return run_dir / CHECKPOINTS
-
-
-def tokenizer_dir(run_dir: Path) -> Path:
-    return run_dir / TOKENIZER
 
 
 def profile_trace(run_dir: Path) -> Path:
