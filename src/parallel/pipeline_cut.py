@@ -22,7 +22,7 @@ import copy
 import functools
 import itertools
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,10 +32,44 @@ from torch.distributed.pipelining import SplitPoint, pipeline
 from src.components.batches import Tree, tensors
 from src.components.model_contract import block_names, blocks_of
 from src.config.base import ConfigError, first_line
-from src.parallel.mechanisms.stage_pipeline import balanced_split_points, parameter_count
 from src.parallel.shares import tied_block_groups
 
 META = torch.device("meta")
+
+
+def balanced_split_points(
+    block_sizes: Sequence[int], stages: int, cuttable: Collection[int] | None = None
+) -> list[int] | None:
+    """Where stages 1.. start, for the contiguous partition with the smallest largest stage,
+    cutting only before the blocks in `cuttable` (None: any); None when no partition exists.
+
+    Dynamic programming over (stages used, blocks covered); ties go to the earliest cut.
+    """
+    blocks = len(block_sizes)
+    prefix = [0, *itertools.accumulate(block_sizes)]
+    # largest[s][i]: the best largest-stage size when the first i blocks form s stages.
+    largest = [[float("inf")] * (blocks + 1) for _ in range(stages + 1)]
+    cut = [[0] * (blocks + 1) for _ in range(stages + 1)]
+    largest[0][0] = 0
+    for s in range(1, stages + 1):
+        for i in range(s, blocks + 1):
+            for j in range(s - 1, i):
+                if s > 1 and cuttable is not None and j not in cuttable:
+                    continue
+                candidate = max(largest[s - 1][j], prefix[i] - prefix[j])
+                if candidate < largest[s][i]:
+                    largest[s][i], cut[s][i] = candidate, j
+    if largest[stages][blocks] == float("inf"):
+        return None
+    points, end = [], blocks
+    for s in range(stages, 1, -1):
+        end = cut[s][end]
+        points.append(end)
+    return points[::-1]
+
+
+def parameter_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
 
 
 @dataclass(frozen=True)

@@ -22,17 +22,15 @@ from src.parallel.base import ConfigError
 from src.parallel.mechanisms.deferred_batchnorm import defer_batchnorm
 from src.parallel.mechanisms.stage_pipeline import (
     Pipeline,
-    balanced_split_points,
     boundary_bytes,
     bubble_fraction,
     check_tied_parameters,
     describe_value,
     log_layout,
-    parameter_count,
     stage_shares,
     unmovable_boundaries,
 )
-from src.parallel.pipeline_cut import META, cut_at, place
+from src.parallel.pipeline_cut import META, balanced_split_points, cut_at, parameter_count, place
 from src.parallel.shares import DeviceShare, ModelSizes, Segments
 
 

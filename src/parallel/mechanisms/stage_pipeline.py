@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Collection, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,10 +29,8 @@ from torch.utils._pytree import tree_flatten
 
 from src.components.batches import Tree, batch_size, meta_resized, move, split
 from src.parallel.base import ConfigError, LossFn
+from src.parallel.pipeline_cut import Cut, balanced_split_points, parameter_count
 from src.parallel.shares import DeviceShare, ModelSizes
-
-if TYPE_CHECKING:  # pipeline_cut imports this module
-    from src.parallel.pipeline_cut import Cut
 
 log = logging.getLogger(__name__)
 
@@ -54,37 +52,6 @@ def gpipe_ticks(stages: int, microbatches: int) -> Iterator[list[tuple[int, int]
             for stage in reversed(range(stages))
             if 0 <= tick - stage < microbatches
         ]
-
-
-def balanced_split_points(
-    block_sizes: Sequence[int], stages: int, cuttable: Collection[int] | None = None
-) -> list[int] | None:
-    """Where stages 1.. start, for the contiguous partition with the smallest largest stage,
-    cutting only before the blocks in `cuttable` (None: any); None when no partition exists.
-
-    Dynamic programming over (stages used, blocks covered); ties go to the earliest cut.
-    """
-    blocks = len(block_sizes)
-    prefix = [0, *itertools.accumulate(block_sizes)]
-    # largest[s][i]: the best largest-stage size when the first i blocks form s stages.
-    largest = [[float("inf")] * (blocks + 1) for _ in range(stages + 1)]
-    cut = [[0] * (blocks + 1) for _ in range(stages + 1)]
-    largest[0][0] = 0
-    for s in range(1, stages + 1):
-        for i in range(s, blocks + 1):
-            for j in range(s - 1, i):
-                if s > 1 and cuttable is not None and j not in cuttable:
-                    continue
-                candidate = max(largest[s - 1][j], prefix[i] - prefix[j])
-                if candidate < largest[s][i]:
-                    largest[s][i], cut[s][i] = candidate, j
-    if largest[stages][blocks] == float("inf"):
-        return None
-    points, end = [], blocks
-    for s in range(stages, 1, -1):
-        end = cut[s][end]
-        points.append(end)
-    return points[::-1]
 
 
 def movable(value: Any) -> bool:
@@ -145,10 +112,6 @@ def check_tied_parameters(
                         f"(block {block}), which would be untied on separate GPUs; set "
                         "model.tie_weights=false, or use ddp or fsdp"
                     )
-
-
-def parameter_count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
 
 
 class Pipeline(nn.Module):
