@@ -7,10 +7,11 @@ the train state restored from the checkpoint to resume from, the tracker, the ba
 parts that decide when they are due (progress, evaluation, checkpointing). `train` is the loop,
 read top to bottom; leaving ends the tracker and the strategy's processes.
 
-A checkpoint holds model, optimizer and one train state, `Trainer.state_dict()`: the step (the
-data position too: batches are a function of seed and step), the RNG, fp16's loss scale, the
-tracker's run id, the config, and what rebuilds the model from it (the data's input shape and
-classes, the model's tied weights).
+A checkpoint holds model, optimizer, the weight average (trainer.ema_decay: `ema.py`) and one
+train state, `Trainer.state_dict()`: the step (the data position too: batches are a function of
+seed and step), the RNG, fp16's loss scale, the tracker's run id, the config, and what rebuilds
+the model from it (the data's input shape and classes, the model's tied weights and parameter
+names).
 """
 
 from __future__ import annotations
