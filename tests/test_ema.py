@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import (
     BESIDES_SINGLE,
+    TINY,
     assert_goes_on_exactly,
     checkpoint,
     evaluate_checkpoint,
@@ -80,3 +81,18 @@ def test_eval_py_and_the_export_take_the_weight_average(tmp_path):
     export(run_dir, tmp_path / "exported.pt")
     exported = torch.load(tmp_path / "exported.pt", weights_only=True)
     torch.testing.assert_close(exported, averaged_weights(checkpoint(run_dir)), rtol=0, atol=0)
+
+
+def test_an_early_stop_tests_the_average_of_the_best_step(tmp_path):
+    """The test pass scores the best checkpoint's average (kept in memory), not the one of the
+    step it stopped at."""
+    overrides = ("trainer.max_steps=12", "trainer.eval_every=1", "trainer.early_stop_patience=1")
+    averaged = ("trainer.ema_decay=0.5", "trainer.ema_eval=true", "optimizer.lr=0.2")
+    run_train(*TINY, *overrides, *averaged, run_dir=tmp_path)
+    figures = summary(tmp_path)
+    assert figures["stopped_early"] and figures["test_step"] < figures["steps"]
+    best = tmp_path / "checkpoints" / "best"
+    best_average = evaluate_checkpoint(tmp_path, "test", best, averaged=True)[0]
+    last_average = evaluate_checkpoint(tmp_path, "test", averaged=True)[0]
+    assert abs(figures["test_loss"] - best_average) < 1e-5
+    assert abs(figures["test_loss"] - last_average) > 1e-4
