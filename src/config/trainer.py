@@ -207,7 +207,6 @@ class TrainerConfig:
                 f"trainer.early_stop_patience={self.early_stop_patience} counts evaluations, but "
                 "trainer.eval_every=0 evaluates only after the last step; set trainer.eval_every"
             )
-
         if self.ema_decay is not None and not 0 < self.ema_decay < 1:
             raise ConfigError(
                 f"trainer.ema_decay must be between 0 and 1 (both excluded; 0.999 is usual) or "

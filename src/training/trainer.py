@@ -273,9 +273,10 @@ class Trainer:
                         stepper.scaling,
                     )
                     updated = stepper.update(step, lr, step_sums)
+                    if updated:
+                        self.ema.update()
                 if updated:
                     self.progress.add(step_sums, targets)
-                    self.ema.update()
                 self.speed.step_done(strategy, self.batches.take_wait())
                 profiler.step()
 
