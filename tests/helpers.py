@@ -480,11 +480,12 @@ def checkpoint(run_dir: Path) -> dict[str, Any]:
 
 
 def evaluate_checkpoint(
-    run_dir: Path, split: str = "val", checkpoint_dir: Path | None = None
+    run_dir: Path, split: str = "val", checkpoint_dir: Path | None = None, averaged: bool = False
 ) -> list[float]:
     """The task's figures ([loss, accuracy] for classification) on `split` (val or test) of the
-    run's newest checkpointed model (or of `checkpoint_dir`), evaluated whole in this process on
-    the data its config names."""
+    run's newest checkpointed model (or of `checkpoint_dir`; `averaged`: its weight average),
+    evaluated whole in this process on the data its config names."""
+    from src.checkpoint.export import averaged_weights
     from src.checkpoint.store import load_checkpoint
     from src.components.data import build_data
     from src.config.base import typed
@@ -497,7 +498,7 @@ def evaluate_checkpoint(
     cfg = OmegaConf.create(state["config"])
     data = build_data(cfg.data, cfg.seed)
     model = instantiate(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
-    model.load_state_dict(state["model"])
+    model.load_state_dict(averaged_weights(state) if averaged else state["model"])
     single = build_strategy(ParallelConfig(), "cpu")
     single.setup()
     batch = typed(TrainerConfig, cfg.trainer).eval_batch

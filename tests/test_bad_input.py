@@ -614,6 +614,19 @@ ROWS = [
         id="early-stop-without-evaluations",
     ),
     pytest.param(
+        ["trainer.ema_decay=1.0"],
+        CHECK,
+        "trainer.ema_decay must be between 0 and 1 (both excluded; 0.999 is usual) or null, "
+        "got 1.0",
+        id="ema-decay",
+    ),
+    pytest.param(
+        ["trainer.ema_eval=true"],
+        CHECK,
+        "trainer.ema_eval=true scores the weight average, but trainer.ema_decay is null",
+        id="ema-eval-without-ema",
+    ),
+    pytest.param(
         ["trainer.monitor_mode=up"],
         HYDRA,
         "Invalid value 'up', expected one of [min, max]",

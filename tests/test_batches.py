@@ -24,6 +24,10 @@ DICTS = (
     "data._target_=tests.odd_data.halves_and_values",
     "model._target_=tests.odd_models.DictInDictOutMLP",
     "task._target_=tests.odd_tasks.LabelAndValue",
+    # Each strategy's weight average, evaluated and checkpointed at step 3 (tests/test_ema.py).
+    "trainer.ema_decay=0.5",
+    "trainer.ema_eval=true",
+    "trainer.checkpoint_every=3",
 )
 
 

@@ -17,6 +17,8 @@ from src.components.models import GPT
 
 # nanoGPT's default layout: no biases in the Linears and LayerNorms.
 NANOGPT = (*TINY_GPT_SGD, "model.bias=false")
+# Its weight average, evaluated and checkpointed at step 3 too (tests/test_ema.py).
+NANOGPT = (*NANOGPT, "trainer.ema_decay=0.5", "trainer.ema_eval=true", "trainer.checkpoint_every=3")
 WITHOUT_BIASES = ("ddp", "tp")
 WITH_DROPOUT = (*NANOGPT, "model.dropout=0.1")
 ONE_STREAM = ("model_parallel",)  # one process, its stages one after another on the CPU

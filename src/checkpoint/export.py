@@ -3,7 +3,8 @@
     python -m src.checkpoint.store export <run dir or checkpoint> model.safetensors   (or .pt)
 
 writes the plain state_dict (single's keys) of a run's newest checkpoint, or of the checkpoint
-folder given, full or sharded. The suffix picks the format: `.safetensors` (the `safetensors`
+folder given, full or sharded: the weights the run evaluated (its weight average under
+trainer.ema_eval). The suffix picks the format: `.safetensors` (the `safetensors`
 package's format: no pickle, memory-mappable) holds the tensors, tied ones once, and in its
 metadata the model's config as JSON strings: `model` (the resolved model group), `input_shape`
 and `num_classes` (what the model was built for: `instantiate(model, input_shape=...,
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 
 from src.checkpoint.integrity import check_manifest
-from src.checkpoint.store import load_checkpoint, newest_checkpoint, read_torch_file
+from src.checkpoint.store import EMA_KEY, load_checkpoint, newest_checkpoint, read_torch_file
 from src.components.model_contract import build_model
 from src.components.state_dicts import tie_again, tied_keys
 from src.config.base import ConfigError
@@ -202,7 +203,7 @@ def export(source: Path, target: Path, file_format: str | None = None) -> None:
         checkpoint = load_checkpoint(checkpoint_path)
     except ConfigError as error:
         raise ConfigError(what_is_wrong(error)) from error
-    state = checkpoint["model"]
+    state = evaluated_weights(checkpoint)
     file_format = file_format or target_format(target)
     if target.is_dir() and file_format != HF:
         raise ConfigError(f"{target} is a folder: give --format hf to write the HF format there")
@@ -218,6 +219,27 @@ def export(source: Path, target: Path, file_format: str | None = None) -> None:
     tied = checkpoint.get("tied_keys") or shared_storage_keys(state)
     config = model_config(checkpoint)
     write_atomically(target, lambda path: save_safetensors(state, tied, config, path))
+
+
+def evaluated_weights(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The plain state_dict of the weights the run evaluated: under trainer.ema_eval, the
+    weight average's (`averaged_weights`), else the model's."""
+    if checkpoint["config"]["trainer"].get("ema_eval"):
+        return averaged_weights(checkpoint)
+    return checkpoint["model"]
+
+
+def averaged_weights(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A full checkpoint's model state_dict with each parameter its weight average
+    (`src/training/ema.py`), which numbers them as `parameter_keys` lists them; buffers and tied
+    keys follow."""
+    state = dict(checkpoint["model"])
+    keys = checkpoint["parameter_keys"]
+    for index, entry in checkpoint[EMA_KEY]["state"].items():
+        state[keys[index]] = entry[EMA_KEY]
+    for key, first in checkpoint["tied_keys"].items():
+        state[key] = state[first]
+    return state
 
 
 def target_format(target: Path) -> str:

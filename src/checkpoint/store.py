@@ -13,9 +13,12 @@ A full checkpoint is the dict `model` (the plain state_dict, single's keys, what
 `optimizer` (single's format: state keyed by parameter index), `step` (optimizer steps done),
 `rng`, `config` (resolved), `wandb_run_id`, `loss_scaling` (fp16's GradScaler state: the scale
 it reached, and the steps it skipped), `model_args` (the `input_shape` and `num_classes` the model
-was built for) and `tied_keys` ({key: the key whose tensor it shares}); only tensors and plain
-values, so it loads with `weights_only=True`. A sharded one holds the same, its `optimizer` keyed
-by parameter name; read whole (`load_checkpoint`), it comes back in the full format.
+was built for), `tied_keys` ({key: the key whose tensor it shares}) and `parameter_keys` (the
+model's parameters in order); with trainer.ema_decay, `ema`, the weight average, in the format of
+an optimizer's state (`src/training/ema.py`: state `ema` by parameter index); only tensors and
+plain values, so it loads with `weights_only=True`. A sharded one holds the same, its `optimizer`
+and `ema` keyed by parameter name; read whole (`load_checkpoint`), it comes back in the full
+format.
 
 A checkpoint is written into `.staging-step-<N>/` and renamed to `step-<N>/` once every rank has
 written its part (`writer.py`): a crash at any moment leaves the folder complete or absent. The
@@ -59,6 +62,7 @@ FULL_FILE = "checkpoint.pt"
 TRAIN_STATE_FILE = "train_state.pt"  # a sharded checkpoint's dict less model and optimizer
 DCP_METADATA = ".metadata"
 BEST = "best"  # the folder of trainer.monitor's best checkpoint
+EMA_KEY = "ema"  # the weight average's entry (trainer.ema_decay)
 
 
 @runtime_checkable
@@ -190,9 +194,11 @@ def load_checkpoint(path: Path, mmap: bool = False) -> dict[str, Any]:
         path = path / FULL_FILE
     if path.is_dir():
         state = read_torch_file(path / TRAIN_STATE_FILE, mmap=False)
-        state["model"], state["optimizer"] = (
-            (sharded_shapes(path), None) if mmap else read_sharded(path)
-        )
+        if mmap:
+            state["model"], state["optimizer"] = sharded_shapes(path), None
+        else:
+            state["model"], optimizers = read_sharded(path)
+            state.update(optimizers)
         if "state_dict_keys" in state:  # older checkpoints: `in_block_order`'s order
             state["model"] = {key: state["model"][key] for key in state["state_dict_keys"]}
     else:
@@ -252,9 +258,10 @@ def meta_tensor(item: TensorStorageMetadata) -> torch.Tensor:
     return torch.empty(item.size, dtype=item.properties.dtype, device="meta")
 
 
-def read_sharded(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """A sharded checkpoint's model and optimizer, whole, in this process alone (no process
-    group); the optimizer state in single's format (keyed by parameter index)."""
+def read_sharded(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    """A sharded checkpoint's model, and its optimizer states by key (`optimizer`, `ema`),
+    whole, in this process alone (no process group); each optimizer state in single's format
+    (keyed by parameter index)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -270,11 +277,14 @@ def read_sharded(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         )
     except Exception as error:  # noqa: BLE001
         raise unreadable(path, error) from error
-    optimizer = state["optimizer"]
+    model = state.pop("model")
+    return in_block_order(model), {key: by_index(entry) for key, entry in state.items()}
+
+
+def by_index(optimizer: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state keyed by parameter name as single's, keyed by parameter index."""
     names = [name for group in optimizer["param_groups"] for name in group["params"]]
-    return in_block_order(state["model"]), renamed(
-        optimizer, {name: i for i, name in enumerate(names)}
-    )
+    return renamed(optimizer, {name: i for i, name in enumerate(names)})
 
 
 def in_block_order(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

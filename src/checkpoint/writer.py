@@ -143,6 +143,8 @@ def resolved_format(requested: str, strategy: CheckpointedStrategy) -> str:
 class CheckpointWriter:
     """Writes a run's checkpoints; every process calls `save` (and `wait`) at the same step.
 
+    Beside the optimizer's state, the checkpoint holds each of `states` (optimizers' states by
+    their key there: the weight average's, `ema`), as it holds the optimizer's.
     `full`: the strategy gathers the state on the main process, which writes it. `sharded`:
     every rank writes its own shards through DCP, none holds the whole model; with `use_async`,
     DCP copies the state to host memory and writes it in a background thread while training
@@ -159,8 +161,10 @@ class CheckpointWriter:
         keep: int,
         use_async: bool,
         on_error: str = "fail",
+        states: dict[str, torch.optim.Optimizer] | None = None,
     ):
         self.run_dir, self.strategy, self.keep = run_dir, strategy, keep
+        self.states = states or {}
         self.sharded = fmt == "sharded"
         self.use_async = use_async and self.sharded
         self.warn = on_error == "warn"
@@ -191,6 +195,10 @@ class CheckpointWriter:
             state = {
                 "model": strategy.model_state_dict(model),
                 "optimizer": strategy.optimizer_state_dict(model, optimizer),
+                **{
+                    key: strategy.optimizer_state_dict(model, held)
+                    for key, held in self.states.items()
+                },
                 **extra,
             }
 
@@ -205,6 +213,8 @@ class CheckpointWriter:
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
         state = strategy.sharded_state_dict(model, optimizer)
+        for key, held in self.states.items():
+            state[key] = strategy.sharded_state_dict(model, held)["optimizer"]
         size = state_bytes(state) + state_bytes(extra)
         # Tensors every rank holds (FSDP's buffers, a replica's weights) are written by rank 0,
         # in its order: the checkpoint then reads back in single's key order, not with the

@@ -137,6 +137,14 @@ class TrainerConfig:
     early_stop_patience: int = 0
     """Stop after this many values of `monitor` in a row without improvement (for val/*:
     evaluations); 0: never stop early."""
+    ema_decay: float | None = None
+    """Keep an exponential moving average of the weights, `ema = decay * ema + (1 - decay) *
+    weights` after each optimizer step (the first step's weights start it), in the strategy's
+    own layout (sharded under fsdp); checkpoints save and resume it. null: none. Buffers (batch
+    norm's statistics) are the model's own, not averaged."""
+    ema_eval: bool = False
+    """Score the average (`ema_decay`) instead of the weights: in evaluation, the test pass, the
+    best checkpoint's choice, `eval.py` and the export."""
 
     def __post_init__(self) -> None:
         """Each setting's range, checked where it is defined (by `typed`, before any work)."""
@@ -198,6 +206,16 @@ class TrainerConfig:
             raise ConfigError(
                 f"trainer.early_stop_patience={self.early_stop_patience} counts evaluations, but "
                 "trainer.eval_every=0 evaluates only after the last step; set trainer.eval_every"
+            )
+        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
+            raise ConfigError(
+                f"trainer.ema_decay must be between 0 and 1 (both excluded; 0.999 is usual) or "
+                f"null, got {self.ema_decay}"
+            )
+        if self.ema_eval and self.ema_decay is None:
+            raise ConfigError(
+                "trainer.ema_eval=true scores the weight average, but trainer.ema_decay is null; "
+                "set trainer.ema_decay (e.g. 0.999) or trainer.ema_eval=false"
             )
 
     @property

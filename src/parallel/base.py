@@ -57,7 +57,8 @@ Checkpoints (every process calls these; the main one writes the file):
     strategy.sharded_state_dict(model, optimizer)    this process's part (DCP's state_dict APIs)
     strategy.load_sharded(model, optimizer, path)    read it back, into the wrapped model, any
                                                      number of processes having written it
-                                                     (optimizer None: the model alone)
+                                                     (optimizer None: the model alone; key=:
+                                                     another optimizer state alone, `ema`)
     strategy.default_checkpoint_format               what trainer.checkpoint_format=auto means
 Once, before training:
     strategy.grad_scaler(enabled, init_scale)   fp16's GradScaler (one that knows how the
@@ -180,7 +181,11 @@ class TrainingStrategy(Protocol):
     ) -> None: ...
 
     def load_sharded(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        path: str,
+        key: str = "optimizer",
     ) -> None: ...
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
@@ -373,28 +378,39 @@ class Strategy:
         here)."""
 
     def load_sharded(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        path: str,
+        key: str = "optimizer",
     ) -> None:
         """Load a sharded checkpoint into the wrapped `model` and its `optimizer` (None: the
         model alone, to evaluate it): DCP reads each process's shards of the tensors it is given,
-        however many processes wrote them."""
+        however many processes wrote them. Another `key` reads the optimizer state saved under
+        it (`ema`: the weight average's) into `optimizer`, and the model not again."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
+            set_optimizer_state_dict,
             set_state_dict,
         )
 
         state = dcp_state_dict(model, optimizer)  # the shapes and shards to fill
         saved = self.as_saved(state)
+        read = saved if key == "optimizer" else {key: saved["optimizer"]}
         with warnings.catch_warnings():
             # One process without a process group reads every shard itself, as meant here; DCP
             # warns that it assumes so on every such load (eval.py, resume under single).
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(saved, checkpoint_id=path)  # into them (or views of them)
+            dcp.load(read, checkpoint_id=path)  # into them (or views of them)
         self.place_loaded(state, saved)
         if optimizer is None:
             set_model_state_dict(model, state["model"], options=StateDictOptions())
+            return
+        if key != "optimizer":
+            options = StateDictOptions()
+            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
             return
         set_state_dict(
             model,

@@ -1,8 +1,9 @@
 """`eval.py`'s work in one process: a checkpoint's model, rebuilt and restored as `Trainer`
-builds it (without an optimizer) under any strategy and number of processes, evaluated on one
-split of the data. Its figures go to the console (one line), `eval.json` in eval.py's run folder
-and a W&B run of `job_type=eval` in the training run's group; with `predict=true`, the model's
-outputs for every sample to `predictions.pt` (`predictions.py`).
+builds it (without an optimizer; with trainer.ema_eval, its weight average swapped in) under any
+strategy and number of processes, evaluated on one split of the data. Its figures go to the
+console (one line), `eval.json` in eval.py's run folder and a W&B run of `job_type=eval` in the
+training run's group; with `predict=true`, the model's outputs for every sample to
+`predictions.pt` (`predictions.py`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from src.training.build import (
     checkpoint_to_load,
     set_numerics,
 )
+from src.training.ema import EMA, holds_average
 from src.training.inputs import input_loading
 from src.training.predictions import SampleOutputs
 from src.training.resume import check_same_model
@@ -75,6 +77,11 @@ def eval_blueprint(cfg: DictConfig, strategy: Strategy) -> Blueprint:
         saved = load_checkpoint(checkpoint, mmap=True)
         check_same_model(
             saved, checkpoint, model, "ckpt_path", "evaluate it with the run's model settings"
+        )
+    if cfg.trainer.ema_eval and not holds_average(saved):
+        raise ConfigError(
+            f"trainer.ema_eval=true but ckpt_path {checkpoint} holds no weight average (its run "
+            "had trainer.ema_decay=null, or it is an exported file); set trainer.ema_eval=false"
         )
     return Blueprint(data, task, model, checkpoint, saved, init_from=None)
 
@@ -136,6 +143,9 @@ def evaluate_split(
     model = build_wrapped_model(cfg, strategy, blueprint.data, None if in_shards else state)
     if in_shards:
         strategy.load_sharded(model, None, str(blueprint.checkpoint))
+    ema = EMA(settings, strategy.trained_parameters(model))
+    if settings.ema_eval:
+        ema.load(strategy, model, state, blueprint.checkpoint, in_shards)
     split = named_split(blueprint.data, cfg.split)
     batches = ValBatches(
         split,
@@ -146,9 +156,10 @@ def evaluate_split(
     )
     outputs = SampleOutputs() if cfg.predict else None
     precision = autocast(strategy.device_type, settings.precision)
-    figures = evaluate(
-        model, strategy, blueprint.task, batches, settings.eval_batch, precision, outputs
-    )
+    with ema.evaluated():
+        figures = evaluate(
+            model, strategy, blueprint.task, batches, settings.eval_batch, precision, outputs
+        )
     if outputs is not None:
         outputs.write(strategy, predictions_file(eval_dir), len(split))
     return figures, len(split)

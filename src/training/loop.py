@@ -299,10 +299,13 @@ class Evaluation:
         speed: Throughput,
         split: str = "val",
         counting: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        weights: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ):
-        """`counting`: a context for each evaluation, such as `TensorPeak.evaluation`."""
+        """`counting`: a context for each evaluation, such as `TensorPeak.evaluation`;
+        `weights`: one that puts the weights to score in the model (`EMA.evaluated`)."""
         self.trainer, self.strategy, self.task, self.speed = trainer, strategy, task, speed
         self.batches, self.split, self.counting = batches, split, counting
+        self.weights = weights
         self.figures: dict[str, float] = {"loss": math.nan}
 
     def due(self, step: int) -> bool:
@@ -319,7 +322,7 @@ class Evaluation:
     def run(
         self, step: int, model: torch.nn.Module, precision: Any, history: History
     ) -> dict[str, float]:
-        with self.speed.paused(), self.counting():
+        with self.speed.paused(), self.counting(), self.weights():
             self.figures = evaluate(
                 model, self.strategy, self.task, self.batches, self.trainer.eval_batch, precision
             )

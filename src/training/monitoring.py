@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -20,8 +21,9 @@ class Monitoring:
     evaluation steps) and improves on the best so far, the best checkpoint
     (`checkpoints/best/`); with `trainer.early_stop_patience` N, the stop after N values in a
     row without improvement, and the best weights kept in memory (a copy of this process's
-    share of the model) for the test pass to score. Every process sees the same all-reduced
-    value, so all of them write, count and stop alike."""
+    share of the model, as `evaluated` puts it there: the weight average under
+    trainer.ema_eval) for the test pass to score. Every process sees the same all-reduced value,
+    so all of them write, count and stop alike."""
 
     def __init__(
         self,
@@ -29,10 +31,12 @@ class Monitoring:
         strategy: TrainingStrategy,
         writer: CheckpointWriter,
         speed: Throughput,
+        evaluated: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ):
         self.metric, self.patience = trainer.monitor, trainer.early_stop_patience
         self.better = operator.lt if trainer.monitor_mode == "min" else operator.gt
         self.strategy, self.writer, self.speed = strategy, writer, speed
+        self.evaluated = evaluated
         self.saves = trainer.checkpoint  # trainer.checkpoint=false: the best is only tracked
         self.best_value: float | None = None
         self.best_step: int | None = None
@@ -61,14 +65,17 @@ class Monitoring:
                 if self.saves:
                     self.writer.save(model, optimizer, train_state(), best=True)
                 if self.patience:
-                    self.best_weights = weights_copy(self.strategy.unwrap(model))
+                    with self.evaluated():
+                        self.best_weights = weights_copy(self.strategy.unwrap(model))
             return False
         self.since_best += 1
         return 0 < self.patience <= self.since_best
 
     def restore_best(self, model: torch.nn.Module) -> None:
-        """Put the best weights back into `model` (early stopping kept them)."""
-        self.strategy.unwrap(model).load_state_dict(self.best_weights)
+        """Put the best weights back into `model` (early stopping kept them), where
+        `evaluated` puts the weights that evaluation scores."""
+        with self.evaluated():
+            self.strategy.unwrap(model).load_state_dict(self.best_weights)
 
     def stop_reason(self) -> str:
         return (

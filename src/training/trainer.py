@@ -7,10 +7,11 @@ the train state restored from the checkpoint to resume from, the tracker, the ba
 parts that decide when they are due (progress, evaluation, checkpointing). `train` is the loop,
 read top to bottom; leaving ends the tracker and the strategy's processes.
 
-A checkpoint holds model, optimizer and one train state, `Trainer.state_dict()`: the step (the
-data position too: batches are a function of seed and step), the RNG, fp16's loss scale, the
-tracker's run id, the config, and what rebuilds the model from it (the data's input shape and
-classes, the model's tied weights).
+A checkpoint holds model, optimizer, the weight average (trainer.ema_decay: `ema.py`) and one
+train state, `Trainer.state_dict()`: the step (the data position too: batches are a function of
+seed and step), the RNG, fp16's loss scale, the tracker's run id, the config, and what rebuilds
+the model from it (the data's input shape and classes, the model's tied weights and parameter
+names).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from src.training.build import (
     checkpoint_to_load,
     set_numerics,
 )
+from src.training.ema import EMA
 from src.training.inputs import input_batches, keep_on_device
 from src.training.loop import (
     Checkpointing,
@@ -101,6 +103,8 @@ class Trainer:
         self.model_description = {
             "model_args": {"input_shape": list(data.input_shape), "num_classes": data.num_classes},
             "tied_keys": tied_keys(self.blueprint.meta_model),
+            # The weight average's parameter indices name these (`export.averaged_weights`).
+            "parameter_keys": [name for name, _ in self.blueprint.meta_model.named_parameters()],
             # A sharded checkpoint's tensors read back in the order its ranks wrote them.
             "state_dict_keys": list(self.blueprint.meta_model.state_dict()),
         }
@@ -138,7 +142,7 @@ class Trainer:
         data = blueprint.data
         if not cfg.data.augment:  # augmented samples are made on the host, by the loader
             data = keep_on_device(data, strategy.devices[0])
-        self.model, self.optimizer, state = self.build_model_and_optimizer()
+        self.model, self.optimizer, self.ema, state = self.build_model_and_optimizer()
         if cfg.trainer.compile:
             self.task = CompiledSums(self.task)
         self.stepper = Stepper(self.settings, strategy, self.model, self.optimizer)
@@ -166,11 +170,13 @@ class Trainer:
             tokens_per_sample(blueprint.data.train),
         )
         self.progress = Progress(settings, strategy, self.task, self.speed)
-        counting = self.tensor_peak.evaluation
+        counting, evaluated = self.tensor_peak.evaluation, self.ema.evaluated
         self.evaluation = Evaluation(
-            settings, strategy, self.task, self.val, self.speed, counting=counting
+            settings, strategy, self.task, self.val, self.speed, "val", counting, evaluated
         )
-        self.testing = Evaluation(settings, strategy, self.task, self.test, self.speed, "test")
+        self.testing = Evaluation(
+            settings, strategy, self.task, self.test, self.speed, "test", weights=evaluated
+        )
         writer = CheckpointWriter(
             self.run_dir,
             strategy,
@@ -178,37 +184,40 @@ class Trainer:
             settings.keep_checkpoints,
             settings.async_checkpoint,
             settings.checkpoint_errors,
+            self.ema.saved(),
         )
         self.checkpointing = Checkpointing(
             writer, settings.checkpoint_every, self.speed, self.step, settings.checkpoint
         )
-        self.monitoring = Monitoring(settings, strategy, writer, self.speed)
+        self.monitoring = Monitoring(settings, strategy, writer, self.speed, evaluated)
         if state is not None and state.get("monitor"):  # the train state's, which older
             self.monitoring.load_state_dict(state["monitor"])  # checkpoints lack
 
     def build_model_and_optimizer(
         self,
-    ) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any] | None]:
+    ) -> tuple[nn.Module, torch.optim.Optimizer, EMA, dict[str, Any] | None]:
         """The model (seeded, so every strategy starts from single's weights, or from
-        trainer.init_from's), wrapped by the strategy, and its optimizer, both restored from the
-        checkpoint to resume from; with that checkpoint's train state (None when starting
-        afresh)."""
+        trainer.init_from's), wrapped by the strategy, its optimizer and its weight average, all
+        restored from the checkpoint to resume from; with that checkpoint's train state (None
+        when starting afresh)."""
         cfg, strategy, blueprint = self.cfg, self.strategy, self.blueprint
         state, in_shards = checkpoint_to_load(blueprint, strategy)
         model = build_wrapped_model(
             cfg, strategy, blueprint.data, None if in_shards else state, blueprint.init_from
         )
         optimizer = build_optimizer(cfg.optimizer, strategy.trained_parameters(model))
+        ema = EMA(self.settings, strategy.trained_parameters(model))
         if state is None:
             if cfg.trainer.resume and strategy.is_main:
                 run_dir = self.run_dir
                 log.info("trainer.resume=auto: no checkpoint in %s yet, starting afresh", run_dir)
-            return model, optimizer, None
+            return model, optimizer, ema, None
         if in_shards:
             strategy.load_sharded(model, optimizer, str(blueprint.checkpoint))
         else:
             strategy.load_optimizer_state_dict(model, optimizer, state["optimizer"])
-        return model, optimizer, state
+        ema.load(strategy, model, state, blueprint.checkpoint, in_shards)
+        return model, optimizer, ema, state
 
     def state_dict(self) -> dict[str, Any]:
         """The train state a checkpoint holds besides model and optimizer."""
@@ -264,6 +273,8 @@ class Trainer:
                         stepper.scaling,
                     )
                     updated = stepper.update(step, lr, step_sums)
+                    if updated:
+                        self.ema.update()
                 if updated:
                     self.progress.add(step_sums, targets)
                 self.speed.step_done(strategy, self.batches.take_wait())
