@@ -61,11 +61,12 @@ def run_sample(cfg: DictConfig) -> list[str]:
     prompt = prompt_ids(cfg.prompt, tokenizer, data.num_classes)
     strategy.setup()
     try:
-        samples = generated(cfg, strategy, blueprint, prompt, sampling)
+        samples, speed = generated(cfg, strategy, blueprint, prompt, sampling)
     finally:
         strategy.teardown()
     texts = [tokenizer.decode(ids) if tokenizer else " ".join(map(str, ids)) for ids in samples]
     print(f"\n{SEPARATOR}\n".join(texts), flush=True)
+    log.info("%s", speed)
     return texts
 
 
@@ -112,9 +113,9 @@ def prompt_ids(prompt: str, tokenizer: Tokenizer | None, vocab: int) -> list[int
 
 def generated(
     cfg: DictConfig, strategy: Strategy, blueprint: Blueprint, prompt: list[int], sampling: Sampling
-) -> list[list[int]]:
-    """The prompt and its continuations, token ids, `cfg.num_samples` of them; the speed
-    logged."""
+) -> tuple[list[list[int]], str]:
+    """The prompt and its continuations, token ids, `cfg.num_samples` of them, and the speed
+    they were made at."""
     model = restored_model(cfg, strategy, blueprint).eval()
     device = strategy.devices[0]
     prompts = torch.tensor([prompt] * cfg.num_samples, device=device)
@@ -135,13 +136,8 @@ def generated(
     seconds = time.perf_counter() - start
     made = cfg.num_samples * sampling.max_new_tokens
     way = "key/value cache" if cfg.cache and hasattr(model, "new_cache") else "no cache"
-    log.info(
-        "%d sample(s) x %d tokens in %.2f s: %.1f tokens/s (%s, %s)",
-        cfg.num_samples,
-        sampling.max_new_tokens,
-        seconds,
-        made / seconds,
-        way,
-        device,
+    speed = (
+        f"{cfg.num_samples} sample(s) x {sampling.max_new_tokens} tokens in {seconds:.2f} s: "
+        f"{made / seconds:.1f} tokens/s ({way}, {device})"
     )
-    return tokens.tolist()
+    return tokens.tolist(), speed
