@@ -16,6 +16,7 @@ from hydra import compose, initialize_config_dir
 
 from src.checkpoint.export import export
 from src.components.generation import Sampling, generate
+from src.components.hf import causal_lm
 from src.components.models import GPT, Transformer
 from src.components.tasks import LanguageModel
 from src.components.tokenizer import CharTokenizer, load_tokenizer
@@ -42,13 +43,16 @@ def transformers_greedy(folder: Path, prompts: torch.Tensor, new_tokens: int) ->
     )
 
 
-def random_model(model_class: type) -> torch.nn.Module:
+def random_model(kind: str) -> torch.nn.Module:
     """A model of TINY_GPT_SGD's shapes with weights large enough that the tokens vary."""
     torch.manual_seed(0)
-    if model_class is GPT:
+    if kind == "gpt":
         model = GPT((SEQ_LEN,), VOCAB, n_layer=2, n_head=2, n_embd=32)
-    else:
+    elif kind == "transformer":
         model = Transformer((SEQ_LEN,), VOCAB, hidden=32, depth=2, heads=2)
+    else:  # transformers' Llama, with its own cache
+        sizes = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+        model = causal_lm((SEQ_LEN,), VOCAB, "llama", {**sizes, "intermediate_size": 64})
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.normal_(0, 0.3)
@@ -80,7 +84,7 @@ def test_greedy_sample_py_gives_transformers_generate_s_tokens(tmp_path):
 
 
 def test_greedy_decoding_matches_transformers_on_random_weights(tmp_path):
-    model = random_model(GPT)
+    model = random_model("gpt")
     model.save_pretrained(tmp_path)
     prompts = torch.tensor([[3, 1, 4], [1, 5, 9]])
 
@@ -89,12 +93,12 @@ def test_greedy_decoding_matches_transformers_on_random_weights(tmp_path):
     assert ours.tolist() == transformers_greedy(tmp_path, prompts, 5).tolist()
 
 
-@pytest.mark.parametrize("model_class", [GPT, Transformer])
+@pytest.mark.parametrize("kind", ["gpt", "transformer", "hf_llama"])
 @pytest.mark.parametrize(
     "sampling", [Sampling(20, 0, None), Sampling(20, 0.8, 5)], ids=["greedy", "sampled"]
 )
-def test_the_cache_changes_no_token_past_the_model_s_positions_too(model_class, sampling):
-    model = random_model(model_class)
+def test_the_cache_changes_no_token_past_the_model_s_positions_too(kind, sampling):
+    model = random_model(kind)
     prompts = torch.tensor([[3, 1, 4], [1, 5, 9]])
     tokens = {}
     for cached in (True, False):

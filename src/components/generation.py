@@ -2,9 +2,10 @@
 them: the most likely (`temperature` 0: greedy), or drawn from the softmax of the logits over
 `temperature`, among the `top_k` most likely.
 
-A model with `new_cache` and `decode` (`models.CachedDecoding`: gpt, transformer) keeps each
-layer's keys and values in a cache, so a new token costs one token's compute; any other model
-(transformers', moe) runs its whole context again for each token. Past the model's positions the
+A model with `new_cache` and `decode` (`models.CachedDecoding`: gpt, transformer; transformers'
+models, with their own cache: `hf.py`) keeps each layer's keys and values in a cache, so a new
+token costs one token's compute; any other model (moe) runs its whole context again for each
+token. Past the model's positions the
 context is cropped to its last `context` tokens (nanoGPT's way): every position then moves, so the
 cache starts again from the cropped context, and both ways give the same tokens.
 """
@@ -38,18 +39,18 @@ def generate(
     """`prompt` (batch, tokens) followed by `sampling.max_new_tokens` tokens, each chosen from
     the model's logits (`logits_of` its outputs) after at most `context` tokens before it.
     `cached`: with a key/value cache where the model has one."""
-    cache = model.new_cache(len(prompt)) if cached and hasattr(model, "new_cache") else None
-    tokens = prompt
+    cached = cached and hasattr(model, "new_cache")
+    tokens, cache, seen = prompt, None, 0  # `seen`: the tokens in the cache
     for _ in range(sampling.max_new_tokens):
         window = tokens[:, -context:]
-        if cache is None:
-            logits = logits_of(model(window))[:, -1]
+        if not cached:
+            logits = logits_of(model(window))
         else:
-            if tokens.shape[1] > context:  # cropped: each cached token has a new position
-                for layer in cache:
-                    layer.length = 0
-            logits = model.decode(window[:, cache[0].length :], cache)[:, -1]
-        tokens = torch.cat([tokens, next_tokens(logits, sampling)], dim=1)
+            if cache is None or tokens.shape[1] > context:  # cropped: every position moved
+                cache, seen = model.new_cache(len(tokens)), 0
+            logits = logits_of(model.decode(window[:, seen:], cache))
+            seen = window.shape[1]
+        tokens = torch.cat([tokens, next_tokens(logits[:, -1], sampling)], dim=1)
     return tokens
 
 
