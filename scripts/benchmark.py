@@ -68,6 +68,11 @@ out of both.
                     the peak tensor memory of a forward and backward pass under each (torch's
                     own count of tensor memory, MemTracker, on CPU; the CUDA allocator's peak on
                     a GPU)
+    sample          sample.py's decoding (the GPT's key/value cache) / transformers' `generate`
+                    with its cache, on the same weights (exported in the HF format) and device:
+                    new tokens/s (the samples/s column; ms/step: ms per token), one sequence,
+                    --steps tokens after a 16-token prompt; gpt2_124m's shape on a GPU, 4 blocks
+                    256 wide on a CPU (there try --steps 100)
     startup         wall time of a one-step `python train.py` (single, and ddp x2 on CPU) over
                     that of `python -c "import torch"`: what a sweep of short jobs pays per job;
                     and over its floor: `plain step` (import torch, one SGD step of a Linear),
@@ -127,6 +132,7 @@ from benchmarks.long_context_and_experts import (  # noqa: E402
     template_ep,
 )
 from benchmarks.plan_accuracy import plan_accuracy  # noqa: E402
+from benchmarks.sampling import SAMPLE_BATCH, template_sample, transformers_sample  # noqa: E402
 from benchmarks.startup import startup  # noqa: E402
 from benchmarks.template_options import (  # noqa: E402
     TRANSFORMER_BATCH_SIZE,
@@ -189,6 +195,7 @@ COMPARISONS: dict[str, tuple[tuple[str, Run], tuple[str, Run]]] = {
     "tp": (("tp 2", template_tp), ("ddp 2", template_ddp_beside_tp)),
     "cp": (("cp 2", template_cp), ("ddp 2", template_ddp_beside_cp)),
     "ep": (("ep 2", template_ep), ("ddp 2", template_ddp_beside_ep)),
+    "sample": (("template", template_sample), ("transformers", transformers_sample)),
     "loader": (
         ("2 workers", lambda steps: loader_speed(steps, 2)),
         ("0 workers", lambda steps: loader_speed(steps, 0)),
@@ -214,6 +221,7 @@ def batch_size(name: str) -> int:
         return compose_config(*gpt2_workload()).trainer.batch_size
     own = {"overhead": OVERHEAD_BATCH_SIZE, "resnet": RESNET_BATCH_SIZE}
     own |= {"cp": CP_BATCH_SIZE, "ep": EP_BATCH_SIZE, "hf": HF_BATCH_SIZE, "hf_ddp": HF_BATCH_SIZE}
+    own |= {"sample": SAMPLE_BATCH}
     own |= dict.fromkeys(TRANSFORMER_COMPARISONS, TRANSFORMER_BATCH_SIZE)
     return own.get(name, BATCH_SIZE)
 

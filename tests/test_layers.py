@@ -1,5 +1,5 @@
 """The folders of src/ are layers: each imports only from its own layer and the ones below it,
-there are no import circles, and only the entry points (train.py, eval.py, plan.py,
+there are no import circles, and only the entry points (train.py, eval.py, sample.py, plan.py,
 hydra_plugins/) import launch/. Imports are read with ast, the ones inside functions included."""
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def imported_modules(path: Path, known: set[str]) -> set[str]:
 
 
 def project_graph() -> dict[str, set[str]]:
-    files = [*(ROOT / "src").rglob("*.py"), ROOT / "train.py", ROOT / "eval.py", ROOT / "plan.py"]
+    entry_points = [ROOT / f"{name}.py" for name in ("train", "eval", "sample", "plan")]
+    files = [*(ROOT / "src").rglob("*.py"), *entry_points]
     files += (ROOT / "hydra_plugins").rglob("*.py")
     modules = {module_name(path): path for path in files}
     return {name: imported_modules(path, set(modules)) for name, path in modules.items()}
@@ -76,7 +77,7 @@ def test_only_the_entry_points_import_launch():
         if any(layer(target) == "launch" for target in targets) and layer(module) != "launch"
     }
     plugins = {m for m in importers if m.startswith("hydra_plugins")}
-    assert importers <= {"train", "eval", "plan", *plugins}
+    assert importers <= {"train", "eval", "sample", "plan", *plugins}
 
 
 def test_runtime_and_config_import_nothing_from_the_project_above_them():

@@ -127,4 +127,16 @@ def logits_class(model_class: type[nn.Module]) -> type[nn.Module]:
 
     signature = inspect.signature(model_class.forward)
     forward.__signature__ = signature.replace(return_annotation=torch.Tensor)
-    return type(model_class.__name__, (model_class,), {"forward": forward})
+    methods = {"forward": forward, "new_cache": new_cache, "decode": decode}
+    return type(model_class.__name__, (model_class,), methods)
+
+
+# Generation (`components/generation.py`) with transformers' own key/value cache.
+def new_cache(self: nn.Module, batch: int) -> Any:
+    """An empty cache of the model's own kind (`batch` is the first input's)."""
+    return transformers_module().DynamicCache(config=self.config)
+
+
+def decode(self: nn.Module, tokens: torch.Tensor, cache: Any) -> torch.Tensor:
+    """The logits of `tokens`, which follow those in `cache` (at the places after them)."""
+    return self(tokens, past_key_values=cache, use_cache=True)

@@ -99,9 +99,29 @@ class TokenEmbedding(nn.Module):
         # strategy that gives a process some of a sequence's tokens gives it their places too.
         self.register_buffer("positions", torch.arange(seq_len), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        embedded = self.token(tokens) + self.position(self.positions[: tokens.shape[1]])
-        return self.dropout(embedded)
+    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """`start`: the place of the first token (generation's, after the tokens it cached)."""
+        places = self.positions[start : start + tokens.shape[1]]
+        return self.dropout(self.token(tokens) + self.position(places))
+
+
+class KeyValueCache:
+    """One attention layer's keys and values of the tokens a generation has seen so far, in room
+    for `capacity` tokens (the model's positions): each new token attends to them instead of
+    computing them again. Generation only: training never passes one."""
+
+    def __init__(self, batch: int, heads: int, capacity: int, head_width: int, like: torch.Tensor):
+        shape = (batch, heads, capacity, head_width)
+        self.keys = like.new_empty(shape)
+        self.values = like.new_empty(shape)
+        self.length = 0
+
+    def extended(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The cached keys and values followed by these (batch, heads, tokens, head_width)."""
+        start, self.length = self.length, self.length + keys.shape[2]
+        self.keys[:, :, start : self.length] = keys
+        self.values[:, :, start : self.length] = values
+        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
 
 class CausalSelfAttention(nn.Module):
@@ -119,14 +139,23 @@ class CausalSelfAttention(nn.Module):
         self.attention_dropout = dropout
         self.output_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KeyValueCache | None = None) -> torch.Tensor:
+        """`cache`: generation's, which `x` (all of the prompt, or one new token) extends."""
         # As many heads as qkv's output holds: all of them here, a share of them when its rows
         # are split (each share's q, k and v rows together).
         batch, length, _ = x.shape
         qkv = self.qkv(x).view(batch, length, 3, -1, self.head_width)
         q, k, v = qkv.transpose(1, 3).unbind(2)
         dropout_p = self.attention_dropout if self.training else 0.0
-        y = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        causal = True
+        if cache is not None:
+            if cache.length and length > 1:
+                raise ValueError("a cache is extended by the whole prompt, then one token a call")
+            causal = not cache.length  # one new token attends to every token before it
+            k, v = cache.extended(k, v)
+        y = nn.functional.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p, is_causal=causal
+        )
         return self.output_dropout(self.proj(y.transpose(1, 2).reshape(batch, length, -1)))
 
 
@@ -149,8 +178,9 @@ class TransformerBlock(nn.Module):
             nn.Dropout(dropout),
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.norm1(x))
+    def forward(self, x: torch.Tensor, cache: KeyValueCache | None = None) -> torch.Tensor:
+        # `cache` by keyword: tensor parallel's input hooks on `attention` take its one input.
+        x = x + self.attention(self.norm1(x), cache=cache)
         return x + self.mlp(self.norm2(x))
 
     def residual_projections(self) -> tuple[nn.Linear, nn.Linear]:
@@ -181,7 +211,29 @@ def init_like_gpt2(model: nn.Module) -> None:
             nn.init.normal_(projection.weight, std=GPT2_STD / math.sqrt(2 * len(blocks)))
 
 
-class Transformer(nn.Sequential):
+class CachedDecoding:
+    """Generation with a key/value cache for a stack of `TokenEmbedding`, `TransformerBlock`s
+    and a head (`Transformer`, `GPT`); its `forward` (training's) stays nn.Sequential's."""
+
+    def new_cache(self: Any, batch: int) -> list[KeyValueCache]:
+        """An empty cache per block, for `batch` sequences of up to the model's positions."""
+        embedding, *blocks, _ = self
+        capacity, weight = len(embedding.positions), embedding.token.weight
+        return [
+            KeyValueCache(batch, b.attention.heads, capacity, b.attention.head_width, weight)
+            for b in blocks
+        ]
+
+    def decode(self: Any, tokens: torch.Tensor, cache: list[KeyValueCache]) -> torch.Tensor:
+        """The logits of `tokens` (batch, new tokens), which follow those in `cache`."""
+        embedding, *blocks, head = self
+        x = embedding(tokens, start=cache[0].length)
+        for block, layer_cache in zip(blocks, cache, strict=True):
+            x = block(x, cache=layer_cache)
+        return head(x)
+
+
+class Transformer(CachedDecoding, nn.Sequential):
     """A tiny causal language model: embedding, `depth` pre-norm blocks, norm + vocabulary head,
     initialised as GPT-2 (`init_like_gpt2`).
 
@@ -216,7 +268,7 @@ def padded_vocab(num_classes: int, vocab_multiple: int) -> int:
     return -(-num_classes // vocab_multiple) * vocab_multiple
 
 
-class GPT(nn.Sequential):
+class GPT(CachedDecoding, nn.Sequential):
     """A GPT-2-style decoder: token + position embedding, `n_layer` pre-norm blocks of `n_head`
     heads, final norm and a bias-free vocabulary head, with the head's weight tied to the token
     embedding when `tie_weights`, initialised as GPT-2 (`init_like_gpt2`). Input: token ids

@@ -90,6 +90,11 @@ class LanguageModel(Classification):
     the loss (what training minimises) and logged on its own as aux_loss, both means over the
     tokens."""
 
+    @staticmethod
+    def logits(outputs: Any) -> torch.Tensor:
+        """The (batch, seq, vocab) logits of a model's outputs, without any aux loss."""
+        return outputs[0] if isinstance(outputs, tuple) else outputs
+
     def check(self, outputs: Any, targets: torch.Tensor, num_classes: int) -> str | None:
         if isinstance(outputs, tuple) and len(outputs) == 2:
             logits, aux_loss = outputs

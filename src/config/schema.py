@@ -1,4 +1,5 @@
-"""The root schemas (`conf/config.yaml`'s and `conf/eval.yaml`'s) and their registration.
+"""The root schemas (`conf/config.yaml`'s, `conf/eval.yaml`'s and `conf/sample.yaml`'s) and their
+registration.
 
 Each YAML file under `conf/` starts from a typed schema, so Hydra rejects a misspelt key or a value
 of the wrong type (`trainer.max_steps=abc`) with its own message before any work starts. Each
@@ -84,6 +85,30 @@ class EvalConfig(Config):
     """Also write the model's outputs for every sample of the split to predictions.pt."""
 
 
+@dataclass
+class SampleConfig(Config):
+    """`python sample.py`'s own settings; the others are the sampled run's (`SAVED_RUN`)."""
+
+    ckpt_path: str = MISSING
+    """As eval.py's: a run folder, a checkpoint folder, `best` / `last`, or an exported file."""
+    run_dir: str | None = None
+    """The run whose `best` / `last` checkpoint to sample from; None: the newest in outputs/."""
+    prompt: str = ""
+    """The text the samples continue (`FILE:<path>`: the text of that file); token ids separated
+    by spaces for a run without a tokenizer (synthetic tokens). Empty: the end-of-text token."""
+    max_new_tokens: int = 200
+    """Tokens generated after the prompt; past the model's positions the context is cropped."""
+    temperature: float = 0.8
+    """The logits are divided by it before the softmax; 0: greedy (the most likely token)."""
+    top_k: int | None = 200
+    """Draw among the k most likely tokens only; None: among all."""
+    num_samples: int = 3
+    """Samples of the prompt, generated together (a batch)."""
+    cache: bool = True
+    """Keep the keys and values of the tokens seen (model=gpt, transformer); false: compute the
+    whole context again for each token, as any other model does."""
+
+
 # The option of each group that `eval.py` stores from the evaluated checkpoint's config
 # (`store_saved_run`); `parallel` is eval.py's own: any layout reads any checkpoint.
 SAVED_RUN = "saved_run"
@@ -136,6 +161,7 @@ def register_configs() -> None:
     store = ConfigStore.instance()
     store.store(name="config_schema", node=Config)
     store.store(name="eval_schema", node=EvalConfig)
+    store.store(name="sample_schema", node=SampleConfig)
     for group, schemas in SCHEMAS.items():
         for name, schema in schemas.items():
             store.store(group=f"schema/{group}", name=name, node=schema)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
+from torch import nn
 from torch.utils.data import Dataset
 
 from src.checkpoint.export import load_weights
@@ -68,7 +69,14 @@ def eval_blueprint(cfg: DictConfig, strategy: Strategy) -> Blueprint:
     evaluate and the checkpoint, which must hold this model."""
     data, task, model = build_checked_parts(cfg, strategy)
     named_split(data, cfg.split)
-    checkpoint = Path(cfg.ckpt_path)
+    return checkpoint_blueprint(data, task, model, Path(cfg.ckpt_path), "evaluate")
+
+
+def checkpoint_blueprint(
+    data: Data, task: Any, model: nn.Module, checkpoint: Path, use: str
+) -> Blueprint:
+    """The blueprint of the checkpoint (or exported weights file) `checkpoint`, checked to hold
+    `model` (on the meta device); `use`: what the command does with it, for the remedy."""
     if checkpoint.is_file():  # an exported weights file: the model's tensors, no step
         saved = {"model": load_weights(checkpoint), "step": None}
         remedy = "give the model (and data=...) it was trained with"
@@ -76,7 +84,7 @@ def eval_blueprint(cfg: DictConfig, strategy: Strategy) -> Blueprint:
     else:
         saved = load_checkpoint(checkpoint, mmap=True)
         check_same_model(
-            saved, checkpoint, model, "ckpt_path", "evaluate it with the run's model settings"
+            saved, checkpoint, model, "ckpt_path", f"{use} it with the run's model settings"
         )
     if cfg.trainer.ema_eval and not holds_average(saved):
         raise ConfigError(
@@ -138,14 +146,7 @@ def evaluate_split(
     """The task's figures over the split (all processes together), and its number of samples;
     with `predict`, the outputs written too."""
     settings = typed(TrainerConfig, cfg.trainer)
-    set_numerics(cfg.trainer, strategy.device_type)
-    state, in_shards = checkpoint_to_load(blueprint, strategy)
-    model = build_wrapped_model(cfg, strategy, blueprint.data, None if in_shards else state)
-    if in_shards:
-        strategy.load_sharded(model, None, str(blueprint.checkpoint))
-    ema = EMA(settings, strategy.trained_parameters(model))
-    if settings.ema_eval:
-        ema.load(strategy, model, state, blueprint.checkpoint, in_shards)
+    model = restored_model(cfg, strategy, blueprint)
     split = named_split(blueprint.data, cfg.split)
     batches = ValBatches(
         split,
@@ -156,10 +157,24 @@ def evaluate_split(
     )
     outputs = SampleOutputs() if cfg.predict else None
     precision = autocast(strategy.device_type, settings.precision)
-    with ema.evaluated():
-        figures = evaluate(
-            model, strategy, blueprint.task, batches, settings.eval_batch, precision, outputs
-        )
+    figures = evaluate(
+        model, strategy, blueprint.task, batches, settings.eval_batch, precision, outputs
+    )
     if outputs is not None:
         outputs.write(strategy, predictions_file(eval_dir), len(split))
     return figures, len(split)
+
+
+def restored_model(cfg: DictConfig, strategy: Strategy, blueprint: Blueprint) -> nn.Module:
+    """The checkpoint's model, wrapped by the (set up) `strategy`, whatever layout saved it;
+    holding the checkpoint's weight average under trainer.ema_eval."""
+    set_numerics(cfg.trainer, strategy.device_type)
+    state, in_shards = checkpoint_to_load(blueprint, strategy)
+    model = build_wrapped_model(cfg, strategy, blueprint.data, None if in_shards else state)
+    if in_shards:
+        strategy.load_sharded(model, None, str(blueprint.checkpoint))
+    if cfg.trainer.ema_eval:
+        ema = EMA(typed(TrainerConfig, cfg.trainer), strategy.trained_parameters(model))
+        ema.load(strategy, model, state, blueprint.checkpoint, in_shards)
+        ema.averaged.swap()  # the model keeps the average: nothing swaps it back
+    return model
