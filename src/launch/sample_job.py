@@ -55,9 +55,8 @@ def run_sample(cfg: DictConfig) -> list[str]:
             f"a {type(meta_model).__name__} for {type(task).__name__.lower()}: it has no next "
             "token to generate"
         )
-    checkpoint = Path(cfg.ckpt_path)
-    blueprint = checkpoint_blueprint(data, task, meta_model, checkpoint, "sample from")
-    tokenizer = saved_tokenizer(checkpoint)
+    blueprint = checkpoint_blueprint(cfg, data, task, meta_model, "sample from")
+    tokenizer = saved_tokenizer(blueprint.checkpoint)
     prompt = prompt_ids(cfg.prompt, tokenizer, data.num_classes)
     strategy.setup()
     try:

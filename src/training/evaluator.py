@@ -69,14 +69,16 @@ def eval_blueprint(cfg: DictConfig, strategy: Strategy) -> Blueprint:
     evaluate and the checkpoint, which must hold this model."""
     data, task, model = build_checked_parts(cfg, strategy)
     named_split(data, cfg.split)
-    return checkpoint_blueprint(data, task, model, Path(cfg.ckpt_path), "evaluate")
+    return checkpoint_blueprint(cfg, data, task, model, "evaluate")
 
 
 def checkpoint_blueprint(
-    data: Data, task: Any, model: nn.Module, checkpoint: Path, use: str
+    cfg: DictConfig, data: Data, task: Any, model: nn.Module, use: str
 ) -> Blueprint:
-    """The blueprint of the checkpoint (or exported weights file) `checkpoint`, checked to hold
-    `model` (on the meta device); `use`: what the command does with it, for the remedy."""
+    """The blueprint of the checkpoint (or exported weights file) cfg.ckpt_path, checked to hold
+    `model` (on the meta device) and, under trainer.ema_eval, a weight average; `use`: what the
+    command does with it, for the remedy."""
+    checkpoint = Path(cfg.ckpt_path)
     if checkpoint.is_file():  # an exported weights file: the model's tensors, no step
         saved = {"model": load_weights(checkpoint), "step": None}
         remedy = "give the model (and data=...) it was trained with"
