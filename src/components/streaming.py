@@ -176,9 +176,10 @@ class TokenStream(Stream):
         """The texts of stream `stream`'s documents from its `first` on."""
         from datasets.distributed import split_dataset_by_node
 
-        training = self.records.dataset.skip(self.skipped)
-        dealt = split_dataset_by_node(training, stream, self.streams, strategy="examples")
-        return self.records.texts(dealt.skip(first))
+        # Skipped before it is dealt (datasets applies a skip after the deal before it too).
+        rest = self.records.dataset.skip(self.skipped + first * self.streams)
+        dealt = split_dataset_by_node(rest, stream, self.streams, strategy="examples")
+        return self.records.texts(dealt)
 
     def batches(
         self,
