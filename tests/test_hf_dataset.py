@@ -19,7 +19,7 @@ from helpers import (
     assert_same_training,
     resumed_sweep_runs,
     shared_run,
-    strategy_runs,
+    sweep_runs,
 )
 
 from src.components.streaming import hf_dataset
@@ -98,7 +98,11 @@ RUN = (
 
 
 def runs() -> dict[str, Path]:
-    return strategy_runs(*RUN, f"data.path={records()}", strategies=("ddp",))
+    """ddp's run and single's, in one sweep. ddp's job goes first: its ranks' server is then
+    forked from the sweep's process before any job has read through `datasets` (whose threads
+    would leave a new interpreter to start it)."""
+    jobs = sweep_runs(*RUN, f"data.path={records()}", "parallel=ddp,single")
+    return {key.removeprefix("parallel="): run_dir for key, run_dir in jobs.items()}
 
 
 @pytest.mark.equivalence
@@ -114,6 +118,6 @@ def test_a_resumed_stream_reads_on_exactly_under_single_and_ddp(strategy):
         "parallel=ddp": fresh["single"] / "checkpoints" / "step-000003",
     }
     resumed = resumed_sweep_runs(
-        *RUN, f"data.path={records()}", "parallel=single,ddp", resume=saved
+        *RUN, f"data.path={records()}", "parallel=ddp,single", resume=saved
     )
     assert_goes_on_exactly(fresh["single"], resumed[f"parallel={strategy}"], [4, 5, 6])
