@@ -11,6 +11,9 @@ the message reaches the user.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+
 import pytest
 import torch
 from helpers import TINY, needs_gpus, pretend_gpus, reference_run, run_train
@@ -38,6 +41,12 @@ NEEDS_GPU_WITHOUT_BF16 = pytest.mark.skipif(
 # {gpt2} and {llama} transformers folders (`files`). data=text on the text file the `files`
 # fixture writes (char: its 11 characters and the end-of-text token).
 TEXT = ("model=gpt", "data=text", "data.path={text}", "data.tokenizer=char", "data.seq_len=4")
+# data=hf_dataset on the records the `files` fixture writes (`records`: 20 short documents).
+STREAM = ("model=gpt", "data=hf_dataset", "data.tokenizer=char", "data.seq_len=4")
+STREAM_RECORDS = (*STREAM, "data.path={records}", "data.val_documents=2", "data.test_documents=2")
+NEEDS_DATASETS = pytest.mark.skipif(
+    importlib.util.find_spec("datasets") is None, reason="needs datasets (requirements-dev.txt)"
+)
 ROWS = [
     pytest.param(
         ["parallel=nosuch"],
@@ -714,6 +723,29 @@ ROWS = [
         id="vocabulary-over-the-model-s",
     ),
     pytest.param(
+        [*STREAM, "data.path={no_text}/nosuch"],
+        CHECK,
+        "no-text/nosuch: no such file or folder (a data set on the hub is named owner/name)",
+        id="stream-without-path",
+        marks=NEEDS_DATASETS,
+    ),
+    pytest.param(
+        [*STREAM, "data.path={jsonl}"],
+        CHECK,
+        "records.jsonl has no such text field (its fields: body); name the field that holds "
+        "the text",
+        id="stream-without-text-field",
+        marks=NEEDS_DATASETS,
+    ),
+    pytest.param(
+        [*STREAM_RECORDS, "parallel=ddp", "parallel.devices=3", "data.streams=2"],
+        CHECK,
+        "data.streams=2 cannot be shared by 3 data-parallel processes: set data.streams to a "
+        "multiple of 3",
+        id="stream-over-other-processes",
+        marks=NEEDS_DATASETS,
+    ),
+    pytest.param(
         ["optimizer.schedule_steps=0"],
         CHECK,
         "optimizer.schedule_steps must be at least 1, or null for trainer.max_steps; got 0",
@@ -748,6 +780,8 @@ def files(tmp_path, monkeypatch):
     text.write_text("the cat sat on a mat. " * 50)
     jsonl = tmp_path / "records.jsonl"
     jsonl.write_text('{"body": "no text field"}\n')
+    records = tmp_path / "records-to-stream.jsonl"
+    records.write_text("".join(f'{{"text": "the cat sat on mat {i}"}}\n' for i in range(20)))
     no_text = tmp_path / "no-text"
     no_text.mkdir()
     (no_text / "notes.md").write_text("not one of the text formats")
@@ -765,6 +799,7 @@ def files(tmp_path, monkeypatch):
     return {
         "text": text,
         "jsonl": jsonl,
+        "records": records,
         "no_text": no_text,
         "finished": finished,
         "truncated": truncated,
@@ -791,6 +826,15 @@ def test_bad_input_is_refused_before_any_work(
     assert message in str(refused.value)
     assert "\n" not in str(refused.value)
     assert not run_dir.exists(), "a refused run wrote files"
+
+
+def test_a_stream_without_datasets_names_the_package(tmp_path, files, compose_config, monkeypatch):
+    """data=hf_dataset where `datasets` is not installed (an import of it fails): one line."""
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    overrides = with_overrides(TINY, [override.format(**files) for override in STREAM_RECORDS])
+    with pytest.raises(ConfigError) as refused:
+        check_config(compose_config(*overrides), tmp_path / "run")
+    assert str(refused.value) == "data=hf_dataset needs datasets: pip install datasets"
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from src.components import batches
 from src.components.batches import Tree
-from src.components.data import Batch, Split
+from src.components.data import Batch, Split, Stream
 
 
 def batches_per_epoch(num_samples: int, batch_size: int) -> int:
@@ -161,17 +161,21 @@ def augmentation(seed: int) -> Callable[[Batch, int, int], Batch]:
 
 
 def train_batches(
-    dataset: Split | Dataset,
+    dataset: Split | Dataset | Stream,
     batch_size: int,
     seed: int,
     rank: int,
     world_size: int,
     start_batch: int = 0,
     loading: Loading = Loading(),
+    position: dict[int, list[int]] | None = None,
 ) -> Iterator[Batch]:
     """Endless training batches for `rank` in `train_order`. An in-memory split is indexed where
     it lives (on a GPU: no copy per step); any other set, or an augmented one, goes through a
-    DataLoader whose batch sampler is that order."""
+    DataLoader whose batch sampler is that order. A stream is read in its own order, in this
+    process, from `position` (a checkpoint's; None: its start)."""
+    if isinstance(dataset, Stream):
+        return dataset.batches(batch_size, rank, world_size, start_batch, position)
     if isinstance(dataset, Split) and loading.augment is None:
         order = train_order(
             len(dataset), batch_size, seed, rank, world_size, start_batch, dataset.device

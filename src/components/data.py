@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -59,9 +60,45 @@ class Split:
         return Split(*batches.move((self.inputs, self.targets), device))
 
 
+class StreamReader(Iterator[Batch], ABC):
+    """A `Stream`'s training batches for one rank, and where it has got to."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[int, list[int]]:
+        """The position of each part of the stream this rank reads, after the last batch it
+        gave: what `Stream.batches` takes to go on from there."""
+
+
+class Stream(ABC):
+    """A training set read in order, from its start or a saved position: no length, no index.
+    Its batches for rank r of W at step k are its own business; together, the ranks' batches
+    at a step must be the batch a single process reads there."""
+
+    @abstractmethod
+    def batches(
+        self,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        start_batch: int,
+        position: dict[int, list[int]] | None,
+    ) -> StreamReader:
+        """Rank `rank`'s batches of `batch_size // world_size` samples from global batch
+        `start_batch` on, which `position` (the ranks' `StreamReader.state_dict`s merged) says
+        where to find; None: from the start."""
+
+    @abstractmethod
+    def check_shards(self, world_size: int) -> None:
+        """Raise a ValueError if `world_size` ranks cannot share the stream."""
+
+    def first(self, count: int) -> Batch:
+        """The stream's first `count` samples, batched."""
+        return next(self.batches(count, 0, 1, 0, None))
+
+
 @dataclass
 class Data:
-    train: Split | Dataset
+    train: Split | Dataset | Stream
     val: Split | Dataset
     """Watched while training (evaluation steps, the best checkpoint, early stopping)."""
     test: Split | Dataset | None
@@ -88,7 +125,10 @@ class Data:
         return all(isinstance(split, Split) for split in self.splits)
 
     def first_train_samples(self, count: int) -> Data:
-        """The same data, its training part cut to its first `count` samples."""
+        """The same data, its training part cut to its first `count` samples (a stream's, held
+        in memory)."""
+        if isinstance(self.train, Stream):
+            return replace(self, train=Split(*self.train.first(count)))
         if not 1 <= count <= len(self.train):
             raise ValueError(
                 f"data.train_samples must be between 1 and the {len(self.train)} training "
@@ -101,14 +141,16 @@ class Data:
         return replace(self, train=train)
 
 
-def first_samples(dataset: Split | Dataset, count: int) -> Batch:
+def first_samples(dataset: Split | Dataset | Stream, count: int) -> Batch:
     """The first `count` samples of a set, batched (on the host) as a DataLoader batches them."""
+    if isinstance(dataset, Stream):
+        return dataset.first(count)
     if isinstance(dataset, Split):
         return batches.move(dataset[:count], torch.device("cpu"))
     return batches.collate([dataset[index] for index in range(count)])
 
 
-def meta_samples(dataset: Split | Dataset, count: int) -> Batch:
+def meta_samples(dataset: Split | Dataset | Stream, count: int) -> Batch:
     """Inputs and targets shaped like `count` samples of the set, on the meta device."""
     return batches.meta_resized(first_samples(dataset, 1), count)
 
@@ -117,7 +159,7 @@ def meta_samples(dataset: Split | Dataset, count: int) -> Batch:
 TOKEN_DTYPES = (torch.int32, torch.int64)
 
 
-def tokens_per_sample(dataset: Split | Dataset) -> int | None:
+def tokens_per_sample(dataset: Split | Dataset | Stream) -> int | None:
     """Input tokens per sample: the elements of a sample's input when it is one tensor of token
     ids (`TOKEN_DTYPES`), as a language model's sequences are; None for any other input
     (features, images, tuples of tensors), of which tokens/s would mean nothing."""

@@ -247,15 +247,20 @@ def tokenized(
             tokenizer = load_tokenizer(folder / TOKENIZER)
         else:
             tokenizer = build_tokenizer(chosen, source)
-        if vocab_size is not None and tokenizer.vocab_size > vocab_size:
-            raise ValueError(
-                f"data.tokenizer={chosen} has {tokenizer.vocab_size} tokens, more than "
-                f"data.vocab_size={vocab_size} (the model's vocabulary); raise data.vocab_size "
-                "or leave it unset (the tokenizer's)"
-            )
+        check_vocabulary(tokenizer, chosen, vocab_size)
         if not cached:
             write_cache(source, tokenizer, folder, processes)
     return tokenizer
+
+
+def check_vocabulary(tokenizer: Tokenizer, chosen: str, vocab_size: int | None) -> None:
+    """The tokenizer's tokens fit `vocab_size` (the model's vocabulary; None: the tokenizer's)."""
+    if vocab_size is not None and tokenizer.vocab_size > vocab_size:
+        raise ValueError(
+            f"data.tokenizer={chosen} has {tokenizer.vocab_size} tokens, more than "
+            f"data.vocab_size={vocab_size} (the model's vocabulary); raise data.vocab_size "
+            "or leave it unset (the tokenizer's)"
+        )
 
 
 def write_cache(source: TextSource, tokenizer: Tokenizer, folder: Path, processes: int) -> None:
@@ -371,11 +376,15 @@ def keep_tokenizer(tokenizer: Tokenizer) -> None:
     _tokenizer = tokenizer
 
 
+def document_tokens(tokenizer: Tokenizer, text: str) -> np.ndarray:
+    """A document's tokens as the data holds them: the end-of-text token, then the text's."""
+    return np.concatenate((np.array([tokenizer.eot], np.uint32), tokenizer.encode(text)))
+
+
 def encode_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """The texts' lengths in tokens and their tokens, each after the end-of-text token."""
     assert _tokenizer is not None
-    eot = np.array([_tokenizer.eot], np.uint32)
-    documents = [np.concatenate((eot, _tokenizer.encode(text))) for text in texts]
+    documents = [document_tokens(_tokenizer, text) for text in texts]
     return np.array([len(document) for document in documents]), np.concatenate(documents)
 
 

@@ -174,6 +174,35 @@ class TextConfig(DataConfig):
     """Processes that tokenize; None: one per core this process may use."""
 
 
+@dataclass
+class HFDatasetConfig(LoaderConfig):
+    _target_: str = "src.components.streaming.hf_dataset"
+    path: str = MISSING
+    """A local file, folder or glob of .jsonl/.json, .parquet or .txt files (one record a line;
+    files of one kind), or a data set on the Hugging Face hub (`HuggingFaceFW/fineweb`, with
+    network). Streamed: read record by record, never downloaded or converted whole."""
+    name: str | None = None
+    """The hub data set's configuration (fineweb's `sample-10BT`); None: its default."""
+    split: str = "train"
+    """The hub data set's split to read (local files are one split)."""
+    text_field: str = "text"
+    """The field (column) that holds each record's text."""
+    tokenizer: str = "gpt2"
+    """As data=text's (char reads the whole set once for its characters: small local sets)."""
+    seq_len: int = 256
+    """Input tokens per sample; the targets are the tokens that follow each one."""
+    vocab_size: int | None = None
+    """The model's vocabulary; None: the tokenizer's. Smaller than the tokenizer's is refused."""
+    val_documents: int = 100
+    """The set's first records, held out to validate (tokenized once, kept in memory)."""
+    test_documents: int = 100
+    """The records after those, held out to test; 0: no test split (with trainer.test=false)."""
+    streams: int = 8
+    """Streams the training records are dealt into, round-robin, each packed on its own: the
+    data-parallel processes must divide it (each reads its share of the streams), and what is
+    trained depends on it, never on the processes."""
+
+
 def data_builder_config(data: DictConfig) -> DictConfig:
     """The data settings without the loader's (`LoaderConfig`): what the builder takes."""
     loader_keys = {field.name for field in dataclasses.fields(LoaderConfig)}

@@ -23,6 +23,7 @@ from omegaconf import MISSING, DictConfig
 
 from src.config.base import first_line
 from src.config.data import (
+    HFDatasetConfig,
     ImageFolderConfig,
     SyntheticConfig,
     SyntheticRegressionConfig,
@@ -137,6 +138,7 @@ SCHEMAS = {
         "image_folder": ImageFolderConfig,
         "tokens": TokensConfig,
         "text": TextConfig,
+        "hf_dataset": HFDatasetConfig,
     },
     "task": {
         "classification": TaskConfig,

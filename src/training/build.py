@@ -70,7 +70,7 @@ def build_checked_parts(cfg: DictConfig, strategy: Strategy) -> tuple[Data, Any,
     strategy."""
     with blame("data"):
         data = build_data(cfg.data, cfg.seed)
-    check_data(cfg, data)
+    check_data(cfg, data, strategy.data_shards)
     with blame("task"):
         task = instantiate(cfg.task)
     model = build_model(cfg, data, torch.device("meta"))

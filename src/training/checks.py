@@ -19,7 +19,7 @@ from src.checkpoint.writer import resolved_format
 from src.components import models
 from src.components.batches import Tree, describe
 from src.components.blocks import saved_ops
-from src.components.data import Data, meta_samples
+from src.components.data import Data, Stream, meta_samples
 from src.components.model_contract import settle_model_settings
 from src.components.optimizer import build_optimizer, lr_schedule
 from src.config.base import ConfigError, check_given, first_line, typed
@@ -73,8 +73,11 @@ def check_settings(cfg: DictConfig, ranks: Ranks | None) -> Strategy:
     return strategy
 
 
-def check_data(cfg: DictConfig, data: Data) -> None:
-    if len(data.train) < cfg.trainer.batch_size:
+def check_data(cfg: DictConfig, data: Data, data_shards: int) -> None:
+    if isinstance(data.train, Stream):
+        with blame("data"):
+            data.train.check_shards(data_shards)
+    elif len(data.train) < cfg.trainer.batch_size:
         raise ConfigError(
             f"trainer.batch_size={cfg.trainer.batch_size} is more than the {len(data.train)} "
             "training samples; lower trainer.batch_size or use more data"

@@ -18,10 +18,15 @@ log = logging.getLogger(__name__)
 
 
 def input_batches(
-    cfg: DictConfig, trainer: TrainerConfig, strategy: Strategy, data: Data, start_step: int
+    cfg: DictConfig,
+    trainer: TrainerConfig,
+    strategy: Strategy,
+    data: Data,
+    start_step: int,
+    position: dict[int, list[int]] | None = None,
 ) -> tuple[TimedBatches, ValBatches, ValBatches | None]:
-    """This process's training batches from `start_step` on, and its validation and test
-    batches (None without a test split)."""
+    """This process's training batches from `start_step` on (a stream's from `position`, its
+    checkpoint's), and its validation and test batches (None without a test split)."""
     loading = input_loading(cfg, strategy)
     train = train_batches(
         data.train,
@@ -31,6 +36,7 @@ def input_batches(
         strategy.data_shards,
         start_batch=start_step * trainer.accumulate,
         loading=loading,
+        position=position,
     )
     val, test = (
         ValBatches(split, trainer.eval_batch, strategy.data_shard, strategy.data_shards, loading)

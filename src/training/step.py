@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import Dataset
 
 from src.components.batch_order import ValBatches
-from src.components.data import Split
+from src.components.data import Split, StreamReader
 from src.components.precision import LossScaling, autocast
 from src.components.tasks import Task
 from src.config.trainer import TrainerConfig
@@ -145,6 +145,11 @@ class TimedBatches:
         """Seconds waited since the last call."""
         waited, self.wait_s = self.wait_s, 0.0
         return waited
+
+    def position(self) -> dict[int, list[int]] | None:
+        """Where a stream's batches have got to (`StreamReader.state_dict`); None for batches
+        that are a function of the step. Nothing is read ahead, so it is the last batch's."""
+        return self.batches.state_dict() if isinstance(self.batches, StreamReader) else None
 
 
 def step_divisor(

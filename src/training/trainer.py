@@ -9,9 +9,9 @@ read top to bottom; leaving ends the tracker and the strategy's processes.
 
 A checkpoint holds model, optimizer, the weight average (trainer.ema_decay: `ema.py`) and one
 train state, `Trainer.state_dict()`: the step (the data position too: batches are a function of
-seed and step), the RNG, fp16's loss scale, the tracker's run id, the config, and what rebuilds
-the model from it (the data's input shape and classes, the model's tied weights and parameter
-names).
+seed and step; a streamed set's position, gathered from the ranks that read it, is kept beside
+it), the RNG, fp16's loss scale, the tracker's run id, the config, and what rebuilds the model
+from it (the data's input shape and classes, the model's tied weights and parameter names).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from src.checkpoint.store import best_dir, rng_state, set_rng_state
-from src.checkpoint.writer import CheckpointWriter, resolved_format
+from src.checkpoint.writer import CheckpointWriter, gathered, resolved_format
 from src.components.blocks import CompiledSums
 from src.components.data import tokens_per_sample
 from src.components.optimizer import build_optimizer, lr_schedule
@@ -110,6 +110,7 @@ class Trainer:
         }
         self.step = 0  # the last step trained
         self.tracker_id: str | None = None  # the W&B run to continue
+        self.data_position: dict[int, list[int]] | None = None  # a stream's, to go on from
         self.tracker: Tracker | None = None
         self.finished = False
         self.stopped_early = False
@@ -162,7 +163,9 @@ class Trainer:
         if strategy.is_main and data.tokenizer is not None:
             data.tokenizer.save(tokenizer_dir(self.run_dir))
         settings = self.settings
-        self.batches, self.val, self.test = input_batches(cfg, settings, strategy, data, self.step)
+        self.batches, self.val, self.test = input_batches(
+            cfg, settings, strategy, data, self.step, self.data_position
+        )
         self.lr_at = lr_schedule(cfg.optimizer, settings.max_steps)
         self.speed = Throughput(
             max(settings.timing_warmup_steps, self.tensor_peak.counted_steps),  # never timed
@@ -229,8 +232,17 @@ class Trainer:
             "wandb_run_id": self.tracker.run_id,
             "monitor": self.monitoring.state_dict(),
             "stopped_early": self.stopped_early,
+            "data_position": self.gathered_data_position(),
             **self.model_description,
         }
+
+    def gathered_data_position(self) -> dict[int, list[int]] | None:
+        """A stream's position: each rank knows its own streams' (every rank asks: a
+        checkpoint is written by all of them together); None for batches that the step gives."""
+        position = self.batches.position()
+        if position is None:
+            return None
+        return {stream: at for part in gathered(position) for stream, at in part.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Go on from a checkpoint's train state (`state_dict`'s keys)."""
@@ -241,6 +253,7 @@ class Trainer:
         if state.get("loss_scaling"):  # older checkpoints have none
             self.stepper.scaling.load_state_dict(state["loss_scaling"])
         self.tracker_id = state["wandb_run_id"]
+        self.data_position = state.get("data_position")  # older checkpoints have none
 
     def train(self) -> dict[str, Any]:
         """Train from the step after the train state's to `trainer.max_steps`; returns the
