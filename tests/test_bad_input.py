@@ -521,7 +521,7 @@ ROWS = [
         id="augment-not-images",
     ),
     pytest.param(
-        ["logger=wandb", "logger.mode=onlin"],
+        ["logger=wandb", "logger.wandb.mode=onlin"],
         HYDRA,
         "Invalid value 'onlin', expected one of [offline, online, shared, disabled]",
         id="wandb-mode",

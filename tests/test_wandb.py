@@ -66,7 +66,7 @@ def test_a_resumed_run_continues_its_wandb_run_when_launched_or_under_torchrun(t
         "optimizer.schedule_steps=6",  # the same schedule whatever trainer.max_steps says
     ]
     run_train(*overrides, "trainer.max_steps=3", run_dir=tmp_path)
-    run_id = checkpoint(tmp_path)["wandb_run_id"]
+    run_id = checkpoint(tmp_path)["tracker_run_ids"]["wandb"]
     resumed = (*overrides, "trainer.resume=auto")
     run_train(*resumed, "trainer.max_steps=5", run_dir=tmp_path)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -75,14 +75,14 @@ def test_a_resumed_run_continues_its_wandb_run_when_launched_or_under_torchrun(t
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
 
-    assert checkpoint(tmp_path)["step"] == 6 and checkpoint(tmp_path)["wandb_run_id"] == run_id
+    assert checkpoint(tmp_path)["step"] == 6 and checkpoint(tmp_path)["tracker_run_ids"]["wandb"] == run_id
     runs = sorted(path.name for path in (tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 3 and all(name.endswith(f"-{run_id}") for name in runs), runs
 
 
 def test_the_best_checkpoint_is_the_runs_model_artifact_when_asked(tmp_path):
     overrides = [o for o in TINY if o != "logger=none"]
-    run_train(*overrides, "logger=wandb", "logger.log_checkpoints=true", run_dir=tmp_path)
+    run_train(*overrides, "logger=wandb", "logger.wandb.log_checkpoints=true", run_dir=tmp_path)
     records = wandb_records(tmp_path)
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     (artifact,) = [r.artifact for r in records if r.WhichOneof("record_type") == "artifact"]

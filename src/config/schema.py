@@ -31,7 +31,13 @@ from src.config.data import (
     TokensConfig,
     TorchvisionSetConfig,
 )
-from src.config.logger import LoggerConfig, WandbConfig
+from src.config.logger import (
+    CsvConfig,
+    LoggerConfig,
+    MlflowConfig,
+    TensorBoardConfig,
+    WandbConfig,
+)
 from src.config.model import (
     ConvNetConfig,
     FCNConfig,
@@ -64,7 +70,7 @@ class Config:
     parallel: Any = MISSING
     trainer: TrainerConfig = MISSING
     optimizer: Any = MISSING
-    logger: Any = MISSING
+    logger: LoggerConfig = MISSING
     plan: PlanConfig = field(default_factory=PlanConfig)
     seed: int = 0
 
@@ -126,7 +132,12 @@ SCHEMAS = {
     },
     "trainer": {"default": TrainerConfig},
     "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig},
-    "logger": {"none": LoggerConfig, "wandb": WandbConfig},
+    "logger": {
+        "wandb": WandbConfig,
+        "tensorboard": TensorBoardConfig,
+        "mlflow": MlflowConfig,
+        "csv": CsvConfig,
+    },
 }
 
 
@@ -148,7 +159,18 @@ def store_saved_run(config: dict[str, Any]) -> None:
     store = ConfigStore.instance()
     for group in SAVED_GROUPS:
         if group in config:  # a weights file's config has the model's only
-            store.store(group=group, name=SAVED_RUN, node=config[group])
+            node = sectioned_logger(config[group]) if group == "logger" else config[group]
+            store.store(group=group, name=SAVED_RUN, node=node)
+
+
+def sectioned_logger(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved `logger` as today's schema has it: a run from before the other loggers saved W&B's
+    own keys beside the run's name and group, and `name: wandb` or `none`."""
+    if "name" not in saved:
+        return saved
+    shared = {key: value for key, value in saved.items() if key in LoggerConfig.__annotations__}
+    own = {key: value for key, value in saved.items() if key not in shared and key != "name"}
+    return {**shared, "wandb": own if saved["name"] == "wandb" else None}
 
 
 def composition_error_line(error: Exception) -> str:
