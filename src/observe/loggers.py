@@ -168,9 +168,10 @@ def unreachable(url: str, timeout_s: float) -> str | None:
 
 class TensorBoardTracker(Tracker):
     """Event files in `logger.tensorboard.log_dir` (default `<run dir>/tensorboard`): the figures
-    as scalars, the config in the HParams tab, and the summary's numbers as `summary/<key>` at
-    the last step. A resumed run writes to the same folder, and TensorBoard drops whatever an
-    earlier run logged there after `Start.step` (`purge_step`)."""
+    as scalars, the config in the HParams tab (the first run's: a resumed run writes none), and
+    the summary's numbers as `summary/<key>` at the last step. A resumed run writes to the same
+    folder, and TensorBoard drops whatever an earlier run logged there after `Start.step`
+    (`purge_step`)."""
 
     def __init__(self, start: Start):
         from torch.utils.tensorboard import SummaryWriter
@@ -178,8 +179,9 @@ class TensorBoardTracker(Tracker):
 
         log_dir = start.cfg.tensorboard.log_dir or start.run_dir / "tensorboard"
         self.writer = SummaryWriter(str(log_dir), purge_step=start.step + 1 if start.step else None)
-        for summary in hparams(flat_config(start.config), {}):  # what the HParams tab reads
-            self.writer.file_writer.add_summary(summary)
+        if not start.step:  # the HParams tab reads the first run's alone
+            for summary in hparams(flat_config(start.config), {}):
+                self.writer.file_writer.add_summary(summary)
         self.step = start.step
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -205,9 +207,13 @@ class MlflowTracker(Tracker):
     def __init__(self, start: Start):
         cfg = start.cfg
         uri = cfg.mlflow.tracking_uri or (start.run_dir / "mlruns").resolve().as_uri()
-        if urllib.parse.urlparse(uri).scheme in ("", "file"):
+        scheme = urllib.parse.urlparse(uri).scheme
+        if scheme in ("", "file"):
             # MLflow 3 keeps its file store only for those who ask for it; it needs no server.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        elif scheme in ("http", "https") and (problem := unreachable(uri, REACH_TIMEOUT_S)):
+            # MLflow itself would retry for minutes (MLFLOW_HTTP_REQUEST_MAX_RETRIES).
+            raise ConnectionError(f"MLflow server {uri} cannot be reached ({problem})")
         from mlflow.entities import Metric, Param
         from mlflow.tracking import MlflowClient
 
