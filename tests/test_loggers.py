@@ -104,13 +104,12 @@ class Failing(Tracker):
         raise OSError("No space left on device")
 
 
-def test_a_failing_logger_warns_once_and_the_others_go_on(tmp_path, caplog):
+def test_a_failing_logger_warns_once_and_the_others_go_on(tmp_path, caplog, compose_config):
     """A logger that fails mid-run is left out after one warning, its run id kept for a resume;
     one that cannot start (its folder under a file) is left out with one warning."""
     (tmp_path / "file").write_text("")
-    cfg = OmegaConf.create(
-        {"csv": {}, "tensorboard": {"log_dir": str(tmp_path / "file" / "tensorboard")}}
-    )
+    under_a_file = f"logger.tensorboard.log_dir={tmp_path / 'file' / 'tensorboard'}"
+    cfg = compose_config("logger=[csv,tensorboard]", under_a_file).logger
     with caplog.at_level(logging.WARNING):
         started = build_tracker(cfg, tmp_path, {"seed": 0}, is_main=True)
         trackers = Trackers({"failing": Failing(), **started.trackers})

@@ -1,8 +1,8 @@
 """Schemas of `conf/logger/`: where the run's figures go besides its own files.
 
-Each option of `conf/logger/` turns one backend on (its section, e.g. `logger.mlflow`); several
-at once merge (`logger=[wandb,tensorboard]`, or `logger=many`). The keys outside the sections
-name the run for all of them."""
+Each logger has its section (`logger.mlflow`, ...), which each option of `conf/logger/` turns on
+(`enabled`); several options merge (`logger=[wandb,tensorboard]`, or `logger=many`). The keys
+outside the sections name the run for all of them."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ WandbMode = choices("WandbMode", "offline online shared disabled", __name__)
 
 @dataclass
 class WandbConfig:
+    enabled: bool = False
     entity: str | None = None
     mode: WandbMode = WandbMode.offline
     """offline (needs no account or network; `wandb sync <run dir>/wandb/offline-run-*` uploads
@@ -28,12 +29,14 @@ class WandbConfig:
 
 @dataclass
 class TensorBoardConfig:
+    enabled: bool = False
     log_dir: str | None = None
     """The event files' folder; None: `<run dir>/tensorboard`."""
 
 
 @dataclass
 class MlflowConfig:
+    enabled: bool = False
     tracking_uri: str | None = None
     """An MLflow tracking server or store; None: a file store in `<run dir>/mlruns`."""
 
@@ -42,6 +45,8 @@ class MlflowConfig:
 class CsvConfig:
     """`metrics.csv` (a column per figure, a row per step logged) and `hparams.yaml` (the
     resolved config) in the run folder."""
+
+    enabled: bool = False
 
 
 @dataclass
@@ -54,7 +59,7 @@ class LoggerConfig:
     run_name: str | None = "${parallel.name}-${parallel.devices}"
     tags: list[str] = field(default_factory=list)
     job_type: str | None = "${parallel.name}"
-    wandb: WandbConfig | None = None
-    tensorboard: TensorBoardConfig | None = None
-    mlflow: MlflowConfig | None = None
-    csv: CsvConfig | None = None
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    csv: CsvConfig = field(default_factory=CsvConfig)

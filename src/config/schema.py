@@ -31,13 +31,7 @@ from src.config.data import (
     TokensConfig,
     TorchvisionSetConfig,
 )
-from src.config.logger import (
-    CsvConfig,
-    LoggerConfig,
-    MlflowConfig,
-    TensorBoardConfig,
-    WandbConfig,
-)
+from src.config.logger import LoggerConfig
 from src.config.model import (
     ConvNetConfig,
     FCNConfig,
@@ -132,12 +126,6 @@ SCHEMAS = {
     },
     "trainer": {"default": TrainerConfig},
     "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig},
-    "logger": {
-        "wandb": WandbConfig,
-        "tensorboard": TensorBoardConfig,
-        "mlflow": MlflowConfig,
-        "csv": CsvConfig,
-    },
 }
 
 
@@ -170,15 +158,15 @@ def sectioned_logger(saved: dict[str, Any]) -> dict[str, Any]:
         return saved
     shared = {key: value for key, value in saved.items() if key in LoggerConfig.__annotations__}
     own = {key: value for key, value in saved.items() if key not in shared and key != "name"}
-    return {**shared, "wandb": own if saved["name"] == "wandb" else None}
+    return {**shared, "wandb": {**own, "enabled": saved["name"] == "wandb"}}
 
 
 def composition_error_line(error: Exception) -> str:
     """Hydra's report of a config it cannot compose, in one line: what failed, why, and for a
     misspelt key the closest key there (or all of them); for an unknown option, the options."""
     first, *rest = str(error).splitlines()
-    if isinstance(error, MissingConfigException) and error.options:
-        return f"{first}; choose one of {', '.join(error.options)}"
+    if isinstance(error, MissingConfigException):  # the rest: Hydra's search path
+        return f"{first}; choose one of {', '.join(error.options)}" if error.options else first
     # Hydra's hints: a link to its docs, and `+key=value`, which a typed schema refuses anyway.
     parts = [first] + [line for line in rest if line and not line.startswith(("See ", "To "))]
     if isinstance(error, OverrideParseException) and error.override not in first:

@@ -70,8 +70,8 @@ class Trackers:
 
 
 def chosen_loggers(cfg: Any) -> list[str]:
-    """The loggers `logger=` turned on: those whose section is set."""
-    return [name for name in LOGGERS if cfg.get(name) is not None]
+    """The loggers `logger=` turned on."""
+    return [name for name in LOGGERS if cfg[name].enabled]
 
 
 def check_tracker(cfg: Any) -> None:
