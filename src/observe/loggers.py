@@ -253,7 +253,8 @@ class MlflowTracker(Tracker):
         self.client.log_artifact(self.run_id, str(path))
 
     def finish(self, summary: dict[str, Any] | None = None, exit_code: int = 0) -> None:
-        self.log({f"summary/{key}": value for key, value in numbers(summary).items()}, self.step)
+        if figures := numbers(summary):
+            self.log({f"summary/{key}": value for key, value in figures.items()}, self.step)
         self.client.set_terminated(self.run_id, "FINISHED" if exit_code == 0 else "FAILED")
 
 
