@@ -123,7 +123,7 @@ def linear_writer(
 
 
 def bare_state(step: int) -> dict:
-    return {"step": step, "rng": {}, "config": {}, "wandb_run_id": None}
+    return {"step": step, "rng": {}, "config": {}, "tracker_run_ids": {}}
 
 
 def test_a_new_best_checkpoint_is_swapped_in_for_the_old_one(tmp_path):

@@ -530,7 +530,14 @@ ROWS = [
         id="augment-not-images",
     ),
     pytest.param(
-        ["logger=wandb", "logger.mode=onlin"],
+        ["logger=nosuch"],
+        HYDRA,
+        "Could not find 'logger/nosuch'; choose one of csv, many, mlflow, none, tensorboard, wandb",
+        id="logger",
+    ),
+    pytest.param(["logger=[csv,nosuch]"], HYDRA, "Could not load 'logger/nosuch'.", id="loggers"),
+    pytest.param(
+        ["logger=wandb", "logger.wandb.mode=onlin"],
         HYDRA,
         "Invalid value 'onlin', expected one of [offline, online, shared, disabled]",
         id="wandb-mode",

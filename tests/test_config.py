@@ -65,7 +65,7 @@ def test_command_line_contract(compose_config):
         "model.depth=3",
     )
     assert (cfg.trainer.max_steps, cfg.trainer.batch_size, cfg.seed) == (7, 16, 3)
-    assert (cfg.model.hidden, cfg.model.depth, cfg.logger.name) == (48, 3, "none")
+    assert (cfg.model.hidden, cfg.model.depth, cfg.logger.wandb.enabled) == (48, 3, False)
 
 
 @pytest.mark.parametrize("model", ["gpt", "gpt2_124m", "moe", "transformer"])

@@ -75,7 +75,7 @@ def test_two_ddp_jobs_at_once_train_exactly_like_single(tmp_path):
     with_wandb = (
         *(o for o in TINY_SGD if o != "logger=none"),
         "logger=wandb",
-        "logger.mode=offline",
+        "logger.wandb.mode=offline",
     )
     jobs = {"plain": TINY_SGD, "accumulate": (*with_wandb, "trainer.accumulate=2")}
     processes = [

@@ -107,7 +107,7 @@ def wandb_server(kind: str) -> Iterator[str]:
 def test_wandb_server_that_cannot_take_the_run_means_an_offline_run_within_seconds(
     tmp_path, server
 ):
-    """Unreachable, W&B would retry the server for `logger.init_timeout_s` (60 s) and then
+    """Unreachable, W&B would retry the server for `logger.wandb.init_timeout_s` (60 s) and then
     train without a run; instead the run logs offline at once, with one warning, and
     `wandb sync` can upload it later. A server that answers but fails gets init_timeout_s."""
     overrides = [o for o in TINY if o != "logger=none"]
@@ -116,8 +116,8 @@ def test_wandb_server_that_cannot_take_the_run_means_an_offline_run_within_secon
         result = run_train(
             *overrides,
             "logger=wandb",
-            "logger.mode=online",
-            *(["logger.init_timeout_s=3"] if server == "failing" else []),
+            "logger.wandb.mode=online",
+            *(["logger.wandb.init_timeout_s=3"] if server == "failing" else []),
             run_dir=tmp_path,
             env={
                 "WANDB_MODE": "online",

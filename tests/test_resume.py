@@ -128,8 +128,8 @@ def test_sigterm_stops_after_the_step_and_prints_the_resume_command(tmp_path):
     assert not (tmp_path / "summary.json").exists()
     resume_with_the_printed_command(output, tmp_path)
     assert_same_training(reference_run(*RESUMABLE), tmp_path)
-    run_id = state["wandb_run_id"]
-    assert run_id and checkpoint(tmp_path)["wandb_run_id"] == run_id
+    run_id = state["tracker_run_ids"]["wandb"]
+    assert run_id and checkpoint(tmp_path)["tracker_run_ids"]["wandb"] == run_id
     wandb_runs = sorted(path.name for path in (tmp_path / "wandb").glob("offline-run-*"))
     assert len(wandb_runs) == 2 and all(name.endswith(f"-{run_id}") for name in wandb_runs)
 
@@ -289,7 +289,7 @@ def save(writer, step):
     model = torch.nn.Linear(10, 10)
     torch.nn.init.constant_(model.weight, step)
     optimizer = torch.optim.SGD(model.parameters())
-    writer.save(model, optimizer, {"step": step, "rng": {}, "config": {}, "wandb_run_id": None})
+    writer.save(model, optimizer, {"step": step, "rng": {}, "config": {}, "tracker_run_ids": {}})
 """
 
 

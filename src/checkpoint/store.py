@@ -11,14 +11,14 @@
 
 A full checkpoint is the dict `model` (the plain state_dict, single's keys, whatever the strategy),
 `optimizer` (single's format: state keyed by parameter index), `step` (optimizer steps done),
-`rng`, `config` (resolved), `wandb_run_id`, `loss_scaling` (fp16's GradScaler state: the scale
-it reached, and the steps it skipped), `model_args` (the `input_shape` and `num_classes` the model
-was built for), `tied_keys` ({key: the key whose tensor it shares}) and `parameter_keys` (the
-model's parameters in order); with trainer.ema_decay, `ema`, the weight average, in the format of
-an optimizer's state (`src/training/ema.py`: state `ema` by parameter index); only tensors and
-plain values, so it loads with `weights_only=True`. A sharded one holds the same, its `optimizer`
-and `ema` keyed by parameter name; read whole (`load_checkpoint`), it comes back in the full
-format.
+`rng`, `config` (resolved), `tracker_run_ids` (each logger's run by the logger's name: W&B's,
+MLflow's), `loss_scaling` (fp16's GradScaler state: the scale it reached, and the steps it
+skipped), `model_args` (the `input_shape` and `num_classes` the model was built for),
+`tied_keys` ({key: the key whose tensor it shares}) and `parameter_keys` (the model's parameters
+in order); with trainer.ema_decay, `ema`, the weight average, in the format of an optimizer's
+state (`src/training/ema.py`: state `ema` by parameter index); only tensors and plain values, so
+it loads with `weights_only=True`. A sharded one holds the same, its `optimizer` and `ema` keyed
+by parameter name; read whole (`load_checkpoint`), it comes back in the full format.
 
 A checkpoint is written into `.staging-step-<N>/` and renamed to `step-<N>/` once every rank has
 written its part (`writer.py`): a crash at any moment leaves the folder complete or absent. The

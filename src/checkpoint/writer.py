@@ -181,7 +181,7 @@ class CheckpointWriter:
         extra: dict[str, Any],
         best: bool = False,
     ) -> Path | None:
-        """Checkpoint `model` and `optimizer` with `extra` (step, rng, config, wandb_run_id) as
+        """Checkpoint `model` and `optimizer` with `extra` (step, rng, config, tracker_run_ids) as
         the step's checkpoint, or with `best` as the best one; returns the folder it is (or,
         saved asynchronously, will be) published as, or None if it could not be written."""
         self.wait()

@@ -33,7 +33,7 @@ from src.config.data import (
     TokensConfig,
     TorchvisionSetConfig,
 )
-from src.config.logger import LoggerConfig, WandbConfig
+from src.config.logger import LoggerConfig
 from src.config.model import (
     ConvNetConfig,
     FCNConfig,
@@ -66,7 +66,7 @@ class Config:
     parallel: Any = MISSING
     trainer: TrainerConfig = MISSING
     optimizer: Any = MISSING
-    logger: Any = MISSING
+    logger: LoggerConfig = MISSING
     plan: PlanConfig = field(default_factory=PlanConfig)
     seed: int = 0
 
@@ -153,7 +153,6 @@ SCHEMAS = {
     },
     "trainer": {"default": TrainerConfig},
     "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig},
-    "logger": {"none": LoggerConfig, "wandb": WandbConfig},
 }
 
 
@@ -176,15 +175,26 @@ def store_saved_run(config: dict[str, Any]) -> None:
     store = ConfigStore.instance()
     for group in SAVED_GROUPS:
         if group in config:  # a weights file's config has the model's only
-            store.store(group=group, name=SAVED_RUN, node=config[group])
+            node = sectioned_logger(config[group]) if group == "logger" else config[group]
+            store.store(group=group, name=SAVED_RUN, node=node)
+
+
+def sectioned_logger(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved `logger` as today's schema has it: a run from before the other loggers saved W&B's
+    own keys beside the run's name and group, and `name: wandb` or `none`."""
+    if "name" not in saved:
+        return saved
+    shared = {key: value for key, value in saved.items() if key in LoggerConfig.__annotations__}
+    own = {key: value for key, value in saved.items() if key not in shared and key != "name"}
+    return {**shared, "wandb": {**own, "enabled": saved["name"] == "wandb"}}
 
 
 def composition_error_line(error: Exception) -> str:
     """Hydra's report of a config it cannot compose, in one line: what failed, why, and for a
     misspelt key the closest key there (or all of them); for an unknown option, the options."""
     first, *rest = str(error).splitlines()
-    if isinstance(error, MissingConfigException) and error.options:
-        return f"{first}; choose one of {', '.join(error.options)}"
+    if isinstance(error, MissingConfigException):  # the rest: Hydra's search path
+        return f"{first}; choose one of {', '.join(error.options)}" if error.options else first
     # Hydra's hints: a link to its docs, and `+key=value`, which a typed schema refuses anyway.
     parts = [first] + [line for line in rest if line and not line.startswith(("See ", "To "))]
     if isinstance(error, OverrideParseException) and error.override not in first:

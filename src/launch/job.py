@@ -28,7 +28,7 @@ from src.launch.launcher import JobFailed, KilledBySignal, launch
 from src.launch.rendezvous import RESUME_KEY, Round, Rounds
 from src.launch.store_answers import STORE_ANSWER_S, answer_within
 from src.launch.sweep import run_job
-from src.observe.tracking import wandb_group
+from src.observe.tracking import tracking_group
 from src.parallel.base import Strategy
 from src.runtime.forking import start_rank_server
 from src.runtime.ranks import Ranks
@@ -56,8 +56,8 @@ def run(cfg: DictConfig, ranks: Ranks | None) -> dict[str, Any]:
         from src.planning.planner import resolve_auto
 
         cfg = resolve_auto(cfg)  # the planner's choice from here on
-    if "group" in cfg.logger:  # `eval.py`'s runs of this run join its W&B group
-        cfg.logger.group = wandb_group(cfg.logger, run_dir)
+    if "group" in cfg.logger:  # `eval.py`'s runs of this run join its loggers' group
+        cfg.logger.group = tracking_group(cfg.logger, run_dir)
     nodes = node_range(cfg.parallel.nodes)
     if ranks is not None:  # the strategy spans the nodes started
         cfg.parallel.nodes = started_nodes(ranks, nodes)

@@ -10,7 +10,7 @@ raising; the report reads those files and makes the sweep exit non-zero when a j
               GPUs, ...); nothing was started
     failed    the job raised while running; the traceback is in its train.log
 
-A job of a sweep also joins the sweep's W&B group unless `logger.group` is set.
+A job of a sweep also joins the sweep's group (W&B's, MLflow's tag) unless `logger.group` is set.
 
 A sweep resumes: the same `-m` command with `hydra.sweep.dir=<that sweep>` runs again only what
 did not finish. A job whose status.json says ok is not run again (its summary stands); any other
@@ -43,7 +43,7 @@ from omegaconf import DictConfig
 from src.checkpoint.store import saved_checkpoints
 from src.config.base import ConfigError
 from src.launch.as_rank import started_ranks
-from src.observe.tracking import wandb_group
+from src.observe.tracking import tracking_group
 from src.runtime.ranks import Ranks
 from src.runtime.run_folder import status_file, summary_file
 from src.runtime.stopping import Interrupted
@@ -68,7 +68,7 @@ def run_job(task: Task) -> Callable[[DictConfig], float]:
         if hydra_cfg.mode != RunMode.MULTIRUN:
             return task(cfg, ranks)["final_val_loss"]
         if "group" in cfg.logger:
-            cfg.logger.group = wandb_group(cfg.logger, hydra_cfg.sweep.dir)
+            cfg.logger.group = tracking_group(cfg.logger, hydra_cfg.sweep.dir)
         status = JobStatus(Path(hydra_cfg.runtime.output_dir), ranks)
         earlier = status.finished_summary()
         if earlier is not None:

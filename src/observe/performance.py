@@ -20,7 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from src.components.data import Data, meta_samples
 from src.config.trainer import TrainerConfig
-from src.observe.tracking import Tracker
+from src.observe.tracking import Trackers
 from src.parallel.base import Strategy
 from src.runtime.run_folder import profile_trace
 
@@ -122,7 +122,7 @@ def step_profiler(
 
 @contextlib.contextmanager
 def profiling(
-    trainer: TrainerConfig, strategy: Strategy, run_dir: Path, tracker: Tracker
+    trainer: TrainerConfig, strategy: Strategy, run_dir: Path, tracker: Trackers
 ) -> Iterator:
     """`trainer.profile`'s profiler, on the main process (a no-op otherwise); the trace it writes
     as it closes goes to the tracker too, unless training failed."""

@@ -180,14 +180,16 @@ def log_to_wandb(logger_cfg: DictConfig, sweep_dir: Path, rows: list[Row]) -> No
     `wandb.Table` with summary.csv's columns, and scaling.png. Offline it is a run file in
     `<sweep dir>/wandb`, which `wandb sync` uploads like the jobs' runs; W&B never fails the
     sweep (see src/observe/tracking.py)."""
-    if logger_cfg.name != "wandb":
+    if not logger_cfg.wandb.enabled:
         return
-    from src.observe.tracking import build_tracker, wandb_group  # W&B only when asked for
+    from src.observe.tracking import LOGGERS, build_tracker, tracking_group
 
     settings = OmegaConf.to_container(logger_cfg, resolve=True)
     settings.update(
-        group=wandb_group(logger_cfg, sweep_dir), run_name=REPORT_RUN, job_type=REPORT_RUN
+        group=tracking_group(logger_cfg, sweep_dir), run_name=REPORT_RUN, job_type=REPORT_RUN
     )
+    for name in LOGGERS:  # tables and images: W&B's alone
+        settings[name]["enabled"] = name == "wandb"
     counts = {status: sum(row.status == status for row in rows) for status in STATUSES}
     tracker = build_tracker(
         OmegaConf.create(settings), str(sweep_dir), {"sweep_dir": str(sweep_dir)}, is_main=True

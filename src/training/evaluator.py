@@ -1,9 +1,9 @@
 """`eval.py`'s work in one process: a checkpoint's model, rebuilt and restored as `Trainer`
 builds it (without an optimizer; with trainer.ema_eval, its weight average swapped in) under any
 strategy and number of processes, evaluated on one split of the data. Its figures go to the
-console (one line), `eval.json` in eval.py's run folder and a W&B run of `job_type=eval` in the
-training run's group; with `predict=true`, the model's outputs for every sample to
-`predictions.pt` (`predictions.py`).
+console (one line), `eval.json` in eval.py's run folder and each logger's run (W&B, MLflow, ...)
+of `job_type=eval` in the training run's group; with `predict=true`, the model's outputs for
+every sample to `predictions.pt` (`predictions.py`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from src.components.precision import autocast
 from src.components.state_dicts import check_weights_fit
 from src.config.base import ConfigError, plain_config, typed
 from src.config.trainer import TrainerConfig
-from src.observe.tracking import build_tracker, wandb_group
+from src.observe.tracking import build_tracker, tracking_group
 from src.parallel.base import Strategy
 from src.runtime.files import json_text
 from src.runtime.run_folder import eval_file, predictions_file
@@ -48,13 +48,13 @@ log = logging.getLogger(__name__)
 def as_evaluated(cfg: DictConfig) -> None:
     """The run's settings (`cfg`, composed by eval.py) as evaluation takes them: it writes no
     checkpoint, so the run's checkpoint format (which another layout may not write) and resume
-    are left out; its W&B run is one of job_type=eval, in the training run's group."""
+    are left out; its logger runs are of job_type=eval, in the training run's group."""
     cfg.trainer.checkpoint_format = "auto"
     cfg.trainer.async_checkpoint = False
     cfg.trainer.resume = None
     if "group" in cfg.logger:
         run_dir = Path(cfg.ckpt_path).parent.parent  # <run>/checkpoints/<checkpoint>
-        cfg.logger.group = wandb_group(cfg.logger, run_dir)
+        cfg.logger.group = tracking_group(cfg.logger, run_dir)
         cfg.logger.job_type = "eval"
         cfg.logger.run_name = f"eval-{cfg.split}"
     if cfg.predict and cfg.parallel.get("loss_parallel"):

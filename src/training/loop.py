@@ -24,7 +24,7 @@ from src.components.batch_order import ValBatches
 from src.components.tasks import Task
 from src.config.trainer import TrainerConfig
 from src.observe.report import rate_text
-from src.observe.tracking import Tracker
+from src.observe.tracking import Trackers
 from src.parallel.base import TrainingStrategy, process_peak_memory_mb
 from src.runtime.files import json_text, write_atomically
 from src.training.step import evaluate, reduced_figures
@@ -170,7 +170,9 @@ def progress_line(
 
 
 @contextlib.contextmanager
-def open_history(tracker: Tracker, path: Path, start_step: int, is_main: bool) -> Iterator[History]:
+def open_history(
+    tracker: Trackers, path: Path, start_step: int, is_main: bool
+) -> Iterator[History]:
     """The run's `History`: the tracker, and `metrics.jsonl` (main process only) opened to append
     the rows after `start_step`.
 
@@ -217,7 +219,7 @@ class History:
     """Where figures go: the tracker, and `metrics.jsonl` (main process only, see
     `open_history`)."""
 
-    def __init__(self, tracker: Tracker, file: TextIO | None):
+    def __init__(self, tracker: Trackers, file: TextIO | None):
         self.tracker, self.file = tracker, file
 
     def record(self, metrics: dict[str, float], step: int) -> None:

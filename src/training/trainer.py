@@ -37,7 +37,7 @@ from src.config.base import plain_config, typed
 from src.config.trainer import TrainerConfig
 from src.observe.performance import profiling, step_flops
 from src.observe.tensor_memory import TensorPeak
-from src.observe.tracking import Tracker, build_tracker
+from src.observe.tracking import Trackers, build_tracker
 from src.parallel.base import Strategy, process_peak_memory_mb
 from src.runtime.run_folder import metrics_file, tokenizer_dir
 from src.runtime.stopping import Interrupted, StopOnSignal, agree_to_stop
@@ -109,9 +109,9 @@ class Trainer:
             "state_dict_keys": list(self.blueprint.meta_model.state_dict()),
         }
         self.step = 0  # the last step trained
-        self.tracker_id: str | None = None  # the W&B run to continue
+        self.tracker_ids: dict[str, str | None] = {}  # each logger's run to continue
         self.data_position: dict[int, list[int]] | None = None  # a stream's, to go on from
-        self.tracker: Tracker | None = None
+        self.tracker: Trackers | None = None
         self.finished = False
         self.stopped_early = False
         self.tested_step: int | None = None  # whose weights the test pass scored
@@ -158,7 +158,7 @@ class Trainer:
         if state is not None:
             self.load_state_dict(state)
         self.tracker = build_tracker(
-            cfg.logger, str(self.run_dir), self.resolved, strategy.is_main, self.tracker_id
+            cfg.logger, self.run_dir, self.resolved, strategy.is_main, self.tracker_ids, self.step
         )
         if strategy.is_main and data.tokenizer is not None:
             data.tokenizer.save(tokenizer_dir(self.run_dir))
@@ -229,7 +229,7 @@ class Trainer:
             "rng": rng_state(),
             "loss_scaling": self.stepper.scaling.state_dict(),
             "config": self.resolved,
-            "wandb_run_id": self.tracker.run_id,
+            "tracker_run_ids": self.tracker.run_ids,
             "monitor": self.monitoring.state_dict(),
             "stopped_early": self.stopped_early,
             "data_position": self.gathered_data_position(),
@@ -252,7 +252,8 @@ class Trainer:
             log_resumed_schedule(self.cfg, state, self.blueprint.checkpoint)
         if state.get("loss_scaling"):  # older checkpoints have none
             self.stepper.scaling.load_state_dict(state["loss_scaling"])
-        self.tracker_id = state["wandb_run_id"]
+        # Checkpoints written before the other loggers hold the W&B run's id alone.
+        self.tracker_ids = state.get("tracker_run_ids", {"wandb": state.get("wandb_run_id")})
         self.data_position = state.get("data_position")  # older checkpoints have none
 
     def train(self) -> dict[str, Any]:
