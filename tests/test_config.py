@@ -87,7 +87,7 @@ def test_token_models_bring_their_data_and_task(compose_config, model):
         ("model.widht=3", ConfigAttributeError),
         ("trainer.precision=fp64", ValidationError),
         ("trainer.accelerator=tpu", ValidationError),
-        ("optimizer.schedule=linear", ValidationError),
+        ("optimizer.decay_shape=sqrt", ValidationError),
     ],
 )
 def test_schema_rejects_bad_values_and_unknown_keys(compose_config, override, error):
