@@ -463,7 +463,8 @@ ROWS = [
     pytest.param(
         ["optimizer._target_=torch.optim.Nosuch"],
         CHECK,
-        "optimizer._target_=torch.optim.Nosuch: Error loading 'torch.optim.Nosuch'",
+        "optimizer._target_=torch.optim.Nosuch does not import: No module named "
+        "'torch.optim.Nosuch'",
         id="optimizer-target",
     ),
     pytest.param(

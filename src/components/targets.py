@@ -11,7 +11,7 @@ import inspect
 from collections.abc import Collection, Iterable
 from typing import Any
 
-from hydra.utils import get_method
+from hydra.utils import _locate
 from omegaconf import DictConfig, OmegaConf
 
 from src.config.base import ConfigError, first_line
@@ -21,9 +21,12 @@ def import_target(name: str, setting: str) -> Any:
     """The class or function `name` (the value of `setting`, e.g. `model._target_`); a
     ConfigError if it does not import."""
     try:
-        return get_method(name)
+        return _locate(name)  # Hydra's own lookup, which `instantiate` uses (`module.Class.method`)
     except Exception as error:  # noqa: BLE001 - Hydra wraps any import failure
-        raise ConfigError(f"{setting}={name}: {first_line(error)}") from None
+        # Hydra's message spans lines; its cause says what failed in one.
+        raise ConfigError(
+            f"{setting}={name} does not import: {first_line(error.__cause__ or error)}"
+        ) from None
 
 
 def parameter_names(target: Any) -> set[str] | None:
