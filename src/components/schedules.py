@@ -99,8 +99,9 @@ def scheduler_curve(cfg: OptimizerConfig) -> Callable[[int], float]:
             f"optimizer.schedule={name} steps on a metric, and the schedule here is a function of "
             "the step; choose a scheduler of the step alone, or one of " + ", ".join(SCHEDULES)
         )
-    args = cfg.schedule_args
-    args = OmegaConf.to_container(args) if isinstance(args, DictConfig) else dict(args)
+    args = cfg.schedule_args  # a saved run's are plain, and resolved
+    if isinstance(args, DictConfig):
+        args = OmegaConf.to_container(args, resolve=True)
     check_arguments("optimizer.schedule_args", name, scheduler_class, args)
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.lr)
     try:
