@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ValidationError
 
 from src.components.data import build_data
-from src.components.optimizer import build_optimizer
+from src.components.optimizer import build_optimizer, settle_optimizer_settings
 from src.components.schedules import lr_schedule
 from src.config.base import ConfigError, typed
 from src.config.schema import SCHEMAS, register_configs
@@ -156,6 +156,17 @@ def test_every_optimizer_option_builds_with_its_settings(compose_config, option,
     assert type(optimizer) is kind
     group = optimizer.param_groups[0]
     assert (group["lr"], group["weight_decay"]) == (settings.lr, settings.weight_decay)
+
+
+def test_another_optimizer_class_does_not_get_the_options_own_keys(compose_config):
+    """As for `model._target_` (tests/test_any_model.py): sgd's momentum and nesterov are left
+    out for Adagrad, which does not take them; what it takes, and the template's keys, stay."""
+    cfg = compose_config("optimizer=sgd", "optimizer._target_=torch.optim.Adagrad")
+    settle_optimizer_settings(cfg)
+    assert not {"momentum", "nesterov"} & set(cfg.optimizer)
+    optimizer = build_optimizer(cfg.optimizer, torch.nn.Linear(2, 2).parameters())
+    assert type(optimizer) is torch.optim.Adagrad and optimizer.param_groups[0]["lr"] == 0.05
+    assert (cfg.optimizer.name, cfg.optimizer.schedule) == ("sgd", "cosine")
 
 
 # Rates of 10 steps at optimizer.lr=1: 2 warm-up steps, then a decay towards 0.1 (min_lr_ratio)

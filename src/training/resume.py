@@ -15,6 +15,7 @@ from torch import nn
 from src.components.optimizer import parameter_groups
 from src.components.schedules import lr_schedule, schedule_length
 from src.config.base import ConfigError
+from src.config.optimizer import SCHEDULES
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,8 @@ def check_schedule_kept(state: dict[str, Any], path: Path, cfg: DictConfig) -> N
     saved_length = schedule_length(saved["optimizer"], saved["trainer"]["max_steps"])
     length = schedule_length(cfg.optimizer, cfg.trainer.max_steps)
     if cfg.optimizer.schedule_steps is not None or length == saved_length:
+        return
+    if cfg.optimizer.schedule not in SCHEDULES:  # a scheduler class's curve has its own length
         return
     kept, stretched = lr_schedule(cfg.optimizer, saved_length), lr_schedule(cfg.optimizer, length)
     changed = (
