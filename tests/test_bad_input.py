@@ -456,11 +456,31 @@ ROWS = [
         marks=[CUDA, NEEDS_GPU],
     ),
     pytest.param(
-        ["optimizer.schedule=linear"],
-        HYDRA,
-        "Error merging override optimizer.schedule=linear: Invalid value 'linear', expected one "
-        "of [constant, cosine]",
+        ["optimizer.schedule=linnear"],
+        CHECK,
+        "optimizer.schedule=linnear: choose one of constant, linear, cosine, wsd, or a "
+        "learning-rate scheduler class by its path",
         id="schedule",
+    ),
+    pytest.param(
+        ["optimizer.schedule=wsd", "optimizer.decay_fraction=1.5"],
+        CHECK,
+        "optimizer.decay_fraction=1.5: the fraction of the steps that wsd's decay takes must be "
+        "in (0, 1]",
+        id="wsd-decay-fraction",
+    ),
+    pytest.param(
+        ["optimizer._target_=torch.optim.Nosuch"],
+        CHECK,
+        "optimizer._target_=torch.optim.Nosuch does not import: No module named "
+        "'torch.optim.Nosuch'",
+        id="optimizer-target",
+    ),
+    pytest.param(
+        ["optimizer=sgd", "optimizer._target_=torch.optim.Adagrad", "+optimizer.betas=[0.9,0.99]"],
+        CHECK,
+        "optimizer: torch.optim.Adagrad takes no 'betas'; it takes differentiable, eps, foreach",
+        id="optimizer-arguments",
     ),
     pytest.param(["optimizer.lr=-1"], CHECK, "optimizer: Invalid learning rate", id="lr"),
     pytest.param(

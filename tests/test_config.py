@@ -16,7 +16,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ValidationError
 
 from src.components.data import build_data
-from src.components.optimizer import build_optimizer
+from src.components.optimizer import build_optimizer, settle_optimizer_settings
+from src.components.schedules import lr_schedule
 from src.config.base import ConfigError, typed
 from src.config.schema import SCHEMAS, register_configs
 from src.config.trainer import TrainerConfig
@@ -87,7 +88,7 @@ def test_token_models_bring_their_data_and_task(compose_config, model):
         ("model.widht=3", ConfigAttributeError),
         ("trainer.precision=fp64", ValidationError),
         ("trainer.accelerator=tpu", ValidationError),
-        ("optimizer.schedule=linear", ValidationError),
+        ("optimizer.decay_shape=sqrt", ValidationError),
     ],
 )
 def test_schema_rejects_bad_values_and_unknown_keys(compose_config, override, error):
@@ -155,6 +156,42 @@ def test_every_optimizer_option_builds_with_its_settings(compose_config, option,
     assert type(optimizer) is kind
     group = optimizer.param_groups[0]
     assert (group["lr"], group["weight_decay"]) == (settings.lr, settings.weight_decay)
+
+
+def test_another_optimizer_class_does_not_get_the_options_own_keys(compose_config):
+    """As for `model._target_` (tests/test_any_model.py): sgd's momentum and nesterov are left
+    out for Adagrad, which does not take them; what it takes, and the template's keys, stay."""
+    cfg = compose_config("optimizer=sgd", "optimizer._target_=torch.optim.Adagrad")
+    settle_optimizer_settings(cfg)
+    assert not {"momentum", "nesterov"} & set(cfg.optimizer)
+    optimizer = build_optimizer(cfg.optimizer, torch.nn.Linear(2, 2).parameters())
+    assert type(optimizer) is torch.optim.Adagrad and optimizer.param_groups[0]["lr"] == 0.05
+    assert (cfg.optimizer.name, cfg.optimizer.schedule) == ("sgd", "cosine")
+
+
+# Rates of 10 steps at optimizer.lr=1: 2 warm-up steps, then a decay towards 0.1 (min_lr_ratio)
+# that reaches it at step 10; wsd's over the last 0.4 of the steps (6 to 9: progress 0, 1/4, 1/2,
+# 3/4). A scheduler class's curve is all its own (StepLR: halved every 3 steps).
+WARMED_UP = [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]
+SCHEDULE_RATES = {
+    "linear": [0.5, 1.0, 1.0, 0.8875, 0.775, 0.6625, 0.55, 0.4375, 0.325, 0.2125],
+    "wsd linear": [*WARMED_UP, 1.0, 0.775, 0.55, 0.325],
+    "wsd cosine": [*WARMED_UP, 1.0, 0.868198, 0.55, 0.231802],
+    "wsd 1-sqrt": [*WARMED_UP, 1.0, 0.55, 0.363604, 0.220577],
+    "torch.optim.lr_scheduler.StepLR": [1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.25, 0.25, 0.25, 0.125],
+}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULE_RATES)
+def test_each_schedule_gives_its_learning_rates(compose_config, schedule):
+    name, _, shape = schedule.partition(" ")
+    overrides = ["optimizer.lr=1", "optimizer.warmup_steps=2", f"optimizer.schedule={name}"]
+    if shape:
+        overrides += ["optimizer.decay_fraction=0.4", f"optimizer.decay_shape={shape}"]
+    if name.startswith("torch."):
+        overrides += ["+optimizer.schedule_args.step_size=3", "+optimizer.schedule_args.gamma=0.5"]
+    lr_at = lr_schedule(compose_config(*overrides).optimizer, 10)
+    assert [lr_at(step) for step in range(10)] == pytest.approx(SCHEDULE_RATES[schedule], rel=1e-5)
 
 
 def test_a_group_s_setting_may_interpolate_another_group_s(compose_config):

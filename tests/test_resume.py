@@ -24,6 +24,7 @@ from helpers import (
     ROOT,
     TINY_SGD,
     TrainRun,
+    assert_goes_on_exactly,
     assert_same_training,
     checkpoint,
     kill_and_resume,
@@ -260,6 +261,41 @@ def test_more_steps_on_resume_keep_or_stretch_the_schedule_as_asked(tmp_path, sc
     assert f"resuming from {finished} at step 6, learning rate {cosine(6):.3g}" in result.stdout
     changed = "the learning-rate schedule differs from the checkpoint's: step 7 runs at 0.0275 "
     assert (changed + "instead of 0.005" in result.stdout) == (schedule_steps == 12)
+
+
+# torch's Adagrad by its target (sgd's momentum left out), warm-up then wsd: 1 - sqrt over the
+# last half of the 6 steps (steps 4, 5 and 6), checkpointed after step 4.
+ADAGRAD_WSD = (
+    *DDP,
+    *TINY_SGD,
+    "optimizer._target_=torch.optim.Adagrad",
+    "optimizer.warmup_steps=2",
+    "optimizer.schedule=wsd",
+    "optimizer.decay_fraction=0.5",
+    "optimizer.decay_shape=1-sqrt",
+    "trainer.checkpoint_every=4",
+    "trainer.eval_every=0",
+    "trainer.test=false",
+)
+
+
+@pytest.mark.equivalence
+def test_an_optimizer_by_target_resumes_mid_decay_exactly_under_ddp(tmp_path):
+    """Resumed from step 4 under ddp x 2, in the middle of wsd's decay, the run logs the
+    uninterrupted run's losses and rates and ends at its weights: Adagrad's sums and the
+    schedule's step come back from the checkpoint."""
+    run_train(*ADAGRAD_WSD, run_dir=tmp_path / "whole")
+    middle = tmp_path / "whole" / "checkpoints" / "step-000004"
+    run_train(*ADAGRAD_WSD, f"trainer.resume={middle}", run_dir=tmp_path / "resumed")
+    assert_goes_on_exactly(tmp_path / "whole", tmp_path / "resumed", [5, 6])
+    rates = [
+        {row["step"]: row["train/lr"] for row in metrics(run_dir) if "train/lr" in row}
+        for run_dir in (tmp_path / "whole", tmp_path / "resumed")
+    ]
+    assert rates[1] == {step: rates[0][step] for step in (5, 6)}
+    assert rates[0][4] > rates[0][5] > rates[0][6] > 0.005  # decaying, not yet at its floor
+    state = checkpoint(tmp_path / "resumed")["optimizer"]["state"]
+    assert all(set(param) == {"step", "sum"} for param in state.values())  # Adagrad's
 
 
 WRITE_HALF_THEN_HANG = """

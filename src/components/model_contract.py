@@ -15,16 +15,14 @@ found here, in one place:
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 from collections.abc import Sequence
 from typing import Any
 
-from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from src.config.base import ConfigError, first_line
+from src.components.targets import check_arguments, import_target, settle_settings
+from src.config.base import ConfigError
 
 # Settings of `model` that are the template's, not the constructor's.
 TEMPLATE_KEYS = ("_target_", "blocks")
@@ -35,35 +33,13 @@ DECLARED = "_template_blocks"
 
 def model_target(model_cfg: DictConfig | dict) -> Any:
     """The class or function `model._target_` names; a ConfigError if it does not import."""
-    name = model_cfg["_target_"]
-    try:
-        return get_method(name)
-    except Exception as error:  # noqa: BLE001 - Hydra wraps any import failure
-        raise ConfigError(f"model._target_={name}: {first_line(error)}") from None
-
-
-def parameter_names(target: Any) -> set[str] | None:
-    """The keyword arguments `target` takes by name; None where it takes any (`**kwargs`)."""
-    parameters = inspect.signature(target).parameters.values()
-    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return None
-    return {p.name for p in parameters if p.kind != inspect.Parameter.VAR_POSITIONAL}
+    return import_target(model_cfg["_target_"], "model._target_")
 
 
 def settle_model_settings(cfg: DictConfig) -> None:
     """`model._target_` set to another class than its option's: the option's own settings that
-    the new class does not take are left out (once, where the job starts: its ranks get the
-    settled config). The keys given beyond the option's (`+model.width=32`) all go to it."""
-    schema = OmegaConf.get_type(cfg.model)
-    if not dataclasses.is_dataclass(schema) or cfg.model._target_ == schema._target_:
-        return
-    taken = parameter_names(model_target(cfg.model))
-    if taken is None:
-        return
-    option_keys = {field.name for field in dataclasses.fields(schema)} - set(TEMPLATE_KEYS)
-    left_out = option_keys - taken
-    settings = OmegaConf.to_container(cfg.model)
-    cfg.model = OmegaConf.create({k: v for k, v in settings.items() if k not in left_out})
+    the new class does not take are left out (`settle_settings`)."""
+    settle_settings(cfg, "model", TEMPLATE_KEYS)
 
 
 def model_arguments(
@@ -74,14 +50,7 @@ def model_arguments(
     (`**kwargs`). A setting it does not take is a ConfigError naming it."""
     plain = OmegaConf.to_container(model_cfg) if isinstance(model_cfg, DictConfig) else model_cfg
     settings = {k: v for k, v in plain.items() if k not in TEMPLATE_KEYS}
-    taken = parameter_names(target)
-    if taken is not None:
-        unknown = sorted(set(settings) - taken)
-        if unknown:
-            raise ConfigError(
-                f"model: {model_cfg['_target_']} takes no {unknown[0]!r}; it takes "
-                f"{', '.join(sorted(taken)) or 'no settings'}"
-            )
+    taken = check_arguments("model", model_cfg["_target_"], target, settings)
     data = {"input_shape": tuple(input_shape), "num_classes": num_classes}
     # A constructor that takes **kwargs hands them on (a subclass's `**sizes` to its parent's).
     return {**{k: v for k, v in data.items() if taken is None or k in taken}, **settings}

@@ -2,24 +2,37 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from hydra.utils import instantiate
+from omegaconf import DictConfig
 
-from src.config.base import ConfigError
+from src.components.targets import check_arguments, import_target, settle_settings
 from src.config.optimizer import OWN_KEYS, OptimizerConfig
+
+# Settings of `optimizer` that are the template's, not the optimizer class's.
+TEMPLATE_KEYS = ("_target_", "_partial_", *OWN_KEYS)
 
 
 def build_optimizer(
     cfg: OptimizerConfig, params: Iterable[torch.nn.Parameter]
 ) -> torch.optim.Optimizer:
     """The optimizer that `optimizer._target_` names, over `params` in `parameter_groups`, with
-    its settings (all but `OWN_KEYS`)."""
+    its settings (all but `OWN_KEYS`); a ConfigError if it does not import or does not take
+    them."""
+    target = import_target(cfg._target_, "optimizer._target_")
     settings = {key: value for key, value in cfg.items() if key not in OWN_KEYS}
+    given = [key for key in settings if key not in TEMPLATE_KEYS]
+    check_arguments("optimizer", cfg._target_, target, given)
     return instantiate(settings, _convert_="all")(parameter_groups(params, cfg.decay_1d))
+
+
+def settle_optimizer_settings(cfg: DictConfig) -> None:
+    """`optimizer._target_` set to another class than its option's: the option's own settings
+    that the new class does not take are left out (`settle_settings`)."""
+    settle_settings(cfg, "optimizer", TEMPLATE_KEYS)
 
 
 def parameter_groups(params: Iterable[torch.nn.Parameter], decay_1d: bool) -> list[dict[str, Any]]:
@@ -48,36 +61,3 @@ def on_cuda(params: list[torch.nn.Parameter]) -> bool:
     """Whether every parameter is on a GPU, where one fused kernel per step replaces AdamW's
     per-tensor (foreach) kernels; a CPU or meta model keeps torch's default."""
     return bool(params) and all(param.device.type == "cuda" for param in params)
-
-
-def schedule_length(cfg: Mapping[str, Any], max_steps: int) -> int:
-    """The steps the cosine decays over: `optimizer.schedule_steps`, or else the run's
-    `trainer.max_steps`. `cfg` may be a saved checkpoint's optimizer settings, which older
-    checkpoints write without `schedule_steps`."""
-    steps = cfg.get("schedule_steps")
-    return max_steps if steps is None else steps
-
-
-def lr_schedule(cfg: OptimizerConfig, max_steps: int) -> Callable[[int], float]:
-    """The learning rate at each step: linear warm-up, then constant or cosine decay (over
-    `schedule_length` steps; later steps keep its final rate)."""
-    if cfg.get("schedule_steps") is not None and cfg.schedule_steps < 1:
-        raise ConfigError(
-            f"optimizer.schedule_steps must be at least 1, or null for trainer.max_steps; got "
-            f"{cfg.schedule_steps}"
-        )
-    decay_steps = schedule_length(cfg, max_steps)
-
-    # Read once: the loop calls lr_at every step, and a config lookup takes microseconds.
-    lr, warmup_steps, schedule = cfg.lr, cfg.warmup_steps, cfg.schedule
-    floor = lr * cfg.min_lr_ratio
-
-    def lr_at(step: int) -> float:
-        if step < warmup_steps:
-            return lr * (step + 1) / warmup_steps
-        if schedule == "constant":
-            return lr
-        progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
-        return floor + (lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return lr_at

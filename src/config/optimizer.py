@@ -4,18 +4,24 @@ groups."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from omegaconf import MISSING
 
 from src.config.base import choices
 
-Schedule = choices("Schedule", "constant cosine", __name__)
+# The schedules the template computes; `schedule` may name a torch.optim.lr_scheduler class too.
+SCHEDULES = ("constant", "linear", "cosine", "wsd")
+DecayShape = choices("DecayShape", "linear cosine 1-sqrt", __name__)
 
 
 @dataclass
 class OptimizerConfig:
     """`_target_` builds the optimizer (`_partial_`: given the model's parameter groups later)
-    from every setting but `OWN_KEYS`: the name, the learning-rate schedule's and the groups'."""
+    from every setting but `OWN_KEYS`: the name, the learning-rate schedule's and the groups'.
+    Any optimizer class (torch.optim's or one's own) takes `params` first, as torch.optim's do;
+    `optimizer._target_=torch.optim.Adagrad` on the command line leaves out the option's own
+    settings that it does not take (sgd's `momentum`)."""
 
     _target_: str = MISSING
     _partial_: bool = True
@@ -27,16 +33,41 @@ class OptimizerConfig:
     train."""
     name: str = MISSING
     """Labels the optimizer: a checkpoint resumes only under the one it was trained with."""
-    schedule: Schedule = Schedule.cosine
-    """constant, or cosine (linear warm-up, then cosine decay to min_lr_ratio * lr)."""
+    schedule: str = "cosine"
+    """After a linear warm-up over `warmup_steps`: constant; linear or cosine, a decay to
+    min_lr_ratio * lr over `schedule_steps`; or wsd (warm-up, stable, decay): lr until the last
+    `decay_fraction` of `schedule_steps`, then a `decay_shape` decay to min_lr_ratio * lr. Or a
+    learning-rate scheduler class by its path (torch.optim.lr_scheduler.StepLR, or one's own
+    LRScheduler) with `schedule_args`: its curve over the steps is the whole schedule (its own
+    warm-up if any; `warmup_steps`, `min_lr_ratio` and `schedule_steps` are the template's
+    schedules')."""
+    schedule_args: dict[str, Any] = field(default_factory=dict)
+    """The scheduler class's arguments but the optimizer
+    (`+optimizer.schedule_args.step_size=10`)."""
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
     schedule_steps: int | None = None
-    """Steps the cosine decays over (later steps keep its final rate); None: trainer.max_steps.
+    """Steps the schedule decays over (later steps keep its final rate); None: trainer.max_steps.
     Resuming with another trainer.max_steps needs it set, to keep or to stretch the schedule."""
+    decay_fraction: float = 0.2
+    """wsd: the fraction of `schedule_steps` that the decay takes, in (0, 1]; it starts after
+    the warm-up at the earliest."""
+    decay_shape: DecayShape = DecayShape.linear
+    """wsd's decay: linear, cosine, or 1-sqrt (1 - sqrt of the decay's progress: Hägele et al.
+    2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations")."""
 
 
-OWN_KEYS = ("name", "decay_1d", "schedule", "warmup_steps", "min_lr_ratio", "schedule_steps")
+OWN_KEYS = (
+    "name",
+    "decay_1d",
+    "schedule",
+    "schedule_args",
+    "warmup_steps",
+    "min_lr_ratio",
+    "schedule_steps",
+    "decay_fraction",
+    "decay_shape",
+)
 
 
 @dataclass

@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.components.data import Data, build_data
 from src.components.model_contract import settle_model_settings
+from src.components.optimizer import settle_optimizer_settings
 from src.config.base import ConfigError, check_given, typed
 from src.config.parallel import AUTO, Offload, at_least_one
 from src.config.plan import PlanConfig
@@ -122,6 +123,7 @@ def plan_all(
     `measured_speed`). Devices whose share of a step is the same
     (ddp's and fsdp's replicas at one device count, say) are traced once."""
     settle_model_settings(cfg)
+    settle_optimizer_settings(cfg)
     data = build_data(cfg.data, cfg.seed)
     sizes = model_sizes(cfg, data)
     traces: dict[tuple, TracedShare] = {}

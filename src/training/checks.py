@@ -21,7 +21,8 @@ from src.components.batches import Tree, describe
 from src.components.blocks import saved_ops
 from src.components.data import Data, Stream, meta_samples
 from src.components.model_contract import settle_model_settings
-from src.components.optimizer import build_optimizer, lr_schedule
+from src.components.optimizer import build_optimizer, settle_optimizer_settings
+from src.components.schedules import lr_schedule
 from src.config.base import ConfigError, check_given, first_line, typed
 from src.config.parallel import Offload
 from src.config.trainer import Recomputation, TrainerConfig
@@ -38,6 +39,7 @@ def check_settings(cfg: DictConfig, ranks: Ranks | None) -> Strategy:
     strategy. `ranks`: the ranks torchrun or srun started, this process among them, if any."""
     check_given(cfg)
     settle_model_settings(cfg)
+    settle_optimizer_settings(cfg)
     trainer = cfg.trainer
     settings = typed(TrainerConfig, trainer)  # its ranges
     device_type = resolve_device_type(trainer.accelerator)

@@ -12,8 +12,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from src.components.optimizer import lr_schedule, parameter_groups, schedule_length
+from src.components.optimizer import parameter_groups
+from src.components.schedules import lr_schedule, schedule_length
 from src.config.base import ConfigError
+from src.config.optimizer import SCHEDULES
 
 log = logging.getLogger(__name__)
 
@@ -24,10 +26,11 @@ def check_resumable(state: dict[str, Any], path: Path, model: nn.Module, cfg: Di
     check_same_model(
         state, path, model, "trainer.resume", "resume with those settings, or start a new run"
     )
-    if saved["optimizer"]["name"] != cfg.optimizer.name:
+    trained = saved["optimizer"]
+    if (trained["name"], trained["_target_"]) != (cfg.optimizer.name, cfg.optimizer._target_):
         raise ConfigError(
-            f"trainer.resume: {path} was trained with optimizer={saved['optimizer']['name']}; "
-            "resume with the same optimizer, or start a new run"
+            f"trainer.resume: {path} was trained with optimizer={trained['name']} "
+            f"({trained['_target_']}); resume with the same optimizer, or start a new run"
         )
     check_same_groups(state, path, model, cfg)
     if state["step"] >= cfg.trainer.max_steps and not finished(state, cfg):
@@ -78,13 +81,15 @@ def check_same_model(
 
 
 def check_schedule_kept(state: dict[str, Any], path: Path, cfg: DictConfig) -> None:
-    """A cosine schedule decays over trainer.max_steps unless optimizer.schedule_steps says
+    """A schedule decays over trainer.max_steps unless optimizer.schedule_steps says
     otherwise; resuming with another max_steps would quietly stretch or shrink it, and the
     learning rate would jump. That takes optimizer.schedule_steps, set either way."""
     saved = state["config"]
     saved_length = schedule_length(saved["optimizer"], saved["trainer"]["max_steps"])
     length = schedule_length(cfg.optimizer, cfg.trainer.max_steps)
     if cfg.optimizer.schedule_steps is not None or length == saved_length:
+        return
+    if cfg.optimizer.schedule not in SCHEDULES:  # a scheduler class's curve has its own length
         return
     kept, stretched = lr_schedule(cfg.optimizer, saved_length), lr_schedule(cfg.optimizer, length)
     changed = (
@@ -95,12 +100,12 @@ def check_schedule_kept(state: dict[str, Any], path: Path, cfg: DictConfig) -> N
     step = next(changed, None)
     if step is not None:
         raise ConfigError(
-            f"trainer.resume: {path} was trained with a cosine schedule over {saved_length} "
-            f"steps; trainer.max_steps={cfg.trainer.max_steps} would rescale it to {length} "
-            f"steps, changing the learning rate from step {step + 1} on ({stretched(step):.3g} "
-            f"instead of {kept(step):.3g}). Set optimizer.schedule_steps={saved_length} to keep "
-            f"the schedule (later steps keep its final rate), or optimizer.schedule_steps="
-            f"{length} to stretch it"
+            f"trainer.resume: {path} was trained with a {cfg.optimizer.schedule} schedule over "
+            f"{saved_length} steps; trainer.max_steps={cfg.trainer.max_steps} would rescale it to "
+            f"{length} steps, changing the learning rate from step {step + 1} on "
+            f"({stretched(step):.3g} instead of {kept(step):.3g}). Set optimizer.schedule_steps="
+            f"{saved_length} to keep the schedule (later steps keep its final rate), or "
+            f"optimizer.schedule_steps={length} to stretch it"
         )
 
 

@@ -31,7 +31,8 @@ from src.checkpoint.store import best_dir, rng_state, set_rng_state
 from src.checkpoint.writer import CheckpointWriter, gathered, resolved_format
 from src.components.blocks import CompiledSums
 from src.components.data import tokens_per_sample
-from src.components.optimizer import build_optimizer, lr_schedule
+from src.components.optimizer import build_optimizer
+from src.components.schedules import lr_schedule
 from src.components.state_dicts import tied_keys
 from src.config.base import plain_config, typed
 from src.config.trainer import TrainerConfig
