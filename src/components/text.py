@@ -14,13 +14,13 @@ whole documents, chosen from the seed.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import glob
 import gzip
 import hashlib
 import io
-import itertools
 import json
 import logging
 import multiprocessing
@@ -54,6 +54,7 @@ CACHE_FORMAT = 1  # raised when what a cache holds changes, so that older caches
 META, DOCUMENTS, TOKENIZER = "meta.json", "documents.npy", "tokenizer"
 SHARD_TOKENS = 100_000_000  # per shard, as llm.c's fineweb shards
 CHUNK_CHARS = 1 << 20  # text per task of a tokenizing process
+READ_AHEAD = 4  # tasks per tokenizing process handed out before their results are read
 PROGRESS_EVERY_S = 2.0
 
 
@@ -392,8 +393,9 @@ def encoded(
     tokenizer: Tokenizer, texts: Iterable[str], processes: int
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """`encode_chunk` of each chunk of `texts`, in order, over `processes` processes (forked:
-    the tokenizer is theirs without pickling). Read ahead by a few chunks per process only, so
-    that memory holds no more of the text than that."""
+    the tokenizer is theirs without pickling). Up to `READ_AHEAD` chunks per process are handed
+    out ahead of the one awaited, a new one as each comes back: the processes never wait for
+    each other, and memory holds no more of the text than that."""
     keep_tokenizer(tokenizer)
     pieces = chunks(texts)
     if processes == 1:
@@ -401,8 +403,13 @@ def encoded(
         return
     context = multiprocessing.get_context("fork")
     with context.Pool(processes, initializer=keep_tokenizer, initargs=(tokenizer,)) as pool:
-        while wave := list(itertools.islice(pieces, 4 * processes)):
-            yield from pool.imap(encode_chunk, wave)
+        pending: collections.deque = collections.deque()
+        for piece in pieces:
+            pending.append(pool.apply_async(encode_chunk, (piece,)))
+            if len(pending) > READ_AHEAD * processes:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
 
 
 def document_splits(
