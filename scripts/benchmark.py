@@ -73,6 +73,11 @@ out of both.
                     new tokens/s (the samples/s column; ms/step: ms per token), one sequence,
                     --steps tokens after a 16-token prompt; gpt2_124m's shape on a GPU, 4 blocks
                     256 wide on a CPU (there try --steps 100)
+    tokenize        `data=text`'s first start on about 50 MB of generated text (jsonl), GPT-2's
+                    BPE (a .tiktoken file; offline, a stand-in of its size trained by
+                    `tokenizers`), 2 tokenizing processes / tiktoken's `encode_ordinary_batch`
+                    on 2 threads reading the same files, both on the same 2 cores: MB/s and
+                    tokens/s of each, their ratio, and the second start (the cache read)
     startup         wall time of a one-step `python train.py` (single, and ddp x2 on CPU) over
                     that of `python -c "import torch"`: what a sweep of short jobs pays per job;
                     and over its floor: `plain step` (import torch, one SGD step of a Linear),
@@ -143,6 +148,7 @@ from benchmarks.template_options import (  # noqa: E402
     model_parallel_pipelined,
     transformer_speed,
 )
+from benchmarks.tokenize import tokenize_speed  # noqa: E402
 from benchmarks.workload import (  # noqa: E402
     BATCH_SIZE,
     OVERHEAD_BATCH_SIZE,
@@ -258,7 +264,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--only",
-        choices=[*sorted(COMPARISONS), "checkpoint", "checkpointing", "plan", "pp", "startup"],
+        choices=[
+            *sorted(COMPARISONS),
+            *("checkpoint", "checkpointing", "plan", "pp", "startup", "tokenize"),
+        ],
         action="append",
     )
     parser.add_argument("--rounds", type=int, default=5)
@@ -278,7 +287,7 @@ def main() -> None:
     workload.DEVICE = auto_device if args.device == "auto" else args.device
     register_configs()
     gpu = f", {torch.cuda.get_device_name()}" if workload.DEVICE == "cuda" else ""
-    names = args.only or [*COMPARISONS, "checkpoint", "checkpointing", "pp", "startup"]
+    names = args.only or [*COMPARISONS, "checkpoint", "checkpointing", "pp", "startup", "tokenize"]
     header = (
         f"torch {torch.__version__}, device {workload.DEVICE}{gpu}, "
         f"{torch.get_num_threads()} threads, "
@@ -302,6 +311,9 @@ def main() -> None:
             continue
         if name == "startup":
             startup(args.rounds)
+            continue
+        if name == "tokenize":
+            tokenize_speed(args.rounds)
             continue
         *speeds, ratios = compare(name, args.rounds, args.steps)
         step_ms = [1000 * batch_size(name) / speed for speed in speeds]
