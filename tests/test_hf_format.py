@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import ROOT, TINY_GPT_SGD, TINY_SGD, reference_run, run_train
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from src.checkpoint.export import save_pretrained
@@ -131,3 +132,23 @@ def test_a_model_without_a_gpt2_counterpart_is_refused_in_one_line(tmp_path):
         config = {"model": OmegaConf.to_container(OmegaConf.structured(schema))}
         with pytest.raises(ConfigError, match="has no Hugging Face format"):
             save_pretrained({}, {**config, "input_shape": [SEQ_LEN], "num_classes": 16}, tmp_path)
+
+
+def test_the_finetune_experiment_takes_gpt2_s_weights(tmp_path, compose_config):
+    """`experiment=finetune_gpt2` (its sizes cut to a random 2-layer GPT-2's) builds the GPT that
+    GPT-2's weights fit: GPT-2's vocabulary, positions and GELU."""
+    cfg = compose_config(
+        "experiment=finetune_gpt2",
+        f"data.path={tmp_path}",
+        *(f"model.{name}={size}" for name, size in SIZES.items()),
+    )
+    config = transformers.GPT2Config(vocab_size=cfg.data.vocab_size, n_positions=1024, **SIZES)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    with torch.device("meta"):
+        model = instantiate(
+            cfg.model, input_shape=(cfg.data.seq_len,), num_classes=config.vocab_size
+        )
+
+    check_init_weights(model, tmp_path / "gpt2", strict=True)
+
+    assert cfg.trainer.init_from == "hf:gpt2" and cfg.optimizer.lr == 3e-5

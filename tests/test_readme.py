@@ -1,5 +1,6 @@
 """The README's front page: every `python train.py`, `python eval.py` and `python plan.py` command
-in its shell blocks runs and exits 0.
+in its shell blocks runs and exits 0; its recipe from a folder of text to transformers runs as
+written, command after command, on a small text the test writes.
 
 The install and test commands of the same blocks (`pip install ...`, `ruff check .`,
 `python -m pytest`) are not run here: CI (`.ci/run`) runs exactly them, and a test suite that
@@ -7,23 +8,38 @@ installs packages or runs itself would need the network and run every test twice
 
 from __future__ import annotations
 
+import os
+import random
 import re
+import runpy
 import shlex
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-from helpers import ROOT, run_eval, run_plan, run_sweep, run_train
+from helpers import QUIET_AND_FRUGAL, ROOT, run_eval, run_plan, run_sweep, run_train
 
 FENCED_SHELL = re.compile(r"^```(?:bash|sh|shell)\n(.*?)^```", re.MULTILINE | re.DOTALL)
+FENCED_PYTHON = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
 ENTRY_POINTS = ("train.py", "eval.py", "plan.py")
 CHEAP = ("trainer.max_steps=2",)
+RECIPE = "## From a folder of text to transformers"
 
 
-def front_page_commands() -> list[list[str]]:
-    """The `python train.py|eval.py|plan.py ...` commands of README.md's shell blocks, as
-    argument lists: continued lines joined, comments dropped, each line and each command of
-    `a && b` on its own."""
+def readme_sections() -> tuple[str, str]:
+    """README.md without its text recipe's section, and that section."""
+    readme = (ROOT / "README.md").read_text()
+    before, _, rest = readme.partition(RECIPE)
+    recipe, heading, after = rest.partition("\n## ")
+    return before + heading + after, recipe
+
+
+def shell_commands(markdown: str) -> list[list[str]]:
+    """The `python ...` commands of the markdown's shell blocks, as argument lists: continued
+    lines joined, comments dropped, each line and each command of `a && b` on its own."""
     commands = []
-    for block in FENCED_SHELL.findall((ROOT / "README.md").read_text()):
+    for block in FENCED_SHELL.findall(markdown):
         lines = block.replace("\\\n", " ").splitlines()
         words = [word for line in lines for word in [*shlex.split(line, comments=True), ";"]]
         command: list[str] = []
@@ -31,10 +47,17 @@ def front_page_commands() -> list[list[str]]:
             if word not in ("&&", ";"):
                 command.append(word)
                 continue
-            if command[:1] == ["python"] and command[1:2] and command[1] in ENTRY_POINTS:
+            if command[:1] == ["python"]:
                 commands.append(command)
             command = []
     return commands
+
+
+def front_page_commands() -> list[list[str]]:
+    """The `python train.py|eval.py|plan.py ...` commands of README.md's shell blocks, the text
+    recipe's left to its own test."""
+    commands = shell_commands(readme_sections()[0])
+    return [command for command in commands if command[1:2] and command[1] in ENTRY_POINTS]
 
 
 COMMANDS = front_page_commands()
@@ -99,3 +122,94 @@ def test_every_link_of_the_readme_and_docs_reaches_a_file_and_heading():
             if not linked.exists() or (anchor and anchor not in anchors(linked.read_text())):
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
     assert not broken, broken
+
+
+# The text of the recipe's folder: a few files of lines drawn from these.
+LINES = [
+    "To be, or not to be, that is the question.",
+    "Whether 'tis nobler in the mind to suffer the slings and arrows of outrageous fortune,",
+    "or to take arms against a sea of troubles, and by opposing end them.",
+    "To die, to sleep; no more; and by a sleep to say we end the heart-ache.",
+]
+# What the test adds to the recipe's training: its BPE (the README's default, GPT-2's, needs the
+# network once), a tiny GPT and a few steps, on the CPU.
+TINY_TEXT_GPT = (
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.n_embd=16",
+    "data.seq_len=64",  # positions for the Python block's prompt and 50 new tokens
+    "trainer.batch_size=8",
+    "trainer.max_steps=4",
+    "trainer.eval_every=0",
+    "logger=none",
+)
+
+
+def write_bpe(path: Path, texts: list[str]) -> None:
+    """A byte-level BPE trained by `tokenizers` on `texts`, with GPT-2's end-of-text token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.save(str(path))
+
+
+def run_as_written(command: list[str], folder: Path, *additions: str) -> None:
+    """`python <script> ...` in `folder`, the repository's script, with `additions` after the
+    command's own arguments."""
+    _, script, *arguments = command
+    environment = {**os.environ, **QUIET_AND_FRUGAL, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / script), *arguments, *additions],
+        cwd=folder,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, f"{shlex.join(command)}:\n{result.stderr[-4000:]}"
+
+
+def run_module_here(command: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m <module> ...` in this process (which has imported torch already), in the
+    current folder."""
+    _, _, module, *arguments = command
+    monkeypatch.setattr(sys, "argv", [module, *arguments])
+    with pytest.raises(SystemExit) as ended:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    assert ended.value.code == 0, shlex.join(command)
+
+
+def test_the_recipe_goes_from_a_folder_of_text_to_transformers(tmp_path, monkeypatch, capsys):
+    """The recipe's commands as written, one after the other, in a folder that holds
+    `my_texts/` (8 files of the LINES): the training with TINY_TEXT_GPT added, and sampling, as
+    new processes; the export and then the Python block, which loads the export in transformers
+    and generates, in this one."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    rng = random.Random(0)
+    texts = ["\n".join(rng.choices(LINES, k=12)) for _ in range(8)]
+    (tmp_path / "my_texts").mkdir()
+    for index, text in enumerate(texts):
+        (tmp_path / "my_texts" / f"{index}.txt").write_text(text)
+    write_bpe(tmp_path / "bpe.json", texts)
+    recipe = readme_sections()[1]
+    train, sample, export = shell_commands(recipe)
+    assert train[1] == "train.py" and sample[1] == "sample.py" and export[1] == "-m", recipe
+
+    run_as_written(train, tmp_path, *TINY_TEXT_GPT, f"data.tokenizer={tmp_path / 'bpe.json'}")
+    run_as_written(sample, tmp_path, "trainer.accelerator=cpu")
+    monkeypatch.chdir(tmp_path)
+    run_module_here(export, monkeypatch)
+    capsys.readouterr()
+    (python,) = FENCED_PYTHON.findall(recipe)
+    exec(python, {})
+
+    assert capsys.readouterr().out.startswith("To be")  # the prompt, then what the GPT wrote
