@@ -16,10 +16,12 @@ import contextlib
 import functools
 import json
 import os
+import resource
 import statistics
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -125,69 +127,102 @@ def on_cores(count: int) -> Iterator[None]:
         os.sched_setaffinity(0, allowed)
 
 
-def template_start(folder: Path, bpe: Path, cache: Path) -> tuple[float, int]:
-    """Seconds of `data=text`'s data build on the folder (`CORES` tokenizing processes), and
-    the tokens its cache holds."""
+@dataclass
+class Timed:
+    """A side's wall time, the CPU time of its process and the processes it waited for, and
+    the tokens it made."""
+
+    seconds: float
+    cpu_seconds: float
+    tokens: int
+
+
+@contextlib.contextmanager
+def timed() -> Iterator[list[float]]:
+    """Wall and CPU seconds (this process's and its finished children's) of the block, in the
+    list it gives, once the block ends. On a shared machine the CPU time is the steadier one."""
+
+    def cpu() -> float:
+        ours, children = (
+            resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+        )
+        return ours.ru_utime + ours.ru_stime + children.ru_utime + children.ru_stime
+
+    took: list[float] = []
+    wall, started = time.perf_counter(), cpu()
+    yield took
+    took += [time.perf_counter() - wall, cpu() - started]
+
+
+def template_start(folder: Path, bpe: Path, cache: Path) -> Timed:
+    """`data=text`'s data build on the folder (`CORES` tokenizing processes): from the files
+    and the BPE's file to the token cache, and the splits read from it."""
     cfg = compose_config(
-        "model=gpt",
         "data=text",
         f"data.path={folder}",
         f"data.tokenizer={bpe}",
         f"data.cache_dir={cache}",
         f"data.num_proc={CORES}",
     )
-    started = time.perf_counter()
-    data = build_data(cfg.data, cfg.seed)
-    seconds = time.perf_counter() - started
-    splits = (data.train, data.val, data.test)
-    return seconds, sum(int(split.ranges[:, 2].sum()) for split in splits if split is not None)
+    with timed() as took:
+        data = build_data(cfg.data, cfg.seed)
+    splits = [split for split in (data.train, data.val, data.test) if split is not None]
+    return Timed(*took, sum(int(split.ranges[:, 2].sum()) for split in splits))
 
 
-def tiktoken_encode(folder: Path, bpe: Path) -> tuple[float, int]:
-    """Seconds of reading the same documents and `encode_ordinary_batch` on `CORES` threads,
-    and the tokens (with an end-of-text token per document, as the cache holds them)."""
+def tiktoken_encode(folder: Path, bpe: Path) -> Timed:
+    """The same with tiktoken alone: the BPE's file read, the documents read, and
+    `encode_ordinary_batch` on `CORES` threads; its tokens counted with an end-of-text token
+    per document, as the cache holds them."""
     import tiktoken
     from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
 
-    ranks = read_tiktoken_bpe(bpe)
-    special = {ENDOFTEXT: len(ranks)}
-    encoding = tiktoken.Encoding(
-        "bpe", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special
-    )
-    started = time.perf_counter()
-    documents = read_documents(folder)
-    tokens = encoding.encode_ordinary_batch(documents, num_threads=CORES)
-    seconds = time.perf_counter() - started
-    return seconds, sum(len(document) + 1 for document in tokens)
+    with timed() as took:
+        ranks = read_tiktoken_bpe(bpe)
+        special = {ENDOFTEXT: len(ranks)}
+        encoding = tiktoken.Encoding(
+            "bpe", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special
+        )
+        tokens = encoding.encode_ordinary_batch(read_documents(folder), num_threads=CORES)
+    return Timed(*took, sum(len(document) + 1 for document in tokens))
 
 
 def tokenize_speed(rounds: int) -> None:
-    """Median over rounds (alternating which side goes first) of each side's MB/s and tokens/s,
-    of their ratio (the template's speed / tiktoken's), and of the cached second start."""
+    """Median over rounds (alternating which side goes first) of each side's MB/s, tokens/s and
+    CPU seconds, of their ratios (the template's speed / tiktoken's, by wall and by CPU time),
+    and of the cached second start."""
     with tempfile.TemporaryDirectory() as scratch, on_cores(CORES):
         folder, bpe = Path(scratch) / "text", Path(scratch) / "gpt2.tiktoken"
         folder.mkdir()
         write_text(folder)
         megabytes = sum(file.stat().st_size for file in folder.iterdir()) / 1e6
         print(f"{'tokenize':<16}  {megabytes:.1f} MB of jsonl, {gpt2_bpe(folder, bpe)}")
-        ours, theirs, second_starts = [], [], []
+        ours: list[Timed] = []
+        theirs: list[Timed] = []
+        second_starts = []
         for round_index in range(rounds):
             cache = Path(scratch) / f"cache_{round_index}"
             sides = [(ours, functools.partial(template_start, folder, bpe, cache))]
             sides.append((theirs, functools.partial(tiktoken_encode, folder, bpe)))
             for timings, side in sides if round_index % 2 == 0 else reversed(sides):
                 timings.append(side())
-            second_starts.append(template_start(folder, bpe, cache)[0])
-        assert {tokens for _, tokens in ours + theirs} == {ours[0][1]}, (ours, theirs)
+            second_starts.append(template_start(folder, bpe, cache).seconds)
+        tokens = ours[0].tokens
+        assert all(side.tokens == tokens for side in ours + theirs), (ours, theirs)
         for label, timings in (("data=text", ours), (f"tiktoken x{CORES}", theirs)):
-            seconds = statistics.median(seconds for seconds, _ in timings)
+            seconds = statistics.median(side.seconds for side in timings)
+            cpu_seconds = statistics.median(side.cpu_seconds for side in timings)
             print(
                 f"{'':<16}  {label:<16}{megabytes / seconds:>7.1f} MB/s"
-                f"{ours[0][1] / seconds / 1e6:>7.2f} M tokens/s{seconds:>7.2f} s"
+                f"{tokens / seconds / 1e6:>7.2f} M tokens/s{seconds:>7.2f} s"
+                f"{cpu_seconds:>7.2f} CPU s"
             )
-        ratios = [their / our for (our, _), (their, _) in zip(ours, theirs, strict=True)]
-        print(
-            f"{'':<16}  ratio {statistics.median(ratios):.3f} ({min(ratios):.3f}-"
-            f"{max(ratios):.3f}); second start (the cache read) "
-            f"{statistics.median(second_starts):.2f} s"
-        )
+        for name in ("seconds", "cpu_seconds"):
+            ratios = [
+                getattr(b, name) / getattr(a, name) for a, b in zip(ours, theirs, strict=True)
+            ]
+            print(
+                f"{'':<16}  ratio by {'wall' if name == 'seconds' else 'CPU'} time "
+                f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
+            )
+        print(f"{'':<16}  second start (the cache read) {statistics.median(second_starts):.2f} s")
