@@ -15,6 +15,7 @@ import runpy
 import shlex
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -179,10 +180,11 @@ def run_as_written(command: list[str], folder: Path, *additions: str) -> None:
 
 def run_module_here(command: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """`python -m <module> ...` in this process (which has imported torch already), in the
-    current folder."""
+    current folder (runpy warns that the module the command runs was imported before)."""
     _, _, module, *arguments = command
     monkeypatch.setattr(sys, "argv", [module, *arguments])
-    with pytest.raises(SystemExit) as ended:
+    with pytest.raises(SystemExit) as ended, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "'.*' found in sys.modules", RuntimeWarning)
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     assert ended.value.code == 0, shlex.join(command)
 
