@@ -24,6 +24,7 @@ from src.components.data import Data, build_data, first_samples
 from src.components.model_contract import build_model as build_model_of
 from src.config.base import typed
 from src.config.trainer import TrainerConfig
+from src.observe.progress import show_progress_every
 from src.parallel.base import Strategy
 from src.runtime.ranks import Ranks
 from src.training.checks import blame, check_data, check_model, check_settings
@@ -67,7 +68,9 @@ def build_blueprint(
 
 def build_checked_parts(cfg: DictConfig, strategy: Strategy) -> tuple[Data, Any, nn.Module]:
     """Data, task and the model on the meta device, checked against each other and the
-    strategy."""
+    strategy. From here on, this process's long phases show progress as trainer.progress_every_s
+    says."""
+    show_progress_every(cfg.trainer.progress_every_s)
     with blame("data"):
         data = build_data(cfg.data, cfg.seed)
     check_data(cfg, data, strategy.data_shards)

@@ -326,7 +326,13 @@ class Evaluation:
     ) -> dict[str, float]:
         with self.speed.paused(), self.counting(), self.weights():
             self.figures = evaluate(
-                model, self.strategy, self.task, self.batches, self.trainer.eval_batch, precision
+                model,
+                self.strategy,
+                self.task,
+                self.batches,
+                self.trainer.eval_batch,
+                precision,
+                split=self.split,
             )
             metrics = {f"{self.split}/{name}": value for name, value in self.figures.items()}
             history.record(metrics, step)

@@ -23,6 +23,7 @@ from src.components.data import Split, StreamReader
 from src.components.precision import LossScaling, autocast
 from src.components.tasks import Task
 from src.config.trainer import TrainerConfig
+from src.observe.progress import PhaseProgress
 from src.parallel.base import TrainingStrategy
 from src.runtime.stopping import NonFiniteWatch
 
@@ -40,16 +41,19 @@ def evaluate(
     batch_size: int,
     autocast: Any,
     outputs: SampleOutputs | None = None,
+    split: str = "val",
 ) -> dict[str, float]:
     """The task's figures (mean loss, ...) over the whole validation set (all ranks together);
     `val` is the set, or this rank's `ValBatches` of it (which `batch_size` made). `outputs`,
-    if given, keeps the model's outputs for each of this rank's samples (`eval.py predict=true`)."""
+    if given, keeps the model's outputs for each of this rank's samples (`eval.py predict=true`).
+    A long pass shows its progress in batches, as `<split> batch` (`src/observe/progress.py`)."""
     if not isinstance(val, ValBatches):
         val = ValBatches(val, batch_size, strategy.data_shard, strategy.data_shards)
     model.eval()
     sums, count = None, 0
-    with torch.no_grad(), autocast:
+    with torch.no_grad(), autocast, PhaseProgress(f"{split} batch", len(val.order)) as progress:
         for batch, (inputs, targets, counted) in enumerate(val):
+            progress.advance()
             if outputs is None:
                 part = strategy.apply(model, inputs, targets, task.sums)
             else:
