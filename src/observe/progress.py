@@ -60,18 +60,26 @@ def bar_line(what: str, done: float, total: float, details: Sequence[str], eta_s
 
 def eta_s(elapsed_s: float, done: float, total: float) -> float:
     """The seconds left at the pace so far."""
-    return elapsed_s * (total - done) / done if done > 0 else float("nan")
+    return max(0.0, elapsed_s * (total - done) / done) if done > 0 else float("nan")
 
 
 class PhaseProgress:
-    """How far a phase of `total` units has got (`advance`), shown as `<what> <done>/<total>`
-    (each count through `count_text`) once it has run `SETTINGS.every_s`. A context manager:
-    leaving it ends the phase (`finish`)."""
+    """How far a phase of `total` units has got (`advance`), shown as `<what> <unit>
+    <done>/<total>` (each count through `count_text`) once it has run `SETTINGS.every_s`. A
+    context manager: leaving it ends the phase (`finish`), with a closing line unless the
+    caller writes its own (`says_done=False`)."""
 
     def __init__(
-        self, what: str, total: float, count_text: Callable[[float], str] = lambda n: f"{n:g}"
+        self,
+        what: str,
+        total: float,
+        count_text: Callable[[float], str] = lambda n: f"{n:g}",
+        unit: str = "",
+        says_done: bool = True,
     ):
         self.what, self.total, self.count_text = what, total, count_text
+        self.counted = f"{what} {unit} " if unit else f"{what} "
+        self.says_done = says_done
         self.done = 0.0
         self.started = time.perf_counter()
         every_s = SETTINGS.every_s if SETTINGS.shown else None
@@ -88,14 +96,17 @@ class PhaseProgress:
         self.finish(failed=exc[0] is not None)
 
     def advance(self, units: float = 1) -> None:
-        self.done += units
+        self.advance_to(self.done + units)
+
+    def advance_to(self, done: float) -> None:
+        self.done = done
         now = time.perf_counter()
         if now >= self.next_at:
             self.show(now)
 
     def show(self, now: float) -> None:
         elapsed = now - self.started
-        counts = f"{self.what} {self.count_text(self.done)}/{self.count_text(self.total)}"
+        counts = f"{self.counted}{self.count_text(self.done)}/{self.count_text(self.total)}"
         line = bar_line(counts, self.done, self.total, (), eta_s(elapsed, self.done, self.total))
         if self.redraws:
             self.stream.write(CLEAR_LINE + line)
@@ -112,6 +123,14 @@ class PhaseProgress:
         if self.redraws:
             self.stream.write(CLEAR_LINE)
             self.stream.flush()
-        if not failed:
+        if self.says_done and not failed:
             log.info("%s: done in %.1f s", self.what, time.perf_counter() - self.started)
         self.shown = False
+
+
+def size_text(size: int) -> str:
+    """`size` bytes in the unit that shows it best: 59 kB, 1.2 GB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.3g} {unit}"
+    return f"{size:.0f} bytes"

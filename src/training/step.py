@@ -46,14 +46,13 @@ def evaluate(
     """The task's figures (mean loss, ...) over the whole validation set (all ranks together);
     `val` is the set, or this rank's `ValBatches` of it (which `batch_size` made). `outputs`,
     if given, keeps the model's outputs for each of this rank's samples (`eval.py predict=true`).
-    A long pass shows its progress in batches, as `<split> batch` (`src/observe/progress.py`)."""
+    A long pass shows its progress in batches (`src/observe/progress.py`)."""
     if not isinstance(val, ValBatches):
         val = ValBatches(val, batch_size, strategy.data_shard, strategy.data_shards)
     model.eval()
     sums, count = None, 0
-    with torch.no_grad(), autocast, PhaseProgress(f"{split} batch", len(val.order)) as progress:
+    with torch.no_grad(), autocast, PhaseProgress(split, len(val.order), unit="batch") as progress:
         for batch, (inputs, targets, counted) in enumerate(val):
-            progress.advance()
             if outputs is None:
                 part = strategy.apply(model, inputs, targets, task.sums)
             else:
@@ -64,6 +63,7 @@ def evaluate(
             else:  # padding: zeros of the right length, for a rank with no samples of its own
                 part = part * 0
             sums = part if sums is None else sums + part  # summed on the device: one wait
+            progress.advance()
     model.train()
     return reduced_figures(strategy, task, sums, count)
 
