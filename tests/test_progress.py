@@ -19,6 +19,7 @@ from src.components.tasks import Classification
 from src.config.parallel import ParallelConfig
 from src.observe import progress
 from src.parallel import build_strategy
+from src.training.build import load_showing_progress
 from src.training.step import evaluate
 
 BAR = r"\[[#.]{20}\] "
@@ -30,7 +31,7 @@ class Terminal(io.StringIO):
         return True
 
 
-def evaluation(tmp_path) -> str:
+def evaluation(tmp_path) -> tuple[str, str]:
     data = synthetic_classification(0, 4, 3, 200, 0.25, 0.1)  # 50 val samples: 5 batches of 10
     single = build_strategy(ParallelConfig(), "cpu")
     single.setup()
@@ -39,17 +40,24 @@ def evaluation(tmp_path) -> str:
     return "val", r"val batch [1-5]/5"
 
 
-def checkpoint_write(tmp_path) -> str:
+def checkpoint_write(tmp_path) -> tuple[str, str]:
     save_file({"model": {"w": torch.zeros(256, 256)}}, tmp_path / "c.pt", "checkpoint step-1")
     return "writing checkpoint step-1", r"writing checkpoint step-1 \d[\d.]* (bytes|kB)/262 kB"
 
 
-def data_building(tmp_path) -> str:
+def checkpoint_read(tmp_path) -> tuple[str, str]:
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    load_showing_progress(model, model.state_dict())
+    what = "reading the checkpoint's weights"
+    return what, rf"{what} \d[\d.]* (bytes|kB)/33.3 kB"
+
+
+def data_building(tmp_path) -> tuple[str, str]:
     assert list(logged_progress(range(3), "building")) == [0, 1, 2]
     return "building", r"building [1-3]/3"
 
 
-@pytest.mark.parametrize("phase", [evaluation, checkpoint_write, data_building])
+@pytest.mark.parametrize("phase", [evaluation, checkpoint_write, checkpoint_read, data_building])
 @pytest.mark.parametrize("mode", ["log", "terminal", "fast"])
 def test_long_phases_show_progress_with_an_eta(phase, mode, monkeypatch, caplog, tmp_path):
     terminal = Terminal()

@@ -101,7 +101,7 @@ class PhaseProgress:
     def advance_to(self, done: float) -> None:
         self.done = done
         now = time.perf_counter()
-        if now >= self.next_at:
+        if now >= self.next_at and done > 0:  # nothing done yet: no pace to tell an ETA by
             self.show(now)
 
     def show(self, now: float) -> None:
