@@ -12,6 +12,7 @@ import re
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from src.checkpoint.writer import save_file
 from src.components.data import logged_progress, synthetic_classification
@@ -52,12 +53,42 @@ def checkpoint_read(tmp_path) -> tuple[str, str]:
     return what, rf"{what} \d[\d.]* (bytes|kB)/33.3 kB"
 
 
+def sharded_write(tmp_path) -> tuple[str, str]:
+    from src.checkpoint.sharded_progress import SavePlannerShowingProgress
+
+    showing = SavePlannerShowingProgress("writing checkpoint s")
+    dcp.save({"w": torch.zeros(256, 256)}, checkpoint_id=tmp_path / "s", planner=showing)
+    showing.finish()
+    return "writing checkpoint s", r"writing checkpoint s 262 kB/262 kB"
+
+
+def sharded_read(tmp_path) -> tuple[str, str]:
+    from src.checkpoint.sharded_progress import LoadPlannerShowingProgress
+
+    dcp.save({"w": torch.ones(256, 256)}, checkpoint_id=tmp_path / "s")
+    state, showing = {"w": torch.zeros(256, 256)}, LoadPlannerShowingProgress("reading s")
+    dcp.load(state, checkpoint_id=tmp_path / "s", planner=showing)
+    showing.finish()
+    assert state["w"].eq(1).all()
+    return "reading s", r"reading s 262 kB/262 kB"
+
+
 def data_building(tmp_path) -> tuple[str, str]:
     assert list(logged_progress(range(3), "building")) == [0, 1, 2]
     return "building", r"building [1-3]/3"
 
 
-@pytest.mark.parametrize("phase", [evaluation, checkpoint_write, checkpoint_read, data_building])
+@pytest.mark.parametrize(
+    "phase",
+    [
+        evaluation,
+        checkpoint_write,
+        checkpoint_read,
+        sharded_write,
+        sharded_read,
+        data_building,
+    ],
+)
 @pytest.mark.parametrize("mode", ["log", "terminal", "fast"])
 def test_long_phases_show_progress_with_an_eta(phase, mode, monkeypatch, caplog, tmp_path):
     terminal = Terminal()

@@ -220,6 +220,8 @@ class CheckpointWriter:
         import torch.distributed.checkpoint as dcp  # slow to import; only sharded ones need it
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+        from src.checkpoint.sharded_progress import SavePlannerShowingProgress
+
         state = strategy.sharded_state_dict(model, optimizer)
         for key, held in self.states.items():
             state[key] = strategy.sharded_state_dict(model, held)["optimizer"]
@@ -227,7 +229,7 @@ class CheckpointWriter:
         # Tensors every rank holds (FSDP's buffers, a replica's weights) are written by rank 0,
         # in its order: the checkpoint then reads back in single's key order, not with the
         # buffers another rank wrote listed last.
-        planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+        dedup = {"dedup_save_to_lowest_rank": True}
         staging = staging_dir(final)
 
         def write_train_state() -> None:
@@ -240,13 +242,21 @@ class CheckpointWriter:
             return None
         if self.use_async:
             future = dcp.async_save(
-                state, checkpoint_id=staging, process_group=self.group, planner=planner
+                state,
+                checkpoint_id=staging,
+                process_group=self.group,
+                planner=DefaultSavePlanner(**dedup),
             )
             self.pending = (future, final, size)
             return final
-        written = self.publish_shards(
-            lambda: dcp.save(state, checkpoint_id=staging, planner=planner), final, size
-        )
+        # Written in the foreground, it shows its progress (this rank's shards).
+        showing = SavePlannerShowingProgress(f"writing checkpoint {final.name}", **dedup)
+
+        def write_shards() -> None:
+            dcp.save(state, checkpoint_id=staging, planner=showing)
+            showing.finish()
+
+        written = self.publish_shards(write_shards, final, size)
         return final if written else None
 
     def link_best(self, step: int) -> Path | None:
