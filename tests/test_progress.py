@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from src.checkpoint.writer import save_file
 from src.components.data import logged_progress, synthetic_classification
 from src.components.tasks import Classification
+from src.components.text import text
 from src.config.parallel import ParallelConfig
 from src.observe import progress
 from src.parallel import build_strategy
@@ -73,6 +74,14 @@ def sharded_read(tmp_path) -> tuple[str, str]:
     return "reading s", r"reading s 262 kB/262 kB"
 
 
+def tokenizing(tmp_path) -> tuple[str, str]:
+    file = tmp_path / "a.txt"
+    file.write_text("\n\n".join(f"document {i}" for i in range(40)))
+    text(0, str(file), "char", "text", "paragraph", 2, None, 0.1, 0.1, None, 1)
+    size = file.stat().st_size  # each document's characters counted as read
+    return "tokenizing", rf"tokenizing \d+ bytes/{size} bytes"
+
+
 def data_building(tmp_path) -> tuple[str, str]:
     assert list(logged_progress(range(3), "building")) == [0, 1, 2]
     return "building", r"building [1-3]/3"
@@ -86,10 +95,12 @@ def data_building(tmp_path) -> tuple[str, str]:
         checkpoint_read,
         sharded_write,
         sharded_read,
+        tokenizing,
         data_building,
     ],
 )
 @pytest.mark.parametrize("mode", ["log", "terminal", "fast"])
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process
 def test_long_phases_show_progress_with_an_eta(phase, mode, monkeypatch, caplog, tmp_path):
     terminal = Terminal()
     settings = progress.ProgressSettings(

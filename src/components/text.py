@@ -28,7 +28,6 @@ import os
 import re
 import shutil
 import tempfile
-import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -343,7 +342,7 @@ class Progress:
             processes,
         )
         self.source = source
-        self.bar = PhaseProgress("tokenizing", size, size_text, says_done=False)
+        self.bar = PhaseProgress("tokenizing", size, size_text)
         self.documents = self.tokens = 0
 
     def done(self, documents: int, tokens: int) -> None:
@@ -352,13 +351,7 @@ class Progress:
 
     def finish(self, folder: Path) -> None:
         self.bar.finish()
-        log.info(
-            "tokenized %d documents into %d tokens in %.1f s: %s",
-            self.documents,
-            self.tokens,
-            time.perf_counter() - self.bar.started,
-            folder,
-        )
+        log.info("tokenized %d documents into %d tokens: %s", self.documents, self.tokens, folder)
 
 
 def chunks(texts: Iterable[str]) -> Iterator[list[str]]:

@@ -66,8 +66,7 @@ def eta_s(elapsed_s: float, done: float, total: float) -> float:
 class PhaseProgress:
     """How far a phase of `total` units has got (`advance`), shown as `<what> <unit>
     <done>/<total>` (each count through `count_text`) once it has run `SETTINGS.every_s`. A
-    context manager: leaving it ends the phase (`finish`), with a closing line unless the
-    caller writes its own (`says_done=False`)."""
+    context manager: leaving it ends the phase (`finish`)."""
 
     def __init__(
         self,
@@ -75,11 +74,9 @@ class PhaseProgress:
         total: float,
         count_text: Callable[[float], str] = lambda n: f"{n:g}",
         unit: str = "",
-        says_done: bool = True,
     ):
         self.what, self.total, self.count_text = what, total, count_text
         self.counted = f"{what} {unit} " if unit else f"{what} "
-        self.says_done = says_done
         self.done = 0.0
         self.started = time.perf_counter()
         every_s = SETTINGS.every_s if SETTINGS.shown else None
@@ -123,7 +120,7 @@ class PhaseProgress:
         if self.redraws:
             self.stream.write(CLEAR_LINE)
             self.stream.flush()
-        if self.says_done and not failed:
+        if not failed:
             log.info("%s: done in %.1f s", self.what, time.perf_counter() - self.started)
         self.shown = False
 
