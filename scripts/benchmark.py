@@ -286,7 +286,7 @@ def main() -> None:
     workload.DEVICE = auto_device if args.device == "auto" else args.device
     register_configs()
     gpu = f", {torch.cuda.get_device_name()}" if workload.DEVICE == "cuda" else ""
-    names = args.only or [*COMPARISONS, "checkpoint", "checkpointing", "pp", "startup"]
+    names = args.only or [*COMPARISONS, "checkpoint", "checkpointing", "pp", "progress", "startup"]
     header = (
         f"torch {torch.__version__}, device {workload.DEVICE}{gpu}, "
         f"{torch.get_num_threads()} threads, "
