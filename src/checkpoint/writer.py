@@ -234,8 +234,8 @@ class CheckpointWriter:
 
         def write_train_state() -> None:
             if strategy.is_main:
-                staging = prepare_staging(final)
-                save_file(extra, staging / TRAIN_STATE_FILE, f"{final.name}'s train state")
+                folder = prepare_staging(final)
+                save_file(extra, folder / TRAIN_STATE_FILE, f"{final.name}'s train state")
 
         # Then the staging folder is ready for every rank's shards.
         if not self.on_every_rank(write_train_state, final, size):
