@@ -1,4 +1,4 @@
-"""Long phases show progress in one bar style (`src/observe/progress.py`): evaluation batches,
+"""Long phases show progress in one bar style (`src/runtime/progress.py`): evaluation batches,
 checkpoint writes and data preparation print lines with an ETA once they have run
 trainer.progress_every_s (here 0, standing in for a slow phase, or 100, for a fast one); on a
 terminal the line is redrawn in place; a fast phase prints nothing extra."""
@@ -19,8 +19,8 @@ from src.components.data import logged_progress, synthetic_classification
 from src.components.tasks import Classification
 from src.components.text import text
 from src.config.parallel import ParallelConfig
-from src.observe import progress
 from src.parallel import build_strategy
+from src.runtime import progress
 from src.training.build import load_showing_progress
 from src.training.step import evaluate
 

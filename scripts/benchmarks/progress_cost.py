@@ -1,4 +1,4 @@
-"""What the progress reporter (`src/observe/progress.py`) costs on the default experiment."""
+"""What the progress reporter (`src/runtime/progress.py`) costs on the default experiment."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from benchmarks.workload import compose_config
 from src.components.data import build_data
 from src.config.base import typed
 from src.config.trainer import TrainerConfig
-from src.observe.progress import PhaseProgress
+from src.runtime.progress import PhaseProgress
 from src.training.build import check_config
 from src.training.trainer import train
 

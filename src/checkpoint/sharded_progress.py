@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
 )
 
-from src.observe.progress import PhaseProgress, size_text
+from src.runtime.progress import PhaseProgress, size_text
 
 
 def written_bytes(item: WriteItem) -> int:

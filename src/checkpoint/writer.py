@@ -37,7 +37,7 @@ from src.checkpoint.store import (
     staging_dir,
     step_dir,
 )
-from src.observe.progress import PhaseProgress, size_text
+from src.runtime.progress import PhaseProgress, size_text
 from src.runtime.stopping import RunStopped
 
 log = logging.getLogger(__name__)

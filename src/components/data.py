@@ -25,7 +25,7 @@ from src.components import batches
 from src.components.batches import Tree
 from src.components.token_files import TokenWindows, largest_token, stream_ranges, token_files
 from src.config.data import data_builder_config
-from src.observe.progress import PhaseProgress
+from src.runtime.progress import PhaseProgress
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +295,7 @@ def synthetic_tokens(
 
 
 def logged_progress(steps: range, what: str, unit: str = "") -> Iterator[int]:
-    """`steps`, showing how far they have got when they run long (`src/observe/progress.py`).
+    """`steps`, showing how far they have got when they run long (`src/runtime/progress.py`).
     Each process that builds the data shows its own (a builder does not know its rank), where
     its progress is shown at all (rank 0's)."""
     with PhaseProgress(what, len(steps), unit=unit) as progress:

@@ -44,7 +44,7 @@ from src.components.token_files import (
     write_shard,
 )
 from src.components.tokenizer import Tokenizer, build_tokenizer, load_tokenizer
-from src.observe.progress import PhaseProgress, size_text
+from src.runtime.progress import PhaseProgress, size_text
 
 log = logging.getLogger(__name__)
 
@@ -330,7 +330,7 @@ class ShardWriter:
 
 class Progress:
     """Says what tokenizing reads, how far it has got when it runs long (in bytes of the files
-    read, `src/observe/progress.py`), and what it wrote."""
+    read, `src/runtime/progress.py`), and what it wrote."""
 
     def __init__(self, source: TextSource, processes: int, kind: str):
         size = sum(file.stat().st_size for file in source.files)

@@ -30,7 +30,7 @@ class TrainerConfig:
     log_every: int = 25
     progress_every_s: float | None = 2.0
     """Evaluation, checkpoint writes and reads and data preparation that run longer than this
-    show a progress line with an ETA, at most this often (`src/observe/progress.py`); null:
+    show a progress line with an ETA, at most this often (`src/runtime/progress.py`); null:
     never (training's lines every log_every steps stay)."""
     eval_every: int = 100
     """0 evaluates only at the end."""

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from src.launch.store_answers import STORE_ANSWER_S, answer_within
-from src.observe.progress import show_progress_here
+from src.runtime.progress import show_progress_here
 from src.runtime.ranks import Ranks
 
 log = logging.getLogger(__name__)

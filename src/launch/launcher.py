@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from src.config.parallel import NodeRange
 from src.launch.as_rank import configure_logging, rank_store, run_as_rank, started_ranks
-from src.observe.progress import show_progress_here
 from src.runtime.forking import become_forked_child, start_rank_server
+from src.runtime.progress import show_progress_here
 from src.runtime.torch_private import (
     name_rendezvous_events_cheaply,
 )

@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _State
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
+from src.components.averaged_weights import AveragedWeights
 from src.components.blocks import prepare_blocks
 from src.components.data import Data, first_samples
 from src.components.model_contract import build_model
@@ -36,7 +37,6 @@ from src.parallel.shares import (
 )
 from src.planning.plans import DevicePlan
 from src.planning.work import WorkCounter
-from src.training.ema import EMA
 
 # Measured (src/launch/memory_check.py): the second step's peak has the optimizer state.
 TRACED_STEPS = 2
@@ -199,7 +199,10 @@ def trace_share(
             for start, end in ranges
         )
         optimizer = build_optimizer(cfg.optimizer, stages.parameters())
-        average = EMA(settings, list(stages.parameters()))  # counted as optimizer state
+        # The weight average (trainer.ema_decay), counted as optimizer state.
+        average = None
+        if settings.ema_decay is not None:
+            average = AveragedWeights(list(stages.parameters()), settings.ema_decay)
         lasts = [end == len(segments) for _, end in ranges]
         step = ShareStep(stages, share, task, lasts)
         templates = [
@@ -223,7 +226,8 @@ def trace_share(
             if not share.replica_only:  # a replica's gradients go to the output device
                 with stepping or contextlib.nullcontext():
                     optimizer.step()
-                    average.update()
+                    if average is not None:
+                        average.step()
             optimizer.zero_grad(set_to_none=True)
 
         def evaluation_batch() -> None:
@@ -247,7 +251,7 @@ def trace_share(
         else:
             indices = {model: 0, **{block: index for index, block in segments.indexed()}}
         tracker = StepMemTracker(indices)
-        tracker.track_external(step, optimizer, *average.saved().values())
+        tracker.track_external(step, optimizer, *([average] if average else []))
         with tracker:
             training_step()
         peaks = phase_peaks(tracker)

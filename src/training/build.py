@@ -25,8 +25,8 @@ from src.components.data import Data, build_data, first_samples
 from src.components.model_contract import build_model as build_model_of
 from src.config.base import typed
 from src.config.trainer import TrainerConfig
-from src.observe.progress import PhaseProgress, show_progress_every, size_text
 from src.parallel.base import Strategy
+from src.runtime.progress import PhaseProgress, show_progress_every, size_text
 from src.runtime.ranks import Ranks
 from src.training.checks import blame, check_data, check_model, check_settings
 from src.training.init_from import check_init_weights, init_from_path, load_init_weights

@@ -23,8 +23,8 @@ from src.components.data import Split, StreamReader
 from src.components.precision import LossScaling, autocast
 from src.components.tasks import Task
 from src.config.trainer import TrainerConfig
-from src.observe.progress import PhaseProgress
 from src.parallel.base import TrainingStrategy
+from src.runtime.progress import PhaseProgress
 from src.runtime.stopping import NonFiniteWatch
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def evaluate(
     """The task's figures (mean loss, ...) over the whole validation set (all ranks together);
     `val` is the set, or this rank's `ValBatches` of it (which `batch_size` made). `outputs`,
     if given, keeps the model's outputs for each of this rank's samples (`eval.py predict=true`).
-    A long pass shows its progress in batches (`src/observe/progress.py`)."""
+    A long pass shows its progress in batches (`src/runtime/progress.py`)."""
     if not isinstance(val, ValBatches):
         val = ValBatches(val, batch_size, strategy.data_shard, strategy.data_shards)
     model.eval()
