@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 from src.components.blocks import prepare_blocks
 from src.components.data import Data, first_samples
 from src.components.model_contract import build_model
-from src.components.optimizer import build_optimizer
+from src.components.optimizer import block_matrices, build_optimizer
 from src.components.precision import autocast
 from src.config.base import ConfigError, typed
 from src.config.trainer import TrainerConfig
@@ -197,7 +197,7 @@ def trace_share(
             nn.Sequential(*segments.blocks[start:end]) if segments.sequential else model
             for start, end in ranges
         )
-        optimizer = build_optimizer(cfg.optimizer, stages.parameters())
+        optimizer = build_optimizer(cfg.optimizer, stages.parameters(), block_matrices(model))
         lasts = [end == len(segments) for _, end in ranges]
         step = ShareStep(stages, share, task, lasts)
         templates = [
