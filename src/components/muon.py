@@ -58,8 +58,9 @@ def muon(
 
 
 class WholeMatrixMuon(torch.optim.Muon):
-    """torch.optim.Muon whose parameters may be DTensors: each matrix's update orthogonalised
-    whole (`orthogonalised`), the rest of torch's step as it is (`_single_tensor_muon`)."""
+    """torch.optim.Muon whose parameters may be DTensors: its step is torch's
+    (`_single_tensor_muon`, repeated here) with each matrix's update orthogonalised whole
+    (`orthogonalised`); the same arithmetic on whole tensors."""
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
