@@ -96,6 +96,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
     their shared state, so that the loop's learning rate, clipping, loss scaling, checkpoints in
     single's format and their loading see one optimizer."""
 
+    # Its step's temporaries are whole matrices on every rank (`orthogonalised`): the planner
+    # does not split them with the state (src/planning/memory_trace.py).
+    steps_whole_matrices = True
+
     def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.Optimizer):
         self.parts = (muon, adamw)
         super().__init__([*muon.param_groups, *adamw.param_groups], {})
