@@ -9,6 +9,10 @@ import copy
 import pytest
 import torch
 from helpers import TINY, assert_same_losses, assert_same_weights, strategy_runs
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 from src.components.models import MLP
 from src.components.optimizer import block_matrices, build_optimizer
@@ -47,8 +51,9 @@ def test_muon_trains_like_single_under_every_layout(layout):
 def test_muon_steps_as_torchs_muon_and_adamw_and_goes_on_from_its_state_dict(compose_config):
     """On whole tensors the blocks' matrices step exactly as torch.optim.Muon steps them (which
     `WholeMatrixMuon` repeats, with torch's private Newton-Schulz and learning-rate functions),
-    the rest as torch's AdamW; its state_dict, loaded into a new one, goes on alike (both parts
-    step from the loaded groups and state)."""
+    the rest as torch's AdamW; its state, loaded into a new one as a sharded checkpoint's is,
+    goes on alike (both parts step from the loaded groups and state, AdamW's empty group of
+    matrices outside the blocks too)."""
     settings = compose_config("optimizer=muon", "optimizer.lr=0.02").optimizer
     torch.manual_seed(0)
     model = MLP((8,), 3, hidden=8, depth=2)
@@ -74,7 +79,9 @@ def test_muon_steps_as_torchs_muon_and_adamw_and_goes_on_from_its_state_dict(com
     torch.testing.assert_close(model.state_dict(), twin.state_dict(), rtol=0, atol=0)
     resumed_model = copy.deepcopy(model)
     resumed = build_optimizer(settings, resumed_model.parameters(), block_matrices(resumed_model))
-    resumed.load_state_dict(copy.deepcopy(ours.state_dict()))  # as from a file: not aliased
+    # Through DCP's state dicts, as sharded checkpoints save and load it (copied, as from files).
+    saved = copy.deepcopy(get_optimizer_state_dict(model, ours))
+    set_optimizer_state_dict(resumed_model, resumed, saved)
     step(model, ours, at=2)
     step(resumed_model, resumed, at=2)
     torch.testing.assert_close(model.state_dict(), resumed_model.state_dict(), rtol=0, atol=0)

@@ -110,10 +110,17 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.share_groups_and_state()
 
     def share_groups_and_state(self) -> None:
-        """Each part's groups are its own of this optimizer's, its state this optimizer's."""
+        """Each part's groups are its own of this optimizer's, its state this optimizer's. A
+        group without its settings takes its part's defaults, the settings it was built with:
+        DCP's loading (`set_optimizer_state_dict`, sharded checkpoints) gives an empty group
+        that is not the last none (torch 2.14; AdamW's group of the matrices outside the blocks
+        is empty where the head is a block, as an nn.Sequential's)."""
         groups = iter(self.param_groups)
         for part in self.parts:
             own = [next(groups) for _ in part.param_groups]
+            for group in own:
+                for key, value in part.defaults.items():
+                    group.setdefault(key, value)
             part.__setstate__({"state": self.state, "param_groups": own})
 
     @torch.no_grad()
