@@ -33,16 +33,24 @@ def build_optimizer(
     settings = {key: value for key, value in cfg.items() if key not in OWN_KEYS}
     given = [key for key in settings if key not in TEMPLATE_KEYS]
     check_arguments("optimizer", cfg._target_, target, given)
-    apart = None
-    if cfg.block_matrices_apart:
-        if not block_matrices:
-            raise ConfigError(
-                f"optimizer={cfg.name} steps the 2-D weight matrices of the model's blocks apart, "
-                "and this model's blocks hold none (model.blocks names them); use optimizer=adamw"
-            )
-        apart = {id(param) for param in block_matrices}
-    groups = parameter_groups(params, cfg.decay_1d, apart)
-    return instantiate(settings, _convert_="all")(groups)
+    return instantiate(settings, _convert_="all")(grouped(cfg, params, block_matrices))
+
+
+def grouped(
+    cfg: OptimizerConfig,
+    params: Iterable[torch.nn.Parameter],
+    block_matrices: Collection[torch.nn.Parameter],
+) -> list[dict[str, Any]]:
+    """`params` in `parameter_groups` as `cfg` asks: the blocks' matrices apart under
+    `block_matrices_apart` (a ConfigError where the model's blocks hold none)."""
+    if not cfg.get("block_matrices_apart"):  # a saved run's config from before it has none
+        return parameter_groups(params, cfg.decay_1d)
+    if not block_matrices:
+        raise ConfigError(
+            f"optimizer={cfg.name} steps the 2-D weight matrices of the model's blocks apart, "
+            "and this model's blocks hold none (model.blocks names them); use optimizer=adamw"
+        )
+    return parameter_groups(params, cfg.decay_1d, {id(param) for param in block_matrices})
 
 
 def block_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:
