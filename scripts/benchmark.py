@@ -77,6 +77,10 @@ out of both.
                     new tokens/s (the samples/s column; ms/step: ms per token), one sequence,
                     --steps tokens after a 16-token prompt; gpt2_124m's shape on a GPU, 4 blocks
                     256 wide on a CPU (there try --steps 100)
+    progress        the default experiment (`python train.py`'s, logger=none) with progress on
+                    every long phase (trainer.progress_every_s=2) / without (null): wall time,
+                    evaluation and checkpoints included; and the reporter's own work per
+                    training step (one clock read per evaluation batch) against the step time
     startup         wall time of a one-step `python train.py` (single, and ddp x2 on CPU) over
                     that of `python -c "import torch"`: what a sweep of short jobs pays per job;
                     and over its floor: `plain step` (import torch, one SGD step of a Linear),
@@ -138,6 +142,7 @@ from benchmarks.long_context_and_experts import (  # noqa: E402
     template_ep,
 )
 from benchmarks.plan_accuracy import plan_accuracy  # noqa: E402
+from benchmarks.progress_cost import progress_cost  # noqa: E402
 from benchmarks.sampling import SAMPLE_BATCH, template_sample, transformers_sample  # noqa: E402
 from benchmarks.startup import startup  # noqa: E402
 from benchmarks.template_options import (  # noqa: E402
@@ -268,7 +273,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--only",
-        choices=[*sorted(COMPARISONS), "checkpoint", "checkpointing", "plan", "pp", "startup"],
+        choices=[
+            *sorted(COMPARISONS),
+            *("checkpoint", "checkpointing", "plan", "pp", "progress", "startup"),
+        ],
         action="append",
     )
     parser.add_argument("--rounds", type=int, default=5)
@@ -288,7 +296,7 @@ def main() -> None:
     workload.DEVICE = auto_device if args.device == "auto" else args.device
     register_configs()
     gpu = f", {torch.cuda.get_device_name()}" if workload.DEVICE == "cuda" else ""
-    names = args.only or [*COMPARISONS, "checkpoint", "checkpointing", "pp", "startup"]
+    names = args.only or [*COMPARISONS, "checkpoint", "checkpointing", "pp", "progress", "startup"]
     header = (
         f"torch {torch.__version__}, device {workload.DEVICE}{gpu}, "
         f"{torch.get_num_threads()} threads, "
@@ -309,6 +317,9 @@ def main() -> None:
             continue
         if name == "plan":
             plan_accuracy()
+            continue
+        if name == "progress":
+            progress_cost(args.rounds, args.steps)
             continue
         if name == "startup":
             startup(args.rounds)

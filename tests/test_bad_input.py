@@ -188,6 +188,12 @@ ROWS = [
         id="eval-batch0",
     ),
     pytest.param(
+        ["trainer.progress_every_s=-1"],
+        CHECK,
+        "trainer.progress_every_s must be 0 or more (or null), got -1",
+        id="progress-every-negative",
+    ),
+    pytest.param(
         ["trainer.matmul_precision=tf32"],
         HYDRA,
         "Invalid value 'tf32', expected one of [auto, highest, high, medium]",

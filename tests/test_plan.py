@@ -114,8 +114,9 @@ RESNET_CASES = {
         ],
         pytest.param((*TINY_LOOP, "parallel=single"), id="loop-mlp-single"),
         pytest.param((*TINY_LOOP, "parallel=ddp", "parallel.devices=2"), id="loop-mlp-ddp"),
-        # Its stem and head in FSDP's root unit, gathered while the blocks run.
-        pytest.param((*TINY_LOOP, *FSDP_2), id="loop-mlp-fsdp"),
+        # Its stem and head in FSDP's root unit, gathered while the blocks run; the weight
+        # average sharded as the weights are, held as optimizer state is.
+        pytest.param((*TINY_LOOP, *FSDP_2, "trainer.ema_decay=0.9"), id="loop-mlp-fsdp-ema"),
         # Its stages traced by torch, each micro-batch through them in turn.
         pytest.param(
             (*TINY_LOOP, "parallel=model_parallel", "parallel.microbatches=2"),

@@ -32,6 +32,7 @@ from src.parallel import build_strategy
 from src.planning.memory_trace import TRACED_STEPS, meta_model_and_inputs
 from src.runtime.ranks import Ranks
 from src.runtime.stopping import StopOnSignal
+from src.training.ema import EMA
 from src.training.step import evaluate, forward_backward
 
 
@@ -81,6 +82,7 @@ def step_peaks_mb(
                 strategy.trained_parameters(model),
                 block_matrices(strategy.unwrap(model)),
             )
+            average = EMA(trainer, strategy.trained_parameters(model))
             scaling = LossScaling(strategy.grad_scaler(trainer.precision == "fp16", 2.0**16))
             for _ in range(TRACED_STEPS):
                 # Passed unnamed: as in the loop, a step's batches are gone once it is done (an
@@ -95,9 +97,10 @@ def step_peaks_mb(
                     scaling,
                 )
                 scaling.step(optimizer)
+                average.update()
                 optimizer.zero_grad(set_to_none=True)
         training = peak_mb(tracker)
-        with tracker:  # its peak starts again from what is alive: the model, optimizer state
+        with tracker:  # its peak starts again from what is alive: model, optimizer state, average
             evaluate(model, strategy, task, val, trainer.eval_batch, precision)
         evaluation = peak_mb(tracker)
     finally:

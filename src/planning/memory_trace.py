@@ -36,6 +36,7 @@ from src.parallel.shares import (
 )
 from src.planning.plans import DevicePlan
 from src.planning.work import WorkCounter
+from src.training.ema import EMA
 
 # Measured (src/launch/memory_check.py): the second step's peak has the optimizer state.
 TRACED_STEPS = 2
@@ -201,6 +202,7 @@ def trace_share(
             for start, end in ranges
         )
         optimizer = build_optimizer(cfg.optimizer, stages.parameters(), block_matrices(model))
+        average = EMA(settings, list(stages.parameters()))  # counted as optimizer state
         lasts = [end == len(segments) for _, end in ranges]
         step = ShareStep(stages, share, task, lasts)
         templates = [
@@ -224,6 +226,7 @@ def trace_share(
             if not share.replica_only:  # a replica's gradients go to the output device
                 with stepping or contextlib.nullcontext():
                     optimizer.step()
+                    average.update()
             optimizer.zero_grad(set_to_none=True)
 
         def evaluation_batch() -> None:
@@ -247,7 +250,7 @@ def trace_share(
         else:
             indices = {model: 0, **{block: index for index, block in segments.indexed()}}
         tracker = StepMemTracker(indices)
-        tracker.track_external(step, optimizer)
+        tracker.track_external(step, optimizer, *average.saved().values())
         with tracker:
             training_step()
         peaks = phase_peaks(tracker)
