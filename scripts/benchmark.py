@@ -32,6 +32,10 @@ out of both.
     fsdp            the template's `parallel=fsdp` / its `parallel=ddp`, 2 CPU processes each:
                     what sharding costs in time (an all-gather per block in forward and again
                     in backward); what it saves in memory is in each run's summary.json
+    muon            the template's `parallel=fsdp` under optimizer=muon / under optimizer=adamw,
+                    2 CPU processes each: what Muon's step costs beside AdamW's where each
+                    rank gathers every block matrix's update (one all-gather per matrix) and
+                    orthogonalises it whole (5 Newton-Schulz iterations in bf16); CPU figures
     tp              the template's `parallel=tp` / its `parallel=ddp`, 2 processes each (the
                     MLP's Linears in 2 colwise/rowwise pairs, the head replicated): what an
                     all-reduce of the activations per pair, forward and backward, costs against
@@ -117,12 +121,14 @@ from benchmarks.any_model import (  # noqa: E402
     template_hf_ddp,
 )
 from benchmarks.launched import (  # noqa: E402
+    DDP_PROCESSES,
     checkpoint_blocking,
     pipeline_idle,
     plain_ddp,
     template_ddp,
     template_ddp_beside_tp,
     template_fsdp,
+    template_fsdp_under,
     template_tp,
     where_launched,
 )
@@ -197,6 +203,10 @@ COMPARISONS: dict[str, tuple[tuple[str, Run], tuple[str, Run]]] = {
     "hf": (("template", template_hf), ("plain", plain_hf)),
     "hf_ddp": (("template", template_hf_ddp), ("plain DDP", plain_hf_ddp)),
     "fsdp": (("fsdp", template_fsdp), ("ddp", template_ddp)),
+    "muon": (
+        ("fsdp muon", template_fsdp_under("muon")),
+        ("fsdp adamw", template_fsdp_under("adamw")),
+    ),
     "tp": (("tp 2", template_tp), ("ddp 2", template_ddp_beside_tp)),
     "cp": (("cp 2", template_cp), ("ddp 2", template_ddp_beside_cp)),
     "ep": (("ep 2", template_ep), ("ddp 2", template_ddp_beside_ep)),
@@ -328,6 +338,8 @@ def main() -> None:
             print(f"{'':<16}  the template's host work: {step_ms[0] - step_ms[1]:+.3f} ms/step")
         if name in ("tp", "cp", "ep"):
             print(f"{'':<16}  {where_launched()}")
+        if name == "muon":
+            print(f"{'':<16}  CPU figures ({DDP_PROCESSES} gloo processes): not GPU ones")
         if name == "cp":
             longest_sequences()
         if name in ("bf16", "fp16") and workload.DEVICE == "cpu":

@@ -490,6 +490,26 @@ ROWS = [
     ),
     pytest.param(["optimizer.lr=-1"], CHECK, "optimizer: Invalid learning rate", id="lr"),
     pytest.param(
+        ["optimizer=muon", "model=fcn", "data=synthetic_segmentation", "task=segmentation"],
+        CHECK,
+        "optimizer=muon steps the 2-D weight matrices of the model's blocks apart, and this "
+        "model's blocks hold none",
+        id="muon-without-block-matrices",
+    ),
+    pytest.param(
+        ["optimizer=muon", "optimizer.adjust_lr_fn=nosuch"],
+        CHECK,
+        "optimizer: Adjust learning rate function nosuch is not supported",
+        id="muon-adjust-lr-fn",
+    ),
+    pytest.param(
+        ["optimizer=muon", "optimizer.block_matrices_apart=false"],
+        CHECK,
+        "optimizer: src.components.muon.muon steps the blocks' matrices apart; choose "
+        "optimizer=muon, or set optimizer.block_matrices_apart=true",
+        id="muon-matrices-together",
+    ),
+    pytest.param(
         ["model=convnet"], CHECK, "model=convnet needs image-shaped input", id="convnet-flat-data"
     ),
     pytest.param(

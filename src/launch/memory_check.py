@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from src.components.blocks import prepare_blocks
 from src.components.data import Split, build_data, first_samples
 from src.components.model_contract import build_model
-from src.components.optimizer import build_optimizer
+from src.components.optimizer import block_matrices, build_optimizer
 from src.components.precision import LossScaling, autocast
 from src.config.base import typed
 from src.config.trainer import TrainerConfig
@@ -77,7 +77,11 @@ def step_peaks_mb(
             model = build_model(cfg.model, data.input_shape, data.num_classes)
             prepare_blocks(model, trainer.activation_checkpointing, False, trainer.checkpoint_ops)
             model = strategy.wrap(model)
-            optimizer = build_optimizer(cfg.optimizer, strategy.trained_parameters(model))
+            optimizer = build_optimizer(
+                cfg.optimizer,
+                strategy.trained_parameters(model),
+                block_matrices(strategy.unwrap(model)),
+            )
             average = EMA(trainer, strategy.trained_parameters(model))
             scaling = LossScaling(strategy.grad_scaler(trainer.precision == "fp16", 2.0**16))
             for _ in range(TRACED_STEPS):
