@@ -137,7 +137,7 @@ def test_the_automatic_split_avoids_a_boundary_that_is_not_tensors():
 
     def planned(**settings) -> list[int]:
         stage_cut = build_strategy(pipeline_config(**settings), "cpu").stage_cut
-        stage_cut.plan(model, inputs, "cpu")
+        stage_cut.plan(model, inputs)
         return stage_cut.split_points
 
     assert planned(devices=2) == [1]
