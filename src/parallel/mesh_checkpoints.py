@@ -241,7 +241,8 @@ class SingleLayoutCheckpoints:
                 if index in own
             },
             "param_groups": [
-                {**group, "params": [local[own[i]] for i in group["params"] if i in own]}
+                # In this optimizer's order (a tied copy's, single's first, may be its last).
+                {**group, "params": sorted(local[own[i]] for i in group["params"] if i in own)}
                 for group in state["param_groups"]
             ],
         }

@@ -156,7 +156,9 @@ def stage_parts(
 ) -> RankStages:
     """This rank's stages of `model` (`cut_model`: sharing the model's tensors, not copies of
     them) for micro-batches like `example` (meta); its tensors go to `device`, the others' to the
-    meta device."""
+    meta device. A tensor tied across stages of several ranks goes to each under the names its
+    stages use there (GPT's embedding weight on the first stage's rank, its head's on the last's),
+    a copy apiece, untied from the names left on the meta device (`TiedCopy`)."""
     pp, pp_rank = mesh.size(), mesh.get_local_rank()
     cut = cut_model(model, pp * stages_per_rank, example, device)
     ranks = stage_ranks(schedule, pp, stages_per_rank)
@@ -291,7 +293,10 @@ class PipelineRun:
         )
         self.clock.time_stages(pipeline_stages)
         self.first, self.last = stages.ranks[0], stages.ranks[-1]  # the first and last stages'
-        self.parameters = [p for part in parts.values() for p in part.parameters()]
+        # Once each: a tied tensor two stages of this rank use (the V's first and last) too.
+        self.parameters = list(
+            {id(p): p for part in parts.values() for p in part.parameters()}.values()
+        )
         self.microbatches = cfg.microbatches
         self.fn: Callable | None = None
         self.captured: list[torch.Tensor] = []
