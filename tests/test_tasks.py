@@ -11,9 +11,11 @@ from helpers import (
     TINY_SGD,
     TINY_TRANSFORMER,
     TINY_TRANSFORMER_SGD,
+    assert_goes_on_exactly,
     assert_same_training,
     metrics,
     reference_run,
+    resumed_sweep_runs,
     run_train,
     strategy_runs,
     summary,
@@ -115,6 +117,7 @@ GPT_RUN = (
     "model.n_head=2",
     "model.n_layer=2",
     "trainer.grad_clip=0.05",  # clips every step: a tied weight counted twice would show
+    "trainer.checkpoint_every=3",
 )
 
 
@@ -128,3 +131,15 @@ def test_gpt_with_tied_weights_trains_as_single(strategy):
     norm counts the weight once."""
     runs = strategy_runs(*GPT_RUN, strategies=TIED)
     assert_same_training(runs["single"], runs[strategy])
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("layout", ["pp", "single"])
+def test_a_weight_tied_across_pipeline_ranks_resumes_exactly_across_layouts(layout):
+    """pp resumes single's step-3 checkpoint (full) and single pp's (sharded: each rank's copy,
+    its optimizer state under the embedding's name, written once)."""
+    runs = strategy_runs(*GPT_RUN, strategies=TIED)
+    step_3 = {name: runs[name] / "checkpoints" / "step-000003" for name in ("single", "pp")}
+    resume = {"parallel=pp": step_3["single"], "parallel=single": step_3["pp"]}
+    resumed = resumed_sweep_runs(*GPT_RUN, "parallel=pp,single", resume=resume)
+    assert_goes_on_exactly(runs["single"], resumed[f"parallel={layout}"], [4, 5, 6])
