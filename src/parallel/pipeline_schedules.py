@@ -33,8 +33,8 @@ from torch.distributed.pipelining.schedules import (
     _PipelineSchedule,
     get_schedule_class,
 )
-from torch.distributed.tensor import DTensor
 
+from src.components.averaged_weights import local
 from src.components.batches import Tree, batch_size, meta_resized
 from src.config.base import ConfigError
 from src.parallel.mechanisms.stage_pipeline import boundary_bytes
@@ -200,11 +200,6 @@ def tied_copies(model: nn.Module, stages: RankStages, mesh: DeviceMesh) -> list[
             name = next(name for name in tie.names if name in stages.held)
             copies.append(TiedCopy(model.get_parameter(name), group, pp_rank == ranks[0]))
     return copies
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (sharing its memory), any other tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def sum_tied_gradients(copies: list[TiedCopy], before: dict[int, torch.Tensor | None]) -> None:
