@@ -136,14 +136,6 @@ ROWS = [
         id="hf-model-type",
     ),
     pytest.param(
-        ["model=hf_causal_lm", "model.config=gpt2", "parallel=pp"],
-        CHECK,
-        "parallel.pp: transformer.wte.weight and lm_head.weight are one tensor used on pipeline "
-        "stages 0 and 1 (other processes or devices), which would untie it; set "
-        "model.tie_weights=false (a transformers model: +model.sizes.tie_word_embeddings=false)",
-        id="hf-head-tied-across-stages",
-    ),
-    pytest.param(
         ["model=hf_causal_lm", "model.pretrained={config_only}"],
         CHECK,
         "holds no weights (model.safetensors",
