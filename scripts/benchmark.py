@@ -32,6 +32,10 @@ out of both.
     fsdp            the template's `parallel=fsdp` / its `parallel=ddp`, 2 CPU processes each:
                     what sharding costs in time (an all-gather per block in forward and again
                     in backward); what it saves in memory is in each run's summary.json
+    muon            the template's `parallel=fsdp` under optimizer=muon / under optimizer=adamw,
+                    2 CPU processes each: what Muon's step costs beside AdamW's where each
+                    rank gathers every block matrix's update (one all-gather per matrix) and
+                    orthogonalises it whole (5 Newton-Schulz iterations in bf16); CPU figures
     tp              the template's `parallel=tp` / its `parallel=ddp`, 2 processes each (the
                     MLP's Linears in 2 colwise/rowwise pairs, the head replicated): what an
                     all-reduce of the activations per pair, forward and backward, costs against
@@ -73,11 +77,16 @@ out of both.
                     new tokens/s (the samples/s column; ms/step: ms per token), one sequence,
                     --steps tokens after a 16-token prompt; gpt2_124m's shape on a GPU, 4 blocks
                     256 wide on a CPU (there try --steps 100)
+    progress        the default experiment (`python train.py`'s, logger=none) with progress on
+                    every long phase (trainer.progress_every_s=2) / without (null): wall time,
+                    evaluation and checkpoints included; and the reporter's own work per
+                    training step (one clock read per evaluation batch) against the step time
     tokenize        `data=text`'s first start on about 50 MB of generated text (jsonl), GPT-2's
                     BPE (a .tiktoken file; offline, a stand-in of its size trained by
                     `tokenizers`), 2 tokenizing processes / tiktoken's `encode_ordinary_batch`
-                    on 2 threads reading the same files, both on the same 2 cores: MB/s and
-                    tokens/s of each, their ratio, and the second start (the cache read)
+                    on 2 threads reading the same files, both on the same 2 cores: MB/s,
+                    tokens/s and CPU time of each, their ratios by wall and by CPU time, and
+                    the second start (the cache read)
     startup         wall time of a one-step `python train.py` (single, and ddp x2 on CPU) over
                     that of `python -c "import torch"`: what a sweep of short jobs pays per job;
                     and over its floor: `plain step` (import torch, one SGD step of a Linear),
@@ -118,12 +127,14 @@ from benchmarks.any_model import (  # noqa: E402
     template_hf_ddp,
 )
 from benchmarks.launched import (  # noqa: E402
+    DDP_PROCESSES,
     checkpoint_blocking,
     pipeline_idle,
     plain_ddp,
     template_ddp,
     template_ddp_beside_tp,
     template_fsdp,
+    template_fsdp_under,
     template_tp,
     where_launched,
 )
@@ -137,6 +148,7 @@ from benchmarks.long_context_and_experts import (  # noqa: E402
     template_ep,
 )
 from benchmarks.plan_accuracy import plan_accuracy  # noqa: E402
+from benchmarks.progress_cost import progress_cost  # noqa: E402
 from benchmarks.sampling import SAMPLE_BATCH, template_sample, transformers_sample  # noqa: E402
 from benchmarks.startup import startup  # noqa: E402
 from benchmarks.template_options import (  # noqa: E402
@@ -198,6 +210,10 @@ COMPARISONS: dict[str, tuple[tuple[str, Run], tuple[str, Run]]] = {
     "hf": (("template", template_hf), ("plain", plain_hf)),
     "hf_ddp": (("template", template_hf_ddp), ("plain DDP", plain_hf_ddp)),
     "fsdp": (("fsdp", template_fsdp), ("ddp", template_ddp)),
+    "muon": (
+        ("fsdp muon", template_fsdp_under("muon")),
+        ("fsdp adamw", template_fsdp_under("adamw")),
+    ),
     "tp": (("tp 2", template_tp), ("ddp 2", template_ddp_beside_tp)),
     "cp": (("cp 2", template_cp), ("ddp 2", template_ddp_beside_cp)),
     "ep": (("ep 2", template_ep), ("ddp 2", template_ddp_beside_ep)),
@@ -266,7 +282,7 @@ def main() -> None:
         "--only",
         choices=[
             *sorted(COMPARISONS),
-            *("checkpoint", "checkpointing", "plan", "pp", "startup", "tokenize"),
+            *("checkpoint", "checkpointing", "plan", "pp", "progress", "startup", "tokenize"),
         ],
         action="append",
     )
@@ -287,7 +303,8 @@ def main() -> None:
     workload.DEVICE = auto_device if args.device == "auto" else args.device
     register_configs()
     gpu = f", {torch.cuda.get_device_name()}" if workload.DEVICE == "cuda" else ""
-    names = args.only or [*COMPARISONS, "checkpoint", "checkpointing", "pp", "startup", "tokenize"]
+    others = ("checkpoint", "checkpointing", "pp", "progress", "startup", "tokenize")
+    names = args.only or [*COMPARISONS, *others]
     header = (
         f"torch {torch.__version__}, device {workload.DEVICE}{gpu}, "
         f"{torch.get_num_threads()} threads, "
@@ -309,6 +326,9 @@ def main() -> None:
         if name == "plan":
             plan_accuracy()
             continue
+        if name == "progress":
+            progress_cost(args.rounds, args.steps)
+            continue
         if name == "startup":
             startup(args.rounds)
             continue
@@ -329,6 +349,8 @@ def main() -> None:
             print(f"{'':<16}  the template's host work: {step_ms[0] - step_ms[1]:+.3f} ms/step")
         if name in ("tp", "cp", "ep"):
             print(f"{'':<16}  {where_launched()}")
+        if name == "muon":
+            print(f"{'':<16}  CPU figures ({DDP_PROCESSES} gloo processes): not GPU ones")
         if name == "cp":
             longest_sequences()
         if name in ("bf16", "fp16") and workload.DEVICE == "cpu":

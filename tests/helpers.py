@@ -531,6 +531,11 @@ def assert_same_training(reference: Path, other: Path, atol: float = 1e-5) -> No
             "helpers.SGD, and Adam runs with assert_same_losses"
         )
     assert_same_losses(reference, other, atol)
+    assert_same_weights(reference, other, atol)
+
+
+def assert_same_weights(reference: Path, other: Path, atol: float) -> None:
+    """The same final weights: single's keys in single's order, each within `atol`."""
     expected_weights, actual_weights = checkpoint(reference)["model"], checkpoint(other)["model"]
     assert list(actual_weights) == list(expected_weights), "not single's keys in single's order"
     for key, weight in expected_weights.items():

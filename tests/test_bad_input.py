@@ -136,14 +136,6 @@ ROWS = [
         id="hf-model-type",
     ),
     pytest.param(
-        ["model=hf_causal_lm", "model.config=gpt2", "parallel=pp"],
-        CHECK,
-        "parallel.pp: transformer.wte.weight and lm_head.weight are one tensor used on pipeline "
-        "stages 0 and 1 (other processes or devices), which would untie it; set "
-        "model.tie_weights=false (a transformers model: +model.sizes.tie_word_embeddings=false)",
-        id="hf-head-tied-across-stages",
-    ),
-    pytest.param(
         ["model=hf_causal_lm", "model.pretrained={config_only}"],
         CHECK,
         "holds no weights (model.safetensors",
@@ -186,6 +178,12 @@ ROWS = [
         CHECK,
         "trainer.eval_batch_size must be at least 1 (or null), got 0",
         id="eval-batch0",
+    ),
+    pytest.param(
+        ["trainer.progress_every_s=-1"],
+        CHECK,
+        "trainer.progress_every_s must be 0 or more (or null), got -1",
+        id="progress-every-negative",
     ),
     pytest.param(
         ["trainer.matmul_precision=tf32"],
@@ -483,6 +481,26 @@ ROWS = [
         id="optimizer-arguments",
     ),
     pytest.param(["optimizer.lr=-1"], CHECK, "optimizer: Invalid learning rate", id="lr"),
+    pytest.param(
+        ["optimizer=muon", "model=fcn", "data=synthetic_segmentation", "task=segmentation"],
+        CHECK,
+        "optimizer=muon steps the 2-D weight matrices of the model's blocks apart, and this "
+        "model's blocks hold none",
+        id="muon-without-block-matrices",
+    ),
+    pytest.param(
+        ["optimizer=muon", "optimizer.adjust_lr_fn=nosuch"],
+        CHECK,
+        "optimizer: Adjust learning rate function nosuch is not supported",
+        id="muon-adjust-lr-fn",
+    ),
+    pytest.param(
+        ["optimizer=muon", "optimizer.block_matrices_apart=false"],
+        CHECK,
+        "optimizer: src.components.muon.muon steps the blocks' matrices apart; choose "
+        "optimizer=muon, or set optimizer.block_matrices_apart=true",
+        id="muon-matrices-together",
+    ),
     pytest.param(
         ["model=convnet"], CHECK, "model=convnet needs image-shaped input", id="convnet-flat-data"
     ),

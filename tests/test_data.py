@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import logging
 import math
 import resource
 import time
@@ -25,7 +24,6 @@ from helpers import (
 from src.components.batch_order import Loading, SplitSamples, ValBatches, train_batches
 from src.components.data import (
     Split,
-    logged_progress,
     synthetic_classification,
     synthetic_regression,
     synthetic_segmentation,
@@ -137,15 +135,6 @@ def test_synthetic_tokens_at_gpt2_s_vocabulary_build_fast_in_little_memory():
     assert peak_growth_mb < 100
     assert data.num_classes == 50257 and data.input_shape == (256,)
     assert data.train.inputs.max() < 50257 and len(data.train.inputs.unique()) > 1000
-
-
-def test_data_building_logs_progress_only_when_slow(caplog, monkeypatch):
-    clock = iter(range(0, 100, 1))  # each reading of the clock: one second later
-    monkeypatch.setattr(time, "perf_counter", lambda: float(next(clock)))
-    with caplog.at_level(logging.INFO, logger="src.components.data"):
-        assert list(logged_progress(range(10), "slow", every_s=4)) == list(range(10))
-        assert list(logged_progress(range(3), "quick", every_s=100)) == [0, 1, 2]
-    assert caplog.messages == ["slow: 30% done", "slow: 70% done", "slow: done in 11.0 s"]
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -23,7 +24,7 @@ from helpers import (
 from odd_models import FloatBoundaryMLP, StructuredMLP
 from omegaconf import DictConfig
 
-from src.components.models import MLP
+from src.components.models import GPT, MLP
 from src.components.tasks import loss_sum
 from src.parallel import build_strategy
 from src.parallel.base import ConfigError
@@ -137,7 +138,7 @@ def test_the_automatic_split_avoids_a_boundary_that_is_not_tensors():
 
     def planned(**settings) -> list[int]:
         stage_cut = build_strategy(pipeline_config(**settings), "cpu").stage_cut
-        stage_cut.plan(model, inputs, "cpu")
+        stage_cut.plan(model, inputs)
         return stage_cut.split_points
 
     assert planned(devices=2) == [1]
@@ -263,3 +264,27 @@ def test_each_stage_lives_on_its_own_gpu():
     assert total.device == torch.device("cuda", 1)
     total.backward()
     assert all(p.grad.device == p.device for p in model.parameters())
+
+
+@pytest.mark.cuda
+@needs_gpus(2)
+def test_a_weight_tied_across_gpus_stays_on_the_first_stage_and_gets_both_uses_gradients():
+    """GPT's head on cuda:1 runs on a copy of the embedding's weight, which lives on cuda:0 and
+    gets the gradient of both uses, as the CPU model's one weight does."""
+    torch.manual_seed(0)
+    model = GPT(input_shape=(4,), num_classes=8, n_layer=2, n_head=2, n_embd=8)
+    single_model = copy.deepcopy(model)
+    devices = [torch.device("cuda", i) for i in (0, 1)]
+    pipelined = Pipeline(model, devices, microbatches=2, split_points=[2])
+    inputs, targets = torch.randint(0, 8, (4, 4)), torch.randint(0, 8, (4, 4))
+    total = pipelined(inputs, targets, loss_sum)
+    expected = loss_sum(single_model(inputs), targets)
+    torch.testing.assert_close(total.cpu(), expected)
+    total.backward()
+    expected.backward()
+    assert model[0].token.weight is model[-1][1].weight
+    assert model[0].token.weight.device == devices[0]
+    for (name, parameter), (_, alone) in zip(
+        model.named_parameters(), single_model.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(parameter.grad.cpu(), alone.grad, msg=name)

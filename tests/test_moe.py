@@ -29,7 +29,7 @@ MOE_SGD = (
     "model.experts=4",
     "model.capacity_factor=0.75",
     "model.aux_loss_weight=0.1",
-    "model.tie_weights=false",  # pp's two processes would split a tied embedding and head
+    "model.tie_weights=false",  # the experts' proofs; a tied head under pp: tests/test_tasks.py
 )
 LAYOUTS = ("ddp", "fsdp", "pp")
 

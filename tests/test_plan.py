@@ -25,6 +25,7 @@ from src.planning.memory_trace import (
     check_traceable,
     meta_model_and_inputs,
     model_sizes,
+    unsplit_step_bytes,
 )
 from src.planning.planner import (
     candidate_parallels,
@@ -113,8 +114,9 @@ RESNET_CASES = {
         ],
         pytest.param((*TINY_LOOP, "parallel=single"), id="loop-mlp-single"),
         pytest.param((*TINY_LOOP, "parallel=ddp", "parallel.devices=2"), id="loop-mlp-ddp"),
-        # Its stem and head in FSDP's root unit, gathered while the blocks run.
-        pytest.param((*TINY_LOOP, *FSDP_2), id="loop-mlp-fsdp"),
+        # Its stem and head in FSDP's root unit, gathered while the blocks run; the weight
+        # average sharded as the weights are, held as optimizer state is.
+        pytest.param((*TINY_LOOP, *FSDP_2, "trainer.ema_decay=0.9"), id="loop-mlp-fsdp-ema"),
         # Its stages traced by torch, each micro-batch through them in turn.
         pytest.param(
             (*TINY_LOOP, "parallel=model_parallel", "parallel.microbatches=2"),
@@ -418,6 +420,30 @@ def test_a_trace_keeps_the_peak_while_the_model_runs_apart_from_the_optimizer_st
     assert running[kind.ACT] > stepping[kind.ACT]
     assert running[kind.GRAD] < stepping[kind.GRAD] == stepping[kind.PARAM]
     assert stepping[kind.OPT] > running[kind.OPT] >= 2 * running[kind.PARAM]
+
+
+def test_muon_s_step_temporaries_are_planned_whole_beside_its_split_momentum(
+    compose_config, monkeypatch
+):
+    """optimizer=muon: the trace steps torch's Muon on whole matrices, and what its step makes
+    (at least the widest block matrix's update, 64 x 64 in fp32) is planned whole on every
+    rank however its state is split, as each rank gathers each matrix (AdamW's temporaries are
+    its shards'); its state is one momentum per block matrix, two moments (AdamW's) for the
+    rest (biases), under AdamW's two per parameter."""
+    traces = []
+    trace_share = src.planning.planner.trace_share
+    monkeypatch.setattr(
+        src.planning.planner, "trace_share", lambda *a: traces.append(trace_share(*a)) or traces[-1]
+    )
+    cfg = compose_config(*TINY_MLP, "optimizer=muon")
+    plan_all(cfg, [cfg.parallel])
+    (muon,) = traces
+    assert muon.whole_step_bytes >= 64 * 64 * 4
+    held = muon.peaks[RUNNING]
+    assert held[_MemRefType.PARAM] < held[_MemRefType.OPT] < 2 * held[_MemRefType.PARAM]
+    fsdp = DeviceShare("cpu:0", 1, state_shards=4)
+    whole = muon.whole_step_bytes
+    assert unsplit_step_bytes(whole, fsdp) == {"optimizer": whole - whole // 4}
 
 
 class FixedCPU(DeviceSpeed):

@@ -18,6 +18,7 @@ from helpers import TINY
 
 import src.training.trainer
 from src.observe.report import write_report
+from src.observe.tracking import Trackers
 from src.parallel import build_strategy
 from src.training.loop import Throughput
 from src.training.trainer import train
@@ -55,7 +56,9 @@ def test_one_time_costs_of_logging_are_not_timed(compose_config, tmp_path, monke
     real_perf_counter = time.perf_counter
     monkeypatch.setattr(time, "perf_counter", lambda: real_perf_counter() + clock[0])
     monkeypatch.setattr(
-        src.training.trainer, "build_tracker", lambda *args: FirstLogTakes100s(clock)
+        src.training.trainer,
+        "build_tracker",
+        lambda *args: Trackers({"slow": FirstLogTakes100s(clock)}),
     )
     cfg = compose_config(*TINY, "trainer.log_every=2", "trainer.timing_warmup_steps=2")
     strategy = build_strategy(cfg.parallel, "cpu", "fp32")

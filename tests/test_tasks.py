@@ -11,18 +11,17 @@ from helpers import (
     TINY_SGD,
     TINY_TRANSFORMER,
     TINY_TRANSFORMER_SGD,
+    assert_goes_on_exactly,
     assert_same_training,
     metrics,
     reference_run,
+    resumed_sweep_runs,
     run_train,
     strategy_runs,
     summary,
 )
 
-from src.components.models import GPT
 from src.components.tasks import Regression, Segmentation
-from src.config.base import ConfigError
-from src.parallel.mechanisms.stage_pipeline import check_tied_parameters
 
 SEGMENTATION = (
     *TINY_SGD,
@@ -117,22 +116,30 @@ GPT_RUN = (
     "model.n_embd=16",
     "model.n_head=2",
     "model.n_layer=2",
+    "trainer.grad_clip=0.05",  # clips every step: a tied weight counted twice would show
+    "trainer.checkpoint_every=3",
 )
 
 
-TIED = ("dp", "ddp", "fsdp", "model_parallel", "hybrid")
+TIED = ("dp", "ddp", "fsdp", "model_parallel", "hybrid", "pp")
 
 
 @pytest.mark.parametrize("strategy", TIED)
 def test_gpt_with_tied_weights_trains_as_single(strategy):
-    """model_parallel puts the embedding and the head it shares a weight with on two stages."""
+    """model_parallel and pp put the embedding and the head it shares a weight with on two
+    stages; pp's two processes each hold a copy, their gradients summed before clipping, whose
+    norm counts the weight once."""
     runs = strategy_runs(*GPT_RUN, strategies=TIED)
     assert_same_training(runs["single"], runs[strategy])
 
 
-def test_pipelines_on_gpus_refuse_a_weight_tied_across_stages():
-    model = GPT(input_shape=(4,), num_classes=8, n_layer=2, n_head=2, n_embd=8)
-    check_tied_parameters(model, [2], "cpu")
-    with pytest.raises(ConfigError, match="shares a parameter between stage 0 and stage 1"):
-        check_tied_parameters(model, [2], "cuda")
-    check_tied_parameters(GPT((4,), 8, 2, 2, 8, tie_weights=False), [2], "cuda")
+@pytest.mark.equivalence
+@pytest.mark.parametrize("layout", ["pp", "single"])
+def test_a_weight_tied_across_pipeline_ranks_resumes_exactly_across_layouts(layout):
+    """pp resumes single's step-3 checkpoint (full) and single pp's (sharded: each rank's copy,
+    its optimizer state under the embedding's name, written once)."""
+    runs = strategy_runs(*GPT_RUN, strategies=TIED)
+    step_3 = {name: runs[name] / "checkpoints" / "step-000003" for name in ("single", "pp")}
+    resume = {"parallel=pp": step_3["single"], "parallel=single": step_3["pp"]}
+    resumed = resumed_sweep_runs(*GPT_RUN, "parallel=pp,single", resume=resume)
+    assert_goes_on_exactly(runs["single"], resumed[f"parallel={layout}"], [4, 5, 6])

@@ -1,5 +1,6 @@
 """Comparisons of 2 processes started by the template's launcher: ddp (against a hand-written
-DDP loop), fsdp, tp, pp's schedules, and how long checkpoints hold training up."""
+DDP loop), fsdp (under AdamW and Muon too), tp, pp's schedules, and how long checkpoints hold
+training up."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import socket
 import statistics
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -86,6 +87,12 @@ def template_ddp(steps: int) -> float:
 
 def template_fsdp(steps: int) -> float:
     return template_launched(steps, "fsdp")
+
+
+def template_fsdp_under(optimizer: str) -> Callable[[int], float]:
+    """`template_fsdp` with `optimizer=<optimizer>` (the workload's is adamw)."""
+    setting = f"optimizer={optimizer}"
+    return lambda steps: launched_summary(steps, "fsdp", setting)["samples_per_sec"]
 
 
 def template_tp(steps: int) -> float:

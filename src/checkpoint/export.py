@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 from src.checkpoint.integrity import check_manifest
-from src.checkpoint.store import EMA_KEY, load_checkpoint, newest_checkpoint, read_torch_file
+from src.checkpoint.store import load_checkpoint, newest_checkpoint, read_torch_file
+from src.components.averaged_weights import EMA_KEY
 from src.components.model_contract import build_model
 from src.components.state_dicts import tie_again, tied_keys
 from src.config.base import ConfigError

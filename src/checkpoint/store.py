@@ -62,7 +62,6 @@ FULL_FILE = "checkpoint.pt"
 TRAIN_STATE_FILE = "train_state.pt"  # a sharded checkpoint's dict less model and optimizer
 DCP_METADATA = ".metadata"
 BEST = "best"  # the folder of trainer.monitor's best checkpoint
-EMA_KEY = "ema"  # the weight average's entry (trainer.ema_decay)
 
 
 @runtime_checkable

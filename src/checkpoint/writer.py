@@ -37,6 +37,7 @@ from src.checkpoint.store import (
     staging_dir,
     step_dir,
 )
+from src.runtime.progress import PhaseProgress, size_text
 from src.runtime.stopping import RunStopped
 
 log = logging.getLogger(__name__)
@@ -56,11 +57,15 @@ def fsync_dir(path: Path) -> None:
         os.close(directory)
 
 
-def save_file(state: dict[str, Any], path: Path) -> dict[str, int]:
+def save_file(state: dict[str, Any], path: Path, what: str) -> dict[str, int]:
     """`torch.save`, flushed to disk; the file's manifest entry (size and crc32), taken as it is
-    written, which spares reading it back."""
-    with path.open("wb") as file:
-        checksummed = ChecksummedWrites(file)
+    written, which spares reading it back. A long write shows its progress in bytes, as
+    `writing <what>`."""
+    with (
+        path.open("wb") as file,
+        PhaseProgress(f"writing {what}", state_bytes(state), size_text) as progress,
+    ):
+        checksummed = ChecksummedWrites(file, progress.advance)
         torch.save(state, checksummed)
         file.flush()
         os.fsync(file.fileno())
@@ -68,14 +73,16 @@ def save_file(state: dict[str, Any], path: Path) -> dict[str, int]:
 
 
 class ChecksummedWrites:
-    """A file to write, that keeps the size and crc32 of what is written to it."""
+    """A file to write, that keeps the size and crc32 of what is written to it, and tells
+    `written` the bytes of each write."""
 
-    def __init__(self, file: BinaryIO):
-        self.file, self.size, self.crc = file, 0, 0
+    def __init__(self, file: BinaryIO, written: Callable[[int], None]):
+        self.file, self.written, self.size, self.crc = file, written, 0, 0
 
     def write(self, data: bytes) -> int:
         self.crc = zlib.crc32(data, self.crc)
         self.size += len(data)
+        self.written(len(data))
         return self.file.write(data)
 
     def flush(self) -> None:
@@ -205,12 +212,15 @@ class CheckpointWriter:
             def write() -> None:
                 if strategy.is_main:
                     staging = prepare_staging(final)
-                    write_manifest(staging, {FULL_FILE: save_file(state, staging / FULL_FILE)})
+                    entry = save_file(state, staging / FULL_FILE, f"checkpoint {final.name}")
+                    write_manifest(staging, {FULL_FILE: entry})
                     publish(staging, final, self.keep)
 
             return final if self.on_every_rank(write, final, state_bytes(state)) else None
         import torch.distributed.checkpoint as dcp  # slow to import; only sharded ones need it
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+        from src.checkpoint.sharded_progress import SavePlannerShowingProgress
 
         state = strategy.sharded_state_dict(model, optimizer)
         for key, held in self.states.items():
@@ -219,25 +229,34 @@ class CheckpointWriter:
         # Tensors every rank holds (FSDP's buffers, a replica's weights) are written by rank 0,
         # in its order: the checkpoint then reads back in single's key order, not with the
         # buffers another rank wrote listed last.
-        planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+        dedup = {"dedup_save_to_lowest_rank": True}
         staging = staging_dir(final)
 
         def write_train_state() -> None:
             if strategy.is_main:
-                save_file(extra, prepare_staging(final) / TRAIN_STATE_FILE)
+                folder = prepare_staging(final)
+                save_file(extra, folder / TRAIN_STATE_FILE, f"{final.name}'s train state")
 
         # Then the staging folder is ready for every rank's shards.
         if not self.on_every_rank(write_train_state, final, size):
             return None
         if self.use_async:
             future = dcp.async_save(
-                state, checkpoint_id=staging, process_group=self.group, planner=planner
+                state,
+                checkpoint_id=staging,
+                process_group=self.group,
+                planner=DefaultSavePlanner(**dedup),
             )
             self.pending = (future, final, size)
             return final
-        written = self.publish_shards(
-            lambda: dcp.save(state, checkpoint_id=staging, planner=planner), final, size
-        )
+        # Written in the foreground, it shows its progress (this rank's shards).
+        showing = SavePlannerShowingProgress(f"writing checkpoint {final.name}", **dedup)
+
+        def write_shards() -> None:
+            dcp.save(state, checkpoint_id=staging, planner=showing)
+            showing.finish()
+
+        written = self.publish_shards(write_shards, final, size)
         return final if written else None
 
     def link_best(self, step: int) -> Path | None:
@@ -387,14 +406,6 @@ def failure_line(cause: OSError, final: Path, size: int) -> str:
         f"checkpoint {final.name} not written: the disk is full ({reason}) in {folder}: it "
         f"needs at least {size_text(size)} (its tensors), {size_text(free)} free there"
     )
-
-
-def size_text(size: int) -> str:
-    """`size` bytes in the unit that shows it best: 59 kB, 1.2 GB."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if size >= scale:
-            return f"{size / scale:.3g} {unit}"
-    return f"{size} bytes"
 
 
 def state_bytes(state: Any) -> int:

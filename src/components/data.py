@@ -11,7 +11,6 @@ size, is `src/components/batch_order.py`'s.
 from __future__ import annotations
 
 import logging
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -26,6 +25,7 @@ from src.components import batches
 from src.components.batches import Tree
 from src.components.token_files import TokenWindows, largest_token, stream_ranges, token_files
 from src.config.data import data_builder_config
+from src.runtime.progress import PhaseProgress
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +278,8 @@ def synthetic_tokens(
     def sequences(count: int, generator: torch.Generator) -> Split:
         by_position = torch.empty(seq_len + 1, count, dtype=torch.long)  # rows: one step each
         by_position[0] = torch.randint(vocab_size, (count,), generator=generator)
-        steps = logged_progress(range(seq_len), f"building {count} sequences of {seq_len} tokens")
+        what = f"building {count} sequences of {seq_len} tokens"
+        steps = logged_progress(range(seq_len), what, "token")
         for t in steps:
             current = by_position[t]
             draw = torch.rand(count, 1, generator=generator)
@@ -293,23 +294,14 @@ def synthetic_tokens(
     return _split(samples, test, vocab_size, val_fraction, seed)
 
 
-# Data preparation slower than this says how far it has got, this often.
-PROGRESS_EVERY_S = 2.0
-
-
-def logged_progress(steps: range, what: str, every_s: float = PROGRESS_EVERY_S) -> Iterator[int]:
-    """`steps`, logging "<what>: N% done" every `every_s` seconds while they run, and how long
-    they took at the end: a loop that ends sooner logs nothing. Each process that builds the
-    data logs its own lines (a builder does not know its rank)."""
-    started = shown = time.perf_counter()
-    for done, step in enumerate(steps):
-        now = time.perf_counter()
-        if now - shown >= every_s:
-            log.info("%s: %d%% done", what, 100 * done // len(steps))
-            shown = now
-        yield step
-    if shown != started:
-        log.info("%s: done in %.1f s", what, time.perf_counter() - started)
+def logged_progress(steps: range, what: str, unit: str = "") -> Iterator[int]:
+    """`steps`, showing how far they have got when they run long (`src/runtime/progress.py`).
+    Each process that builds the data shows its own (a builder does not know its rank), where
+    its progress is shown at all (rank 0's)."""
+    with PhaseProgress(what, len(steps), unit=unit) as progress:
+        for step in steps:
+            yield step
+            progress.advance()
 
 
 def tokens(

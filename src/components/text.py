@@ -28,7 +28,6 @@ import os
 import re
 import shutil
 import tempfile
-import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -45,6 +44,7 @@ from src.components.token_files import (
     write_shard,
 )
 from src.components.tokenizer import Tokenizer, build_tokenizer, load_tokenizer
+from src.runtime.progress import PhaseProgress, size_text
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,6 @@ META, DOCUMENTS, TOKENIZER = "meta.json", "documents.npy", "tokenizer"
 SHARD_TOKENS = 100_000_000  # per shard, as llm.c's fineweb shards
 CHUNK_CHARS = 1 << 20  # text per task of a tokenizing process
 READ_AHEAD = 4  # tasks per tokenizing process handed out before their results are read
-PROGRESS_EVERY_S = 2.0
 
 
 def text(
@@ -128,10 +127,16 @@ class TextSource:
         self.files, self.text_field, self.sample_by = files, text_field, sample_by
 
     def __iter__(self) -> Iterator[str]:
+        self.bytes_read = 0  # about how far the files have been read, for progress
         for file in self.files:
+            read_before, size = self.bytes_read, file.stat().st_size
+            counted_within = text_suffix(file) != ".parquet" and file.suffix != ".gz"
             for document in self.file_documents(file):
+                if counted_within:  # a character for a byte: near enough for an ETA
+                    self.bytes_read = min(read_before + size, self.bytes_read + len(document))
                 if document.strip():
                     yield document
+            self.bytes_read = read_before + size
 
     def file_documents(self, file: Path) -> Iterator[str]:
         suffix = text_suffix(file)
@@ -325,7 +330,8 @@ class ShardWriter:
 
 
 class Progress:
-    """Says how far tokenizing has got every `PROGRESS_EVERY_S` seconds, and how long it took."""
+    """Says what tokenizing reads, how far it has got when it runs long (in bytes of the files
+    read, `src/runtime/progress.py`), and what it wrote."""
 
     def __init__(self, source: TextSource, processes: int, kind: str):
         size = sum(file.stat().st_size for file in source.files)
@@ -336,24 +342,17 @@ class Progress:
             kind,
             processes,
         )
-        self.started = self.shown = time.perf_counter()
+        self.source = source
+        self.bar = PhaseProgress("tokenizing", size, size_text)
         self.documents = self.tokens = 0
 
     def done(self, documents: int, tokens: int) -> None:
         self.documents, self.tokens = self.documents + documents, self.tokens + tokens
-        if time.perf_counter() - self.shown >= PROGRESS_EVERY_S:
-            log.info("tokenizing: %d documents, %d tokens so far", self.documents, self.tokens)
-            self.shown = time.perf_counter()
+        self.bar.advance_to(self.source.bytes_read)
 
     def finish(self, folder: Path) -> None:
-        seconds = time.perf_counter() - self.started
-        log.info(
-            "tokenized %d documents into %d tokens in %.1f s: %s",
-            self.documents,
-            self.tokens,
-            seconds,
-            folder,
-        )
+        self.bar.finish()
+        log.info("tokenized %d documents into %d tokens: %s", self.documents, self.tokens, folder)
 
 
 def chunks(texts: Iterable[str]) -> Iterator[list[str]]:

@@ -31,6 +31,10 @@ class OptimizerConfig:
     """Weight decay on tensors of fewer than 2 dimensions too (biases, norms' scales and
     shifts); false gives them a parameter group of their own without decay, as GPT-2 and nanoGPT
     train."""
+    block_matrices_apart: bool = False
+    """The 2-D weight matrices of the model's blocks in a parameter group of their own, first,
+    marked `block_matrices` (optimizer=muon's: Muon steps them, AdamW the rest); a model whose
+    blocks hold none is refused."""
     name: str = MISSING
     """Labels the optimizer: a checkpoint resumes only under the one it was trained with."""
     schedule: str = "cosine"
@@ -60,6 +64,7 @@ class OptimizerConfig:
 OWN_KEYS = (
     "name",
     "decay_1d",
+    "block_matrices_apart",
     "schedule",
     "schedule_args",
     "warmup_steps",
@@ -87,3 +92,28 @@ class AdamWConfig(OptimizerConfig):
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     name: str = "adamw"
+
+
+@dataclass
+class MuonConfig(OptimizerConfig):
+    """torch.optim.Muon over the 2-D weight matrices of the model's blocks, AdamW over the rest
+    (embeddings, head, norms, biases), as modded-nanogpt and Kimi split them; one learning rate
+    for both (the schedule sets it on every group), Muon's scaled per matrix by `adjust_lr_fn`.
+    Under fsdp and tp each matrix is orthogonalised whole (`src/components/muon.py`)."""
+
+    _target_: str = "src.components.muon.muon"
+    weight_decay: float = 0.01
+    decay_1d: bool = False
+    block_matrices_apart: bool = True
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    """Newton-Schulz iterations that orthogonalise each matrix's update."""
+    adjust_lr_fn: str = "match_rms_adamw"
+    """Muon's lr per matrix: match_rms_adamw (Kimi's: 0.2 * sqrt(max(rows, columns)), an update
+    of AdamW's RMS, so that AdamW's lr and weight decay carry over), original (Keller Jordan's:
+    sqrt(max(1, rows / columns)), with lr near 0.02) or spectral_unclamped."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW's, and `eps`: for the parameters that are not the blocks' matrices."""
+    eps: float = 1e-8
+    name: str = "muon"

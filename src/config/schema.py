@@ -46,7 +46,7 @@ from src.config.model import (
     TimmConfig,
     TransformerConfig,
 )
-from src.config.optimizer import AdamWConfig, SGDConfig
+from src.config.optimizer import AdamWConfig, MuonConfig, SGDConfig
 from src.config.parallel import MeshConfig, ParallelConfig, PipelineConfig
 from src.config.plan import PlanConfig
 from src.config.task import (
@@ -152,7 +152,7 @@ SCHEMAS = {
         "mesh": MeshConfig,
     },
     "trainer": {"default": TrainerConfig},
-    "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig},
+    "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig, "muon": MuonConfig},
 }
 
 

@@ -28,6 +28,10 @@ class TrainerConfig:
     accumulate: int = 1
     """Micro-steps per optimizer step; the batch must divide by it."""
     log_every: int = 25
+    progress_every_s: float | None = 2.0
+    """Evaluation, checkpoint writes and reads and data preparation that run longer than this
+    show a progress line with an ETA, at most this often (`src/runtime/progress.py`); null:
+    never (training's lines every log_every steps stay)."""
     eval_every: int = 100
     """0 evaluates only at the end."""
     eval_batch_size: int | None = None
@@ -184,6 +188,11 @@ class TrainerConfig:
                 f"trainer.batch_size={self.batch_size} does not divide into "
                 f"trainer.accumulate={self.accumulate} micro-batches; make the batch a multiple "
                 "of trainer.accumulate"
+            )
+        if self.progress_every_s is not None and self.progress_every_s < 0:
+            raise ConfigError(
+                "trainer.progress_every_s must be 0 or more (or null), got "
+                f"{self.progress_every_s:g}"
             )
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ConfigError(f"trainer.peak_tflops must be above 0, got {self.peak_tflops}")

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from src.launch.store_answers import STORE_ANSWER_S, answer_within
+from src.runtime.progress import show_progress_here
 from src.runtime.ranks import Ranks
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,7 @@ def join_started_ranks(ranks: Ranks, run_dir: str, job_logging: dict[str, Any]) 
     """Inside the Hydra job of a rank started by torchrun/srun: tag its log lines with its rank;
     rank 0 tells the others where the run directory is (see `follow_rank0_run_dir`)."""
     configure_logging(job_logging, f"rank{ranks.rank}")
+    show_progress_here(ranks.rank == 0)
     if ranks.rank == 0 and ranks.world_size > 1:
         rank_store().set(RUN_DIR_KEY, run_dir)
 

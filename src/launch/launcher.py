@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from src.config.parallel import NodeRange
 from src.launch.as_rank import configure_logging, rank_store, run_as_rank, started_ranks
 from src.runtime.forking import become_forked_child, start_rank_server
+from src.runtime.progress import show_progress_here
 from src.runtime.torch_private import (
     name_rendezvous_events_cheaply,
 )
@@ -88,6 +89,7 @@ def _worker(
     multiprocessing.set_start_method(None, force=True)
     ranks = started_ranks()
     configure_logging(job_logging, f"rank{ranks.rank}")
+    show_progress_here(ranks.rank == 0)
     # Connect to the launcher's store now: a rank that fails later tells it (`failure_order`),
     # signals ask it whether the job is over (`job_failed`), and once the launcher has died, a
     # new connection would wait 30 minutes for it.

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from src.components.blocks import prepare_blocks
 from src.components.data import Split, build_data, first_samples
 from src.components.model_contract import build_model
-from src.components.optimizer import build_optimizer
+from src.components.optimizer import block_matrices, build_optimizer
 from src.components.precision import LossScaling, autocast
 from src.config.base import typed
 from src.config.trainer import TrainerConfig
@@ -32,6 +32,7 @@ from src.parallel import build_strategy
 from src.planning.memory_trace import TRACED_STEPS, meta_model_and_inputs
 from src.runtime.ranks import Ranks
 from src.runtime.stopping import StopOnSignal
+from src.training.ema import EMA
 from src.training.step import evaluate, forward_backward
 
 
@@ -76,7 +77,12 @@ def step_peaks_mb(
             model = build_model(cfg.model, data.input_shape, data.num_classes)
             prepare_blocks(model, trainer.activation_checkpointing, False, trainer.checkpoint_ops)
             model = strategy.wrap(model)
-            optimizer = build_optimizer(cfg.optimizer, strategy.trained_parameters(model))
+            optimizer = build_optimizer(
+                cfg.optimizer,
+                strategy.trained_parameters(model),
+                block_matrices(strategy.unwrap(model)),
+            )
+            average = EMA(trainer, strategy.trained_parameters(model))
             scaling = LossScaling(strategy.grad_scaler(trainer.precision == "fp16", 2.0**16))
             for _ in range(TRACED_STEPS):
                 # Passed unnamed: as in the loop, a step's batches are gone once it is done (an
@@ -91,9 +97,10 @@ def step_peaks_mb(
                     scaling,
                 )
                 scaling.step(optimizer)
+                average.update()
                 optimizer.zero_grad(set_to_none=True)
         training = peak_mb(tracker)
-        with tracker:  # its peak starts again from what is alive: the model, optimizer state
+        with tracker:  # its peak starts again from what is alive: model, optimizer state, average
             evaluate(model, strategy, task, val, trainer.eval_batch, precision)
         evaluation = peak_mb(tracker)
     finally:

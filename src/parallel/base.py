@@ -396,6 +396,8 @@ class Strategy:
             set_state_dict,
         )
 
+        from src.checkpoint.sharded_progress import LoadPlannerShowingProgress
+
         state = dcp_state_dict(model, optimizer)  # the shapes and shards to fill
         saved = self.as_saved(state)
         read = saved if key == "optimizer" else {key: saved["optimizer"]}
@@ -403,7 +405,9 @@ class Strategy:
             # One process without a process group reads every shard itself, as meant here; DCP
             # warns that it assumes so on every such load (eval.py, resume under single).
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(read, checkpoint_id=path)  # into them (or views of them)
+            showing = LoadPlannerShowingProgress(f"reading checkpoint {os.path.basename(path)}")
+            dcp.load(read, checkpoint_id=path, planner=showing)  # into them (or views of them)
+            showing.finish()
         self.place_loaded(state, saved)
         if optimizer is None:
             set_model_state_dict(model, state["model"], options=StateDictOptions())

@@ -42,6 +42,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
 from src.components.batches import meta_resized, move
+from src.components.state_dicts import tied_keys
 from src.config.base import ConfigError
 from src.config.parallel import MeshConfig
 from src.parallel import ddp, hybrid
@@ -75,7 +76,12 @@ from src.parallel.mesh_checkpoints import SingleLayoutCheckpoints, summed
 from src.parallel.mesh_plan import tp_split
 from src.parallel.mesh_shares import LayoutShares
 from src.parallel.pipeline_cut import cut_model
-from src.parallel.pipeline_schedules import PipelineRun, check_schedule, stage_parts
+from src.parallel.pipeline_schedules import (
+    PipelineRun,
+    check_schedule,
+    stage_parts,
+    tied_copies,
+)
 from src.parallel.tensor_parallel import apply_tp, check_sequence, tp_plan
 from src.parallel.tp_registry import RowOrder
 from src.runtime.ranks import Ranks
@@ -140,6 +146,7 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
         self.microbatch_samples = 1  # of a pipeline's micro-batch (`check_batch`)
         self.pipeline_inputs: Tree = None  # a pipeline micro-batch's inputs, meta (`check_model`)
         self.parameter_order: list[str] = []  # the whole model's, as single's optimizer has them
+        self.tied: dict[str, str] = {}  # the whole model's tied names (`tied_keys`)
 
     @property
     def data_shard(self) -> int:
@@ -184,7 +191,7 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
         if self.layout.ep > 1:
             self.ep_split = expert_split(model, inputs, self.layout)
         if self.stage_cut is not None:
-            self.stage_cut.plan(model, inputs, self.device_type)
+            self.stage_cut.plan(model, inputs)
         if self.layout.pp > 1:
             # What the tracer runs (an nn.Sequential is cut without: no inputs may be given).
             if inputs is not None:
@@ -232,6 +239,7 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         self.parameter_order = [name for name, _ in model.named_parameters()]
+        self.tied = tied_keys(model)
         if self.data_parallel_only:  # tp and pp peers see the same samples, or other blocks
             model = self.with_batchnorm_synced(model)
         if self.runs_ddp:
@@ -297,7 +305,8 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
                     for s, part in stages.parts.items()
                 }
                 stages = replace(stages, parts=parts)
-            self.pipeline = PipelineRun(self.cfg, pp_mesh, self.device, stages)
+            tied = tied_copies(model, stages, self.mesh)
+            self.pipeline = PipelineRun(self.cfg, pp_mesh, self.device, stages, tied)
         elif self.fsdp:
             model = apply_fsdp(model, data_parallel, policy, offload=offload)
             if self.layout.cp > 1:  # the cp ranks' gradients summed, the data-parallel averaged
@@ -318,9 +327,9 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
         """By the norm of all of the model's gradients, as single's: under pp, every pp rank's
         (each holds its own stages'); where they are DTensors on several meshes (ep's dense and
         expert ones, fsdp_tp's split and whole layers) or plain tensors beside DTensors (tp's
-        whole norms), whose norms torch cannot stack, each group's norm taken alone. Gradients
-        of partial sums (sequence parallel's norms') are summed first: torch 2.11 takes the
-        norm of each rank's part."""
+        whole norms), whose norms torch cannot stack, each group's norm taken alone; a tied
+        tensor's copies (pp), counted once. Gradients of partial sums (sequence parallel's
+        norms') are summed first: torch 2.11 takes the norm of each rank's part."""
         groups: dict[Any, list[nn.Parameter]] = {}
         for parameter in parameters:
             if parameter.grad is not None:
@@ -329,7 +338,10 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
             groups.setdefault(mesh, []).append(parameter)
         if self.pipeline is None and len(groups) == 1:
             return super().clip_grad_norm(parameters, max_norm)
-        squared = sum(squared_norm(group) for group in groups.values())
+        uncounted = self.pipeline.uncounted if self.pipeline is not None else set()
+        squared = sum(
+            squared_norm([p for p in group if id(p) not in uncounted]) for group in groups.values()
+        )
         if self.pipeline is not None:
             dist.all_reduce(squared, group=self.pipeline.group)
         with implicit_replication():  # the norm, a plain tensor, scales DTensor gradients too

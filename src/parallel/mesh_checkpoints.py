@@ -62,6 +62,7 @@ class SingleLayoutCheckpoints:
     pipeline: PipelineRun | None
     row_orders: dict[str, RowOrder]
     parameter_order: list[str]
+    tied: dict[str, str]  # the whole model's tied names: {name: the name single's optimizer uses}
     unwrap: Any  # Mesh's: the plain model
 
     @property
@@ -74,10 +75,16 @@ class SingleLayoutCheckpoints:
 
     def trains(self, name: str) -> bool:
         """Whether this process trains (and holds) the state_dict entry `name`: under pp, only
-        the entries of its stages."""
+        the entries of its stages (a tied tensor's on each rank whose stages use it)."""
         if self.pipeline is None:
             return True
-        return self.pipeline.owner[name] == self.pipeline.rank
+        return name in self.pipeline.stages.held
+
+    def single_name(self, name: str) -> str:
+        """The name single's optimizer state has for parameter `name`: under pp, a rank holding
+        a tied tensor's later use (GPT's head) alone keeps its optimizer state under the first
+        name (the embedding's), which every rank holding a copy saves and reads alike."""
+        return self.tied.get(name, name)
 
     def as_saved(self, state: dict[str, Any]) -> dict[str, Any]:
         """The entries this process trains, each in single's layout (`in_single_rows`), and the
@@ -93,7 +100,9 @@ class SingleLayoutCheckpoints:
             optimizer_state = state["optimizer"]
             saved["optimizer"] = {
                 "state": {
-                    name: {key: self.in_single_rows(name, value) for key, value in entries.items()}
+                    self.single_name(name): {
+                        key: self.in_single_rows(name, value) for key, value in entries.items()
+                    }
                     for name, entries in optimizer_state["state"].items()
                     if self.trains(name)
                 },
@@ -177,18 +186,22 @@ class SingleLayoutCheckpoints:
     def single_order(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
         """The parameters in single's optimizer order, which numbers its state: each group's
         parameters in the model's order (`single_groups`), group after group."""
-        names = iter(parameter_names(self.unwrap(model), optimizer))
+        names = iter(self.optimized_names(model, optimizer))
         groups = [
             {"params": [next(names) for _ in group["params"]]} for group in optimizer.param_groups
         ]
         return [name for group in self.single_groups(groups) for name in group["params"]]
+
+    def optimized_names(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+        """Single's name of each of `optimizer`'s parameters (`single_name`), in its order."""
+        return [self.single_name(name) for name in parameter_names(self.unwrap(model), optimizer)]
 
     def optimizer_state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> dict[str, Any]:
         """Single's format: state by single's parameter index, each tensor whole, in single's
         layout; under pp, every rank's (each optimizer holds its own stages' parameters)."""
-        names = parameter_names(self.unwrap(model), optimizer)
+        names = self.optimized_names(model, optimizer)
         state = optimizer.state_dict()
         state["state"] = {
             index: {
@@ -208,9 +221,13 @@ class SingleLayoutCheckpoints:
     ) -> None:
         """Single's optimizer state: under pp, the entries of this rank's parameters only."""
         plain = self.unwrap(model)
-        local = {name: index for index, name in enumerate(parameter_names(plain, optimizer))}
+        local = {name: index for index, name in enumerate(self.optimized_names(model, optimizer))}
         names = dict(enumerate(self.single_order(model, optimizer)))
-        parameters = dict(plain.named_parameters())
+        parameters = {
+            self.single_name(name): parameter
+            for name, parameter in plain.named_parameters()
+            if self.trains(name)
+        }
         own = {index: name for index, name in names.items() if name in local}
         state = {
             "state": {
@@ -224,7 +241,8 @@ class SingleLayoutCheckpoints:
                 if index in own
             },
             "param_groups": [
-                {**group, "params": [local[own[i]] for i in group["params"] if i in own]}
+                # In this optimizer's order (a tied copy's, single's first, may be its last).
+                {**group, "params": sorted(local[own[i]] for i in group["params"] if i in own)}
                 for group in state["param_groups"]
             ],
         }

@@ -31,7 +31,7 @@ class ModelParallel(Strategy):
         self.stage_cut.check_samples(micro_batch, batch)
 
     def check_model(self, model: nn.Module, inputs: Tree) -> None:
-        self.stage_cut.plan(model, inputs, self.device_type)
+        self.stage_cut.plan(model, inputs)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return self.stage_cut.pipeline(model, self.devices)

@@ -14,6 +14,12 @@ of the model on the meta device, so a model with its blocks anywhere (some on th
 a pp rank holds those of others) traces alike.
 
 `cut_model`'s split is balanced by the blocks' parameter counts (as the stage cut's is).
+
+A tensor the model uses on several stages (an embedding's weight tied to the head's, as GPT-2's)
+stays one tensor on its first stage (`Cut.stage_of`); `Cut.uses` says which stages use each
+name, and `Cut.ties` lists those tensors: each stage's process or device runs on a copy of its
+own, whose gradients the strategy sums with the first's, as Megatron-LM does for its first and
+last stage (`pipeline_schedules.TiedCopy`, `stage_pipeline.Pipeline.run_stage`).
 """
 
 from __future__ import annotations
@@ -32,7 +38,6 @@ from torch.distributed.pipelining import SplitPoint, pipeline
 from src.components.batches import Tree, tensors
 from src.components.model_contract import block_names, blocks_of
 from src.config.base import ConfigError, first_line
-from src.parallel.shares import tied_block_groups
 
 META = torch.device("meta")
 
@@ -73,11 +78,23 @@ def parameter_count(module: nn.Module) -> int:
 
 
 @dataclass(frozen=True)
+class Tie:
+    """A tensor of the model used on several stages."""
+
+    names: tuple[str, ...]  # the model's names for it, in its order (single's first)
+    stages: tuple[int, ...]  # the stages using it, in order
+
+
+@dataclass(frozen=True)
 class Cut:
     """A model cut into stages before blocks `points`."""
 
     points: list[int]
-    stage_of: dict[str, int]  # every parameter and buffer name (shared ones under each name)
+    # Every parameter and buffer name (shared ones under each name): the stages whose modules
+    # hold it, and the first stage using its tensor (where a tied tensor lives).
+    uses: dict[str, list[int]]
+    stage_of: dict[str, int]
+    ties: list[Tie]  # the tensors used on more than one stage
     # The stages' modules for micro-batches shaped like the (meta) batch given.
     modules: Callable[[Tree], list[nn.Module]]
     # Whether the stages are the model's own modules (else traced graph modules that share its
@@ -96,9 +113,8 @@ def state_names(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 def cut_model(model: nn.Module, stages: int, example: Tree, device: torch.device = META) -> Cut:
     """`model` cut into `stages` stages over processes (parallel.pp), balanced by its blocks'
     parameter counts; `example`: a micro-batch of inputs (meta); `device`: where traced stages
-    will run. ConfigError, in one line, where it cannot be cut: fewer blocks than stages, a
-    parameter shared across stages (each stage is another process: the tie would be broken),
-    or a model torch's tracer cannot cut into stages that run."""
+    will run. ConfigError, in one line, where it cannot be cut: fewer blocks than stages, or a
+    model torch's tracer cannot cut into stages that run."""
     blocks = list(model) if isinstance(model, nn.Sequential) else blocks_of(model)
     if len(blocks) < stages:
         raise ConfigError(
@@ -106,13 +122,6 @@ def cut_model(model: nn.Module, stages: int, example: Tree, device: torch.device
             f"{len(blocks)} blocks; lower them"
         )
     points = balanced_split_points([parameter_count(block) for block in blocks], stages)
-    stage_of_block = block_stages(points, len(blocks))
-    for group in tied_block_groups(model):
-        if len({stage_of_block[block] for block in group}) > 1:
-            raise ConfigError(
-                f"blocks {group} share a parameter but fall on different pipeline stages (other "
-                "processes), which would untie it; set model.tie_weights=false"
-            )
     return cut_at(model, points, example, [device] * stages, "parallel.pp")
 
 
@@ -126,19 +135,19 @@ def cut_at(
     """`model` cut before its blocks `points`, stage i to run on `devices[i]` (where a traced
     stage's graph makes tensors); `example`: a micro-batch of inputs (meta); `setting`: the
     setting that asks for the stages, for messages. ConfigError, in one line, where torch's
-    tracer cannot cut it into stages that run, or a tensor would be used on two stages."""
+    tracer cannot cut it into stages that run."""
     if isinstance(model, nn.Sequential):
         blocks = list(model)  # a slice of a subclass would build the subclass
         bounds = itertools.pairwise([0, *points, len(blocks)])
         parts = [nn.Sequential(*blocks[a:b]) for a, b in bounds]
         stage_of_block = block_stages(points, len(model))
-        stage_of = {name: stage_of_block[int(name.split(".")[0])] for name, _ in state_names(model)}
-        return Cut(points, stage_of, lambda _: parts, shares_modules=True)
+        uses = {name: [stage_of_block[int(name.split(".")[0])]] for name, _ in state_names(model)}
+        return Cut(points, uses, *homes(model, uses), lambda _: parts, shares_modules=True)
     names = block_names(model)
     starts = [names[point] for point in points]
     traced = functools.partial(traced_stages, model, starts, list(devices), setting)
-    stage_of = traced_owners(model, traced(example), setting)
-    return Cut(points, stage_of, remembered_by_shape(traced), shares_modules=False)
+    uses = traced_uses(model, traced(example))
+    return Cut(points, uses, *homes(model, uses), remembered_by_shape(traced), shares_modules=False)
 
 
 def block_stages(points: list[int], blocks: int) -> dict[int, int]:
@@ -253,24 +262,29 @@ def check_handed_on(graph: torch.fx.Graph, where: str) -> None:
             )
 
 
-def traced_owners(model: nn.Module, stages: list[nn.Module], setting: str) -> dict[str, int]:
-    """The stage of each of `model`'s parameter and buffer names (stage 0 for one no stage
-    uses); ConfigError (naming `setting`) where two stages share a tensor (on other processes
-    or devices: it would be untied)."""
-    stage_of_tensor: dict[int, int] = {}
-    for stage, module in enumerate(stages):
-        for _, tensor in state_names(module):
-            first = stage_of_tensor.setdefault(id(tensor), stage)
-            if first != stage:
-                shared = [name for name, t in state_names(model) if t is tensor]
-                raise ConfigError(
-                    f"{setting}: {' and '.join(shared)} are one tensor used on pipeline stages "
-                    f"{first} and {stage} (other processes or devices), which would untie it; set "
-                    "model.tie_weights=false (a transformers model: "
-                    "+model.sizes.tie_word_embeddings=false), or "
-                    f"{RUNS_WITHOUT_CUT}"
-                )
-    return {name: stage_of_tensor.get(id(tensor), 0) for name, tensor in state_names(model)}
+def traced_uses(model: nn.Module, stages: list[nn.Module]) -> dict[str, list[int]]:
+    """The stages whose traced modules hold each of `model`'s parameter and buffer names (bound
+    to the model's tensors by name, `bind`); stage 0 for a name no stage holds."""
+    held = [{name for name, _ in state_names(module)} for module in stages]
+    return {
+        name: [s for s, names in enumerate(held) if name in names] or [0]
+        for name, _ in state_names(model)
+    }
+
+
+def homes(model: nn.Module, uses: dict[str, list[int]]) -> tuple[dict[str, int], list[Tie]]:
+    """The first stage using each name's tensor (under any of its names), and the tensors that
+    more than one stage uses."""
+    names_of: dict[int, list[str]] = {}
+    for name, tensor in state_names(model):
+        names_of.setdefault(id(tensor), []).append(name)
+    stage_of, ties = {}, []
+    for names in names_of.values():
+        stages = sorted({stage for name in names for stage in uses[name]})
+        stage_of |= dict.fromkeys(names, stages[0])
+        if len(stages) > 1:
+            ties.append(Tie(tuple(names), tuple(stages)))
+    return stage_of, ties
 
 
 def meta_like(tensor: torch.Tensor) -> torch.Tensor:

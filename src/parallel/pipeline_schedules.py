@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,10 +34,11 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
+from src.components.averaged_weights import local
 from src.components.batches import Tree, batch_size, meta_resized
 from src.config.base import ConfigError
 from src.parallel.mechanisms.stage_pipeline import boundary_bytes
-from src.parallel.pipeline_cut import META, cut_model, place
+from src.parallel.pipeline_cut import META, Tie, cut_model, place
 from src.parallel.shares import Messages, ModelSizes
 from src.runtime.torch_private import pipeline_warmup_skips_own_rank
 
@@ -127,11 +128,22 @@ class RankStages:
     """This pp rank's part of a model cut into stages (`cut_model`)."""
 
     parts: dict[int, nn.Module]  # its stages' modules, by stage index
-    owner: dict[str, int]  # the pp rank holding each parameter and buffer name
+    # The pp rank that saves each parameter and buffer name (the first holding it), and the
+    # names this rank holds: those its stages use (a tied tensor under the names they use).
+    owner: dict[str, int]
+    held: frozenset[str]
     ranks: list[int]  # the pp rank holding each stage
     # Its stages' modules for batches shaped like the (meta) one given: `parts` again, unless
     # the stages were traced (each shape its own).
     reshaped: Callable[[Tree], dict[int, nn.Module]]
+    # The tensors used on more than one stage: the pp ranks holding each, its home (the first
+    # stage's) first.
+    ties: list[tuple[Tie, list[int]]]
+
+
+def holders(ranks: list[int], stages: Sequence[int]) -> list[int]:
+    """The pp ranks holding `stages` (`ranks`: each stage's), in the stages' order, once each."""
+    return list(dict.fromkeys(ranks[stage] for stage in stages))
 
 
 def stage_parts(
@@ -144,17 +156,62 @@ def stage_parts(
 ) -> RankStages:
     """This rank's stages of `model` (`cut_model`: sharing the model's tensors, not copies of
     them) for micro-batches like `example` (meta); its tensors go to `device`, the others' to the
-    meta device."""
+    meta device. A tensor tied across stages of several ranks goes to each under the names its
+    stages use there (GPT's embedding weight on the first stage's rank, its head's on the last's),
+    a copy apiece, untied from the names left on the meta device (`TiedCopy`)."""
     pp, pp_rank = mesh.size(), mesh.get_local_rank()
     cut = cut_model(model, pp * stages_per_rank, example, device)
     ranks = stage_ranks(schedule, pp, stages_per_rank)
-    owner = {name: ranks[stage] for name, stage in cut.stage_of.items()}
-    place(model, lambda name: device if owner[name] == pp_rank else META)
+    owner = {name: ranks[stages[0]] for name, stages in cut.uses.items()}
+    held = frozenset(name for name, uses in cut.uses.items() if pp_rank in holders(ranks, uses))
+    place(model, lambda name: device if name in held else META)
+    ties = [(tie, holders(ranks, tie.stages)) for tie in cut.ties]
 
     def mine(batch: Tree) -> dict[int, nn.Module]:
         return {s: module for s, module in enumerate(cut.modules(batch)) if ranks[s] == pp_rank}
 
-    return RankStages(mine(example), owner, ranks, mine)
+    return RankStages(mine(example), owner, held, ranks, mine, ties)
+
+
+@dataclass(frozen=True)
+class TiedCopy:
+    """This rank's copy of a parameter that stages on other ranks use too (a tied embedding and
+    head, held by the first stage's rank and the last's, as in Megatron-LM)."""
+
+    parameter: nn.Parameter
+    group: dist.ProcessGroup  # the ranks holding a copy, of this rank's pp group
+    home: bool  # the first stage's copy: the one the gradients' norm counts
+
+
+def tied_copies(model: nn.Module, stages: RankStages, mesh: DeviceMesh) -> list[TiedCopy]:
+    """This rank's copies of the parameters in `stages.ties` (`model`'s, wrapped as they are
+    now), each with the group of the ranks holding one in its pp group. A collective of every
+    process of `mesh` (the whole job's, with a `pp` dimension): each makes every pp group's."""
+    pp = mesh.mesh_dim_names.index("pp")
+    pp_groups = mesh.mesh.movedim(pp, -1).reshape(-1, mesh.size(pp))
+    parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    pp_rank = mesh.get_local_rank("pp")
+    copies = []
+    for tie, ranks in stages.ties:
+        if len(ranks) == 1 or tie.names[0] not in parameters:  # one copy; a buffer
+            continue
+        group, _ = dist.new_subgroups_by_enumeration([row[ranks].tolist() for row in pp_groups])
+        if pp_rank in ranks:
+            name = next(name for name in tie.names if name in stages.held)
+            copies.append(TiedCopy(model.get_parameter(name), group, pp_rank == ranks[0]))
+    return copies
+
+
+def sum_tied_gradients(copies: list[TiedCopy], before: dict[int, torch.Tensor | None]) -> None:
+    """Each tied copy's gradient gained since `before` (by parameter id) summed over the ranks
+    holding a copy: each then has single's, the sum over every use of the one tensor. Copies
+    sharded alike (FSDP over the same data-parallel mesh) sum shard by shard."""
+    for copy in copies:
+        gradient, old = local(copy.parameter.grad), before[id(copy.parameter)]
+        gained = gradient if old is None else gradient - local(old)
+        dist.all_reduce(gained, group=copy.group)
+        if old is not None:
+            gradient.copy_(local(old) + gained)
 
 
 def apply_pp(
@@ -218,9 +275,12 @@ class PipelineRun:
         mesh: DeviceMesh,
         device: torch.device,
         stages: RankStages,
+        tied: list[TiedCopy],
     ):
         self.group, self.rank, self.device = mesh.get_group(), mesh.get_local_rank(), device
-        self.mesh, self.stages, self.owner = mesh, stages, stages.owner
+        self.mesh, self.stages, self.owner, self.tied = mesh, stages, stages.owner, tied
+        # The copies the gradients' norm leaves out: another rank counts the tensor.
+        self.uncounted = {id(copy.parameter) for copy in tied if not copy.home}
         parts = stages.parts
         self.clock = StageClock(device)
         self.schedule, pipeline_stages = apply_pp(
@@ -228,7 +288,10 @@ class PipelineRun:
         )
         self.clock.time_stages(pipeline_stages)
         self.first, self.last = stages.ranks[0], stages.ranks[-1]  # the first and last stages'
-        self.parameters = [p for part in parts.values() for p in part.parameters()]
+        # Once each: a tied tensor two stages of this rank use (the V's first and last) too.
+        self.parameters = list(
+            {id(p): p for part in parts.values() for p in part.parameters()}.values()
+        )
         self.microbatches = cfg.microbatches
         self.fn: Callable | None = None
         self.captured: list[torch.Tensor] = []
@@ -255,6 +318,8 @@ class PipelineRun:
         before = [None if p.grad is None else p.grad.clone() for p in self.parameters]
         with self.clock.step():
             self.schedule.step(*args, target=target)
+        previous = {id(p): old for p, old in zip(self.parameters, before, strict=True)}
+        sum_tied_gradients(self.tied, previous)
         sums = self.broadcast_sums(self.microbatches).requires_grad_()
         return ScaleGradients.apply(
             sums, lambda factor: rescale_since(self.parameters, before, factor)
@@ -295,8 +360,12 @@ class PipelineRun:
 
     def gathered(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The state_dict with each tensor from the rank that trains it (the others hold it on
-        the meta device: its shapes, into which they receive)."""
+        the meta device: its shapes, into which they receive); a tied tensor's names one tensor
+        again, as single's (saved once)."""
+        alias = {name: tie.names[0] for tie, _ in self.stages.ties for name in tie.names[1:]}
         for name, value in state.items():
+            if name in alias:
+                continue
             owner = self.owner[name]
             if owner == self.rank:
                 on_device = value.to(self.device)
@@ -304,6 +373,9 @@ class PipelineRun:
                 on_device = torch.empty(value.shape, dtype=value.dtype, device=self.device)
             dist.broadcast(on_device, group=self.group, group_src=owner)
             state[name] = on_device.cpu()
+        for name, first in alias.items():
+            if name in state:
+                state[name] = state[first]
         return state
 
     def merged(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -313,14 +385,13 @@ class PipelineRun:
         groups = [
             {
                 **group,
-                "params": sorted(i for part in every for i in part["param_groups"][g]["params"]),
+                # A tied parameter's state comes from each rank holding a copy: alike, once.
+                "params": sorted({i for part in every for i in part["param_groups"][g]["params"]}),
             }
             for g, group in enumerate(state["param_groups"])
         ]
-        entries = sorted(
-            (index, entries) for part in every for index, entries in part["state"].items()
-        )
-        return {"state": dict(entries), "param_groups": groups}
+        entries = {index: entries for part in every for index, entries in part["state"].items()}
+        return {"state": dict(sorted(entries.items())), "param_groups": groups}
 
     def idle_fractions(self) -> list[float | None]:
         """Each pp rank's measured idle fraction (`StageClock`), in pp rank order: a collective

@@ -24,7 +24,6 @@ from src.parallel.mechanisms.stage_pipeline import (
     Pipeline,
     boundary_bytes,
     bubble_fraction,
-    check_tied_parameters,
     describe_value,
     log_layout,
     stage_shares,
@@ -57,23 +56,21 @@ class StageCut:
             )
         self.microbatch_samples = -(-samples // self.cfg.microbatches)  # tensor_split's first
 
-    def plan(self, model: nn.Module, inputs: Tree, device_type: str) -> None:
+    def plan(self, model: nn.Module, inputs: Tree) -> None:
         """Settle the split points on `model` (meta) fed `inputs` (meta). An nn.Sequential is
         cut between its children; any other model before its blocks by torch's tracer
         (`pipeline_cut.cut_at`, as parallel.pp cuts it), tried here so that a model it cannot
         cut is refused before any work."""
         self.example = meta_resized(inputs, self.microbatch_samples)
-        self.split_points = self.settled_points(model, inputs, device_type)
+        self.split_points = self.settled_points(model, inputs)
         first = Segments(model).first  # block 0's segment: after the rest's first, if any
         self.segment_points = [point + first for point in self.split_points]
 
-    def settled_points(self, model: nn.Module, inputs: Tree, device_type: str) -> list[int]:
+    def settled_points(self, model: nn.Module, inputs: Tree) -> list[int]:
         """`plan`'s split points, checked: where they cut an nn.Sequential, or where torch's
         tracer cuts any other model."""
         if isinstance(model, nn.Sequential):
-            points = self.plan_split_points(list(model), unmovable_boundaries(model, inputs))
-            check_tied_parameters(model, points, device_type)
-            return points
+            return self.plan_split_points(list(model), unmovable_boundaries(model, inputs))
         if self.cfg.deferred_batchnorm:
             raise ConfigError(
                 "parallel.deferred_batchnorm defers the BatchNorms of an nn.Sequential's blocks "

@@ -19,10 +19,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _State
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
+from src.components.averaged_weights import AveragedWeights
 from src.components.blocks import prepare_blocks
 from src.components.data import Data, first_samples
 from src.components.model_contract import build_model
-from src.components.optimizer import build_optimizer
+from src.components.optimizer import block_matrices, build_optimizer
 from src.components.precision import autocast
 from src.config.base import ConfigError, typed
 from src.config.trainer import TrainerConfig
@@ -151,13 +152,16 @@ class TracedShare:
     training step (`RUNNING`, `LOSS`, `STEPPING`) and of one evaluation batch (each block's
     apart: `StepMemTracker.by_block`); its work per optimizer step (`work.WorkCounter`: aten
     ops, FLOPs by size, bytes moved), of those ops the optimizer's, and its micro-steps per
-    optimizer step."""
+    optimizer step. `whole_step_bytes`: of the optimizer's memory at its step, the temporaries
+    that every rank holds whole however the state is split (Muon's whole matrix: 0 for AdamW,
+    whose temporaries are its shards')."""
 
     peaks: dict[str, dict[Any, int]]
     work: WorkCounter
     optimizer_ops: int
     evaluation: dict[Any, dict[Any, int]]
     micro_steps: int = 1
+    whole_step_bytes: int = 0
 
 
 def share_key(share: DeviceShare) -> tuple:
@@ -197,7 +201,11 @@ def trace_share(
             nn.Sequential(*segments.blocks[start:end]) if segments.sequential else model
             for start, end in ranges
         )
-        optimizer = build_optimizer(cfg.optimizer, stages.parameters())
+        optimizer = build_optimizer(cfg.optimizer, stages.parameters(), block_matrices(model))
+        # The weight average (trainer.ema_decay), counted as optimizer state.
+        average = None
+        if settings.ema_decay is not None:
+            average = AveragedWeights(list(stages.parameters()), settings.ema_decay)
         lasts = [end == len(segments) for _, end in ranges]
         step = ShareStep(stages, share, task, lasts)
         templates = [
@@ -221,6 +229,8 @@ def trace_share(
             if not share.replica_only:  # a replica's gradients go to the output device
                 with stepping or contextlib.nullcontext():
                     optimizer.step()
+                    if average is not None:
+                        average.step()
             optimizer.zero_grad(set_to_none=True)
 
         def evaluation_batch() -> None:
@@ -244,7 +254,7 @@ def trace_share(
         else:
             indices = {model: 0, **{block: index for index, block in segments.indexed()}}
         tracker = StepMemTracker(indices)
-        tracker.track_external(step, optimizer)
+        tracker.track_external(step, optimizer, *([] if average is None else [average]))
         with tracker:
             training_step()
         peaks = phase_peaks(tracker)
@@ -252,7 +262,16 @@ def trace_share(
         with tracker:  # entered again: its peak starts again from what is alive
             evaluation_batch()
         evaluation = phase_peaks(tracker)
-    return TracedShare(peaks, work, optimizer_work.ops, evaluation, trainer.accumulate)
+    whole = step_temporaries(peaks) if getattr(optimizer, "steps_whole_matrices", False) else 0
+    return TracedShare(peaks, work, optimizer_work.ops, evaluation, trainer.accumulate, whole)
+
+
+def step_temporaries(peaks: dict[Any, dict[Any, int]]) -> int:
+    """The optimizer's memory at its step beyond the state it holds while the model runs: what
+    its step makes and frees (0 where MemTracker's internals gave no phases)."""
+    if STEPPING not in peaks:
+        return 0
+    return max(0, peaks[STEPPING][_MemRefType.OPT] - peaks[RUNNING][_MemRefType.OPT])
 
 
 @contextlib.contextmanager
@@ -286,7 +305,11 @@ def device_plan(
     memory, at the most it holds. Its work: the traced share's, its FLOPs and bytes cut to
     `share.flops_kept`, and of its ops those on DTensors (`share.dtensor_parameters` of the
     optimizer's, `share.dtensor_layers` in each pass)."""
-    added = {RUNNING: share.running_bytes, LOSS: share.loss_bytes}
+    added = {
+        RUNNING: share.running_bytes,
+        LOSS: share.loss_bytes,
+        STEPPING: unsplit_step_bytes(traced.whole_step_bytes, share),
+    }
     devices = []
     for phase, peak in traced.peaks.items():
         # Between syncs (micro-steps before the last, and the last one's until it reduces)
@@ -303,6 +326,15 @@ def device_plan(
     device.dtensor_layers = share.dtensor_layers * share.parts * traced.micro_steps  # passes
     device.evaluation = evaluation_peak(traced.evaluation, eval_share, offloaded)
     return device
+
+
+def unsplit_step_bytes(whole: int, share: DeviceShare) -> dict[str, int]:
+    """The optimizer's step temporaries that stay whole (`TracedShare.whole_step_bytes`) less
+    what `shared_out` leaves of them, splitting them with the state: what it takes off, put
+    back (nothing where a replica does not step)."""
+    if share.replica_only:
+        return {}
+    return {"optimizer": whole - int(whole * share.state_kept) // share.state_shards}
 
 
 def evaluation_peak(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,16 +30,26 @@ def finite_or_null(value: Any) -> Any:
     return value
 
 
+def new_file_mode(folder: Path) -> int:
+    """The mode a file created in `folder` gets (0666 less the umask: 0644 under 0022), probed
+    with a file: os.umask cannot be read without setting it, which would race other threads."""
+    probe = folder / f".mode-probe.{os.getpid()}.{threading.get_ident()}"
+    probe.touch()
+    try:
+        return probe.stat().st_mode & 0o777
+    finally:
+        probe.unlink()
+
+
 def write_atomically(target: Path, write: Callable[[Path], None]) -> None:
     """`write(path)` into a file beside `target`, then renamed onto it: readers find the old file
-    or the whole new one, never half of one. The file gets the mode any new file gets under the
-    umask (0644 under 0022), so that a colleague can read it; also where `write` puts a file of
-    its own in its place (safetensors renames an owner-only temporary file onto it)."""
+    or the whole new one, never half of one. The file gets `new_file_mode`, so that a colleague
+    can read it, also where `write` puts a file of its own in its place (safetensors renames an
+    owner-only temporary file onto it)."""
     staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     staging.unlink(missing_ok=True)  # left by a process of this pid that was killed
-    staging.touch()  # created as `open` creates files: 0666 less the umask
+    mode = new_file_mode(target.parent)
     try:
-        mode = staging.stat().st_mode & 0o777
         write(staging)
         staging.chmod(mode)
         os.replace(staging, target)
@@ -47,12 +58,9 @@ def write_atomically(target: Path, write: Callable[[Path], None]) -> None:
 
 
 def readable_as_umask_allows(folder: Path) -> None:
-    """Give every file in `folder` the mode a new file gets under the umask, as
-    `write_atomically` does: a library's writer may leave its files owner-only (safetensors)."""
-    probe = folder / ".mode-probe"
-    probe.touch()
-    mode = probe.stat().st_mode & 0o777
-    probe.unlink()
+    """Give every file in `folder` `new_file_mode`, as `write_atomically` does: a library's
+    writer may leave its files owner-only (safetensors)."""
+    mode = new_file_mode(folder)
     for path in folder.rglob("*"):
         if path.is_file():
             path.chmod(mode)

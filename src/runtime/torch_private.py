@@ -24,7 +24,10 @@ overrides its private members: the planner's trace (`src/planning/memory_trace.p
 `_update_peak_stats` and `_mod_tracker`; `tests/test_plan.py`'s peaks, planned and measured, and
 `tests/test_tensor_memory.py` fail if those change. dp's replica threads run under the caller's
 dispatch modes (`src/parallel/mechanisms/replicas.py`, torch's private `_push_mode`);
-`tests/test_dp.py`'s threads test fails if that changes.
+`tests/test_dp.py`'s threads test fails if that changes. optimizer=muon
+(`src/components/muon.py`) repeats torch.optim.Muon's per-matrix step around a gather, calling
+torch's private `_zeropower_via_newtonschulz` and `_adjust_lr` (torch.optim._muon);
+`tests/test_muon.py`'s comparison with torch.optim.Muon fails if they change.
 
 Ending a finished process without the interpreter's teardown of its modules: a training process
 has imported torch, torch._dynamo (every `torch.optim` optimizer does),

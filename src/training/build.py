@@ -8,6 +8,7 @@ the first (`check_config`: the settings' checks, then that). Which process runs 
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from src.components.model_contract import build_model as build_model_of
 from src.config.base import typed
 from src.config.trainer import TrainerConfig
 from src.parallel.base import Strategy
+from src.runtime.progress import PhaseProgress, show_progress_every, size_text
 from src.runtime.ranks import Ranks
 from src.training.checks import blame, check_data, check_model, check_settings
 from src.training.init_from import check_init_weights, init_from_path, load_init_weights
@@ -67,7 +69,9 @@ def build_blueprint(
 
 def build_checked_parts(cfg: DictConfig, strategy: Strategy) -> tuple[Data, Any, nn.Module]:
     """Data, task and the model on the meta device, checked against each other and the
-    strategy."""
+    strategy. From here on, this process's long phases show progress as trainer.progress_every_s
+    says."""
+    show_progress_every(cfg.trainer.progress_every_s)
     with blame("data"):
         data = build_data(cfg.data, cfg.seed)
     check_data(cfg, data, strategy.data_shards)
@@ -140,13 +144,32 @@ def build_wrapped_model(
     model = build_model(cfg, data)
     size_lazy_modules(model, data)
     if state is not None:
-        model.load_state_dict(state["model"])
+        load_showing_progress(model, state["model"])
     if init_from is not None:
         strict = cfg.trainer.init_strict
         load_init_weights(model, init_from, strict, announce=strategy.is_main)
     trainer = typed(TrainerConfig, cfg.trainer)
     prepare_blocks(model, trainer.activation_checkpointing, trainer.compile, trainer.checkpoint_ops)
     return strategy.wrap(model)
+
+
+def load_showing_progress(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """`model.load_state_dict(weights)`, where a checkpoint's memory-mapped tensors are read
+    from disk: a long read shows its progress in bytes, module by module (each module's own
+    tensors counted as it starts loading them)."""
+    total = sum(tensor.nbytes for tensor in weights.values())
+    with PhaseProgress("reading the checkpoint's weights", total, size_text) as progress:
+
+        def loading(module: nn.Module, *_: Any) -> None:
+            own = itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False))
+            progress.advance(sum(tensor.nbytes for tensor in own))
+
+        hooks = [module.register_load_state_dict_pre_hook(loading) for module in model.modules()]
+        try:
+            model.load_state_dict(weights)
+        finally:
+            for hook in hooks:
+                hook.remove()
 
 
 def checkpoint_to_load(blueprint: Blueprint, strategy: Strategy) -> tuple[dict | None, bool]:

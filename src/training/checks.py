@@ -21,7 +21,7 @@ from src.components.batches import Tree, describe
 from src.components.blocks import saved_ops
 from src.components.data import Data, Stream, meta_samples
 from src.components.model_contract import settle_model_settings
-from src.components.optimizer import build_optimizer, settle_optimizer_settings
+from src.components.optimizer import block_matrices, build_optimizer, settle_optimizer_settings
 from src.components.schedules import lr_schedule
 from src.config.base import ConfigError, check_given, first_line, typed
 from src.config.parallel import Offload
@@ -111,7 +111,7 @@ def check_model(
         )
     strategy.check_model(model, inputs)
     with blame("optimizer"):
-        build_optimizer(cfg.optimizer, model.parameters())
+        build_optimizer(cfg.optimizer, model.parameters(), block_matrices(model))
         lr_schedule(cfg.optimizer, cfg.trainer.max_steps)
 
 

@@ -13,53 +13,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from src.checkpoint.store import EMA_KEY
+from src.components.averaged_weights import EMA_KEY, AveragedWeights
 from src.config.trainer import TrainerConfig
 from src.parallel.base import TrainingStrategy
 
 log = logging.getLogger(__name__)
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `tensor` (a DTensor's local shard), which in-place ops change."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-class AveragedWeights(torch.optim.Optimizer):
-    """The average of `parameters` (one group, in the model's order, so that a full checkpoint
-    numbers them as the model lists its parameters), as the optimizer state `ema` of each:
-    `step()` folds the weights in, the first step copying them (`AveragedModel`'s rule)."""
-
-    def __init__(self, parameters: list[nn.Parameter], decay: float):
-        super().__init__(parameters, {})
-        self.decay = decay
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> None:
-        """`closure` is the optimizer interface's; DCP's state initialisation passes None."""
-        parameters = self.param_groups[0]["params"]
-        for parameter in parameters:
-            if EMA_KEY not in self.state[parameter]:
-                self.state[parameter][EMA_KEY] = parameter.detach().clone()
-        averages = [local(self.state[parameter][EMA_KEY]) for parameter in parameters]
-        torch._foreach_lerp_(averages, [local(p.detach()) for p in parameters], 1 - self.decay)
-
-    @torch.no_grad()
-    def swap(self) -> None:
-        """Exchange the weights and the averages, in place (a second swap undoes it): one
-        parameter's copy at a time, so that the model's layout and wrappers stay as they are."""
-        for parameter in self.param_groups[0]["params"]:
-            weights, average = local(parameter.detach()), local(self.state[parameter][EMA_KEY])
-            held = weights.clone()
-            weights.copy_(average)
-            average.copy_(held)
 
 
 def holds_average(checkpoint: dict[str, Any]) -> bool:

@@ -160,7 +160,7 @@ def evaluate_split(
     outputs = SampleOutputs() if cfg.predict else None
     precision = autocast(strategy.device_type, settings.precision)
     figures = evaluate(
-        model, strategy, blueprint.task, batches, settings.eval_batch, precision, outputs
+        model, strategy, blueprint.task, batches, settings.eval_batch, precision, outputs, cfg.split
     )
     if outputs is not None:
         outputs.write(strategy, predictions_file(eval_dir), len(split))

@@ -27,6 +27,7 @@ from src.observe.report import rate_text
 from src.observe.tracking import Trackers
 from src.parallel.base import TrainingStrategy, process_peak_memory_mb
 from src.runtime.files import json_text, write_atomically
+from src.runtime.progress import bar_line
 from src.training.step import evaluate, reduced_figures
 
 log = logging.getLogger(__name__)
@@ -158,15 +159,11 @@ def progress_line(
 ) -> str:
     """The console's line for a logging step; `rates` is `Throughput.rates`' (samples/s, and
     tokens/s for token sequences)."""
-    filled = round(20 * step / max_steps)
-    bar = "#" * filled + "." * (20 - filled)
-    speed = f"{rate_text(rates['samples_per_sec'])} samples/s"
+    speeds = [f"{rate_text(rates['samples_per_sec'])} samples/s"]
     if "tokens_per_sec" in rates:
-        speed += f" | {rate_text(rates['tokens_per_sec'])} tokens/s"
-    return (
-        f"[{bar}] step {step}/{max_steps} | loss {loss:.4f} | {speed} | "
-        f"data wait {data_wait_ms:.1f} ms | eta {eta_s:.0f}s"
-    )
+        speeds.append(f"{rate_text(rates['tokens_per_sec'])} tokens/s")
+    details = (f"loss {loss:.4f}", *speeds, f"data wait {data_wait_ms:.1f} ms")
+    return bar_line(f"step {step}/{max_steps}", step, max_steps, details, eta_s)
 
 
 @contextlib.contextmanager
@@ -326,7 +323,13 @@ class Evaluation:
     ) -> dict[str, float]:
         with self.speed.paused(), self.counting(), self.weights():
             self.figures = evaluate(
-                model, self.strategy, self.task, self.batches, self.trainer.eval_batch, precision
+                model,
+                self.strategy,
+                self.task,
+                self.batches,
+                self.trainer.eval_batch,
+                precision,
+                split=self.split,
             )
             metrics = {f"{self.split}/{name}": value for name, value in self.figures.items()}
             history.record(metrics, step)

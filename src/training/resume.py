@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from src.components.optimizer import parameter_groups
+from src.components.optimizer import block_matrices, grouped
 from src.components.schedules import lr_schedule, schedule_length
 from src.config.base import ConfigError
 from src.config.optimizer import SCHEDULES
@@ -42,13 +42,14 @@ def check_resumable(state: dict[str, Any], path: Path, model: nn.Module, cfg: Di
 
 
 def check_same_groups(state: dict[str, Any], path: Path, model: nn.Module, cfg: DictConfig) -> None:
-    """The checkpoint's optimizer has this run's parameter groups (`optimizer.decay_1d` splits
-    them; checkpoints of adamw from before it have one). A sharded checkpoint's structure, read
-    before any rank starts, holds no optimizer groups: DCP checks those as it loads."""
+    """The checkpoint's optimizer has this run's parameter groups (`optimizer.decay_1d` and
+    `block_matrices_apart` split them; checkpoints of adamw from before decay_1d have one). A
+    sharded checkpoint's structure, read before any rank starts, holds no optimizer groups: DCP
+    checks those as it loads."""
     if not state.get("optimizer"):
         return
     saved = [len(group["params"]) for group in state["optimizer"]["param_groups"]]
-    groups = parameter_groups(model.parameters(), cfg.optimizer.decay_1d)
+    groups = grouped(cfg.optimizer, model.parameters(), block_matrices(model))
     expected = [len(group["params"]) for group in groups]
     if saved != expected:
         raise ConfigError(

@@ -24,6 +24,7 @@ from src.components.precision import LossScaling, autocast
 from src.components.tasks import Task
 from src.config.trainer import TrainerConfig
 from src.parallel.base import TrainingStrategy
+from src.runtime.progress import PhaseProgress
 from src.runtime.stopping import NonFiniteWatch
 
 if TYPE_CHECKING:
@@ -40,15 +41,17 @@ def evaluate(
     batch_size: int,
     autocast: Any,
     outputs: SampleOutputs | None = None,
+    split: str = "val",
 ) -> dict[str, float]:
     """The task's figures (mean loss, ...) over the whole validation set (all ranks together);
     `val` is the set, or this rank's `ValBatches` of it (which `batch_size` made). `outputs`,
-    if given, keeps the model's outputs for each of this rank's samples (`eval.py predict=true`)."""
+    if given, keeps the model's outputs for each of this rank's samples (`eval.py predict=true`).
+    A long pass shows its progress in batches (`src/runtime/progress.py`)."""
     if not isinstance(val, ValBatches):
         val = ValBatches(val, batch_size, strategy.data_shard, strategy.data_shards)
     model.eval()
     sums, count = None, 0
-    with torch.no_grad(), autocast:
+    with torch.no_grad(), autocast, PhaseProgress(split, len(val.order), unit="batch") as progress:
         for batch, (inputs, targets, counted) in enumerate(val):
             if outputs is None:
                 part = strategy.apply(model, inputs, targets, task.sums)
@@ -60,6 +63,7 @@ def evaluate(
             else:  # padding: zeros of the right length, for a rank with no samples of its own
                 part = part * 0
             sums = part if sums is None else sums + part  # summed on the device: one wait
+            progress.advance()
     model.train()
     return reduced_figures(strategy, task, sums, count)
 

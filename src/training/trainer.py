@@ -31,7 +31,7 @@ from src.checkpoint.store import best_dir, rng_state, set_rng_state
 from src.checkpoint.writer import CheckpointWriter, gathered, resolved_format
 from src.components.blocks import CompiledSums
 from src.components.data import tokens_per_sample
-from src.components.optimizer import build_optimizer
+from src.components.optimizer import block_matrices, build_optimizer
 from src.components.schedules import lr_schedule
 from src.components.state_dicts import tied_keys
 from src.config.base import plain_config, typed
@@ -209,7 +209,11 @@ class Trainer:
         model = build_wrapped_model(
             cfg, strategy, blueprint.data, None if in_shards else state, blueprint.init_from
         )
-        optimizer = build_optimizer(cfg.optimizer, strategy.trained_parameters(model))
+        optimizer = build_optimizer(
+            cfg.optimizer,
+            strategy.trained_parameters(model),
+            block_matrices(strategy.unwrap(model)),
+        )
         ema = EMA(self.settings, strategy.trained_parameters(model))
         if state is None:
             if cfg.trainer.resume and strategy.is_main:

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from src.components.batches import Tree, batch_size, meta_resized, move, split
-from src.parallel.base import ConfigError, LossFn
+from src.parallel.base import LossFn
 from src.parallel.pipeline_cut import Cut, balanced_split_points, parameter_count
 from src.parallel.shares import DeviceShare, ModelSizes
 
@@ -92,28 +92,6 @@ def unmovable_boundaries(model: nn.Sequential, inputs: Tree) -> dict[int, Any]:
     return {i + 1: value for i, value in enumerate(outputs[:-1]) if not movable(value)}
 
 
-def check_tied_parameters(
-    model: nn.Sequential, split_points: Sequence[int], device_type: str
-) -> None:
-    """Refuse a parameter shared by blocks on two stages on GPUs: moving each stage to its device
-    would untie it. On CPU every stage is the same device, the pair stays one Parameter and its
-    gradients sum, as `single`'s do."""
-    if device_type == "cpu":
-        return
-    bounds = [0, *split_points, len(model)]
-    seen: dict[int, int] = {}
-    for stage, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-        for block in range(start, end):
-            for parameter in model[block].parameters():
-                first = seen.setdefault(id(parameter), stage)
-                if first != stage:
-                    raise ConfigError(
-                        f"the model shares a parameter between stage {first} and stage {stage} "
-                        f"(block {block}), which would be untied on separate GPUs; set "
-                        "model.tie_weights=false, or use ddp or fsdp"
-                    )
-
-
 class Pipeline(nn.Module):
     """`model` cut at `split_points` (balanced by parameter count when None), stage i on
     `devices[i]`; forward returns the sum of `fn` over `microbatches` micro-batches. An
@@ -153,10 +131,10 @@ class Pipeline(nn.Module):
         self.split_points = list(split_points)
         blocks = list(model)
         # A plain list, not registered: the blocks are registered once, through `self.model`.
-        self.stages = [
-            nn.Sequential(*blocks[a:b]).to(device)
-            for (a, b), device in zip(itertools.pairwise(bounds), devices, strict=True)
-        ]
+        self.stages = [nn.Sequential(*blocks[a:b]) for a, b in itertools.pairwise(bounds)]
+        # Moved last to first: a parameter tied across stages ends on the first using it.
+        for stage, device in reversed(list(zip(self.stages, self.devices, strict=True))):
+            stage.to(device)
         self.stage_parameters = [parameter_count(stage) for stage in self.stages]
 
     def stage_modules(self, micro_batch: Tree) -> list[nn.Module]:
@@ -167,10 +145,22 @@ class Pipeline(nn.Module):
 
     def run_stage(self, module: nn.Module, stage: int, value: Tree) -> Tree:
         """`module` (stage `stage`) on `value`: a traced stage after the first takes the values
-        the stage before returned (a tuple of them) as its arguments."""
+        the stage before returned (a tuple of them) as its arguments. A parameter tied to an
+        earlier stage's (GPT's head, its embedding's weight) lives on that stage's device; on
+        another device the stage runs on a copy made here, whose gradient autograd adds into the
+        parameter's, as single's two uses add theirs."""
+        args = (value,)
         if self.cut is not None and stage > 0 and isinstance(value, tuple):
-            return module(*value)
-        return module(value)
+            args = value
+        device = self.devices[stage]
+        away = {
+            name: parameter.to(device)
+            for name, parameter in module.named_parameters(remove_duplicate=False)
+            if parameter.device != device
+        }
+        if away:
+            return torch.func.functional_call(module, away, args)
+        return module(*args)
 
     def forward(self, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
         # Uneven micro-batches are exact: `fn` returns sums. An eval batch smaller than M gets
