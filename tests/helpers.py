@@ -663,3 +663,15 @@ def forked_ranks(rank_function: Callable[..., None], *args: object, processes: i
 
     start_rank_server()
     mp.start_processes(rank_function, args=args, nprocs=processes, start_method="forkserver")
+
+
+def write_trained_tiktoken(path: Path, text: str, size: int = 300) -> Path:
+    """A `.tiktoken` file of GPT-2's kind (`data.tokenizer=` takes it offline): `size` ranks
+    under GPT-2's pattern, trained on `text` by tiktoken's own small trainer."""
+    from tiktoken._educational import bpe_train
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    from src.components.tokenizer import write_tiktoken_bpe
+
+    write_tiktoken_bpe(bpe_train(text, size, r50k_pat_str, visualise=None), path)
+    return path

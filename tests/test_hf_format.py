@@ -1,8 +1,8 @@
 """GPT-2's weights in, the Hugging Face format out: a transformers GPT-2 (random, 2 layers,
 written by `save_pretrained`: no network) starts `model=gpt` through train.py's
 `trainer.init_from`; a run exported as a folder loads in transformers' `AutoModelForCausalLM` to
-the same logits and generates in its text-generation pipeline with the run's tokenizer; a model
-with no exact counterpart is refused."""
+the same logits and generates in its text-generation pipeline with the run's tokenizer (a
+tiktoken one converted: the same ids); a model with no exact counterpart is refused."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, TINY_GPT_SGD, TINY_SGD, reference_run, run_train
+from helpers import ROOT, TINY_GPT_SGD, TINY_SGD, reference_run, run_train, write_trained_tiktoken
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from src.checkpoint.export import save_pretrained
 from src.components.models import GPT
+from src.components.tokenizer import TiktokenTokenizer, TransformersTokenizer, save_for_transformers
 from src.config.base import ConfigError
 from src.config.model import MoEConfig, TransformerConfig
 from src.training.init_from import check_init_weights, load_init_weights
@@ -62,7 +63,7 @@ def write_tokenizer(folder: Path) -> None:
     tokenizer = Tokenizer(models.WordLevel(vocabulary, unk_token=WORDS[0]))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=WORDS[0])
-    fast.save_pretrained(folder)
+    TransformersTokenizer(fast, "words").save(folder)  # as a run saves it
 
 
 def export(source: Path, target: Path) -> subprocess.CompletedProcess:
@@ -100,6 +101,47 @@ def test_a_run_from_gpt2_s_weights_exports_back_to_transformers_with_its_tokeniz
     generate = transformers.pipeline("text-generation", model=str(exported))
     text = generate("a b c", max_new_tokens=4, do_sample=False)[0]["generated_text"]
     assert text.startswith("a b c") and len(text) > len("a b c")  # 4 more words, unspaced
+
+
+# Text the tiktoken tokenizer is trained on and then tokenizes: words, contractions, numbers,
+# runs of spaces and newlines, letters and spaces beyond ASCII, and the end-of-text token.
+TEXTS = [
+    "To be, or not to be, that is the question.",
+    "Whether 'tis nobler in the mind to suffer 1234567 slings and arrows",
+    "  two spaces,\ttabs\t\tand lines \n\n  ending in spaces  ",
+    "Ünïcödé façade: naïve\u00a0café,\u3000東京, emoji 😀!",  # Unicode's spaces too
+    "one document<|endoftext|>the next",
+]
+
+
+def test_a_tiktoken_tokenizer_is_exported_as_transformers_reads_it_with_its_ids(
+    tmp_path, monkeypatch
+):
+    """A run's tiktoken encoding (GPT-2's kind) as the export writes it: AutoTokenizer gives
+    tiktoken's ids (the end-of-text token's too, as GPT-2's own transformers tokenizer does) and
+    decodes them to the same text; without transformers, one line names it."""
+    pytest.importorskip("tiktoken")
+    bpe = write_trained_tiktoken(tmp_path / "bpe.tiktoken", " ".join(TEXTS * 8))
+    tokenizer = TiktokenTokenizer.of_file(bpe, str(bpe))
+    tokenizer.save(tmp_path / "run")
+    save_for_transformers(tmp_path / "run", tmp_path / "exported")
+
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "exported")
+
+    assert exported.eos_token_id == tokenizer.eot and len(exported) == tokenizer.vocab_size
+    for text in TEXTS:
+        ids = tokenizer.encoding.encode(text, allowed_special="all")
+        assert exported(text)["input_ids"] == ids, text
+        assert exported.decode(ids) == tokenizer.decode(ids) == text
+    plain = TEXTS[2]  # no special token: the run's own encode
+    assert exported(plain)["input_ids"] == tokenizer.encode(plain).tolist()
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+    with pytest.raises(ValueError) as refused:
+        save_for_transformers(tmp_path / "run", tmp_path / "without")
+    assert str(refused.value) == (
+        f"the export of the tiktoken tokenizer in {tmp_path / 'run'} needs transformers: "
+        "pip install transformers"
+    )
 
 
 @pytest.mark.parametrize(

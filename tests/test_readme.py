@@ -19,7 +19,15 @@ import warnings
 from pathlib import Path
 
 import pytest
-from helpers import QUIET_AND_FRUGAL, ROOT, run_eval, run_plan, run_sweep, run_train
+from helpers import (
+    QUIET_AND_FRUGAL,
+    ROOT,
+    run_eval,
+    run_plan,
+    run_sweep,
+    run_train,
+    write_trained_tiktoken,
+)
 
 FENCED_SHELL = re.compile(r"^```(?:bash|sh|shell)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 FENCED_PYTHON = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
@@ -132,8 +140,9 @@ LINES = [
     "or to take arms against a sea of troubles, and by opposing end them.",
     "To die, to sleep; no more; and by a sleep to say we end the heart-ache.",
 ]
-# What the test adds to the recipe's training: its BPE (the README's default, GPT-2's, needs the
-# network once), a tiny GPT and a few steps, on the CPU.
+# What the test adds to the recipe's training: a BPE of GPT-2's kind trained on the text, as a
+# `.tiktoken` file (the README's default, GPT-2's own, needs the network once), a tiny GPT and a
+# few steps, on the CPU.
 TINY_TEXT_GPT = (
     "model.n_layer=1",
     "model.n_head=2",
@@ -144,22 +153,6 @@ TINY_TEXT_GPT = (
     "trainer.eval_every=0",
     "logger=none",
 )
-
-
-def write_bpe(path: Path, texts: list[str]) -> None:
-    """A byte-level BPE trained by `tokenizers` on `texts`, with GPT-2's end-of-text token."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(texts, trainer)
-    tokenizer.save(str(path))
 
 
 def run_as_written(command: list[str], folder: Path, *additions: str) -> None:
@@ -195,18 +188,18 @@ def test_the_recipe_goes_from_a_folder_of_text_to_transformers(tmp_path, monkeyp
     new processes; the export and then the Python block, which loads the export in transformers
     and generates, in this one."""
     pytest.importorskip("transformers")
-    pytest.importorskip("tokenizers")
+    pytest.importorskip("tiktoken")
     rng = random.Random(0)
     texts = ["\n".join(rng.choices(LINES, k=12)) for _ in range(8)]
     (tmp_path / "my_texts").mkdir()
     for index, text in enumerate(texts):
         (tmp_path / "my_texts" / f"{index}.txt").write_text(text)
-    write_bpe(tmp_path / "bpe.json", texts)
+    bpe = write_trained_tiktoken(tmp_path / "bpe.tiktoken", "\n".join(texts))
     recipe = readme_sections()[1]
     train, sample, export = shell_commands(recipe)
     assert train[1] == "train.py" and sample[1] == "sample.py" and export[1] == "-m", recipe
 
-    run_as_written(train, tmp_path, *TINY_TEXT_GPT, f"data.tokenizer={tmp_path / 'bpe.json'}")
+    run_as_written(train, tmp_path, *TINY_TEXT_GPT, f"data.tokenizer={bpe}")
     run_as_written(sample, tmp_path, "trainer.accelerator=cpu")
     monkeypatch.chdir(tmp_path)
     run_module_here(export, monkeypatch)

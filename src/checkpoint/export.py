@@ -14,7 +14,8 @@ key it shares its tensor with}). Any other suffix gets `torch.save` of the state
 folder in the Hugging Face format (config.json + model.safetensors, `save_pretrained`'s), which
 `from_pretrained` loads, for a model that has one: transformers' models (`model=hf_causal_lm`)
 their own, `gpt` and `gpt2_124m` GPT-2's (`GPT2LMHeadModel`: `components/gpt2_format.py`); the
-run's tokenizer's files (`<run>/tokenizer/`), if it saved any, go beside them.
+run's tokenizer (`<run>/tokenizer/`), if it saved one, goes beside them as `AutoTokenizer` reads
+it (`tokenizer.save_for_transformers`: tiktoken's converted to transformers').
 
 `load_weights` reads the plain state_dict back from any of these (a run dir, a checkpoint, a
 `.pt` or `.safetensors` file, a transformers folder), `weights_config` the model config it was
@@ -37,6 +38,7 @@ from src.checkpoint.store import load_checkpoint, newest_checkpoint, read_torch_
 from src.components.averaged_weights import EMA_KEY
 from src.components.model_contract import build_model
 from src.components.state_dicts import tie_again, tied_keys
+from src.components.tokenizer import save_for_transformers
 from src.config.base import ConfigError
 from src.runtime.files import readable_as_umask_allows, write_atomically
 from src.runtime.run_folder import CHECKPOINTS, tokenizer_dir
@@ -267,8 +269,8 @@ def save_pretrained(
     tokenizer: Path | None = None,
 ) -> None:
     """The model of `config` holding `state`, written by its own `save_pretrained` into the
-    folder `target`, with the files of `tokenizer` (a folder) beside it; whole or not at all:
-    into a folder beside it, then renamed."""
+    folder `target`, with the tokenizer saved in the folder `tokenizer` beside it as
+    transformers reads it; whole or not at all: into a folder beside it, then renamed."""
     with torch.device("meta"):
         model = build_model(config["model"], config["input_shape"], config["num_classes"])
     if not hasattr(model, "save_pretrained"):
@@ -281,9 +283,13 @@ def save_pretrained(
     tie_again(model, tied)  # assign gave each key a tensor of its own
     partial = target.with_name(f".{target.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
+    if tokenizer is not None:  # first: one that cannot be written stops before the weights
+        try:
+            save_for_transformers(tokenizer, partial)
+        except ValueError as error:  # a library missing
+            shutil.rmtree(partial, ignore_errors=True)
+            raise ConfigError(str(error)) from None
     model.save_pretrained(partial)
-    if tokenizer is not None:
-        shutil.copytree(tokenizer, partial, dirs_exist_ok=True)
     readable_as_umask_allows(partial)
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)

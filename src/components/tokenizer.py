@@ -1,6 +1,7 @@
 """The tokenizers of text data (`data.tokenizer`), behind one small interface, and their folder:
 a run keeps its tokenizer in `<run>/tokenizer/` (`save`), and whatever reads the run later
-(evaluation, sampling, export) gets it back with `load_tokenizer`.
+(evaluation, sampling, export) gets it back with `load_tokenizer`; the export to the Hugging Face
+format writes it as transformers reads it (`save_for_transformers`).
 
 - `char`: each character one token, the vocabulary the characters the data holds (nanoGPT's
   shakespeare_char);
@@ -19,6 +20,7 @@ from __future__ import annotations
 import base64
 import importlib
 import json
+import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -35,12 +37,12 @@ END_OF_TEXT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot
 GPT2_BPE_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
 
 
-def library(name: str, chosen: str) -> Any:
-    """The optional library `name`, or a one-line error naming it and the setting that needs it."""
+def library(name: str, needed_by: str) -> Any:
+    """The optional library `name`, or a one-line error naming it and what needs it."""
     try:
         return importlib.import_module(name)
     except ImportError:
-        raise ValueError(f"data.tokenizer={chosen} needs {name}: pip install {name}") from None
+        raise ValueError(f"{needed_by} needs {name}: pip install {name}") from None
 
 
 class Tokenizer(ABC):
@@ -118,6 +120,7 @@ class TiktokenTokenizer(Tokenizer):
 
     kind = "tiktoken"
     BPE_FILE, SETTINGS_FILE = "bpe.tiktoken", "tiktoken.json"
+    EOT = "<|endoftext|>"  # tiktoken's `eot_token` is this special token's
 
     def __init__(self, encoding: Any):
         self.encoding = encoding
@@ -126,7 +129,7 @@ class TiktokenTokenizer(Tokenizer):
     @classmethod
     def named(cls, name: str) -> TiktokenTokenizer:
         """The encoding tiktoken calls `name`, downloaded at first use."""
-        tiktoken = library("tiktoken", name)
+        tiktoken = library("tiktoken", f"data.tokenizer={name}")
         if name not in tiktoken.list_encoding_names():
             raise ValueError(
                 f"data.tokenizer={name}: no such tokenizer; give char, gpt2 (or another encoding "
@@ -147,7 +150,7 @@ class TiktokenTokenizer(Tokenizer):
     def of_file(cls, path: Path, chosen: str) -> TiktokenTokenizer:
         """A `.tiktoken` file of GPT-2's kind: its ranks under GPT-2's pattern, `<|endoftext|>`
         after them."""
-        library("tiktoken", chosen)
+        library("tiktoken", f"data.tokenizer={chosen}")
         from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
 
         ranks = read_tiktoken_bpe(path)
@@ -179,9 +182,26 @@ class TiktokenTokenizer(Tokenizer):
 
     @classmethod
     def load(cls, folder: Path) -> TiktokenTokenizer:
-        settings = json.loads((folder / cls.SETTINGS_FILE).read_text())
-        ranks = read_tiktoken_bpe(folder / cls.BPE_FILE)
+        ranks, settings = cls.read_files(folder)
         return cls.of_ranks(settings.pop("name"), ranks, settings)
+
+    @classmethod
+    def read_files(cls, folder: Path) -> tuple[dict[bytes, int], dict[str, Any]]:
+        """The ranks and the settings (name, pat_str, special_tokens) `save_files` wrote."""
+        settings = json.loads((folder / cls.SETTINGS_FILE).read_text())
+        return read_tiktoken_bpe(folder / cls.BPE_FILE), settings
+
+    @classmethod
+    def save_for_transformers(cls, saved: Path, folder: Path) -> None:
+        """The encoding `save` wrote into `saved` (tiktoken not needed), written into `folder` as
+        a transformers tokenizer (`tiktoken_for_transformers`): tokenizer.json and its config."""
+        library("transformers", f"the export of the tiktoken tokenizer in {saved}")
+        from src.components.tiktoken_for_transformers import transformers_tokenizer
+
+        ranks, settings = cls.read_files(saved)
+        special_tokens = settings["special_tokens"]
+        tokenizer = transformers_tokenizer(ranks, settings["pat_str"], special_tokens, cls.EOT)
+        tokenizer.save_pretrained(str(folder))
 
 
 # A `.tiktoken` file: a line per token, its bytes in base64 and its rank. Read and written here:
@@ -219,7 +239,7 @@ class HFTokenizer(Tokenizer):
 
     @classmethod
     def of_file(cls, path: Path, chosen: str) -> HFTokenizer:
-        tokenizers = library("tokenizers", chosen)
+        tokenizers = library("tokenizers", f"data.tokenizer={chosen}")
         try:
             tokenizer = tokenizers.Tokenizer.from_file(str(path))
         except Exception as error:  # tokenizers raises plain Exceptions
@@ -259,7 +279,7 @@ class TransformersTokenizer(Tokenizer):
 
     @classmethod
     def of_folder(cls, folder: Path, chosen: str) -> TransformersTokenizer:
-        transformers = library("transformers", chosen)
+        transformers = library("transformers", f"data.tokenizer={chosen}")
         transformers.logging.set_verbosity_error()  # its notes on sequences longer than a model's
         try:
             tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
@@ -307,5 +327,19 @@ def build_tokenizer(chosen: str, texts: Iterable[str]) -> Tokenizer:
 
 def load_tokenizer(folder: Path) -> Tokenizer:
     """The tokenizer `Tokenizer.save` wrote into `folder` (a run's: `<run>/tokenizer/`)."""
-    kind = json.loads((Path(folder) / KIND_FILE).read_text())["kind"]
-    return KINDS[kind].load(Path(folder))
+    return KINDS[saved_kind(folder)].load(Path(folder))
+
+
+def saved_kind(folder: Path) -> str:
+    """The kind of the tokenizer `Tokenizer.save` wrote into `folder` (a `Tokenizer.kind`)."""
+    return json.loads((Path(folder) / KIND_FILE).read_text())["kind"]
+
+
+def save_for_transformers(saved: Path, folder: Path) -> None:
+    """The tokenizer saved in `saved` (a run's), written into `folder` in files transformers'
+    `AutoTokenizer` reads where its kind has them: a tiktoken encoding's converted, any other's
+    as they are (a tokenizer.json and a transformers tokenizer are transformers' own)."""
+    if saved_kind(saved) == TiktokenTokenizer.kind:
+        TiktokenTokenizer.save_for_transformers(saved, folder)
+    else:
+        shutil.copytree(saved, folder, dirs_exist_ok=True)
