@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from src.parallel.tp_registry import check_divides, tensor_parallel_plan
+from src.parallel.tp.registry import check_divides, tensor_parallel_plan
 
 
 class FeedForward(nn.Module):

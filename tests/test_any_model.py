@@ -160,7 +160,7 @@ def test_a_transformers_llama_in_pipeline_stages_trains_like_single_from_torch_2
 @pytest.mark.equivalence
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp", "fsdp_tp"])
 def test_a_transformers_gpt2_trains_like_single(strategy):
-    """tp splits it by the plan the template registers (src/parallel/tp_transformers.py): its
+    """tp splits it by the plan the template registers (src/parallel/tp/gpt2_plan.py): its
     Conv1D weights are [in, out], and c_attn's q, k and v columns are regrouped into whole heads
     per rank; its checkpoints hold single's columns."""
     runs = strategy_runs(*GPT2, strategies=("ddp", "fsdp", "tp", "fsdp_tp"))

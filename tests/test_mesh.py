@@ -40,7 +40,7 @@ from src.config.base import ConfigError
 from src.parallel import build_strategy
 from src.parallel.layout import Layout
 from src.parallel.pipeline_schedules import LOOPED, ONE_STAGE, SCHEDULES, SPLIT_BACKWARD
-from src.parallel.tensor_parallel import tp_plan
+from src.parallel.tp.apply import tp_plan
 from src.runtime.ranks import Ranks
 
 WORKLOADS = {

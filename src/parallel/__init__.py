@@ -2,7 +2,7 @@
 `model_parallel`, and `mesh.Mesh` for every layout of one process per rank, whose presets (ddp,
 fsdp, hybrid, tp, pp, cp, fsdp_tp, fsdp_cp_tp, fsdp_tp_pp, mesh) set its degrees. Each degree's
 mechanism has a module of its own: `ddp.py` (dp_replicate alone), `fsdp.py` (FSDP2 over the
-data-parallel dimensions), `hybrid.py` (the in-process stage cut), `tensor_parallel.py` (tp),
+data-parallel dimensions), `hybrid.py` (the in-process stage cut), `tp/` (tp),
 `context_parallel.py` (cp), `pipeline_schedules.py` (pp). `build_strategy` imports only the
 class asked for."""
 

@@ -9,7 +9,7 @@ would. The degrees decide the mechanisms:
   with the reducer's options), over whole replicas or, with `parallel.stages` > 1, over each
   process's stage cut (`hybrid.py`);
 - anything else: the pipeline cut (`pipeline_schedules.stage_parts`: the stages this pp rank
-  runs; the other blocks go to the meta device), tensor parallel (`apply_tp`, over the whole
+  runs; the other blocks go to the meta device), tensor parallel (`tp/`, over the whole
   model) and then FSDP2 over the data-parallel dimensions (`fsdp.apply_fsdp`: dp_shard shards,
   dp_replicate replicates, both HSDP; under pp, each stage its own FSDP root), with ep's experts
   split over ep ranks borrowed from dp_shard (`expert_parallel.apply_ep`). Each process then
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import re
 from dataclasses import replace
 from typing import Any
@@ -36,9 +35,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.experimental import implicit_replication
-from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
 from src.components.batches import meta_resized, move
@@ -56,6 +52,7 @@ from src.parallel.context_parallel import (
     shard_positions,
 )
 from src.parallel.distributed import Distributed
+from src.parallel.dtensors import by_mesh, clip_by_whole_norm, held_bytes
 from src.parallel.expert_parallel import (
     apply_ep,
     check_degrees,
@@ -73,7 +70,6 @@ from src.parallel.fsdp import (
 )
 from src.parallel.layout import DIMENSIONS, Layout
 from src.parallel.mesh_checkpoints import SingleLayoutCheckpoints, summed
-from src.parallel.mesh_plan import tp_split
 from src.parallel.mesh_shares import LayoutShares
 from src.parallel.pipeline_cut import cut_model
 from src.parallel.pipeline_schedules import (
@@ -82,24 +78,16 @@ from src.parallel.pipeline_schedules import (
     stage_parts,
     tied_copies,
 )
-from src.parallel.tensor_parallel import apply_tp, check_sequence, tp_plan
-from src.parallel.tp_registry import RowOrder
+from src.parallel.tp.apply import (
+    apply_tp,
+    check_beside_pipeline,
+    checked_plan,
+    loss_parallel_kernels,
+    split_vocabulary_loss,
+)
+from src.parallel.tp.costs import tp_split
+from src.parallel.tp.registry import RowOrder
 from src.runtime.ranks import Ranks
-
-
-def held_bytes(model: nn.Module) -> int:
-    """The bytes of `model`'s parameters and buffers in this process's memory: its local shards
-    of DTensors, nothing of a tensor on the meta device."""
-    tensors = itertools.chain(model.parameters(), model.buffers())
-    local = (t.to_local() if isinstance(t, DTensor) else t for t in tensors)
-    return sum(t.nbytes for t in local if not t.is_meta)
-
-
-def squared_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
-    """The squared 2-norm of `parameters`' gradients, whole (a collective for DTensors)."""
-    gradients = [p.grad for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(gradients)
-    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).square()
 
 
 class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
@@ -129,11 +117,7 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
             ddp.check_reducer_options(cfg, self.layout.label())
         if self.layout.pp > 1:
             check_schedule(cfg.schedule, self.layout.pp, cfg.stages_per_rank, cfg.microbatches)
-            if cfg.sequence_parallel or cfg.loss_parallel:
-                raise ConfigError(
-                    "parallel.sequence_parallel and parallel.loss_parallel do not run with "
-                    "parallel.pp > 1 yet; set them to false, or parallel.pp=1"
-                )
+            check_beside_pipeline(cfg.sequence_parallel, cfg.loss_parallel)
         if self.layout.cp > 1 and self.layout.pp > 1:
             raise ConfigError(
                 "parallel.cp does not run with parallel.pp > 1 yet (the pipeline's stages are "
@@ -205,18 +189,10 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
                     "parallel.dp_replicate beside pp) cannot wrap; run pp alone (parallel=pp, "
                     "one process per stage), or those without pp"
                 )
-        if self.layout.tp > 1:
-            plan = tp_plan(
-                model, self.layout.tp, self.cfg.sequence_parallel, self.cfg.loss_parallel
-            )
-            if self.cfg.sequence_parallel:
-                check_sequence(inputs, self.layout.tp)
+        options = self.cfg.sequence_parallel, self.cfg.loss_parallel
+        plan = checked_plan(model, inputs, self.layout.tp, *options)
+        if plan is not None:
             self.split = tp_split(model, plan, inputs)  # what the planner prices
-        elif self.cfg.sequence_parallel or self.cfg.loss_parallel:
-            raise ConfigError(
-                "parallel.sequence_parallel and parallel.loss_parallel need tensor parallel; set "
-                "parallel.tp to 2 or more"
-            )
         if self.layout.cp > 1:
             check_torch_ring()
             # First: a model without attention has no sequence to cut.
@@ -228,9 +204,7 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
         if not self.runs_ddp:  # DDP reduces over the whole group
             self.mesh, data_parallel = self.layout.build_mesh(self.device.type)
             self.data_parallel_group = data_parallel.get_group()
-        if self.cfg.loss_parallel:
-            # Its cross-entropy kernels for the forward in `apply` and the loop's backward.
-            self.run_contexts.enter_context(loss_parallel())
+        self.run_contexts.enter_context(loss_parallel_kernels(self.cfg.loss_parallel))
 
     def local_devices(self) -> list[torch.device]:
         if self.stage_cut is not None:
@@ -330,23 +304,15 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
         whole norms), whose norms torch cannot stack, each group's norm taken alone; a tied
         tensor's copies (pp), counted once. Gradients of partial sums (sequence parallel's
         norms') are summed first: torch 2.11 takes the norm of each rank's part."""
-        groups: dict[Any, list[nn.Parameter]] = {}
         for parameter in parameters:
             if parameter.grad is not None:
                 parameter.grad = summed(parameter.grad)
-            mesh = parameter.device_mesh if isinstance(parameter, DTensor) else None
-            groups.setdefault(mesh, []).append(parameter)
+        groups = by_mesh(parameters)
         if self.pipeline is None and len(groups) == 1:
             return super().clip_grad_norm(parameters, max_norm)
-        uncounted = self.pipeline.uncounted if self.pipeline is not None else set()
-        squared = sum(
-            squared_norm([p for p in group if id(p) not in uncounted]) for group in groups.values()
-        )
-        if self.pipeline is not None:
-            dist.all_reduce(squared, group=self.pipeline.group)
-        with implicit_replication():  # the norm, a plain tensor, scales DTensor gradients too
-            for group in groups.values():
-                torch.nn.utils.clip_grads_with_norm_(group, max_norm, squared.sqrt())
+        pipeline = self.pipeline
+        uncounted, group = (pipeline.uncounted, pipeline.group) if pipeline else (set(), None)
+        clip_by_whole_norm(groups, max_norm, uncounted, group)
 
     def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
         if self.stage_cut is not None:
@@ -364,10 +330,8 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
         """The forward pass and `fn` on every token of `inputs` this rank holds."""
         if not self.cfg.loss_parallel:
             return super().apply(model, inputs, targets, fn)
-        # The logits are a DTensor split over the vocabulary; the targets, whole on every tp
-        # rank, become a replicated one beside them, and the sums whole tensors again.
-        targets = DTensor.from_local(move(targets, self.device), self.mesh["tp"], [Replicate()])
-        return fn(model(move(inputs, self.device)), targets).full_tensor()
+        logits = model(move(inputs, self.device))
+        return split_vocabulary_loss(logits, move(targets, self.device), self.mesh["tp"], fn)
 
     def teardown(self) -> None:
         self.run_contexts.close()

@@ -8,7 +8,7 @@ processes of any strategy that reads sharded checkpoints resumes them (DCP resha
 torch 2.14, whose DCP cannot place those pieces (`dcp_places_rows`), each rank of a qkv tensor's
 mesh gathers it whole and DCP writes it once, and reading one, each rank copies its rows out.
 `full`: every process gathers the DTensors whole, the regrouping undone
-(`tensor_parallel.single_layout`), and rank 0 writes them. Under DDP the model is wrapped; its
+(`tp/apply.single_layout`), and rank 0 writes them. Under DDP the model is wrapped; its
 plain model (`unwrap`) gives the names, so that the keys are single's.
 """
 
@@ -24,8 +24,8 @@ from src.checkpoint.store import dcp_places_rows, renamed, rows_placed
 from src.parallel.fsdp import parameter_names
 from src.parallel.layout import Layout
 from src.parallel.pipeline_schedules import PipelineRun
-from src.parallel.tensor_parallel import single_layout, tp_layout
-from src.parallel.tp_registry import RowOrder
+from src.parallel.tp.apply import single_layout, tp_layout
+from src.parallel.tp.registry import RowOrder
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:

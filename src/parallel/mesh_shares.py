@@ -1,7 +1,7 @@
 """What the planner needs of a layout (`Mesh` takes these methods from `LayoutShares`): each
 device's share of the model's state and work, and what each rank sends per step, from the
 layout's degrees whichever preset named them: dp_replicate alone DDP's (`ddp.py`: a replica and
-its buckets; under the stage cut, its stages: `stage_cut.py`), else tp's split (`mesh_plan.py`),
+its buckets; under the stage cut, its stages: `stage_cut.py`), else tp's split (`tp/costs.py`),
 cp's share of the sequence and its ring (`context_parallel_plan.py`), the pipeline's stages
 (`pipeline_schedules.py`), ep's experts and exchanges (`expert_parallel.py`) and FSDP2's shards
 (over dp_shard x cp) and working set (`fsdp.py`).
@@ -34,7 +34,6 @@ from src.parallel.fsdp import (
     units_in_forward_order,
 )
 from src.parallel.layout import Layout
-from src.parallel.mesh_plan import TPSplit, tp_kept, tp_kept_bytes, tp_messages, tp_traffic
 from src.parallel.pipeline_schedules import (
     schedule_bubble,
     stage_messages,
@@ -43,6 +42,7 @@ from src.parallel.pipeline_schedules import (
 )
 from src.parallel.shares import DeviceShare, Messages, ModelSizes
 from src.parallel.stage_cut import StageCut
+from src.parallel.tp.costs import TPSplit, tp_kept, tp_kept_bytes, tp_messages, tp_traffic
 
 
 class LayoutShares:
@@ -177,7 +177,7 @@ class LayoutShares:
         return ring_working_set(self.key_values, samples, layout.cp, layout.tp, backward)
 
     def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
-        """What the busiest rank sends per step over tp (`mesh_plan.tp_traffic`), across the
+        """What the busiest rank sends per step over tp (`tp/costs.tp_traffic`), across the
         pipeline's stage boundaries (`pipeline_schedules.stage_traffic`) and over data parallel
         (FSDP's `sharded_traffic`, the replicas' `ddp.replica_traffic`). Not counted: the
         sequence-parallel layout changes at the embedding and head, and loss_parallel's

@@ -1,7 +1,7 @@
-"""What the planner needs of an N-D layout (`mesh.py`): each rank's share of the model's state and
-work, the tensor-parallel, pipeline and data-parallel traffic of a step.
+"""What tensor parallel costs, for the planner (`mesh_shares.py` prices an N-D layout with it):
+each tp rank's share of the model's state, work and activations, and the traffic of a step.
 
-Tensor parallel splits the planned Linears (`tensor_parallel.tp_plan`) over the tp ranks: a
+Tensor parallel splits the planned Linears (`apply.tp_plan`) over the tp ranks: a
 ColwiseParallel Linear's weight and bias, a RowwiseParallel one's weight (its bias is
 replicated), and so their gradients and optimizer state; the FLOPs of those Linears and of the
 work between them in a module that holds a pair (an attention over its heads: `pair_holders`),

@@ -1,5 +1,5 @@
 """The built-in models' tensor-parallel (Megatron-style) plans, registered through the hook a
-user's model uses (`tp_registry.tensor_parallel_plan`).
+user's model uses (`registry.tensor_parallel_plan`).
 
 Each plan pairs a ColwiseParallel Linear (its output features split over the tp ranks) with the
 RowwiseParallel Linear after it (its input features split; the partial outputs all-reduced), so
@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import (
 
 from src.components.models import GPT, MLP, CausalSelfAttention, Transformer
 from src.config.base import ConfigError
-from src.parallel.tp_registry import RowOrder, check_divides, tensor_parallel_plan
+from src.parallel.tp.registry import RowOrder, check_divides, tensor_parallel_plan
 
 
 @tensor_parallel_plan(MLP)

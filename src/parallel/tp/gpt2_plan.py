@@ -26,8 +26,8 @@ from torch.distributed.tensor import (
 )
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from src.parallel.tp_plans import qkv_order
-from src.parallel.tp_registry import RowOrder, check_divides, tensor_parallel_plan
+from src.parallel.tp.builtin_plans import qkv_order
+from src.parallel.tp.registry import RowOrder, check_divides, tensor_parallel_plan
 
 GPT2 = "transformers.models.gpt2.modeling_gpt2.GPT2PreTrainedModel"
 
