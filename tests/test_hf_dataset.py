@@ -23,7 +23,8 @@ from helpers import (
 )
 
 from src.components.streaming import hf_dataset
-from src.components.text import TextSource, document_tokens, text_files
+from src.components.text import TextSource, text_files
+from src.components.tokenizing import document_tokens
 
 pytest.importorskip("datasets")
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from src.checkpoint.writer import save_file
+from src.checkpoint.durable import save_file
 from src.components.data import logged_progress, synthetic_classification
 from src.components.tasks import Classification
 from src.components.text import text

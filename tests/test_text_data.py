@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from helpers import SGD, TINY, assert_same_training, reference_run, run_train
 
-import src.components.text as text_data
+import src.components.tokenizing as tokenizing
 from src.components.data import tokens
 from src.components.text import CACHE_FOLDER, cached_tokens, text
 from src.components.token_files import TokenWindows, stream_ranges, token_files, write_shard
@@ -79,7 +79,7 @@ def test_every_format_reads_the_same_documents_split_by_document(tmp_path, monke
     """Each format (and 1 or 2 tokenizing processes) gives the same documents, each after the
     end-of-text token; train, val and test are whole documents, chosen from the seed. Chunks of
     two documents: more than the processes are handed at once, which come back in order."""
-    monkeypatch.setattr(text_data, "CHUNK_CHARS", 2 * len(DOCUMENTS[0]))
+    monkeypatch.setattr(tokenizing, "CHUNK_CHARS", 2 * len(DOCUMENTS[0]))
     read_documents = {}
     for name, write in FORMATS.items():
         folder = tmp_path / name.replace(" ", "_")

@@ -31,8 +31,9 @@ import numpy as np
 import torch
 
 from src.components.data import Batch, Data, Split, Stream, StreamReader
-from src.components.text import check_vocabulary, document_tokens, text_files, text_suffix
+from src.components.text import check_vocabulary, text_files, text_suffix
 from src.components.tokenizer import Tokenizer, build_tokenizer
+from src.components.tokenizing import document_tokens
 from src.config.base import first_line
 
 # The `datasets` builder that reads each kind of local file.
