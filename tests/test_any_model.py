@@ -195,7 +195,7 @@ def test_a_transformers_image_classifier_trains_like_single(strategy):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "pp"])
 def test_a_timm_vit_trains_like_single(strategy):
     """Under pp, cut at its blocks by torch's tracer; the graph traced on the meta device runs
-    on the CPU (`pipeline_cut.retarget`)."""
+    on the CPU (`pp/cut.py`'s `retarget`)."""
     vit = ("model.name=test_vit", "+model.sizes.img_size=16")
     runs = strategy_runs(*TIMM, *vit, strategies=("ddp", "fsdp", "pp"))
     assert_same_training(runs["single"], runs[strategy])

@@ -39,7 +39,7 @@ from src.components.tasks import loss_sum
 from src.config.base import ConfigError
 from src.parallel import build_strategy
 from src.parallel.layout import Layout
-from src.parallel.pipeline_schedules import LOOPED, ONE_STAGE, SCHEDULES, SPLIT_BACKWARD
+from src.parallel.pp.schedules import LOOPED, ONE_STAGE, SCHEDULES, SPLIT_BACKWARD
 from src.parallel.tp.apply import tp_plan
 from src.runtime.ranks import Ranks
 

@@ -29,7 +29,7 @@ from src.components.tasks import loss_sum
 from src.parallel import build_strategy
 from src.parallel.base import ConfigError
 from src.parallel.mechanisms.stage_pipeline import Pipeline, bubble_fraction, gpipe_ticks
-from src.parallel.pipeline_cut import balanced_split_points, parameter_count
+from src.parallel.pp.cut import balanced_split_points, parameter_count
 
 # TINY's MLP: three 32->32 hidden blocks of 1056 parameters, then a 330-parameter head.
 TINY_MLP = {"input_shape": (32,), "num_classes": 10, "hidden": 32, "depth": 3}

@@ -115,7 +115,7 @@ PIPELINE_EVAL = ("data.num_samples=32800", "trainer.eval_batch_size=3280")
 def pipeline_idle(rounds: int, steps: int) -> None:
     """Each schedule on 2 processes (rounds alternate their order): the median step time
     and each rank's median idle fraction over the rounds, beside the theoretical bubble."""
-    from src.parallel.pipeline_schedules import schedule_bubble
+    from src.parallel.pp.costs import schedule_bubble
 
     runs: dict[str, list[dict]] = {schedule: [] for schedule in PIPELINE_SCHEDULES}
     for round_index in range(rounds):

@@ -7,7 +7,7 @@ found here, in one place:
   (`model=mlp model._target_=mine.Net` does not hand `Net` the MLP's `hidden`);
 - its blocks (`model_blocks`): the repeated modules that fsdp shards one by one, activation
   checkpointing and torch.compile prepare one by one, and pipelines cut between (any model
-  but an nn.Sequential by torch's tracer: `src/parallel/pipeline_cut.py`). The
+  but an nn.Sequential by torch's tracer: `src/parallel/pp/cut.py`). The
   members of `model.blocks` (a module's path, or class names); else an `nn.Sequential`'s
   children; else the runs of same-class members of the `ModuleList`s / `ModuleDict`s /
   `nn.Sequential`s inside the model, of the class with the most such members.

@@ -95,7 +95,7 @@ class Row:
     """dp, dp_criterion on 2+ GPUs: the output device's peak over the other devices' mean."""
     pipeline_bubble: float | None = None
     """pp layouts: the schedule's theoretical bubble, (p - 1) / (m + p - 1) or its interleaved
-    form (`pipeline_schedules.schedule_bubble`)."""
+    form (`pp/costs.py`'s `schedule_bubble`)."""
     pipeline_idle: list[float] | None = None
     """pp layouts: each pp rank's measured share of a step spent waiting (`StageClock`)."""
     final_train_loss: float | None = None

@@ -71,13 +71,11 @@ from src.parallel.fsdp import (
 from src.parallel.layout import DIMENSIONS, Layout
 from src.parallel.mesh_checkpoints import SingleLayoutCheckpoints, summed
 from src.parallel.mesh_shares import LayoutShares
-from src.parallel.pipeline_cut import cut_model
-from src.parallel.pipeline_schedules import (
-    PipelineRun,
-    check_schedule,
-    stage_parts,
-    tied_copies,
-)
+from src.parallel.pp.cut import cut_model
+from src.parallel.pp.run import PipelineRun
+from src.parallel.pp.schedules import check_schedule
+from src.parallel.pp.stages import stage_parts
+from src.parallel.pp.tied import tied_copies
 from src.parallel.tp.apply import (
     apply_tp,
     check_beside_pipeline,

@@ -34,12 +34,8 @@ from src.parallel.fsdp import (
     units_in_forward_order,
 )
 from src.parallel.layout import Layout
-from src.parallel.pipeline_schedules import (
-    schedule_bubble,
-    stage_messages,
-    stage_ranks,
-    stage_traffic,
-)
+from src.parallel.pp.costs import schedule_bubble, stage_messages, stage_traffic
+from src.parallel.pp.schedules import stage_ranks
 from src.parallel.shares import DeviceShare, Messages, ModelSizes
 from src.parallel.stage_cut import StageCut
 from src.parallel.tp.costs import TPSplit, tp_kept, tp_kept_bytes, tp_messages, tp_traffic

@@ -29,7 +29,7 @@ from src.parallel.mechanisms.stage_pipeline import (
     stage_shares,
     unmovable_boundaries,
 )
-from src.parallel.pipeline_cut import META, balanced_split_points, cut_at, parameter_count, place
+from src.parallel.pp.cut import META, balanced_split_points, cut_at, parameter_count, place
 from src.parallel.shares import DeviceShare, ModelSizes, Segments
 
 

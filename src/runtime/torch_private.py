@@ -12,7 +12,7 @@ correctness. `tests/test_torch_internals.py` fails when what they rely on change
   receives between two stages of one rank (the V schedules' middle), which gloo cannot run.
 
 Some uses have no plain fallback and live where they are used. The evaluation of the V pipeline
-schedules (`src/parallel/pipeline_schedules.py`, `skip_backward`) registers torch's custom-action
+schedules (`src/parallel/pp/schedules.py`, `skip_backward`) registers torch's custom-action
 hook with its private action types; the V schedules' equivalence tests in `tests/test_mesh.py`
 fail if that changes. ep's experts (`src/parallel/expert_parallel.py`, `local_parameters`) swap
 their DTensor parameters for the local tensors in `nn.Module._parameters` while they compute, as

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from src.components.batches import Tree, batch_size, meta_resized, move, split
 from src.parallel.base import LossFn
-from src.parallel.pipeline_cut import Cut, balanced_split_points, parameter_count
+from src.parallel.pp.cut import Cut, balanced_split_points, parameter_count
 from src.parallel.shares import DeviceShare, ModelSizes
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ A tensor the model uses on several stages (an embedding's weight tied to the hea
 stays one tensor on its first stage (`Cut.stage_of`); `Cut.uses` says which stages use each
 name, and `Cut.ties` lists those tensors: each stage's process or device runs on a copy of its
 own, whose gradients the strategy sums with the first's, as Megatron-LM does for its first and
-last stage (`pipeline_schedules.TiedCopy`, `stage_pipeline.Pipeline.run_stage`).
+last stage (`tied.TiedCopy`, `stage_pipeline.Pipeline.run_stage`).
 """
 
 from __future__ import annotations
