@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from src.components.hf import causal_lm
 from src.components.model_contract import model_blocks, model_target, settle_model_settings
 from src.config.base import ConfigError
-from src.parallel.context_parallel import check_attention
+from src.parallel.cp.apply import check_attention
 
 transformers = pytest.importorskip("transformers")
 TORCH = tuple(int(part) for part in torch.__version__.split(".")[:2])

@@ -15,7 +15,7 @@ would. The degrees decide the mechanisms:
   split over ep ranks borrowed from dp_shard (`expert_parallel.apply_ep`). Each process then
   holds part of the gradients, so fp16's scaler checks them all together (`fsdp.sharded_scaler`).
   Under cp each rank runs its share of every sequence with attention as a ring
-  (`context_parallel.apply_cp`), and FSDP shards over dp_shard x cp, summing the cp ranks'
+  (`cp.apply.apply_cp`), and FSDP shards over dp_shard x cp, summing the cp ranks'
   gradients (of different tokens) and averaging the data-parallel ranks'.
 
 Data-parallel rank d of D reads `global batch / D` samples; the tp, cp and pp ranks of one
@@ -43,14 +43,8 @@ from src.config.base import ConfigError
 from src.config.parallel import MeshConfig
 from src.parallel import ddp, hybrid
 from src.parallel.base import LossFn, Tree
-from src.parallel.context_parallel import (
-    apply_cp,
-    check_attention,
-    check_sequence_length,
-    check_torch_ring,
-    ring_attention,
-    shard_positions,
-)
+from src.parallel.cp.apply import apply_cp, check_attention, check_sequence_length, shard_positions
+from src.parallel.cp.ring import check_torch_ring, ring_attention
 from src.parallel.distributed import Distributed
 from src.parallel.dtensors import by_mesh, clip_by_whole_norm, held_bytes
 from src.parallel.expert_parallel import (

@@ -2,7 +2,7 @@
 device's share of the model's state and work, and what each rank sends per step, from the
 layout's degrees whichever preset named them: dp_replicate alone DDP's (`ddp.py`: a replica and
 its buckets; under the stage cut, its stages: `stage_cut.py`), else tp's split (`tp/costs.py`),
-cp's share of the sequence and its ring (`context_parallel_plan.py`), the pipeline's stages
+cp's share of the sequence and its ring (`cp/costs.py`), the pipeline's stages
 (`pipeline_schedules.py`), ep's experts and exchanges (`expert_parallel.py`) and FSDP2's shards
 (over dp_shard x cp) and working set (`fsdp.py`).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from src.config.parallel import MeshConfig
-from src.parallel.context_parallel_plan import (
+from src.parallel.cp.costs import (
     ring_activations_kept,
     ring_messages,
     ring_traffic,
