@@ -166,7 +166,7 @@ def gathered_in_fp16(rank: int, port: int) -> None:
 
 
 def test_the_mesh_s_fsdp_gathers_parameters_in_the_autocast_dtype():
-    """fsdp's mixed-precision policy, which the mesh's FSDP shares (`fsdp.apply_fsdp`)."""
+    """fsdp's mixed-precision policy, which the mesh's FSDP shares (`dp_shard.apply.apply_fsdp`)."""
     forked_ranks(gathered_in_fp16, free_port())
 
 

@@ -39,7 +39,8 @@ from src.components.moe import MoEFeedForward, Routing
 from src.components.precision import AUTOCAST_DTYPES
 from src.config.base import ConfigError
 from src.config.parallel import Offload
-from src.parallel.fsdp import divide_gradients_by, gathered_bytes, offload_policy
+from src.parallel.dp_shard.apply import divide_gradients_by, offload_policy
+from src.parallel.dp_shard.costs import gathered_bytes
 from src.parallel.layout import Layout
 from src.parallel.shares import Messages
 

@@ -10,10 +10,11 @@ would. The degrees decide the mechanisms:
   process's stage cut (`hybrid.py`);
 - anything else: the pipeline cut (`pipeline_schedules.stage_parts`: the stages this pp rank
   runs; the other blocks go to the meta device), tensor parallel (`tp/`, over the whole
-  model) and then FSDP2 over the data-parallel dimensions (`fsdp.apply_fsdp`: dp_shard shards,
-  dp_replicate replicates, both HSDP; under pp, each stage its own FSDP root), with ep's experts
-  split over ep ranks borrowed from dp_shard (`expert_parallel.apply_ep`). Each process then
-  holds part of the gradients, so fp16's scaler checks them all together (`fsdp.sharded_scaler`).
+  model) and then FSDP2 over the data-parallel dimensions (`dp_shard.apply.apply_fsdp`:
+  dp_shard shards, dp_replicate replicates, both HSDP; under pp, each stage its own FSDP root),
+  with ep's experts split over ep ranks borrowed from dp_shard (`expert_parallel.apply_ep`).
+  Each process then holds part of the gradients, so fp16's scaler checks them all together
+  (`dp_shard.apply.sharded_scaler`).
   Under cp each rank runs its share of every sequence with attention as a ring
   (`cp.apply.apply_cp`), and FSDP shards over dp_shard x cp, summing the cp ranks'
   gradients (of different tokens) and averaging the data-parallel ranks'.
@@ -46,6 +47,14 @@ from src.parallel.base import LossFn, Tree
 from src.parallel.cp.apply import apply_cp, check_attention, check_sequence_length, shard_positions
 from src.parallel.cp.ring import check_torch_ring, ring_attention
 from src.parallel.distributed import Distributed
+from src.parallel.dp_shard.apply import (
+    apply_fsdp,
+    copy_from_rank0,
+    divide_gradients_by,
+    gradient_sync,
+    mixed_precision,
+    sharded_scaler,
+)
 from src.parallel.dtensors import by_mesh, clip_by_whole_norm, held_bytes
 from src.parallel.expert_parallel import (
     apply_ep,
@@ -53,14 +62,6 @@ from src.parallel.expert_parallel import (
     check_experts,
     expert_split,
     resolved_ep,
-)
-from src.parallel.fsdp import (
-    apply_fsdp,
-    copy_from_rank0,
-    divide_gradients_by,
-    gradient_sync,
-    mixed_precision,
-    sharded_scaler,
 )
 from src.parallel.layout import DIMENSIONS, Layout
 from src.parallel.mesh_checkpoints import SingleLayoutCheckpoints, summed
@@ -344,7 +345,7 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
 
     def grad_scaler(self, enabled: bool, init_scale: float) -> torch.amp.GradScaler:
         """DDP's replicas hold whole, equal gradients (the base scaler); any other layout part
-        of them (`fsdp.sharded_scaler`)."""
+        of them (`dp_shard.apply.sharded_scaler`)."""
         if self.runs_ddp:
             return super().grad_scaler(enabled, init_scale)
         return sharded_scaler(self.device_type, enabled, init_scale)

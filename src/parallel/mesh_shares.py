@@ -4,7 +4,7 @@ layout's degrees whichever preset named them: dp_replicate alone DDP's (`ddp.py`
 its buckets; under the stage cut, its stages: `stage_cut.py`), else tp's split (`tp/costs.py`),
 cp's share of the sequence and its ring (`cp/costs.py`), the pipeline's stages
 (`pipeline_schedules.py`), ep's experts and exchanges (`expert_parallel.py`) and FSDP2's shards
-(over dp_shard x cp) and working set (`fsdp.py`).
+(over dp_shard x cp) and working set (`dp_shard/costs.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,12 @@ from src.parallel.cp.costs import (
     ring_working_set,
 )
 from src.parallel.ddp import bucket_bytes, bucketed_all_reduce, replica_traffic
+from src.parallel.dp_shard.costs import (
+    sharded_messages,
+    sharded_share,
+    sharded_traffic,
+    units_in_forward_order,
+)
 from src.parallel.expert_parallel import (
     ExpertSplit,
     ep_copied_bytes,
@@ -26,12 +32,6 @@ from src.parallel.expert_parallel import (
     ep_gathered_bytes,
     ep_messages,
     ep_traffic,
-)
-from src.parallel.fsdp import (
-    sharded_messages,
-    sharded_share,
-    sharded_traffic,
-    units_in_forward_order,
 )
 from src.parallel.layout import Layout
 from src.parallel.pipeline_schedules import (
@@ -145,7 +145,7 @@ class LayoutShares:
         return [DeviceShare(f"{self.device_type}:0", samples, extra_bytes={"gradients": buckets})]
 
     def running_share(self, sizes: ModelSizes, blocks: list[int], samples: int) -> dict[str, Any]:
-        """What FSDP (`fsdp.sharded_share`, where it shards; ep's experts copied where it
+        """What FSDP (`dp_shard.costs.sharded_share`, where it shards; ep's experts copied where it
         holds them alone, `ep_copied_bytes`), cp's ring (`ring_working_set`) and ep's exchange
         in evaluation (`ep_forward_buffers`) add to the share of a rank holding `blocks`, fed
         `samples` per micro-step."""
