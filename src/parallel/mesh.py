@@ -12,7 +12,7 @@ would. The degrees decide the mechanisms:
   runs; the other blocks go to the meta device), tensor parallel (`tp/`, over the whole
   model) and then FSDP2 over the data-parallel dimensions (`dp_shard.apply.apply_fsdp`:
   dp_shard shards, dp_replicate replicates, both HSDP; under pp, each stage its own FSDP root),
-  with ep's experts split over ep ranks borrowed from dp_shard (`expert_parallel.apply_ep`).
+  with ep's experts split over ep ranks borrowed from dp_shard (`ep.apply.apply_ep`).
   Each process then holds part of the gradients, so fp16's scaler checks them all together
   (`dp_shard.apply.sharded_scaler`).
   Under cp each rank runs its share of every sequence with attention as a ring
@@ -56,13 +56,8 @@ from src.parallel.dp_shard.apply import (
     sharded_scaler,
 )
 from src.parallel.dtensors import by_mesh, clip_by_whole_norm, held_bytes
-from src.parallel.expert_parallel import (
-    apply_ep,
-    check_degrees,
-    check_experts,
-    expert_split,
-    resolved_ep,
-)
+from src.parallel.ep.apply import apply_ep, check_degrees, check_experts, resolved_ep
+from src.parallel.ep.costs import expert_split
 from src.parallel.layout import DIMENSIONS, Layout
 from src.parallel.mesh_checkpoints import SingleLayoutCheckpoints, summed
 from src.parallel.mesh_shares import LayoutShares

@@ -3,7 +3,7 @@ device's share of the model's state and work, and what each rank sends per step,
 layout's degrees whichever preset named them: dp_replicate alone DDP's (`ddp.py`: a replica and
 its buckets; under the stage cut, its stages: `stage_cut.py`), else tp's split (`tp/costs.py`),
 cp's share of the sequence and its ring (`cp/costs.py`), the pipeline's stages
-(`pipeline_schedules.py`), ep's experts and exchanges (`expert_parallel.py`) and FSDP2's shards
+(`pipeline_schedules.py`), ep's experts and exchanges (`ep/costs.py`) and FSDP2's shards
 (over dp_shard x cp) and working set (`dp_shard/costs.py`).
 """
 
@@ -25,7 +25,7 @@ from src.parallel.dp_shard.costs import (
     sharded_traffic,
     units_in_forward_order,
 )
-from src.parallel.expert_parallel import (
+from src.parallel.ep.costs import (
     ExpertSplit,
     ep_copied_bytes,
     ep_forward_buffers,
