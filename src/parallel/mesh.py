@@ -71,7 +71,7 @@ from src.parallel.pipeline_schedules import (
 from src.parallel.tp.apply import (
     apply_tp,
     check_beside_pipeline,
-    checked_plan,
+    checked_styles,
     loss_parallel_kernels,
     split_vocabulary_loss,
 )
@@ -180,9 +180,9 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
                     "one process per stage), or those without pp"
                 )
         options = self.cfg.sequence_parallel, self.cfg.loss_parallel
-        plan = checked_plan(model, inputs, self.layout.tp, *options)
-        if plan is not None:
-            self.split = tp_split(model, plan, inputs)  # what the planner prices
+        styles = checked_styles(model, inputs, self.layout.tp, *options)
+        if styles is not None:
+            self.split = tp_split(model, styles, inputs)  # what the planner prices
         if self.layout.cp > 1:
             check_torch_ring()
             # First: a model without attention has no sequence to cut.

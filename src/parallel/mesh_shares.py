@@ -124,7 +124,7 @@ class LayoutShares:
 
     def dtensor_parameters(self, blocks: list[int]) -> float:
         """The share of `blocks`' parameter tensors that are DTensors: all under FSDP2, else
-        those tensor parallel plans (`TPSplit.distributed_share`)."""
+        those tensor parallel's styles make DTensors (`TPSplit.distributed_share`)."""
         if self.fsdp:
             return 1.0
         return self.split.distributed_share(blocks) if self.split is not None else 0.0
