@@ -36,7 +36,7 @@ def options(group: str) -> list[str]:
 
 
 # The N-D layouts on a DeviceMesh (src/parallel/mesh.py), tested in test_mesh.py, test_cp.py and
-# test_ep.py: each one needs a model with a tensor-parallel plan, enough blocks for its stages,
+# test_ep.py: each one needs a model with tensor-parallel styles, enough blocks for its stages,
 # attention (cp) or experts (ep), and 4 processes for the 2-D presets, so the sweeps over every
 # strategy leave them out.
 MESH_LAYOUTS = ("tp", "pp", "cp", "fsdp_tp", "fsdp_cp_tp", "fsdp_tp_pp", "mesh", "ep")

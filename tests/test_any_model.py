@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from src.components.hf import causal_lm
 from src.components.model_contract import model_blocks, model_target, settle_model_settings
 from src.config.base import ConfigError
-from src.parallel.context_parallel import check_attention
+from src.parallel.cp.apply import check_attention
 
 transformers = pytest.importorskip("transformers")
 TORCH = tuple(int(part) for part in torch.__version__.split(".")[:2])
@@ -118,7 +118,7 @@ LLAMA_STRATEGIES = ("ddp", "fsdp", "tp", "fsdp_tp", "cp")
 @pytest.mark.equivalence
 @pytest.mark.parametrize("strategy", LLAMA_STRATEGIES)
 def test_a_transformers_llama_trains_like_single(strategy):
-    """tp splits it by its config's own plan (`base_model_tp_plan`: q, k, v, gate and up
+    """tp splits it by its config's own styles (`base_model_tp_plan`: q, k, v, gate and up
     colwise, o and down rowwise); cp gives each rank its tokens' `position_ids` in the whole
     sequence, and its attention runs causal in torch's ring."""
     runs = strategy_runs(*LLAMA, strategies=LLAMA_STRATEGIES)
@@ -160,7 +160,7 @@ def test_a_transformers_llama_in_pipeline_stages_trains_like_single_from_torch_2
 @pytest.mark.equivalence
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp", "fsdp_tp"])
 def test_a_transformers_gpt2_trains_like_single(strategy):
-    """tp splits it by the plan the template registers (src/parallel/tp/gpt2_plan.py): its
+    """tp splits it by the styles the template registers (src/parallel/tp/gpt2_styles.py): its
     Conv1D weights are [in, out], and c_attn's q, k and v columns are regrouped into whole heads
     per rank; its checkpoints hold single's columns."""
     runs = strategy_runs(*GPT2, strategies=("ddp", "fsdp", "tp", "fsdp_tp"))

@@ -1,4 +1,4 @@
-"""Context parallel's ring attention on CPU (src/parallel/context_parallel.py), on real gloo
+"""Context parallel's ring attention on CPU (src/parallel/cp/ring.py), on real gloo
 process groups: causal attention of the template's shapes, split over 2 and 4 ranks, gives
 single-process SDPA's outputs and gradients; torch's own `context_parallel` fails on CPU without
 `ring_cpu_flash_attention` and runs with it. The 4 ranks, forked from the rank server (which has
@@ -21,15 +21,13 @@ from torch.distributed.tensor.experimental._context_parallel import _attention
 
 from src.components.models import GPT, MLP, CausalSelfAttention
 from src.config.base import ConfigError
-from src.parallel.context_parallel import (
+from src.parallel.cp.apply import check_attention, check_sequence_length, shard_sequence
+from src.parallel.cp.ring import (
     CPU_FLASH,
     CPU_FLASH_BACKWARD,
-    check_attention,
-    check_sequence_length,
     check_torch_ring,
     ring_attention,
     ring_cpu_flash_attention,
-    shard_sequence,
 )
 
 # The template's attention: model.hidden 32 over 4 heads (head size 8), data.seq_len 32.

@@ -1,4 +1,4 @@
-"""Context parallel (`parallel.cp`, src/parallel/context_parallel.py) through the real
+"""Context parallel (`parallel.cp`, src/parallel/cp/) through the real
 `train.py`: gloo processes on CPU, the tiny GPT under SGD in fp32, each layout against `single`:
 cp 2; cp 4, cp 2 x dp_shard 2 and cp 2 x tp 2 in one sweep of 4 processes; fsdp_cp_tp on 8;
 each one's sharded checkpoint resumed exactly under another layout; the predictions of whole
@@ -25,7 +25,7 @@ from torch import nn
 
 from src.components.models import GPT
 from src.config.base import ConfigError
-from src.parallel.context_parallel import check_attention
+from src.parallel.cp.apply import check_attention
 from src.parallel.layout import Layout
 
 # 4 steps, checkpointed (sharded) at 2 and 4: the resumes go on from step 2. One block: each

@@ -1,4 +1,4 @@
-"""Expert parallel (`parallel.ep`, src/parallel/expert_parallel.py) on `model=moe` through the real
+"""Expert parallel (`parallel.ep`, src/parallel/ep/) on `model=moe` through the real
 `train.py`: ep 2 (top 1 and top 2), ep 4 (top 1) and ep 2 of dp_shard 4 (top 2) against
 `single` under SGD in fp32 (losses, aux losses, final weights), each one's sharded checkpoint
 resumed exactly under another, ep 4 at top 2 from one; each expert's tokens under ep (gloo
@@ -29,7 +29,7 @@ from src.components.models import GPT
 from src.components.moe import MoEGPT
 from src.config.base import ConfigError
 from src.parallel import build_strategy
-from src.parallel.expert_parallel import moe_layers
+from src.parallel.ep.apply import moe_layers
 from src.runtime.ranks import Ranks
 
 # Accumulation and clipping too: clipping takes the norm of the dense and the experts'

@@ -28,8 +28,8 @@ from helpers import (
     summary,
     sweep_runs,
 )
-from planned_models import ResidualFeedForward
 from slurm_cluster import free_port
+from styled_models import ResidualFeedForward
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import SequenceParallel
 
@@ -40,7 +40,7 @@ from src.config.base import ConfigError
 from src.parallel import build_strategy
 from src.parallel.layout import Layout
 from src.parallel.pp.schedules import LOOPED, ONE_STAGE, SCHEDULES, SPLIT_BACKWARD
-from src.parallel.tp.apply import tp_plan
+from src.parallel.tp.apply import tp_styles
 from src.runtime.ranks import Ranks
 
 WORKLOADS = {
@@ -51,13 +51,13 @@ WORKLOADS = {
     # with sequence_parallel, DTensors replicated over tp).
     "transformer": (*TINY_TRANSFORMER_SGD, "trainer.accumulate=2", "trainer.grad_clip=0.05"),
     "gpt": TINY_GPT_SGD,  # tied embedding and head, replicated over the tp ranks
-    # A model of the test's own, whose plan comes through the hook (tests/planned_models.py).
-    "own-plan": (*TINY_SGD, "model._target_=tests.planned_models.ResidualFeedForward"),
+    # A model of the test's own, whose styles come through the hook (tests/styled_models.py).
+    "own-styles": (*TINY_SGD, "model._target_=tests.styled_models.ResidualFeedForward"),
 }
 
 
 @pytest.mark.equivalence
-@pytest.mark.parametrize("workload", ["mlp", "gpt", "own-plan"])
+@pytest.mark.parametrize("workload", ["mlp", "gpt", "own-styles"])
 def test_tensor_parallel_trains_exactly_like_single(workload, tmp_path):
     """Against `reference_run`: the mlp's is the one the other layouts here are held to."""
     run_train(*WORKLOADS[workload], "parallel=tp", run_dir=tmp_path)
@@ -92,11 +92,11 @@ def test_sequence_and_loss_parallel_change_nothing_in_the_numbers(sp, lp):
 
 
 def test_sequence_and_loss_parallel_split_the_norms_and_the_logits():
-    """What the two options add to the transformer's plan (the sweep above: that it changes
+    """What the two options add to the transformer's styles (the sweep above: that it changes
     nothing in the numbers)."""
     model = Transformer(input_shape=(8,), num_classes=16, hidden=32, depth=1, heads=2)
-    plain = tp_plan(model, 2)
-    both = tp_plan(model, 2, sequence_parallel=True, loss_parallel=True)
+    plain = tp_styles(model, 2)
+    both = tp_styles(model, 2, sequence_parallel=True, loss_parallel=True)
     assert "1.norm1" not in plain and "2.1" not in plain
     assert isinstance(both["1.norm1"], SequenceParallel) and isinstance(
         both["2.0"], SequenceParallel
@@ -166,7 +166,7 @@ def gathered_in_fp16(rank: int, port: int) -> None:
 
 
 def test_the_mesh_s_fsdp_gathers_parameters_in_the_autocast_dtype():
-    """fsdp's mixed-precision policy, which the mesh's FSDP shares (`fsdp.apply_fsdp`)."""
+    """fsdp's mixed-precision policy, which the mesh's FSDP shares (`dp_shard.apply.apply_fsdp`)."""
     forked_ranks(gathered_in_fp16, free_port())
 
 
@@ -282,9 +282,9 @@ def test_a_tp_checkpoint_is_single_s_state_dict():
         (
             ConvNet(input_shape=(1, 16, 16), num_classes=10, width=8, depth=2, hidden=16),
             {},
-            "parallel.tp=2: no tensor-parallel plan for ConvNet (plans: GPT, GPT2PreTrainedModel, "
-            "MLP, ResidualFeedForward, Transformer); a model brings its own with "
-            "@tensor_parallel_plan",
+            "parallel.tp=2: no tensor-parallel styles for ConvNet (registered: GPT, "
+            "GPT2PreTrainedModel, MLP, ResidualFeedForward, Transformer); a model brings its own "
+            "with @tensor_parallel_styles",
         ),
         (
             GPT(input_shape=(9,), num_classes=16, n_layer=1, n_head=3, n_embd=24),
@@ -300,14 +300,14 @@ def test_a_tp_checkpoint_is_single_s_state_dict():
             MLP(input_shape=(9,), num_classes=10, hidden=32, depth=3),
             {"sequence_parallel": True},
             "parallel.sequence_parallel=true (which splits each sequence of tokens over the tp "
-            "ranks): the tensor-parallel plan for MLP does not take it; set it to false (plans "
-            "that take it: GPT, Transformer)",
+            "ranks): the tensor-parallel styles for MLP do not take it; set it to false (models "
+            "whose styles take it: GPT, Transformer)",
         ),
         (
             ResidualFeedForward(input_shape=(9,), num_classes=10, hidden=16, depth=1),
             {"loss_parallel": True},
             "parallel.loss_parallel=true (which keeps the logits split over the vocabulary into "
-            "the loss): the tensor-parallel plan for ResidualFeedForward does not take it",
+            "the loss): the tensor-parallel styles for ResidualFeedForward do not take it",
         ),
         (
             Transformer(input_shape=(9,), num_classes=16, hidden=16, depth=1, heads=2),
@@ -316,11 +316,11 @@ def test_a_tp_checkpoint_is_single_s_state_dict():
         ),
     ],
     ids=[
-        "no-plan",
+        "no-styles",
         "heads",
         "loss-parallel-tied",
         "sequence-parallel-mlp",
-        "loss-parallel-own-plan",
+        "loss-parallel-own-styles",
         "sequence-length",
     ],
 )
@@ -330,7 +330,7 @@ def test_a_model_tp_cannot_split_is_refused(model, settings, message):
         strategy.check_model(model, torch.zeros(2, 9, dtype=torch.long))
 
 
-def test_train_py_refuses_tp_for_a_model_without_a_plan_in_one_line(tmp_path):
+def test_train_py_refuses_tp_for_a_model_without_styles_in_one_line(tmp_path):
     result = run_train(
         *TINY,
         "model=convnet",
@@ -341,8 +341,8 @@ def test_train_py_refuses_tp_for_a_model_without_a_plan_in_one_line(tmp_path):
     )
     assert result.returncode == 2
     errors = [line for line in result.stdout.splitlines() if "[ERROR]" in line]
-    assert len(errors) == 1 and "no tensor-parallel plan for ConvNet" in errors[0]
-    assert "@tensor_parallel_plan" in errors[0]  # the hook a model brings its plan through
+    assert len(errors) == 1 and "no tensor-parallel styles for ConvNet" in errors[0]
+    assert "@tensor_parallel_styles" in errors[0]  # the hook a model brings its styles through
     assert "Traceback" not in result.stdout + result.stderr
 
 

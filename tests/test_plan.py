@@ -128,7 +128,7 @@ RESNET_CASES = {
                 id=f"llama-{name}",
                 marks=NEEDS_TRANSFORMERS,
             )
-            # tp by the model's own plan (`_tp_plan`), embedding and head included
+            # tp by the model's own styles (`_tp_plan`), embedding and head included
             for name in ("ddp", "fsdp", "tp")
         ],
     ],
@@ -558,11 +558,11 @@ def test_dtensor_s_dispatch_is_counted_where_parameters_and_layers_are_dtensors(
     assert shares == pytest.approx([0.4, 0.4], abs=0.02)
 
 
-def test_a_model_s_own_tensor_parallel_plan_reaches_the_planner(compose_config):
-    """tests/planned_models.py's model, planned through its hook on MESH_MLP's sizes, depth 1:
-    stem 544, block 2112 (up) + 2080 (down) and head 264 floats, 5000 in all. Its plan splits up's
+def test_a_model_s_own_tensor_parallel_styles_reach_the_planner(compose_config):
+    """tests/styled_models.py's model, styled through its hook on MESH_MLP's sizes, depth 1:
+    stem 544, block 2112 (up) + 2080 (down) and head 264 floats, 5000 in all. Its styles split up's
     weight and bias and down's weight, 4160 floats: each of 2 tp ranks keeps 5000 - 4160 / 2."""
-    own = ("model._target_=tests.planned_models.ResidualFeedForward", "model.depth=1")
+    own = ("model._target_=tests.styled_models.ResidualFeedForward", "model.depth=1")
     cfg = compose_config(*MESH_MLP, *own)
     single, tp = plan_all(
         cfg, [cfg.parallel, compose_config(*MESH_MLP, *own, "parallel=tp").parallel]

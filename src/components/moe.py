@@ -190,7 +190,7 @@ class MoEFeedForward(nn.Module):
 
     def expert_outputs(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Each token's kept choices through their experts, combined (batch, seq, width).
-        Expert parallel replaces this call on the layer (`src/parallel/expert_parallel.py`)."""
+        Expert parallel replaces this call on the layer (`src/parallel/ep/apply.py`)."""
         return combine(self.experts(dispatch(x, routing, self.router.out_features)), routing)
 
 

@@ -1,10 +1,9 @@
 """The strategy classes, each in a module of its own: `single`, `dp`, `dp_criterion`,
 `model_parallel`, and `mesh.Mesh` for every layout of one process per rank, whose presets (ddp,
 fsdp, hybrid, tp, pp, cp, fsdp_tp, fsdp_cp_tp, fsdp_tp_pp, mesh) set its degrees. Each degree's
-mechanism has a module of its own: `ddp.py` (dp_replicate alone), `fsdp.py` (FSDP2 over the
-data-parallel dimensions), `hybrid.py` (the in-process stage cut), `tp/` (tp),
-`context_parallel.py` (cp), `pipeline_schedules.py` (pp). `build_strategy` imports only the
-class asked for."""
+mechanism has a module or folder of its own: `ddp.py` (dp_replicate alone), `dp_shard/` (FSDP2
+over the data-parallel dimensions), `hybrid.py` (the in-process stage cut), `tp/` (tp), `cp/`
+(cp), `pipeline_schedules.py` (pp). `build_strategy` imports only the class asked for."""
 
 from __future__ import annotations
 

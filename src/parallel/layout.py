@@ -30,7 +30,7 @@ class Layout:
     tp: int = 1
     ep: int = 1
     """Expert-parallel ranks, borrowed from dp_shard (a divisor of it, not a dimension of the
-    grid: `expert_parallel.py`)."""
+    grid: `ep/`)."""
 
     @classmethod
     def of(cls, world_size: int, **degrees: int) -> Layout:

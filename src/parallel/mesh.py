@@ -10,12 +10,13 @@ would. The degrees decide the mechanisms:
   process's stage cut (`hybrid.py`);
 - anything else: the pipeline cut (`pipeline_schedules.stage_parts`: the stages this pp rank
   runs; the other blocks go to the meta device), tensor parallel (`tp/`, over the whole
-  model) and then FSDP2 over the data-parallel dimensions (`fsdp.apply_fsdp`: dp_shard shards,
-  dp_replicate replicates, both HSDP; under pp, each stage its own FSDP root), with ep's experts
-  split over ep ranks borrowed from dp_shard (`expert_parallel.apply_ep`). Each process then
-  holds part of the gradients, so fp16's scaler checks them all together (`fsdp.sharded_scaler`).
+  model) and then FSDP2 over the data-parallel dimensions (`dp_shard.apply.apply_fsdp`:
+  dp_shard shards, dp_replicate replicates, both HSDP; under pp, each stage its own FSDP root),
+  with ep's experts split over ep ranks borrowed from dp_shard (`ep.apply.apply_ep`).
+  Each process then holds part of the gradients, so fp16's scaler checks them all together
+  (`dp_shard.apply.sharded_scaler`).
   Under cp each rank runs its share of every sequence with attention as a ring
-  (`context_parallel.apply_cp`), and FSDP shards over dp_shard x cp, summing the cp ranks'
+  (`cp.apply.apply_cp`), and FSDP shards over dp_shard x cp, summing the cp ranks'
   gradients (of different tokens) and averaging the data-parallel ranks'.
 
 Data-parallel rank d of D reads `global batch / D` samples; the tp, cp and pp ranks of one
@@ -43,24 +44,10 @@ from src.config.base import ConfigError
 from src.config.parallel import MeshConfig
 from src.parallel import ddp, hybrid
 from src.parallel.base import LossFn, Tree
-from src.parallel.context_parallel import (
-    apply_cp,
-    check_attention,
-    check_sequence_length,
-    check_torch_ring,
-    ring_attention,
-    shard_positions,
-)
+from src.parallel.cp.apply import apply_cp, check_attention, check_sequence_length, shard_positions
+from src.parallel.cp.ring import check_torch_ring, ring_attention
 from src.parallel.distributed import Distributed
-from src.parallel.dtensors import by_mesh, clip_by_whole_norm, held_bytes
-from src.parallel.expert_parallel import (
-    apply_ep,
-    check_degrees,
-    check_experts,
-    expert_split,
-    resolved_ep,
-)
-from src.parallel.fsdp import (
+from src.parallel.dp_shard.apply import (
     apply_fsdp,
     copy_from_rank0,
     divide_gradients_by,
@@ -68,6 +55,9 @@ from src.parallel.fsdp import (
     mixed_precision,
     sharded_scaler,
 )
+from src.parallel.dtensors import by_mesh, clip_by_whole_norm, held_bytes
+from src.parallel.ep.apply import apply_ep, check_degrees, check_experts, resolved_ep
+from src.parallel.ep.costs import expert_split
 from src.parallel.layout import DIMENSIONS, Layout
 from src.parallel.mesh_checkpoints import SingleLayoutCheckpoints, summed
 from src.parallel.mesh_shares import LayoutShares
@@ -79,7 +69,7 @@ from src.parallel.pp.tied import tied_copies
 from src.parallel.tp.apply import (
     apply_tp,
     check_beside_pipeline,
-    checked_plan,
+    checked_styles,
     loss_parallel_kernels,
     split_vocabulary_loss,
 )
@@ -188,9 +178,9 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
                     "one process per stage), or those without pp"
                 )
         options = self.cfg.sequence_parallel, self.cfg.loss_parallel
-        plan = checked_plan(model, inputs, self.layout.tp, *options)
-        if plan is not None:
-            self.split = tp_split(model, plan, inputs)  # what the planner prices
+        styles = checked_styles(model, inputs, self.layout.tp, *options)
+        if styles is not None:
+            self.split = tp_split(model, styles, inputs)  # what the planner prices
         if self.layout.cp > 1:
             check_torch_ring()
             # First: a model without attention has no sequence to cut.
@@ -348,7 +338,7 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
 
     def grad_scaler(self, enabled: bool, init_scale: float) -> torch.amp.GradScaler:
         """DDP's replicas hold whole, equal gradients (the base scaler); any other layout part
-        of them (`fsdp.sharded_scaler`)."""
+        of them (`dp_shard.apply.sharded_scaler`)."""
         if self.runs_ddp:
             return super().grad_scaler(enabled, init_scale)
         return sharded_scaler(self.device_type, enabled, init_scale)

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from src.checkpoint.store import dcp_places_rows, renamed, rows_placed
-from src.parallel.fsdp import parameter_names
+from src.parallel.dp_shard.apply import parameter_names
 from src.parallel.layout import Layout
 from src.parallel.pp.run import PipelineRun
 from src.parallel.tp.apply import single_layout, tp_layout

@@ -2,9 +2,9 @@
 device's share of the model's state and work, and what each rank sends per step, from the
 layout's degrees whichever preset named them: dp_replicate alone DDP's (`ddp.py`: a replica and
 its buckets; under the stage cut, its stages: `stage_cut.py`), else tp's split (`tp/costs.py`),
-cp's share of the sequence and its ring (`context_parallel_plan.py`), the pipeline's stages
-(`pipeline_schedules.py`), ep's experts and exchanges (`expert_parallel.py`) and FSDP2's shards
-(over dp_shard x cp) and working set (`fsdp.py`).
+cp's share of the sequence and its ring (`cp/costs.py`), the pipeline's stages
+(`pipeline_schedules.py`), ep's experts and exchanges (`ep/costs.py`) and FSDP2's shards
+(over dp_shard x cp) and working set (`dp_shard/costs.py`).
 """
 
 from __future__ import annotations
@@ -12,26 +12,26 @@ from __future__ import annotations
 from typing import Any
 
 from src.config.parallel import MeshConfig
-from src.parallel.context_parallel_plan import (
+from src.parallel.cp.costs import (
     ring_activations_kept,
     ring_messages,
     ring_traffic,
     ring_working_set,
 )
 from src.parallel.ddp import bucket_bytes, bucketed_all_reduce, replica_traffic
-from src.parallel.expert_parallel import (
+from src.parallel.dp_shard.costs import (
+    sharded_messages,
+    sharded_share,
+    sharded_traffic,
+    units_in_forward_order,
+)
+from src.parallel.ep.costs import (
     ExpertSplit,
     ep_copied_bytes,
     ep_forward_buffers,
     ep_gathered_bytes,
     ep_messages,
     ep_traffic,
-)
-from src.parallel.fsdp import (
-    sharded_messages,
-    sharded_share,
-    sharded_traffic,
-    units_in_forward_order,
 )
 from src.parallel.layout import Layout
 from src.parallel.pp.costs import schedule_bubble, stage_messages, stage_traffic
@@ -120,7 +120,7 @@ class LayoutShares:
 
     def dtensor_parameters(self, blocks: list[int]) -> float:
         """The share of `blocks`' parameter tensors that are DTensors: all under FSDP2, else
-        those tensor parallel plans (`TPSplit.distributed_share`)."""
+        those tensor parallel's styles make DTensors (`TPSplit.distributed_share`)."""
         if self.fsdp:
             return 1.0
         return self.split.distributed_share(blocks) if self.split is not None else 0.0
@@ -141,7 +141,7 @@ class LayoutShares:
         return [DeviceShare(f"{self.device_type}:0", samples, extra_bytes={"gradients": buckets})]
 
     def running_share(self, sizes: ModelSizes, blocks: list[int], samples: int) -> dict[str, Any]:
-        """What FSDP (`fsdp.sharded_share`, where it shards; ep's experts copied where it
+        """What FSDP (`dp_shard.costs.sharded_share`, where it shards; ep's experts copied where it
         holds them alone, `ep_copied_bytes`), cp's ring (`ring_working_set`) and ep's exchange
         in evaluation (`ep_forward_buffers`) add to the share of a rank holding `blocks`, fed
         `samples` per micro-step."""

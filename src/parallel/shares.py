@@ -159,10 +159,10 @@ class DeviceShare:
     """The share of its blocks' FLOPs it runs (tensor parallel: 1/tp of the split layers')."""
     dtensor_parameters: float = 0.0
     """The share of its parameter tensors that are DTensors (FSDP2's shards, tensor parallel's
-    planned layers): each optimizer op on one pays DTensor's dispatch."""
+    styled layers): each optimizer op on one pays DTensor's dispatch."""
     dtensor_layers: int = 0
     """The layers it runs forward and backward on DTensors in each pass (tensor parallel's
-    planned ones), each paying DTensor's dispatch of its ops."""
+    styled ones), each paying DTensor's dispatch of its ops."""
     replica_only: bool = False
     """It holds a copy of the parameters but no gradients or optimizer state of its own."""
     extra_bytes: dict[str, int] = field(default_factory=dict)

@@ -14,7 +14,7 @@ correctness. `tests/test_torch_internals.py` fails when what they rely on change
 Some uses have no plain fallback and live where they are used. The evaluation of the V pipeline
 schedules (`src/parallel/pp/schedules.py`, `skip_backward`) registers torch's custom-action
 hook with its private action types; the V schedules' equivalence tests in `tests/test_mesh.py`
-fail if that changes. ep's experts (`src/parallel/expert_parallel.py`, `local_parameters`) swap
+fail if that changes. ep's experts (`src/parallel/ep/apply.py`, `local_parameters`) swap
 their DTensor parameters for the local tensors in `nn.Module._parameters` while they compute, as
 `torch.func.functional_call` swaps parameters; the ep equivalence tests in `tests/test_ep.py`
 fail if that changes. Tensor memory, planned and measured, subclasses torch's `MemTracker` and

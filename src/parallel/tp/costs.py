@@ -1,7 +1,7 @@
 """What tensor parallel costs, for the planner (`mesh_shares.py` prices an N-D layout with it):
 each tp rank's share of the model's state, work and activations, and the traffic of a step.
 
-Tensor parallel splits the planned Linears (`apply.tp_plan`) over the tp ranks: a
+Tensor parallel splits the styled Linears (`apply.tp_styles`) over the tp ranks: a
 ColwiseParallel Linear's weight and bias, a RowwiseParallel one's weight (its bias is
 replicated), and so their gradients and optimizer state; the FLOPs of those Linears and of the
 work between them in a module that holds a pair (an attention over its heads: `pair_holders`),
@@ -37,14 +37,14 @@ from src.parallel.shares import (
 
 @dataclass(frozen=True)
 class TPSplit:
-    """What a tensor-parallel plan splits of a model, per block (from one forward pass)."""
+    """What a model's tensor-parallel styles split of it, per block (from one forward pass)."""
 
     split_parameter_bytes: list[int]
     """Each block's parameter bytes that the tp ranks split between them."""
     flops: list[int]
     """Each block's forward FLOPs per sample."""
     split_flops: list[int]
-    """Of those, the ones the tp ranks split (the planned Linears, attention over its heads)."""
+    """Of those, the ones the tp ranks split (the styled Linears, attention over its heads)."""
     pair_outputs: list[tuple[int, int]]
     """(block, bytes per sample) of each RowwiseParallel Linear's output: what a pair sums over
     the tp ranks in forward."""
@@ -60,10 +60,10 @@ class TPSplit:
     parameter_tensors: list[int]
     """Each block's parameter tensors (one shared by several blocks counted at the first)."""
     distributed_tensors: list[int]
-    """Of those, the ones the plan makes DTensors (the planned Linears' and norms'), whose
+    """Of those, the ones the styles make DTensors (the styled Linears' and norms'), whose
     every optimizer op pays DTensor's dispatch."""
     distributed_layers: list[int]
-    """Each block's planned modules that run on DTensors (Linears, norms), each paying
+    """Each block's styled modules that run on DTensors (Linears, norms), each paying
     DTensor's dispatch of its ops forward and backward."""
 
     def flops_kept(self, blocks: list[int], tp: int) -> float:
@@ -158,7 +158,7 @@ def tp_messages(
 
 
 def split_parameters(module: nn.Module, style: ParallelStyle) -> list[nn.Parameter]:
-    """The parameters of a planned Linear that `style` splits."""
+    """The parameters of a styled Linear that `style` splits."""
     if isinstance(style, ColwiseParallel):
         return list(module.parameters(recurse=False))
     if isinstance(style, RowwiseParallel):
@@ -173,18 +173,18 @@ def distributes(style: ParallelStyle) -> bool:
     return isinstance(style, (ColwiseParallel, RowwiseParallel, SequenceParallel))
 
 
-def pair_holders(plan: dict[str, ParallelStyle]) -> set[str]:
+def pair_holders(styles: dict[str, ParallelStyle]) -> set[str]:
     """The modules inside a block with a ColwiseParallel and a RowwiseParallel child: what their
     own forward runs between the two (an attention over its heads) is on each rank's share."""
 
     def parents(style: type[ParallelStyle]) -> set[str]:
-        return {name.rpartition(".")[0] for name, s in plan.items() if isinstance(s, style)}
+        return {name.rpartition(".")[0] for name, s in styles.items() if isinstance(s, style)}
 
     return {name for name in parents(ColwiseParallel) & parents(RowwiseParallel) if name}
 
 
-def tp_split(model: nn.Module, plan: dict[str, ParallelStyle], inputs: Tree) -> TPSplit:
-    """`plan`'s split of `model` (on the meta device) by segment (`Segments`), from one forward
+def tp_split(model: nn.Module, styles: dict[str, ParallelStyle], inputs: Tree) -> TPSplit:
+    """`styles`' split of `model` (on the meta device) by segment (`Segments`), from one forward
     pass of `inputs`."""
     segments = Segments(model)
     block_of = segments.index_of
@@ -209,7 +209,7 @@ def tp_split(model: nn.Module, plan: dict[str, ParallelStyle], inputs: Tree) -> 
 
     handles = []
     distributed, layers = [0] * len(segments), [0] * len(segments)
-    for name, style in plan.items():
+    for name, style in styles.items():
         module = model.get_submodule(name)
         split_bytes[block_of(name)] += sum(p.nbytes for p in split_parameters(module, style))
         if distributes(style):
@@ -219,7 +219,7 @@ def tp_split(model: nn.Module, plan: dict[str, ParallelStyle], inputs: Tree) -> 
             handles.append(module.register_forward_hook(record(block_of(name))))
         if isinstance(style, ColwiseParallel):
             handles.append(module.register_forward_pre_hook(record_input(block_of(name))))
-    saved = SavedActivations(segments, plan)
+    saved = SavedActivations(segments, styles)
     try:
         with shapes_only(), saved, FlopCounterMode(display=False) as counter:
             model(inputs)
@@ -238,10 +238,10 @@ def tp_split(model: nn.Module, plan: dict[str, ParallelStyle], inputs: Tree) -> 
         flops[0] = (counter.get_total_flops() - in_blocks) // samples
     # The split Linears only: a layout change around a whole module (sequence parallel's
     # PrepareModuleInput on an attention) splits none of its work, and counted it twice.
-    for name, style in plan.items():
+    for name, style in styles.items():
         if isinstance(style, (ColwiseParallel, RowwiseParallel)):
             split_flops[block_of(name)] += by_module.get(name, 0) // samples
-    for name in pair_holders(plan):  # their own work between the pair: attention over heads
+    for name in pair_holders(styles):  # their own work between the pair: attention over heads
         children = (f"{name}.{child}" for child, _ in model.get_submodule(name).named_children())
         inner = by_module.get(name, 0) - sum(by_module.get(child, 0) for child in children)
         split_flops[block_of(name)] += inner // samples
@@ -261,16 +261,16 @@ def tp_split(model: nn.Module, plan: dict[str, ParallelStyle], inputs: Tree) -> 
 
 class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
     """The bytes autograd saves for backward in each of `segments` during a forward pass
-    (`whole`), and those saved inside one of `plan`'s pairs (`split`): after a ColwiseParallel
+    (`whole`), and those saved inside one of `styles`' pairs (`split`): after a ColwiseParallel
     module's forward until a RowwiseParallel module's ends (the Rowwise Linear's own input is
     split; the Colwise one's is not). Parameters (and views of them) are not activations."""
 
-    def __init__(self, segments: Segments, plan: dict[str, ParallelStyle]):
+    def __init__(self, segments: Segments, styles: dict[str, ParallelStyle]):
         super().__init__(self.pack, lambda tensor: tensor)
         self.whole, self.split = [0] * len(segments), [0] * len(segments)
         self.block, self.in_pair = 0, False
         self.handles = segments.hooks(self.entering)
-        for name, style in plan.items():
+        for name, style in styles.items():
             if isinstance(style, (ColwiseParallel, RowwiseParallel)):
                 opens = isinstance(style, ColwiseParallel)
                 hook = self.pair_hook(opens)

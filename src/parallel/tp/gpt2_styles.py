@@ -1,4 +1,4 @@
-"""The tensor-parallel plan the template registers for transformers' GPT-2, whose config
+"""The tensor-parallel styles the template registers for transformers' GPT-2, whose config
 declares none (`base_model_tp_plan`): registered by the class's dotted path, so nothing of
 transformers is imported until a GPT-2 is split.
 
@@ -26,8 +26,8 @@ from torch.distributed.tensor import (
 )
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from src.parallel.tp.builtin_plans import qkv_order
-from src.parallel.tp.registry import RowOrder, check_divides, tensor_parallel_plan
+from src.parallel.tp.builtin_styles import qkv_order
+from src.parallel.tp.registry import RowOrder, check_divides, tensor_parallel_styles
 
 GPT2 = "transformers.models.gpt2.modeling_gpt2.GPT2PreTrainedModel"
 
@@ -99,18 +99,18 @@ def gpt2_row_orders(model: nn.Module, tp: int) -> dict[str, RowOrder]:
     return orders
 
 
-@tensor_parallel_plan(GPT2, row_orders=gpt2_row_orders)
-def gpt2_plan(
+@tensor_parallel_styles(GPT2, row_orders=gpt2_row_orders)
+def gpt2_styles(
     model: nn.Module, tp: int, sequence_parallel: bool, loss_parallel: bool
 ) -> dict[str, ParallelStyle]:
     """Per block, its self-attention (heads split) and its MLP as Colwise/Rowwise pairs; the
     embeddings, norms, head (and a cross-attention) replicated."""
     check_divides(model.config.num_attention_heads, "num_attention_heads", tp)
-    plan: dict[str, ParallelStyle] = {}
+    styles: dict[str, ParallelStyle] = {}
     for name, block in gpt2_blocks(model):
         check_divides(block.mlp.c_fc.nf, f"{name}'s MLP features", tp)
-        plan[f"{name}.attn"] = LocalHeads()
+        styles[f"{name}.attn"] = LocalHeads()
         for part, up, down in (("attn", "c_attn", "c_proj"), ("mlp", "c_fc", "c_proj")):
-            plan[f"{name}.{part}.{up}"] = ColwiseConv1D()
-            plan[f"{name}.{part}.{down}"] = RowwiseConv1D()
-    return plan
+            styles[f"{name}.{part}.{up}"] = ColwiseConv1D()
+            styles[f"{name}.{part}.{down}"] = RowwiseConv1D()
+    return styles

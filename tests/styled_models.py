@@ -1,6 +1,6 @@
-"""A user's model that brings its own tensor-parallel plan, as a package outside src/ would:
-its plan registered beside its class (`@tensor_parallel_plan`), picked with
-`model._target_=tests.planned_models.ResidualFeedForward` and sized like the MLP."""
+"""A user's model that brings its own tensor-parallel styles, as a package outside src/ would:
+its styles registered beside its class (`@tensor_parallel_styles`), picked with
+`model._target_=tests.styled_models.ResidualFeedForward` and sized like the MLP."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from src.parallel.tp.registry import check_divides, tensor_parallel_plan
+from src.parallel.tp.registry import check_divides, tensor_parallel_styles
 
 
 class FeedForward(nn.Module):
@@ -35,14 +35,14 @@ class ResidualFeedForward(nn.Sequential):
         super().__init__(stem, *blocks, nn.Linear(hidden, num_classes))
 
 
-@tensor_parallel_plan(ResidualFeedForward)
-def feed_forward_plan(
+@tensor_parallel_styles(ResidualFeedForward)
+def feed_forward_styles(
     model: nn.Module, tp: int, sequence_parallel: bool, loss_parallel: bool
 ) -> dict[str, ParallelStyle]:
     """Each block's up colwise and down rowwise; the stem and the head replicated."""
-    plan: dict[str, ParallelStyle] = {}
+    styles: dict[str, ParallelStyle] = {}
     for name, block in model.named_children():
         if isinstance(block, FeedForward):
             check_divides(block.up.out_features, f"block {name}'s inner features", tp)
-            plan[f"{name}.up"], plan[f"{name}.down"] = ColwiseParallel(), RowwiseParallel()
-    return plan
+            styles[f"{name}.up"], styles[f"{name}.down"] = ColwiseParallel(), RowwiseParallel()
+    return styles

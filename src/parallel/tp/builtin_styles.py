@@ -1,11 +1,11 @@
-"""The built-in models' tensor-parallel (Megatron-style) plans, registered through the hook a
-user's model uses (`registry.tensor_parallel_plan`).
+"""The built-in models' tensor-parallel (Megatron-style) styles, registered through the hook a
+user's model uses (`registry.tensor_parallel_styles`).
 
-Each plan pairs a ColwiseParallel Linear (its output features split over the tp ranks) with the
-RowwiseParallel Linear after it (its input features split; the partial outputs all-reduced), so
-that activations between the two stay split and each pair costs one all-reduce forward and one
-backward. What is not in a pair (embeddings, norms, the head of an odd MLP) is replicated: every
-tp rank computes it whole from the same inputs, and gets the same gradient.
+Each model's styles pair a ColwiseParallel Linear (its output features split over the tp ranks)
+with the RowwiseParallel Linear after it (its input features split; the partial outputs
+all-reduced), so that activations between the two stay split and each pair costs one all-reduce
+forward and one backward. What is not in a pair (embeddings, norms, the head of an odd MLP) is
+replicated: every tp rank computes it whole from the same inputs, and gets the same gradient.
 
 - mlp: its Linears in pairs (0 with 1, 2 with 3, ...).
 - transformer, gpt: per block, attention (qkv colwise, heads split; proj rowwise) and the MLP
@@ -32,19 +32,19 @@ from torch.distributed.tensor.parallel import (
 
 from src.components.models import GPT, MLP, CausalSelfAttention, Transformer
 from src.config.base import ConfigError
-from src.parallel.tp.registry import RowOrder, check_divides, tensor_parallel_plan
+from src.parallel.tp.registry import RowOrder, check_divides, tensor_parallel_styles
 
 
-@tensor_parallel_plan(MLP)
-def linear_pairs_plan(
+@tensor_parallel_styles(MLP)
+def linear_pairs_styles(
     model: nn.Module, tp: int, sequence_parallel: bool, loss_parallel: bool
 ) -> dict[str, ParallelStyle]:
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    plan: dict[str, ParallelStyle] = {}
+    styles: dict[str, ParallelStyle] = {}
     for (up, up_linear), (down, _) in zip(linears[::2], linears[1::2], strict=False):
         check_divides(up_linear.out_features, f"{up}'s output features", tp)
-        plan[up], plan[down] = ColwiseParallel(), RowwiseParallel()
-    return plan
+        styles[up], styles[down] = ColwiseParallel(), RowwiseParallel()
+    return styles
 
 
 def qkv_order(rows: int, tp: int) -> Tensor:
@@ -64,10 +64,10 @@ def qkv_row_orders(model: nn.Module, tp: int) -> dict[str, RowOrder]:
     return orders
 
 
-@tensor_parallel_plan(
+@tensor_parallel_styles(
     Transformer, GPT, sequence_parallel=True, loss_parallel=True, row_orders=qkv_row_orders
 )
-def transformer_plan(
+def transformer_styles(
     model: nn.Sequential, tp: int, sequence_parallel: bool, loss_parallel: bool
 ) -> dict[str, ParallelStyle]:
     """Megatron's blocks. With `sequence_parallel` the residual stream between them is split
@@ -84,9 +84,9 @@ def transformer_plan(
     gather = PrepareModuleInput(
         input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
     )
-    plan: dict[str, ParallelStyle] = {}
+    styles: dict[str, ParallelStyle] = {}
     if sequence_parallel:
-        plan[embedding] = PrepareModuleOutput(
+        styles[embedding] = PrepareModuleOutput(
             output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
         )
     for name in blocks:
@@ -96,15 +96,15 @@ def transformer_plan(
             ("norm2", "mlp", "0", "2"),
         ):
             if sequence_parallel:
-                plan[f"{name}.{norm}"], plan[f"{name}.{part}"] = SequenceParallel(), gather
-            plan[f"{name}.{part}.{up}"] = ColwiseParallel()
-            plan[f"{name}.{part}.{down}"] = RowwiseParallel(output_layouts=between)
+                styles[f"{name}.{norm}"], styles[f"{name}.{part}"] = SequenceParallel(), gather
+            styles[f"{name}.{part}.{up}"] = ColwiseParallel()
+            styles[f"{name}.{part}.{down}"] = RowwiseParallel(output_layouts=between)
     if sequence_parallel:
-        plan[f"{head}.0"] = SequenceParallel()
+        styles[f"{head}.0"] = SequenceParallel()
     if loss_parallel:
-        plan[f"{head}.1"] = ColwiseParallel(
+        styles[f"{head}.1"] = ColwiseParallel(
             input_layouts=between, output_layouts=Shard(-1), use_local_output=False
         )
     elif sequence_parallel:
-        plan[f"{head}.1"] = gather
-    return plan
+        styles[f"{head}.1"] = gather
+    return styles

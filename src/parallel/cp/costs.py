@@ -1,4 +1,4 @@
-"""The `cp` degree's planner arithmetic (its mechanism: `context_parallel.py`): each rank's
+"""The `cp` degree's planner arithmetic (its mechanism: `apply.py`, `ring.py`): each rank's
 share of the activations, and what torch's ring sends per step.
 
 A cp rank holds 1/cp of every sequence, so 1/cp of the activations the trace of whole sequences
