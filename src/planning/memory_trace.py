@@ -25,8 +25,8 @@ from src.components.data import Data, first_samples
 from src.components.model_contract import build_model
 from src.components.optimizer import block_matrices, build_optimizer
 from src.components.precision import autocast
-from src.config.base import ConfigError, typed
-from src.config.trainer import TrainerConfig
+from src.config.base import ConfigError
+from src.config.job import JobConfig
 from src.parallel.shares import (
     DeviceShare,
     ModelSizes,
@@ -179,7 +179,7 @@ def share_key(share: DeviceShare) -> tuple:
 
 
 def trace_share(
-    cfg: DictConfig, data: Data, share: DeviceShare, eval_share: DeviceShare
+    job: JobConfig, data: Data, share: DeviceShare, eval_share: DeviceShare
 ) -> TracedShare:
     """`share`'s part of two training steps on fake tensors, then `eval_share`'s part of one
     evaluation batch. The first step creates the optimizer state and counts the work (apart
@@ -187,14 +187,13 @@ def trace_share(
     tracked by MemTracker with that state held, gives the peaks by category (the first step's
     are never higher: it holds no optimizer state). The evaluation runs as the loop's does: the
     model in eval mode, under no_grad, beside the optimizer state (the gradients are gone)."""
-    trainer = cfg.trainer
+    cfg, trainer = job.cfg, job.trainer
     task = instantiate(cfg.task)
     sample_inputs, sample_targets = first_samples(data.train, 1)
     with FakeTensorMode(allow_non_fake_inputs=True):
         with built_in(share.computes_in):  # its state is counted in fp32 by `in_categories`
             model = build_model(cfg.model, data.input_shape, data.num_classes)
-        settings = typed(TrainerConfig, trainer)
-        prepare_blocks(model, settings.activation_checkpointing, False, settings.checkpoint_ops)
+        prepare_blocks(model, trainer.activation_checkpointing, False, trainer.checkpoint_ops)
         segments = Segments(model)
         ranges = share.stage_blocks(len(segments))  # another model's whole: `check_traceable`
         stages = nn.ModuleList(
@@ -204,8 +203,8 @@ def trace_share(
         optimizer = build_optimizer(cfg.optimizer, stages.parameters(), block_matrices(model))
         # The weight average (trainer.ema_decay), counted as optimizer state.
         average = None
-        if settings.ema_decay is not None:
-            average = AveragedWeights(list(stages.parameters()), settings.ema_decay)
+        if trainer.ema_decay is not None:
+            average = AveragedWeights(list(stages.parameters()), trainer.ema_decay)
         lasts = [end == len(segments) for _, end in ranges]
         step = ShareStep(stages, share, task, lasts)
         templates = [

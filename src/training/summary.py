@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
+from src.config.job import JobConfig
+from src.config.trainer import TrainerConfig
 from src.observe.performance import device_peak_tflops, throughput_figures
 from src.parallel.base import Strategy, usable_cores
 from src.runtime.files import json_text
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 def finish_finished_run(
-    cfg: DictConfig,
+    job: JobConfig,
     run_dir: Path,
     strategy: Strategy,
     checkpoint: Path,
@@ -39,7 +40,7 @@ def finish_finished_run(
         "%s is at step %d of trainer.max_steps=%d%s: this run is complete, nothing to do",
         checkpoint,
         state["step"],
-        cfg.trainer.max_steps,
+        job.trainer.max_steps,
         " (stopped early)" if state.get("stopped_early") else "",
     )
     if path.exists() or (ranks is not None and ranks.rank != 0):
@@ -53,9 +54,9 @@ def finish_finished_run(
 
     summary = {
         "strategy": strategy.name,
-        "devices": cfg.parallel.devices,
+        "devices": job.cfg.parallel.devices,
         "world_size": strategy.data_shards,
-        "global_batch": cfg.trainer.batch_size,
+        "global_batch": job.trainer.batch_size,
         "steps": state["step"],
         "final_train_loss": last("train/loss"),
         "final_train_accuracy": last("train/accuracy"),
@@ -101,7 +102,7 @@ def format_summary(summary: dict[str, Any], run_dir: Path) -> str:
 
 
 def speed_figures(
-    trainer: DictConfig,
+    trainer: TrainerConfig,
     strategy: Strategy,
     flops_per_step: int | None,
     results: dict[str, Any],

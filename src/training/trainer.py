@@ -34,7 +34,8 @@ from src.components.data import tokens_per_sample
 from src.components.optimizer import block_matrices, build_optimizer
 from src.components.schedules import lr_schedule
 from src.components.state_dicts import tied_keys
-from src.config.base import plain_config, typed
+from src.config.base import plain_config
+from src.config.job import JobConfig, job_config
 from src.config.trainer import TrainerConfig
 from src.observe.performance import profiling, step_flops
 from src.observe.tensor_memory import TensorPeak
@@ -69,7 +70,7 @@ log = logging.getLogger(__name__)
 
 
 def train(
-    cfg: DictConfig,
+    cfg: JobConfig | DictConfig,
     run_dir: Path,
     strategy: Strategy,
     blueprint: Blueprint | None = None,
@@ -83,21 +84,23 @@ def train(
 class Trainer:
     """The run of one process: its parts, built once on entering, and its train state.
 
+    `cfg`: the job's config, typed (a composed one is typed here: the tests' way in).
     `blueprint`: the up-front build on the meta device, if done already (else done here).
     `stop`: the stop handler this process holds, if any (None: `train` installs one)."""
 
     def __init__(
         self,
-        cfg: DictConfig,
+        cfg: JobConfig | DictConfig,
         run_dir: Path,
         strategy: Strategy,
         blueprint: Blueprint | None = None,
         stop: StopOnSignal | None = None,
     ):
-        self.cfg, self.run_dir, self.strategy, self.stop = cfg, run_dir, strategy, stop
-        self.blueprint = blueprint or build_blueprint(cfg, run_dir, strategy)
-        self.settings: TrainerConfig = typed(TrainerConfig, cfg.trainer)
-        self.resolved = plain_config(cfg)
+        self.job = job_config(cfg)
+        self.cfg, self.run_dir, self.strategy, self.stop = self.job.cfg, run_dir, strategy, stop
+        self.blueprint = blueprint or build_blueprint(self.job, run_dir, strategy)
+        self.settings: TrainerConfig = self.job.trainer
+        self.resolved = plain_config(self.cfg)
         self.task = self.blueprint.task
         # What an export needs to rebuild the model besides its config (src/checkpoint/export.py).
         data = self.blueprint.data
@@ -136,24 +139,23 @@ class Trainer:
 
     def build(self) -> None:
         """Every part of the run, restored from the checkpoint to resume from."""
-        cfg, strategy, blueprint = self.cfg, self.strategy, self.blueprint
-        self.matmul_precision = set_numerics(cfg.trainer, strategy.device_type)
+        cfg, settings = self.cfg, self.settings
+        strategy, blueprint = self.strategy, self.blueprint
+        self.matmul_precision = set_numerics(settings, strategy.device_type)
         self.flops_per_step = step_flops(
-            blueprint.meta_model, self.task, blueprint.data, cfg.trainer.batch_size
+            blueprint.meta_model, self.task, blueprint.data, settings.batch_size
         )
         data = blueprint.data
         if not cfg.data.augment:  # augmented samples are made on the host, by the loader
             data = keep_on_device(data, strategy.devices[0])
         self.model, self.optimizer, self.ema, state = self.build_model_and_optimizer()
-        if cfg.trainer.compile:
+        if settings.compile:
             self.task = CompiledSums(self.task)
         self.stepper = Stepper(self.settings, strategy, self.model, self.optimizer)
         # On CPU, beside the process's resident peak; not around compiled blocks, whose
         # graphs dynamo would build for the tracker's dispatch mode.
         counted = (
-            cfg.trainer.count_tensor_memory
-            and strategy.device_type == "cpu"
-            and not cfg.trainer.compile
+            settings.count_tensor_memory and strategy.device_type == "cpu" and not settings.compile
         )
         self.tensor_peak = TensorPeak(self.model, self.optimizer, counted)
         if state is not None:
@@ -163,7 +165,6 @@ class Trainer:
         )
         if strategy.is_main and data.tokenizer is not None:
             data.tokenizer.save(tokenizer_dir(self.run_dir))
-        settings = self.settings
         self.batches, self.val, self.test = input_batches(
             cfg, settings, strategy, data, self.step, self.data_position
         )
@@ -207,7 +208,7 @@ class Trainer:
         cfg, strategy, blueprint = self.cfg, self.strategy, self.blueprint
         state, in_shards = checkpoint_to_load(blueprint, strategy)
         model = build_wrapped_model(
-            cfg, strategy, blueprint.data, None if in_shards else state, blueprint.init_from
+            self.job, strategy, blueprint.data, None if in_shards else state, blueprint.init_from
         )
         optimizer = build_optimizer(
             cfg.optimizer,
@@ -216,7 +217,7 @@ class Trainer:
         )
         ema = EMA(self.settings, strategy.trained_parameters(model))
         if state is None:
-            if cfg.trainer.resume and strategy.is_main:
+            if self.settings.resume and strategy.is_main:
                 run_dir = self.run_dir
                 log.info("trainer.resume=auto: no checkpoint in %s yet, starting afresh", run_dir)
             return model, optimizer, ema, None
@@ -254,7 +255,7 @@ class Trainer:
         self.step = state["step"]
         set_rng_state(state["rng"])
         if self.strategy.is_main:
-            log_resumed_schedule(self.cfg, state, self.blueprint.checkpoint)
+            log_resumed_schedule(self.job, state, self.blueprint.checkpoint)
         if state.get("loss_scaling"):  # older checkpoints have none
             self.stepper.scaling.load_state_dict(state["loss_scaling"])
         # Checkpoints written before the other loggers hold the W&B run's id alone.
@@ -409,11 +410,11 @@ class Trainer:
             **({"chosen_by": cfg.parallel.chosen_by} if cfg.parallel.chosen_by else {}),
             "devices": cfg.parallel.devices,
             "world_size": strategy.data_shards,
-            "global_batch": cfg.trainer.batch_size,
+            "global_batch": self.settings.batch_size,
             "matmul_precision": self.matmul_precision,
             **results,
             **speed_figures(
-                cfg.trainer, strategy, self.flops_per_step, results, self.matmul_precision
+                self.settings, strategy, self.flops_per_step, results, self.matmul_precision
             ),
             **cpu_share(strategy),
             **strategy.report(),
