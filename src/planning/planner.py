@@ -19,7 +19,8 @@ plan`). What it does not see: allocator caching and fragmentation, CUDA/NCCL wor
 threads (dp's replicas run one after the other in the trace).
 
 This module plans each candidate strategy and chooses among them; `plans.py` holds what a plan
-is, `memory_trace.py` traces a device's share, `step_time.py` predicts the step's time.
+is, `memory_trace.py` traces a device's share, `device_memory.py` makes its peaks the device's
+memory, `step_time.py` predicts the step's time.
 """
 
 from __future__ import annotations
@@ -44,10 +45,9 @@ from src.config.trainer import Accelerator
 from src.parallel import build_strategy
 from src.parallel.base import resolve_device_type, usable_cores
 from src.parallel.shares import ModelSizes
+from src.planning.device_memory import TracedShare, device_plan
 from src.planning.memory_trace import (
-    TracedShare,
     check_traceable,
-    device_plan,
     meta_model_and_inputs,
     model_sizes,
     share_key,
