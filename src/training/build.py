@@ -23,6 +23,7 @@ from src.checkpoint.store import is_sharded, load_checkpoint, resume_path
 from src.components.blocks import prepare_blocks
 from src.components.data import Data, build_data, first_samples
 from src.components.model_contract import build_model as build_model_of
+from src.components.state_dicts import tied_keys
 from src.config.job import JobConfig, job_config
 from src.config.trainer import TrainerConfig
 from src.parallel.base import Strategy
@@ -43,6 +44,20 @@ class Blueprint:
     checkpoint: Path | None  # to resume from
     saved: dict[str, Any] | None  # its structure; a full checkpoint's tensors memory-mapped
     init_from: Path | None  # weights to start from, when there is no checkpoint to resume
+
+
+def model_description(blueprint: Blueprint) -> dict[str, Any]:
+    """What an export needs to rebuild the model besides its config (src/checkpoint/export.py),
+    kept in each checkpoint's train state."""
+    data, model = blueprint.data, blueprint.meta_model
+    return {
+        "model_args": {"input_shape": list(data.input_shape), "num_classes": data.num_classes},
+        "tied_keys": tied_keys(model),
+        # The weight average's parameter indices name these (`export.averaged_weights`).
+        "parameter_keys": [name for name, _ in model.named_parameters()],
+        # A sharded checkpoint's tensors read back in the order its ranks wrote them.
+        "state_dict_keys": list(model.state_dict()),
+    }
 
 
 def build_blueprint(

@@ -117,6 +117,30 @@ def speed_figures(
     return throughput_figures(flops_per_step, results["step_time_ms"], strategy.job_devices, peak)
 
 
+def run_summary(
+    job: JobConfig,
+    strategy: Strategy,
+    results: dict[str, Any],
+    flops_per_step: int | None,
+    matmul_precision: str,
+) -> dict[str, Any]:
+    """summary.json's figures: what ran, the loop's `results`, and the speed and resources
+    behind them."""
+    parallel = job.cfg.parallel
+    return {
+        "strategy": strategy.name,
+        **({"chosen_by": parallel.chosen_by} if parallel.chosen_by else {}),
+        "devices": parallel.devices,
+        "world_size": strategy.data_shards,
+        "global_batch": job.trainer.batch_size,
+        "matmul_precision": matmul_precision,
+        **results,
+        **speed_figures(job.trainer, strategy, flops_per_step, results, matmul_precision),
+        **cpu_share(strategy),
+        **strategy.report(),
+    }
+
+
 def cpu_share(strategy: Strategy) -> dict[str, Any]:
     """This node's processes, each one's intra-op threads, and the cores they may use: with more
     threads than cores the processes compete for them, and the scaling report says so. Also
@@ -131,3 +155,15 @@ def cpu_share(strategy: Strategy) -> dict[str, Any]:
     if hasattr(os, "sched_getaffinity"):  # which cores: a concurrent sweep gives each job its own
         share["cpu_affinity"] = sorted(os.sched_getaffinity(0))
     return share
+
+
+def reset_peak_memory(strategy: Strategy) -> None:
+    """A multirun runs its jobs in one process: each job's peak memory must count from its
+    start. torch's reset does not initialise CUDA itself and fails with "Invalid device
+    argument" on a process that has not touched the GPU yet (seen with parallel=single on an
+    H200)."""
+    cuda_devices = {device for device in strategy.devices if device.type == "cuda"}
+    if cuda_devices:
+        torch.cuda.init()
+    for device in cuda_devices:
+        torch.cuda.reset_peak_memory_stats(device)

@@ -33,7 +33,6 @@ from src.components.blocks import CompiledSums
 from src.components.data import tokens_per_sample
 from src.components.optimizer import block_matrices, build_optimizer
 from src.components.schedules import lr_schedule
-from src.components.state_dicts import tied_keys
 from src.config.base import plain_config
 from src.config.job import JobConfig, job_config
 from src.config.trainer import TrainerConfig
@@ -48,6 +47,7 @@ from src.training.build import (
     build_blueprint,
     build_wrapped_model,
     checkpoint_to_load,
+    model_description,
     set_numerics,
 )
 from src.training.ema import EMA
@@ -64,7 +64,7 @@ from src.training.loop import (
 from src.training.monitoring import Monitoring
 from src.training.resume import log_resumed_schedule
 from src.training.step import Stepper, forward_backward
-from src.training.summary import cpu_share, speed_figures, write_summary
+from src.training.summary import reset_peak_memory, run_summary, write_summary
 
 log = logging.getLogger(__name__)
 
@@ -102,16 +102,7 @@ class Trainer:
         self.settings: TrainerConfig = self.job.trainer
         self.resolved = plain_config(self.cfg)
         self.task = self.blueprint.task
-        # What an export needs to rebuild the model besides its config (src/checkpoint/export.py).
-        data = self.blueprint.data
-        self.model_description = {
-            "model_args": {"input_shape": list(data.input_shape), "num_classes": data.num_classes},
-            "tied_keys": tied_keys(self.blueprint.meta_model),
-            # The weight average's parameter indices name these (`export.averaged_weights`).
-            "parameter_keys": [name for name, _ in self.blueprint.meta_model.named_parameters()],
-            # A sharded checkpoint's tensors read back in the order its ranks wrote them.
-            "state_dict_keys": list(self.blueprint.meta_model.state_dict()),
-        }
+        self.model_description = model_description(self.blueprint)
         self.step = 0  # the last step trained
         self.tracker_ids: dict[str, str | None] = {}  # each logger's run to continue
         self.data_position: dict[int, list[int]] | None = None  # a stream's, to go on from
@@ -329,7 +320,9 @@ class Trainer:
                     break
             if settings.test:
                 self.run_test(history)
-        summary = self.summary(self.final_figures())
+        summary = run_summary(
+            self.job, strategy, self.final_figures(), self.flops_per_step, self.matmul_precision
+        )
         self.tracker.log_model(best_dir(self.run_dir), self.monitoring.summary())
         self.finished = True
         self.tracker.finish(summary, 0)
@@ -400,34 +393,3 @@ class Trainer:
             # What a checkpoint costs the training (trainer.async_checkpoint: staging only).
             "checkpoint_blocked_s": statistics.median(self.checkpointing.blocked_s or [0.0]),
         }
-
-    def summary(self, results: dict[str, Any]) -> dict[str, Any]:
-        """summary.json's figures: what ran, the loop's results, and the speed and resources
-        behind them."""
-        cfg, strategy = self.cfg, self.strategy
-        return {
-            "strategy": strategy.name,
-            **({"chosen_by": cfg.parallel.chosen_by} if cfg.parallel.chosen_by else {}),
-            "devices": cfg.parallel.devices,
-            "world_size": strategy.data_shards,
-            "global_batch": self.settings.batch_size,
-            "matmul_precision": self.matmul_precision,
-            **results,
-            **speed_figures(
-                self.settings, strategy, self.flops_per_step, results, self.matmul_precision
-            ),
-            **cpu_share(strategy),
-            **strategy.report(),
-        }
-
-
-def reset_peak_memory(strategy: Strategy) -> None:
-    """A multirun runs its jobs in one process: each job's peak memory must count from its
-    start. torch's reset does not initialise CUDA itself and fails with "Invalid device
-    argument" on a process that has not touched the GPU yet (seen with parallel=single on an
-    H200)."""
-    cuda_devices = {device for device in strategy.devices if device.type == "cuda"}
-    if cuda_devices:
-        torch.cuda.init()
-    for device in cuda_devices:
-        torch.cuda.reset_peak_memory_stats(device)
