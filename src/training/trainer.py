@@ -157,7 +157,7 @@ class Trainer:
         if strategy.is_main and data.tokenizer is not None:
             data.tokenizer.save(tokenizer_dir(self.run_dir))
         self.batches, self.val, self.test = input_batches(
-            cfg, settings, strategy, data, self.step, self.data_position
+            self.job, strategy, data, self.step, self.data_position
         )
         self.lr_at = lr_schedule(cfg.optimizer, settings.max_steps)
         self.speed = Throughput(
