@@ -30,6 +30,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException, OverrideParseException
 
 from src.config.base import ConfigError
+from src.config.job import job_config
 from src.config.schema import composition_error_line, register_configs
 from src.runtime.torch_private import exit_without_teardown
 
@@ -53,9 +54,10 @@ def main(overrides: list[str]) -> int:
             if cfg.plan.compare:
                 print(compared_step_times(Path(cfg.plan.compare)))
                 return 0
+            job = job_config(cfg)  # typed once, here: a setting out of range stops it now
             every = not names_a_strategy(overrides)
-            parallels = candidate_parallels(cfg, every)
-            plans = plan_all(cfg, parallels, progress if len(parallels) > 1 else None)
+            parallels = candidate_parallels(job, every)
+            plans = plan_all(job, parallels, progress if len(parallels) > 1 else None)
             print(format_table(plans, cfg.plan.device_memory_gb, brief=every))
             if len(plans) > 1:
                 print(measured_speed(planned_device_type(cfg), cfg.plan).describe())

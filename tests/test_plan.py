@@ -19,14 +19,8 @@ from src.components.model_contract import settle_model_settings
 from src.config.base import ConfigError
 from src.launch.memory_check import measured_peaks_mb
 from src.parallel.shares import DeviceShare, Messages
-from src.planning.memory_trace import (
-    RUNNING,
-    STEPPING,
-    check_traceable,
-    meta_model_and_inputs,
-    model_sizes,
-    unsplit_step_bytes,
-)
+from src.planning.device_memory import RUNNING, STEPPING, unsplit_step_bytes
+from src.planning.memory_trace import check_traceable, meta_model_and_inputs, model_sizes
 from src.planning.planner import (
     candidate_parallels,
     choose,

@@ -21,6 +21,7 @@ from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 
 from src.config.base import ConfigError, plain_config
+from src.config.job import job_config
 from src.config.parallel import node_range
 from src.config.schema import SAVED_GROUPS, SAVED_RUN, store_saved_run
 from src.launch.as_rank import configure_logging, join_started_ranks, run_as_rank, started_ranks
@@ -76,13 +77,14 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     hydra = HydraConfig.get()
     eval_dir = Path(hydra.runtime.output_dir)
     as_evaluated(cfg)
-    strategy = check_settings(cfg, ranks)
+    job = job_config(cfg)  # typed once, here
+    strategy = check_settings(job, ranks)
     nodes = node_range(cfg.parallel.nodes)
     processes = strategy.processes_per_node * nodes.most
     if ranks is None and processes > 1:
         check_rendezvous(cfg.parallel)
         start_rank_server()
-    blueprint = eval_blueprint(cfg, strategy)  # every check, before any rank starts
+    blueprint = eval_blueprint(job, strategy)  # every check, before any rank starts
     job_logging = OmegaConf.to_container(hydra.job_logging, resolve=True)
     if ranks is not None:
         check_started_ranks(ranks, strategy, nodes)
@@ -92,7 +94,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
         return run_as_rank(ranks, eval_worker, plain_config(cfg), str(eval_dir), ranks)
     if processes == 1:
         log_config(cfg)
-        return evaluate_checkpoint(cfg, eval_dir, strategy, blueprint)
+        return evaluate_checkpoint(job, eval_dir, strategy, blueprint)
     configure_logging(job_logging, "launcher")
     log_config(cfg)
     args, per_node = (plain_config(cfg), str(eval_dir)), strategy.processes_per_node
@@ -110,5 +112,5 @@ def eval_worker(
 ) -> dict[str, Any]:
     """`evaluate_checkpoint` as one rank of the job, from the config the launcher checked. An
     evaluation is short: a stop signal waits for its end (`stop`, which `run_as_rank` holds)."""
-    cfg = OmegaConf.create(resolved_cfg)
-    return evaluate_checkpoint(cfg, Path(eval_dir), check_settings(cfg, ranks))
+    job = job_config(OmegaConf.create(resolved_cfg))
+    return evaluate_checkpoint(job, Path(eval_dir), check_settings(job, ranks))

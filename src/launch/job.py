@@ -9,6 +9,7 @@ device (`build.build_blueprint`) before it starts a rank.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import shlex
@@ -22,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoint.store import checkpoint_step, saved_checkpoints
 from src.config.base import ConfigError, plain_config
+from src.config.job import JobConfig, job_config
 from src.config.parallel import AUTO, NodeRange, node_range
 from src.launch.as_rank import configure_logging, join_started_ranks, rank_store, run_as_rank
 from src.launch.launcher import JobFailed, KilledBySignal, launch
@@ -52,26 +54,28 @@ def run(cfg: DictConfig, ranks: Ranks | None) -> dict[str, Any]:
     torchrun or srun); returns the summary of this node's lowest rank."""
     hydra = HydraConfig.get()
     run_dir = Path(hydra.runtime.output_dir)
+    job = job_config(cfg)  # typed once, here: a setting out of range stops the job now
     if cfg.parallel.name == AUTO:  # imported only then: its tracing tools take a second to load
         from src.planning.planner import resolve_auto
 
-        cfg = resolve_auto(cfg)  # the planner's choice from here on
+        cfg = resolve_auto(job)  # the planner's choice from here on
+        job = dataclasses.replace(job, cfg=cfg)
     if "group" in cfg.logger:  # `eval.py`'s runs of this run join its loggers' group
         cfg.logger.group = tracking_group(cfg.logger, run_dir)
     nodes = node_range(cfg.parallel.nodes)
     if ranks is not None:  # the strategy spans the nodes started
         cfg.parallel.nodes = started_nodes(ranks, nodes)
-    strategy = check_settings(cfg, ranks)
+    strategy = check_settings(job, ranks)
     if ranks is None:
-        check_fewer_nodes(cfg, nodes)
+        check_fewer_nodes(job, nodes)
     processes = strategy.processes_per_node * nodes.most
     if ranks is None and processes > 1:
         check_rendezvous(cfg.parallel)
         start_rank_server()  # unless train.py has: it imports what the ranks need meanwhile
-    blueprint = build_blueprint(cfg, run_dir, strategy)
-    if blueprint.saved is not None and finished(blueprint.saved, cfg):
+    blueprint = build_blueprint(job, run_dir, strategy)
+    if blueprint.saved is not None and finished(blueprint.saved, job.trainer):
         return finish_finished_run(
-            cfg, run_dir, strategy, blueprint.checkpoint, blueprint.saved, ranks
+            job, run_dir, strategy, blueprint.checkpoint, blueprint.saved, ranks
         )
     job_logging = OmegaConf.to_container(hydra.job_logging, resolve=True)
     if ranks is not None:
@@ -79,10 +83,10 @@ def run(cfg: DictConfig, ranks: Ranks | None) -> dict[str, Any]:
         join_started_ranks(ranks, str(run_dir), job_logging)
         if ranks.rank == 0:
             log_config(cfg)
-        return run_as_rank(ranks, train, cfg, run_dir, strategy, blueprint, outcomes=(RunStopped,))
+        return run_as_rank(ranks, train, job, run_dir, strategy, blueprint, outcomes=(RunStopped,))
     if processes == 1:
         log_config(cfg)
-        with Trainer(cfg, run_dir, strategy, blueprint) as trainer:
+        with Trainer(job, run_dir, strategy, blueprint) as trainer:
             return trainer.train()
     configure_logging(job_logging, "launcher")
     log_config(cfg)
@@ -102,16 +106,16 @@ def check_rendezvous(parallel: DictConfig) -> None:
         )
 
 
-def check_fewer_nodes(cfg: DictConfig, nodes: NodeRange) -> None:
+def check_fewer_nodes(job: JobConfig, nodes: NodeRange) -> None:
     """An elastic job's settings must also hold on each number of nodes it may go on with (the
     batch splits over fewer ranks): checked before any rank starts, not at the restart."""
     for count in range(nodes.least, nodes.most):
-        fewer = cfg.copy()
+        fewer = job.cfg.copy()
         fewer.parallel.nodes = count
         try:
-            check_settings(fewer, None)
+            check_settings(dataclasses.replace(job, cfg=fewer), None)
         except ConfigError as error:
-            message = f"on {count} node(s) of parallel.nodes={cfg.parallel.nodes}: {error}"
+            message = f"on {count} node(s) of parallel.nodes={job.cfg.parallel.nodes}: {error}"
             raise ConfigError(message) from None
 
 
@@ -239,10 +243,11 @@ def train_worker(
     cfg.parallel.nodes = started_nodes(ranks, nodes)
     if nodes.elastic and goes_on_with_reformed_job():  # a store question only an elastic job asks
         cfg.trainer.resume, checkpoint = "auto", None
-    strategy = check_settings(cfg, ranks)
+    job = job_config(cfg)
+    strategy = check_settings(job, ranks)
     checked = Path(checkpoint) if checkpoint else None
-    blueprint = build_blueprint(cfg, Path(run_dir), strategy, checked)
-    return train(cfg, Path(run_dir), strategy, blueprint, stop=stop)
+    blueprint = build_blueprint(job, Path(run_dir), strategy, checked)
+    return train(job, Path(run_dir), strategy, blueprint, stop=stop)
 
 
 def goes_on_with_reformed_job() -> bool:

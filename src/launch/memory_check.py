@@ -24,8 +24,7 @@ from src.components.data import Split, build_data, first_samples
 from src.components.model_contract import build_model
 from src.components.optimizer import block_matrices, build_optimizer
 from src.components.precision import LossScaling, autocast
-from src.config.base import typed
-from src.config.trainer import TrainerConfig
+from src.config.job import job_config
 from src.launch.launcher import launch
 from src.observe.tensor_memory import StorageTracker, peak_mb
 from src.parallel import build_strategy
@@ -57,8 +56,8 @@ def step_peaks_mb(
     """This process's peak tensor memory (MB) over `TRACED_STEPS` training steps, and over one
     evaluation batch after them; as one of `ranks` when `launch` started it (two steps end
     before any stop request matters)."""
-    cfg = OmegaConf.create(resolved_cfg)
-    trainer = typed(TrainerConfig, cfg.trainer)
+    job = job_config(OmegaConf.create(resolved_cfg))  # typed once, here: a rank's start
+    cfg, trainer = job.cfg, job.trainer
     strategy = build_strategy(cfg.parallel, "cpu", trainer.precision, ranks)
     data = build_data(cfg.data, cfg.seed)
     strategy.check_model(*meta_model_and_inputs(cfg, data, 2))

@@ -18,8 +18,8 @@ from src.components.generation import Sampling, generate
 from src.components.precision import autocast
 from src.components.tasks import LanguageModel
 from src.components.tokenizer import Tokenizer, load_tokenizer
-from src.config.base import ConfigError, typed
-from src.config.trainer import TrainerConfig
+from src.config.base import ConfigError
+from src.config.job import JobConfig, job_config
 from src.parallel.base import Strategy
 from src.training.build import Blueprint, build_checked_parts
 from src.training.checks import check_settings
@@ -42,25 +42,26 @@ def run_sample(cfg: DictConfig) -> list[str]:
     cfg.trainer.compile = False  # the cache's shapes change every token
     cfg.trainer.activation_checkpointing = "none"
     cfg.trainer.resume = None
-    strategy = check_settings(cfg, None)
+    job = job_config(cfg)  # typed once, here
+    strategy = check_settings(job, None)
     if strategy.name != "single":
         raise ConfigError(
             f"sample.py generates on one device: leave parallel={strategy.name} out (a "
             "checkpoint of any layout loads on one)"
         )
-    data, task, meta_model = build_checked_parts(cfg, strategy)
+    data, task, meta_model = build_checked_parts(job, strategy)
     if not isinstance(task, LanguageModel):
         raise ConfigError(
             f"sample.py needs a language model (task=language_model), but {cfg.ckpt_path} holds "
             f"a {type(meta_model).__name__} for {type(task).__name__.lower()}: it has no next "
             "token to generate"
         )
-    blueprint = checkpoint_blueprint(cfg, data, task, meta_model, "sample from")
+    blueprint = checkpoint_blueprint(job, data, task, meta_model, "sample from")
     tokenizer = saved_tokenizer(blueprint.checkpoint)
     prompt = prompt_ids(cfg.prompt, tokenizer, data.num_classes)
     strategy.setup()
     try:
-        samples, speed = generated(cfg, strategy, blueprint, prompt, sampling)
+        samples, speed = generated(job, strategy, blueprint, prompt, sampling)
     finally:
         strategy.teardown()
     texts = [tokenizer.decode(ids) if tokenizer else " ".join(map(str, ids)) for ids in samples]
@@ -111,18 +112,19 @@ def prompt_ids(prompt: str, tokenizer: Tokenizer | None, vocab: int) -> list[int
 
 
 def generated(
-    cfg: DictConfig, strategy: Strategy, blueprint: Blueprint, prompt: list[int], sampling: Sampling
+    job: JobConfig, strategy: Strategy, blueprint: Blueprint, prompt: list[int], sampling: Sampling
 ) -> tuple[list[list[int]], str]:
-    """The prompt and its continuations, token ids, `cfg.num_samples` of them, and the speed
-    they were made at."""
-    model = restored_model(cfg, strategy, blueprint).eval()
+    """The prompt and its continuations, token ids, `num_samples` of them, and the speed they
+    were made at."""
+    cfg = job.cfg
+    model = restored_model(job, strategy, blueprint).eval()
     device = strategy.devices[0]
     prompts = torch.tensor([prompt] * cfg.num_samples, device=device)
     vocab = blueprint.data.num_classes  # a padded vocabulary's extra tokens are never drawn
     context = blueprint.data.input_shape[-1]
     torch.manual_seed(cfg.seed)
     start = time.perf_counter()
-    with autocast(strategy.device_type, typed(TrainerConfig, cfg.trainer).precision):
+    with autocast(strategy.device_type, job.trainer.precision):
         tokens = generate(
             model,
             prompts,

@@ -1,14 +1,13 @@
 """Each device's share of a training step and of an evaluation batch, traced on fake
 tensors: the model is built under torch's FakeTensorMode (shapes, dtypes and storage sizes,
-no data) and its share runs under `MemTracker`, whose peaks by category become the device's
+no data) and its share runs under `MemTracker`, whose peaks by category, at each moment of the
+step, are what the trace found (`TracedShare`); `device_memory.py` makes them the device's
 `DevicePlan`, shared out as the strategy says (`DeviceShare`)."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,8 +24,8 @@ from src.components.data import Data, first_samples
 from src.components.model_contract import build_model
 from src.components.optimizer import block_matrices, build_optimizer
 from src.components.precision import autocast
-from src.config.base import ConfigError, typed
-from src.config.trainer import TrainerConfig
+from src.config.base import ConfigError
+from src.config.job import JobConfig
 from src.parallel.shares import (
     DeviceShare,
     ModelSizes,
@@ -35,29 +34,11 @@ from src.parallel.shares import (
     shapes_only,
     tied_segment_groups,
 )
-from src.planning.plans import DevicePlan
+from src.planning.device_memory import ENTERING, LOSS, RUNNING, STEPPING, TracedShare
 from src.planning.work import WorkCounter
 
 # Measured (src/launch/memory_check.py): the second step's peak has the optimizer state.
 TRACED_STEPS = 2
-# MemTracker's categories, summed into the plan's four.
-TRACKED_AS = {
-    _MemRefType.PARAM: "parameters",
-    _MemRefType.BUFFER: "parameters",
-    _MemRefType.GRAD: "gradients",
-    _MemRefType.OPT: "optimizer",
-    _MemRefType.ACT: "activations",
-    _MemRefType.TEMP: "activations",
-    _MemRefType.OTH: "activations",
-}
-
-
-# The moments of a step whose peaks the planner compares: while a block runs (forward or
-# backward; what a strategy holds then, such as FSDP's gathered units, is added to this one),
-# while the task's loss runs outside every block (FSDP has resharded the last unit by then),
-# and the rest (the optimizer step). An evaluation's are per block, each as it is entered too
-# (`(ENTERING, index)`, `(RUNNING, index)`): FSDP gathers different units at each.
-RUNNING, ENTERING, LOSS, STEPPING = "running", "entering", "loss", "stepping"
 
 
 class StepMemTracker(MemTracker):
@@ -146,27 +127,9 @@ def check_traceable(model: nn.Module, shares: list[DeviceShare]) -> None:
         )
 
 
-@dataclass(frozen=True)
-class TracedShare:
-    """What tracing a share found: its peaks by MemTracker's categories at each moment of a
-    training step (`RUNNING`, `LOSS`, `STEPPING`) and of one evaluation batch (each block's
-    apart: `StepMemTracker.by_block`); its work per optimizer step (`work.WorkCounter`: aten
-    ops, FLOPs by size, bytes moved), of those ops the optimizer's, and its micro-steps per
-    optimizer step. `whole_step_bytes`: of the optimizer's memory at its step, the temporaries
-    that every rank holds whole however the state is split (Muon's whole matrix: 0 for AdamW,
-    whose temporaries are its shards')."""
-
-    peaks: dict[str, dict[Any, int]]
-    work: WorkCounter
-    optimizer_ops: int
-    evaluation: dict[Any, dict[Any, int]]
-    micro_steps: int = 1
-    whole_step_bytes: int = 0
-
-
 def share_key(share: DeviceShare) -> tuple:
     """What a share's trace depends on: shares equal in these trace the same (the label, the
-    sharding and what the strategy adds are applied after, in `device_plan`)."""
+    sharding and what the strategy adds are applied after, in `device_memory.device_plan`)."""
     return (
         share.samples,
         share.blocks,
@@ -179,7 +142,7 @@ def share_key(share: DeviceShare) -> tuple:
 
 
 def trace_share(
-    cfg: DictConfig, data: Data, share: DeviceShare, eval_share: DeviceShare
+    job: JobConfig, data: Data, share: DeviceShare, eval_share: DeviceShare
 ) -> TracedShare:
     """`share`'s part of two training steps on fake tensors, then `eval_share`'s part of one
     evaluation batch. The first step creates the optimizer state and counts the work (apart
@@ -187,14 +150,14 @@ def trace_share(
     tracked by MemTracker with that state held, gives the peaks by category (the first step's
     are never higher: it holds no optimizer state). The evaluation runs as the loop's does: the
     model in eval mode, under no_grad, beside the optimizer state (the gradients are gone)."""
-    trainer = cfg.trainer
+    cfg, trainer = job.cfg, job.trainer
     task = instantiate(cfg.task)
     sample_inputs, sample_targets = first_samples(data.train, 1)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        with built_in(share.computes_in):  # its state is counted in fp32 by `in_categories`
+        # Its state is counted in fp32 by `device_memory.in_categories`.
+        with built_in(share.computes_in):
             model = build_model(cfg.model, data.input_shape, data.num_classes)
-        settings = typed(TrainerConfig, trainer)
-        prepare_blocks(model, settings.activation_checkpointing, False, settings.checkpoint_ops)
+        prepare_blocks(model, trainer.activation_checkpointing, False, trainer.checkpoint_ops)
         segments = Segments(model)
         ranges = share.stage_blocks(len(segments))  # another model's whole: `check_traceable`
         stages = nn.ModuleList(
@@ -204,8 +167,8 @@ def trace_share(
         optimizer = build_optimizer(cfg.optimizer, stages.parameters(), block_matrices(model))
         # The weight average (trainer.ema_decay), counted as optimizer state.
         average = None
-        if settings.ema_decay is not None:
-            average = AveragedWeights(list(stages.parameters()), settings.ema_decay)
+        if trainer.ema_decay is not None:
+            average = AveragedWeights(list(stages.parameters()), trainer.ema_decay)
         lasts = [end == len(segments) for _, end in ranges]
         step = ShareStep(stages, share, task, lasts)
         templates = [
@@ -293,121 +256,6 @@ def phase_peaks(tracker: StepMemTracker) -> dict[Any, dict[Any, int]]:
     added to it."""
     (whole,) = tracker.get_tracker_snapshot("peak").values()
     return dict(tracker.phase_peaks) or {RUNNING: dict(whole)}
-
-
-def device_plan(
-    traced: TracedShare, share: DeviceShare, eval_share: DeviceShare, offloaded: bool = False
-) -> DevicePlan:
-    """`share`'s device at the highest of its traced moments' peaks, each in the plan's
-    categories, shared out, with what the strategy adds at that moment (`share.running_bytes`
-    while a block runs, `share.loss_bytes` while the loss does); and its evaluation's peak
-    (`eval_share`'s). `offloaded` (parallel.offload=cpu): its share of the state is in host
-    memory, at the most it holds. Its work: the traced share's, its FLOPs and bytes cut to
-    `share.flops_kept`, and of its ops those on DTensors (`share.dtensor_parameters` of the
-    optimizer's, `share.dtensor_layers` in each pass)."""
-    added = {
-        RUNNING: share.running_bytes,
-        LOSS: share.loss_bytes,
-        STEPPING: unsplit_step_bytes(traced.whole_step_bytes, share),
-    }
-    devices = []
-    for phase, peak in traced.peaks.items():
-        # Between syncs (micro-steps before the last, and the last one's until it reduces)
-        unsynced = share.unsynced_gradients_whole and traced.micro_steps > 1 and phase != STEPPING
-        device = in_categories(peak, share)
-        devices.append(shared_out(device, share, added.get(phase, {}), unsynced, offloaded))
-    device = max(devices, key=lambda device: device.peak)
-    device.host = max(device.host for device in devices)
-    # A share computing part of each layer (share.flops_kept) does that part of its work.
-    work, kept = traced.work, share.flops_kept
-    device.flops_by_size = {size: flops * kept for size, flops in work.flops_by_size.items()}
-    device.moved_bytes, device.ops = work.moved_bytes * kept, work.ops
-    device.dtensor_ops = traced.optimizer_ops * share.dtensor_parameters
-    device.dtensor_layers = share.dtensor_layers * share.parts * traced.micro_steps  # passes
-    device.evaluation = evaluation_peak(traced.evaluation, eval_share, offloaded)
-    return device
-
-
-def unsplit_step_bytes(whole: int, share: DeviceShare) -> dict[str, int]:
-    """The optimizer's step temporaries that stay whole (`TracedShare.whole_step_bytes`) less
-    what `shared_out` leaves of them, splitting them with the state: what it takes off, put
-    back (nothing where a replica does not step)."""
-    if share.replica_only:
-        return {}
-    return {"optimizer": whole - int(whole * share.state_kept) // share.state_shards}
-
-
-def evaluation_peak(
-    peaks: dict[Any, dict[Any, int]], share: DeviceShare, offloaded: bool = False
-) -> int:
-    """The highest of a traced evaluation's moments' peaks (by MemTracker's categories) shared
-    out as `share`'s device, each with what the strategy holds at that moment
-    (`forward_added`)."""
-    return max(
-        shared_out(
-            in_categories(peak, share), share, forward_added(share, moment), False, offloaded
-        ).peak
-        for moment, peak in peaks.items()
-    )
-
-
-def forward_added(share: DeviceShare, moment: Any) -> dict[str, int]:
-    """What `share`'s strategy adds at a `moment` of a forward pass alone: while the loss runs
-    `share.loss_bytes`; as a block is entered or runs (`(ENTERING | RUNNING, index)`)
-    `share.forward_bytes` and FSDP's units gathered then (`share.gathered_forward`)."""
-    if moment == LOSS:
-        return share.loss_bytes
-    if moment == STEPPING:
-        return {}
-    gathered = share.gathered_forward
-    if moment == RUNNING:  # a trace without blocks' moments (`phase_peaks`): the most at any
-        held = max((max(pair) for pair in gathered), default=0)
-    else:
-        phase, block = moment
-        held = gathered[block][phase == RUNNING] if gathered else 0  # (entering, running)
-    return {**share.forward_bytes, "parameters": share.forward_bytes.get("parameters", 0) + held}
-
-
-def in_categories(peak: dict[Any, int], share: DeviceShare) -> DevicePlan:
-    """A traced peak (by MemTracker's categories) as `share`'s device, in the plan's; a share
-    traced in `share.computes_in` has its state counted in fp32, as it is held."""
-    device = DevicePlan(share.label, share.devices)
-    state_scale = 4 // share.computes_in.itemsize if share.computes_in else 1
-    for kind, size in peak.items():
-        if kind in TRACKED_AS:
-            name = TRACKED_AS[kind]
-            scale = 1 if name == "activations" else state_scale
-            setattr(device, name, getattr(device, name) + size * scale)
-    return device
-
-
-def shared_out(
-    device: DevicePlan,
-    share: DeviceShare,
-    added: dict[str, int],
-    whole_gradients: bool = False,
-    offloaded: bool = False,
-) -> DevicePlan:
-    """`device` with its parameters, gradients and optimizer state cut to `share.state_kept`
-    and split `share.state_shards` ways (its gradients not, if `whole_gradients`; moved to
-    `host` if `offloaded`), its activations cut to `share.activations_kept`, plus what the
-    strategy adds on top (`share.extra_bytes`, and `added` at this moment: FSDP's gathered
-    units stay on the device when the shards are offloaded)."""
-    state = ("parameters", "gradients", "optimizer")
-    split = {
-        name: int(getattr(device, name) * share.state_kept) // share.state_shards for name in state
-    }
-    if whole_gradients:
-        split["gradients"] = int(device.gradients * share.state_kept)
-    split["activations"] = int(device.activations * share.activations_kept)
-    if share.replica_only:
-        split.update(gradients=0, optimizer=0)
-    if offloaded:
-        split.update(host=sum(split[name] for name in state), **dict.fromkeys(state, 0))
-    device = dataclasses.replace(device, **split)
-    for name, size in [*share.extra_bytes.items(), *added.items()]:
-        setattr(device, name, getattr(device, name) + size)
-    return device
 
 
 def stage_inputs(model: nn.Module, start: int, samples: int, sample_inputs: torch.Tensor) -> Any:

@@ -19,7 +19,8 @@ plan`). What it does not see: allocator caching and fragmentation, CUDA/NCCL wor
 threads (dp's replicas run one after the other in the trace).
 
 This module plans each candidate strategy and chooses among them; `plans.py` holds what a plan
-is, `memory_trace.py` traces a device's share, `step_time.py` predicts the step's time.
+is, `memory_trace.py` traces a device's share, `device_memory.py` makes its peaks the device's
+memory, `step_time.py` predicts the step's time.
 """
 
 from __future__ import annotations
@@ -36,17 +37,17 @@ from omegaconf import DictConfig, OmegaConf
 from src.components.data import Data, build_data
 from src.components.model_contract import settle_model_settings
 from src.components.optimizer import settle_optimizer_settings
-from src.config.base import ConfigError, check_given, typed
+from src.config.base import ConfigError
+from src.config.job import JobConfig, job_config
 from src.config.parallel import AUTO, Offload, at_least_one
 from src.config.plan import PlanConfig
-from src.config.trainer import Accelerator, TrainerConfig
+from src.config.trainer import Accelerator
 from src.parallel import build_strategy
 from src.parallel.base import resolve_device_type, usable_cores
 from src.parallel.shares import ModelSizes
+from src.planning.device_memory import TracedShare, device_plan
 from src.planning.memory_trace import (
-    TracedShare,
     check_traceable,
-    device_plan,
     meta_model_and_inputs,
     model_sizes,
     share_key,
@@ -64,9 +65,9 @@ STRATEGIES = sorted(
 )
 
 
-def check_plan_settings(plan: DictConfig) -> None:
-    """Refuse plan settings that cannot work, in one line, before any tracing."""
-    typed(PlanConfig, plan)  # its ranges
+def check_plan_settings(plan: PlanConfig) -> None:
+    """Refuse plan settings that cannot work, in one line, before any tracing (their ranges:
+    `job_config`'s)."""
     unknown = [name for name in plan.strategies or [] if name not in STRATEGIES]
     if unknown:
         raise ConfigError(
@@ -74,19 +75,20 @@ def check_plan_settings(plan: DictConfig) -> None:
         )
 
 
-def candidate_parallels(cfg: DictConfig, every: bool = False) -> list[DictConfig]:
+def candidate_parallels(cfg: DictConfig | JobConfig, every: bool = False) -> list[DictConfig]:
     """The `parallel` configs to plan: `plan.strategies` (default: every one for parallel=auto
     or `every`, else the configured one) at `plan.devices` (default: `parallel.devices`). A
     strategy other than the configured one comes with its own option's settings
     (conf/parallel/<name>.yaml), composed through Hydra, which must be initialized (it is inside
-    train.py and plan.py)."""
-    check_given(cfg)
-    check_plan_settings(cfg.plan)
+    train.py and plan.py). `cfg`: composed, or typed already."""
+    job = job_config(cfg)
+    cfg, plan = job.cfg, job.plan
+    check_plan_settings(plan)
     every = every or cfg.parallel.name == AUTO
-    names = list(cfg.plan.strategies or (STRATEGIES if every else [cfg.parallel.name]))
-    if not cfg.plan.devices:  # plan.devices' own counts are PlanConfig's to check
+    names = list(plan.strategies or (STRATEGIES if every else [cfg.parallel.name]))
+    if not plan.devices:  # plan.devices' own counts are PlanConfig's to check
         at_least_one(cfg.parallel, "devices")
-    counts = list(cfg.plan.devices or [cfg.parallel.devices])
+    counts = list(plan.devices or [cfg.parallel.devices])
     candidates = []
     for name in names:
         base = cfg.parallel if name == cfg.parallel.name else parallel_option(name)
@@ -99,12 +101,15 @@ def parallel_option(name: str) -> DictConfig:
     return hydra.compose(config_name="config", overrides=[f"parallel={name}"]).parallel
 
 
-def resolve_auto(cfg: DictConfig) -> DictConfig:
-    """For parallel=auto, `cfg` with the chosen strategy's `parallel` settings (why it was
-    chosen in `parallel.chosen_by`, and logged); any other config as it is."""
+def resolve_auto(cfg: DictConfig | JobConfig) -> DictConfig:
+    """For parallel=auto, the composed config with the chosen strategy's `parallel` settings
+    (why it was chosen in `parallel.chosen_by`, and logged); any other config as it is.
+    `cfg`: composed, or typed already."""
+    job = job_config(cfg)
+    cfg = job.cfg
     if cfg.parallel.name != AUTO:
         return cfg
-    best, why = choose(plan_all(cfg, candidate_parallels(cfg)))
+    best, why = choose(plan_all(job, candidate_parallels(job)))
     reason = f"parallel=auto chose {best.strategy} on {best.devices} device(s): {why}"
     log.info(reason)
     resolved = copy.deepcopy(cfg)
@@ -113,7 +118,7 @@ def resolve_auto(cfg: DictConfig) -> DictConfig:
 
 
 def plan_all(
-    cfg: DictConfig,
+    cfg: DictConfig | JobConfig,
     parallels: Sequence[DictConfig],
     progress: Callable[[str], None] | None = None,
     speed: DeviceSpeed | None = None,
@@ -121,7 +126,10 @@ def plan_all(
     """A `Plan` for each of `parallels` (a `parallel` config each) with the rest of `cfg`;
     `progress` is told of each one as it is done; `speed` is the devices' (default:
     `measured_speed`). Devices whose share of a step is the same
-    (ddp's and fsdp's replicas at one device count, say) are traced once."""
+    (ddp's and fsdp's replicas at one device count, say) are traced once. `cfg`: composed, or
+    typed already."""
+    job = job_config(cfg)
+    cfg = job.cfg
     settle_model_settings(cfg)
     settle_optimizer_settings(cfg)
     data = build_data(cfg.data, cfg.seed)
@@ -130,7 +138,7 @@ def plan_all(
     plans = []
     started = time.perf_counter()
     for index, parallel in enumerate(parallels, 1):
-        plans.append(plan_one(cfg, parallel, data, sizes, traces, speed))
+        plans.append(plan_one(job, parallel, data, sizes, traces, speed))
         if progress:
             progress(
                 f"planned {parallel.name} on {parallel.devices} device(s) "
@@ -140,7 +148,7 @@ def plan_all(
 
 
 def plan_one(
-    cfg: DictConfig,
+    job: JobConfig,
     parallel: DictConfig,
     data: Data,
     sizes: ModelSizes,
@@ -149,7 +157,7 @@ def plan_one(
 ) -> Plan:
     """`parallel`'s plan; `traces` holds the shares traced so far, by `share_key`."""
     plan = Plan(parallel.name, parallel.devices, parallel)
-    trainer = cfg.trainer
+    cfg, trainer = job.cfg, job.trainer
     traces = {} if traces is None else traces
     micro_batch = trainer.batch_size // trainer.accumulate
     try:
@@ -163,12 +171,12 @@ def plan_one(
     except ConfigError as error:
         plan.problem = str(error)
         return plan
-    eval_batch = min(typed(TrainerConfig, trainer).eval_batch, len(data.val))  # the largest
+    eval_batch = min(trainer.eval_batch, len(data.val))  # the largest
     eval_shares = strategy.device_shares(sizes, eval_batch)
     for share, eval_share in zip(shares, eval_shares, strict=True):
         key = (share_key(share), share_key(eval_share))
         if key not in traces:
-            traces[key] = trace_share(cfg, data, share, eval_share)
+            traces[key] = trace_share(job, data, share, eval_share)
         offloaded = parallel.get("offload") == Offload.cpu
         plan.device_plans.append(device_plan(traces[key], share, eval_share, offloaded))
     plan.traffic = strategy.step_traffic(sizes, micro_batch, trainer.accumulate)

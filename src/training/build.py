@@ -23,7 +23,8 @@ from src.checkpoint.store import is_sharded, load_checkpoint, resume_path
 from src.components.blocks import prepare_blocks
 from src.components.data import Data, build_data, first_samples
 from src.components.model_contract import build_model as build_model_of
-from src.config.base import typed
+from src.components.state_dicts import tied_keys
+from src.config.job import JobConfig, job_config
 from src.config.trainer import TrainerConfig
 from src.parallel.base import Strategy
 from src.runtime.progress import PhaseProgress, show_progress_every, size_text
@@ -45,8 +46,22 @@ class Blueprint:
     init_from: Path | None  # weights to start from, when there is no checkpoint to resume
 
 
+def model_description(blueprint: Blueprint) -> dict[str, Any]:
+    """What an export needs to rebuild the model besides its config (src/checkpoint/export.py),
+    kept in each checkpoint's train state."""
+    data, model = blueprint.data, blueprint.meta_model
+    return {
+        "model_args": {"input_shape": list(data.input_shape), "num_classes": data.num_classes},
+        "tied_keys": tied_keys(model),
+        # The weight average's parameter indices name these (`export.averaged_weights`).
+        "parameter_keys": [name for name, _ in model.named_parameters()],
+        # A sharded checkpoint's tensors read back in the order its ranks wrote them.
+        "state_dict_keys": list(model.state_dict()),
+    }
+
+
 def build_blueprint(
-    cfg: DictConfig, run_dir: Path, strategy: Strategy, checked: Path | None = None
+    job: JobConfig, run_dir: Path, strategy: Strategy, checked: Path | None = None
 ) -> Blueprint:
     """Build data, task and model (on the meta device: no memory, no compute) and check them:
     whatever their builders reject fails here, as does a model output the task cannot take, a
@@ -54,39 +69,44 @@ def build_blueprint(
     checkpoint to resume or weights to start from (trainer.init_from) that do not fit.
     `checked`: the checkpoint to resume from as the launcher found it, files checksummed: a rank
     neither looks for it nor reads its checksums again."""
-    data, task, model = build_checked_parts(cfg, strategy)
-    checkpoint = checked or resume_path(cfg.trainer.resume, run_dir, announce=True)
+    trainer = job.trainer
+    data, task, model = build_checked_parts(job, strategy)
+    checkpoint = checked or resume_path(trainer.resume, run_dir, announce=True)
     saved = load_checkpoint(checkpoint, mmap=True) if checkpoint is not None else None
     if saved is not None:
-        check_resumable(saved, checkpoint, model, cfg)
+        check_resumable(saved, checkpoint, model, job)
     # A resumed fine-tune continues from its checkpoint: trainer.init_from only starts a run.
     init_from = None
-    if checkpoint is None and cfg.trainer.init_from is not None:
-        init_from = init_from_path(cfg.trainer.init_from)
-        check_init_weights(model, init_from, cfg.trainer.init_strict)
+    if checkpoint is None and trainer.init_from is not None:
+        init_from = init_from_path(trainer.init_from)
+        check_init_weights(model, init_from, trainer.init_strict)
     return Blueprint(data, task, model, checkpoint, saved, init_from)
 
 
-def build_checked_parts(cfg: DictConfig, strategy: Strategy) -> tuple[Data, Any, nn.Module]:
+def build_checked_parts(job: JobConfig, strategy: Strategy) -> tuple[Data, Any, nn.Module]:
     """Data, task and the model on the meta device, checked against each other and the
     strategy. From here on, this process's long phases show progress as trainer.progress_every_s
     says."""
-    show_progress_every(cfg.trainer.progress_every_s)
+    cfg = job.cfg
+    show_progress_every(job.trainer.progress_every_s)
     with blame("data"):
         data = build_data(cfg.data, cfg.seed)
-    check_data(cfg, data, strategy.data_shards)
+    check_data(job, data, strategy.data_shards)
     with blame("task"):
         task = instantiate(cfg.task)
     model = build_model(cfg, data, torch.device("meta"))
-    check_model(cfg, strategy, model, task, data)
+    check_model(job, strategy, model, task, data)
     return data, task, model
 
 
-def check_config(cfg: DictConfig, run_dir: Path, ranks: Ranks | None = None) -> Strategy:
+def check_config(
+    cfg: DictConfig | JobConfig, run_dir: Path, ranks: Ranks | None = None
+) -> Strategy:
     """Every check that needs no process or device work (the launcher's, before it starts any
-    rank); returns the unstarted strategy."""
-    strategy = check_settings(cfg, ranks)
-    build_blueprint(cfg, run_dir, strategy)
+    rank), of a composed config or a typed one; returns the unstarted strategy."""
+    job = job_config(cfg)
+    strategy = check_settings(job, ranks)
+    build_blueprint(job, run_dir, strategy)
     return strategy
 
 
@@ -96,7 +116,7 @@ def build_model(cfg: DictConfig, data: Data, device: torch.device | None = None)
         return build_model_of(cfg.model, data.input_shape, data.num_classes)
 
 
-def set_numerics(trainer: DictConfig, device_type: str) -> str:
+def set_numerics(trainer: TrainerConfig, device_type: str) -> str:
     """This process's math settings for the run; returns the float32 matmul precision in use.
 
     Set on every run, not left as found: the jobs of a multirun share one process."""
@@ -130,7 +150,7 @@ def size_lazy_modules(model: nn.Module, data: Data) -> None:
 
 
 def build_wrapped_model(
-    cfg: DictConfig,
+    job: JobConfig,
     strategy: Strategy,
     data: Data,
     state: dict[str, Any] | None,
@@ -140,15 +160,14 @@ def build_wrapped_model(
     a full checkpoint's `state` if given, or else of `init_from` (trainer.init_from's), prepared
     per block and wrapped by the strategy. (A sharded checkpoint is loaded into the wrapped
     model: `strategy.load_sharded`.)"""
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg, data)
+    trainer = job.trainer
+    torch.manual_seed(job.cfg.seed)
+    model = build_model(job.cfg, data)
     size_lazy_modules(model, data)
     if state is not None:
         load_showing_progress(model, state["model"])
     if init_from is not None:
-        strict = cfg.trainer.init_strict
-        load_init_weights(model, init_from, strict, announce=strategy.is_main)
-    trainer = typed(TrainerConfig, cfg.trainer)
+        load_init_weights(model, init_from, trainer.init_strict, announce=strategy.is_main)
     prepare_blocks(model, trainer.activation_checkpointing, trainer.compile, trainer.checkpoint_ops)
     return strategy.wrap(model)
 

@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 from hydra.errors import InstantiationException
-from omegaconf import DictConfig
 from torch import nn
 
 from src.checkpoint.writer import resolved_format
@@ -23,7 +22,8 @@ from src.components.data import Data, Stream, meta_samples
 from src.components.model_contract import settle_model_settings
 from src.components.optimizer import block_matrices, build_optimizer, settle_optimizer_settings
 from src.components.schedules import lr_schedule
-from src.config.base import ConfigError, check_given, first_line, typed
+from src.config.base import ConfigError, first_line
+from src.config.job import JobConfig
 from src.config.parallel import Offload
 from src.config.trainer import Recomputation, TrainerConfig
 from src.observe.tracking import check_tracker
@@ -34,14 +34,13 @@ from src.runtime.ranks import Ranks
 log = logging.getLogger(__name__)
 
 
-def check_settings(cfg: DictConfig, ranks: Ranks | None) -> Strategy:
-    """The checks of the settings themselves (no data, no model); returns the unstarted
-    strategy. `ranks`: the ranks torchrun or srun started, this process among them, if any."""
-    check_given(cfg)
+def check_settings(job: JobConfig, ranks: Ranks | None) -> Strategy:
+    """The checks of the settings themselves (no data, no model), beyond each one's range
+    (`job_config`'s); returns the unstarted strategy. `ranks`: the ranks torchrun or srun
+    started, this process among them, if any."""
+    cfg, trainer = job.cfg, job.trainer
     settle_model_settings(cfg)
     settle_optimizer_settings(cfg)
-    trainer = cfg.trainer
-    settings = typed(TrainerConfig, trainer)  # its ranges
     device_type = resolve_device_type(trainer.accelerator)
     if (
         trainer.precision == "bf16"
@@ -50,7 +49,7 @@ def check_settings(cfg: DictConfig, ranks: Ranks | None) -> Strategy:
         and not torch.cuda.is_bf16_supported(including_emulation=False)
     ):
         raise ConfigError("trainer.precision=bf16 but this GPU has no bf16 support; use fp32")
-    recomputation = settings.activation_checkpointing
+    recomputation = trainer.activation_checkpointing
     if recomputation != Recomputation.none and cfg.parallel.get("deferred_batchnorm"):
         raise ConfigError(
             "parallel.deferred_batchnorm=true cannot run with trainer.activation_checkpointing="
@@ -58,7 +57,7 @@ def check_settings(cfg: DictConfig, ranks: Ranks | None) -> Strategy:
             "again; set deferred_batchnorm=false or activation_checkpointing=none"
         )
     if recomputation == Recomputation.selective:
-        saved_ops(settings.checkpoint_ops)
+        saved_ops(trainer.checkpoint_ops)
     strategy = build_strategy(cfg.parallel, device_type, trainer.precision, ranks)
     if cfg.parallel.get("offload") == Offload.cpu and device_type != "cuda":
         # Refused, not ignored: on the CPU the shards are in host memory already, and a run that
@@ -75,21 +74,22 @@ def check_settings(cfg: DictConfig, ranks: Ranks | None) -> Strategy:
     return strategy
 
 
-def check_data(cfg: DictConfig, data: Data, data_shards: int) -> None:
+def check_data(job: JobConfig, data: Data, data_shards: int) -> None:
+    trainer = job.trainer
     if isinstance(data.train, Stream):
         with blame("data"):
             data.train.check_shards(data_shards)
-    elif len(data.train) < cfg.trainer.batch_size:
+    elif len(data.train) < trainer.batch_size:
         raise ConfigError(
-            f"trainer.batch_size={cfg.trainer.batch_size} is more than the {len(data.train)} "
+            f"trainer.batch_size={trainer.batch_size} is more than the {len(data.train)} "
             "training samples; lower trainer.batch_size or use more data"
         )
-    if cfg.trainer.test and data.test is None:
+    if trainer.test and data.test is None:
         raise ConfigError(
             "trainer.test=true scores the test split, but data.test_fraction=0 leaves none; set "
             "trainer.test=false, or data.test_fraction above 0"
         )
-    if cfg.data.augment and len(data.input_shape) != 3:
+    if job.cfg.data.augment and len(data.input_shape) != 3:
         raise ConfigError(
             f"data.augment=true crops and flips images (channels, height, width), but this "
             f"set's inputs are shaped {data.input_shape}; set data.augment=false"
@@ -97,13 +97,14 @@ def check_data(cfg: DictConfig, data: Data, data_shards: int) -> None:
 
 
 def check_model(
-    cfg: DictConfig, strategy: Strategy, model: nn.Module, task: Any, data: Data
+    job: JobConfig, strategy: Strategy, model: nn.Module, task: Any, data: Data
 ) -> None:
     """`model` (on the meta device) gives outputs the task takes, has something to train, can be
     placed by `strategy`, and its optimizer and schedule can be built."""
+    cfg = job.cfg
     inputs, targets = meta_batch(data)
     figures = check_model_output(model, task, inputs, targets, data.num_classes, cfg.model._target_)
-    check_monitor(cfg.trainer.monitor, figures, cfg.task._target_)
+    check_monitor(job.trainer.monitor, figures, cfg.task._target_)
     if not any(parameter.requires_grad for parameter in model.parameters()):
         raise ConfigError(
             f"model: {cfg.model._target_} has no trainable parameters (none requires a "
@@ -112,7 +113,7 @@ def check_model(
     strategy.check_model(model, inputs)
     with blame("optimizer"):
         build_optimizer(cfg.optimizer, model.parameters(), block_matrices(model))
-        lr_schedule(cfg.optimizer, cfg.trainer.max_steps)
+        lr_schedule(cfg.optimizer, job.trainer.max_steps)
 
 
 def meta_batch(data: Data) -> tuple[Tree, Tree]:
@@ -188,7 +189,7 @@ def check_monitor(monitor: str | None, figures: list[str] | None, task: str) -> 
         )
 
 
-def check_checkpoint_format(trainer: DictConfig, strategy: Strategy) -> None:
+def check_checkpoint_format(trainer: TrainerConfig, strategy: Strategy) -> None:
     checkpoint_format = resolved_format(trainer.checkpoint_format, strategy)
     if checkpoint_format == "sharded" and not strategy.sharded_checkpoints:
         raise ConfigError(

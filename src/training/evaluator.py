@@ -23,8 +23,8 @@ from src.components.batch_order import ValBatches
 from src.components.data import Data, Split
 from src.components.precision import autocast
 from src.components.state_dicts import check_weights_fit
-from src.config.base import ConfigError, plain_config, typed
-from src.config.trainer import TrainerConfig
+from src.config.base import ConfigError, plain_config
+from src.config.job import JobConfig
 from src.observe.tracking import build_tracker, tracking_group
 from src.parallel.base import Strategy
 from src.runtime.files import json_text
@@ -64,21 +64,21 @@ def as_evaluated(cfg: DictConfig) -> None:
         )
 
 
-def eval_blueprint(cfg: DictConfig, strategy: Strategy) -> Blueprint:
+def eval_blueprint(job: JobConfig, strategy: Strategy) -> Blueprint:
     """Data, task and the model on the meta device, checked as for training, with the split to
     evaluate and the checkpoint, which must hold this model."""
-    data, task, model = build_checked_parts(cfg, strategy)
-    named_split(data, cfg.split)
-    return checkpoint_blueprint(cfg, data, task, model, "evaluate")
+    data, task, model = build_checked_parts(job, strategy)
+    named_split(data, job.cfg.split)
+    return checkpoint_blueprint(job, data, task, model, "evaluate")
 
 
 def checkpoint_blueprint(
-    cfg: DictConfig, data: Data, task: Any, model: nn.Module, use: str
+    job: JobConfig, data: Data, task: Any, model: nn.Module, use: str
 ) -> Blueprint:
-    """The blueprint of the checkpoint (or exported weights file) cfg.ckpt_path, checked to hold
+    """The blueprint of the checkpoint (or exported weights file) `ckpt_path`, checked to hold
     `model` (on the meta device) and, under trainer.ema_eval, a weight average; `use`: what the
     command does with it, for the remedy."""
-    checkpoint = Path(cfg.ckpt_path)
+    checkpoint = Path(job.cfg.ckpt_path)
     if checkpoint.is_file():  # an exported weights file: the model's tensors, no step
         saved = {"model": load_weights(checkpoint), "step": None}
         remedy = "give the model (and data=...) it was trained with"
@@ -88,7 +88,7 @@ def checkpoint_blueprint(
         check_same_model(
             saved, checkpoint, model, "ckpt_path", f"{use} it with the run's model settings"
         )
-    if cfg.trainer.ema_eval and not holds_average(saved):
+    if job.trainer.ema_eval and not holds_average(saved):
         raise ConfigError(
             f"trainer.ema_eval=true but ckpt_path {checkpoint} holds no weight average (its run "
             "had trainer.ema_decay=null, or it is an exported file); set trainer.ema_eval=false"
@@ -108,15 +108,16 @@ def named_split(data: Data, name: str) -> Split | Dataset:
 
 
 def evaluate_checkpoint(
-    cfg: DictConfig, eval_dir: Path, strategy: Strategy, blueprint: Blueprint | None = None
+    job: JobConfig, eval_dir: Path, strategy: Strategy, blueprint: Blueprint | None = None
 ) -> dict[str, Any]:
-    """Evaluate `cfg.ckpt_path` on `cfg.split` in this process (one of several, for
-    multi-process strategies); the figures, also in eval.json. `blueprint`: the up-front build
+    """Evaluate `ckpt_path` on `split` in this process (one of several, for multi-process
+    strategies); the figures, also in eval.json. `blueprint`: the up-front build
     (`eval_blueprint`), if done already."""
-    blueprint = blueprint or eval_blueprint(cfg, strategy)
+    cfg = job.cfg
+    blueprint = blueprint or eval_blueprint(job, strategy)
     strategy.setup()
     try:
-        figures, samples = evaluate_split(cfg, eval_dir, strategy, blueprint)
+        figures, samples = evaluate_split(job, eval_dir, strategy, blueprint)
     finally:
         strategy.teardown()
     results = {
@@ -143,12 +144,12 @@ def evaluate_checkpoint(
 
 
 def evaluate_split(
-    cfg: DictConfig, eval_dir: Path, strategy: Strategy, blueprint: Blueprint
+    job: JobConfig, eval_dir: Path, strategy: Strategy, blueprint: Blueprint
 ) -> tuple[dict[str, float], int]:
     """The task's figures over the split (all processes together), and its number of samples;
     with `predict`, the outputs written too."""
-    settings = typed(TrainerConfig, cfg.trainer)
-    model = restored_model(cfg, strategy, blueprint)
+    cfg, settings = job.cfg, job.trainer
+    model = restored_model(job, strategy, blueprint)
     split = named_split(blueprint.data, cfg.split)
     batches = ValBatches(
         split,
@@ -167,16 +168,16 @@ def evaluate_split(
     return figures, len(split)
 
 
-def restored_model(cfg: DictConfig, strategy: Strategy, blueprint: Blueprint) -> nn.Module:
+def restored_model(job: JobConfig, strategy: Strategy, blueprint: Blueprint) -> nn.Module:
     """The checkpoint's model, wrapped by the (set up) `strategy`, whatever layout saved it;
     holding the checkpoint's weight average under trainer.ema_eval."""
-    set_numerics(cfg.trainer, strategy.device_type)
+    set_numerics(job.trainer, strategy.device_type)
     state, in_shards = checkpoint_to_load(blueprint, strategy)
-    model = build_wrapped_model(cfg, strategy, blueprint.data, None if in_shards else state)
+    model = build_wrapped_model(job, strategy, blueprint.data, None if in_shards else state)
     if in_shards:
         strategy.load_sharded(model, None, str(blueprint.checkpoint))
-    if cfg.trainer.ema_eval:
-        ema = EMA(typed(TrainerConfig, cfg.trainer), strategy.trained_parameters(model))
+    if job.trainer.ema_eval:
+        ema = EMA(job.trainer, strategy.trained_parameters(model))
         ema.load(strategy, model, state, blueprint.checkpoint, in_shards)
         ema.averaged.swap()  # the model keeps the average: nothing swaps it back
     return model

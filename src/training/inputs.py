@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 
 from src.components.batch_order import Loading, ValBatches, loading_for, train_batches
 from src.components.data import Data
-from src.config.trainer import TrainerConfig
+from src.config.job import JobConfig
 from src.parallel.base import Strategy, usable_cores
 from src.training.step import TimedBatches
 
@@ -18,8 +18,7 @@ log = logging.getLogger(__name__)
 
 
 def input_batches(
-    cfg: DictConfig,
-    trainer: TrainerConfig,
+    job: JobConfig,
     strategy: Strategy,
     data: Data,
     start_step: int,
@@ -27,6 +26,7 @@ def input_batches(
 ) -> tuple[TimedBatches, ValBatches, ValBatches | None]:
     """This process's training batches from `start_step` on (a stream's from `position`, its
     checkpoint's), and its validation and test batches (None without a test split)."""
+    cfg, trainer = job.cfg, job.trainer
     loading = input_loading(cfg, strategy)
     train = train_batches(
         data.train,

@@ -15,13 +15,16 @@ from torch import nn
 from src.components.optimizer import block_matrices, grouped
 from src.components.schedules import lr_schedule, schedule_length
 from src.config.base import ConfigError
+from src.config.job import JobConfig
 from src.config.optimizer import SCHEDULES
+from src.config.trainer import TrainerConfig
 
 log = logging.getLogger(__name__)
 
 
-def check_resumable(state: dict[str, Any], path: Path, model: nn.Module, cfg: DictConfig) -> None:
+def check_resumable(state: dict[str, Any], path: Path, model: nn.Module, job: JobConfig) -> None:
     """The checkpoint fits this run: same parameter shapes, same optimizer, steps left to do."""
+    cfg, max_steps = job.cfg, job.trainer.max_steps
     saved = state["config"]
     check_same_model(
         state, path, model, "trainer.resume", "resume with those settings, or start a new run"
@@ -33,12 +36,12 @@ def check_resumable(state: dict[str, Any], path: Path, model: nn.Module, cfg: Di
             f"({trained['_target_']}); resume with the same optimizer, or start a new run"
         )
     check_same_groups(state, path, model, cfg)
-    if state["step"] >= cfg.trainer.max_steps and not finished(state, cfg):
+    if state["step"] >= max_steps and not finished(state, job.trainer):
         raise ConfigError(
             f"trainer.resume: {path} is at step {state['step']} and trainer.max_steps="
-            f"{cfg.trainer.max_steps}, so there is nothing left to train; raise trainer.max_steps"
+            f"{max_steps}, so there is nothing left to train; raise trainer.max_steps"
         )
-    check_schedule_kept(state, path, cfg)
+    check_schedule_kept(state, path, cfg.optimizer, max_steps)
 
 
 def check_same_groups(state: dict[str, Any], path: Path, model: nn.Module, cfg: DictConfig) -> None:
@@ -81,28 +84,30 @@ def check_same_model(
         )
 
 
-def check_schedule_kept(state: dict[str, Any], path: Path, cfg: DictConfig) -> None:
+def check_schedule_kept(
+    state: dict[str, Any], path: Path, optimizer: DictConfig, max_steps: int
+) -> None:
     """A schedule decays over trainer.max_steps unless optimizer.schedule_steps says
     otherwise; resuming with another max_steps would quietly stretch or shrink it, and the
     learning rate would jump. That takes optimizer.schedule_steps, set either way."""
     saved = state["config"]
     saved_length = schedule_length(saved["optimizer"], saved["trainer"]["max_steps"])
-    length = schedule_length(cfg.optimizer, cfg.trainer.max_steps)
-    if cfg.optimizer.schedule_steps is not None or length == saved_length:
+    length = schedule_length(optimizer, max_steps)
+    if optimizer.schedule_steps is not None or length == saved_length:
         return
-    if cfg.optimizer.schedule not in SCHEDULES:  # a scheduler class's curve has its own length
+    if optimizer.schedule not in SCHEDULES:  # a scheduler class's curve has its own length
         return
-    kept, stretched = lr_schedule(cfg.optimizer, saved_length), lr_schedule(cfg.optimizer, length)
+    kept, stretched = lr_schedule(optimizer, saved_length), lr_schedule(optimizer, length)
     changed = (
         step
-        for step in range(state["step"], cfg.trainer.max_steps)
+        for step in range(state["step"], max_steps)
         if not math.isclose(kept(step), stretched(step), rel_tol=1e-9)
     )
     step = next(changed, None)
     if step is not None:
         raise ConfigError(
-            f"trainer.resume: {path} was trained with a {cfg.optimizer.schedule} schedule over "
-            f"{saved_length} steps; trainer.max_steps={cfg.trainer.max_steps} would rescale it to "
+            f"trainer.resume: {path} was trained with a {optimizer.schedule} schedule over "
+            f"{saved_length} steps; trainer.max_steps={max_steps} would rescale it to "
             f"{length} steps, changing the learning rate from step {step + 1} on "
             f"({stretched(step):.3g} instead of {kept(step):.3g}). Set optimizer.schedule_steps="
             f"{saved_length} to keep the schedule (later steps keep its final rate), or "
@@ -116,17 +121,17 @@ def saved_lr(state: dict[str, Any]) -> Callable[[int], float]:
     return lr_schedule(OmegaConf.create(saved["optimizer"]), saved["trainer"]["max_steps"])
 
 
-def finished(state: dict[str, Any], cfg: DictConfig) -> bool:
+def finished(state: dict[str, Any], trainer: TrainerConfig) -> bool:
     """With trainer.resume=auto, the checkpoint of a run that trained all its steps or stopped
     early (killed, say, after writing it): a requeued job then ends at once, successfully."""
-    done = state["step"] == cfg.trainer.max_steps or state.get("stopped_early", False)
-    return cfg.trainer.resume == "auto" and done
+    done = state["step"] == trainer.max_steps or state.get("stopped_early", False)
+    return trainer.resume == "auto" and done
 
 
-def log_resumed_schedule(cfg: DictConfig, state: dict[str, Any], checkpoint: Path) -> None:
+def log_resumed_schedule(job: JobConfig, state: dict[str, Any], checkpoint: Path) -> None:
     """Where the run resumes, and its learning rate; a schedule that changed is a warning."""
     step = state["step"]
-    lr = lr_schedule(cfg.optimizer, cfg.trainer.max_steps)(step)
+    lr = lr_schedule(job.cfg.optimizer, job.trainer.max_steps)(step)
     log.info("resuming from %s at step %d, learning rate %.3g", checkpoint, step, lr)
     planned = saved_lr(state)(step)
     if not math.isclose(lr, planned, rel_tol=1e-9):

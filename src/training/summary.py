@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
+from src.config.job import JobConfig
+from src.config.trainer import TrainerConfig
 from src.observe.performance import device_peak_tflops, throughput_figures
 from src.parallel.base import Strategy, usable_cores
 from src.runtime.files import json_text
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 def finish_finished_run(
-    cfg: DictConfig,
+    job: JobConfig,
     run_dir: Path,
     strategy: Strategy,
     checkpoint: Path,
@@ -39,7 +40,7 @@ def finish_finished_run(
         "%s is at step %d of trainer.max_steps=%d%s: this run is complete, nothing to do",
         checkpoint,
         state["step"],
-        cfg.trainer.max_steps,
+        job.trainer.max_steps,
         " (stopped early)" if state.get("stopped_early") else "",
     )
     if path.exists() or (ranks is not None and ranks.rank != 0):
@@ -53,9 +54,9 @@ def finish_finished_run(
 
     summary = {
         "strategy": strategy.name,
-        "devices": cfg.parallel.devices,
+        "devices": job.cfg.parallel.devices,
         "world_size": strategy.data_shards,
-        "global_batch": cfg.trainer.batch_size,
+        "global_batch": job.trainer.batch_size,
         "steps": state["step"],
         "final_train_loss": last("train/loss"),
         "final_train_accuracy": last("train/accuracy"),
@@ -101,7 +102,7 @@ def format_summary(summary: dict[str, Any], run_dir: Path) -> str:
 
 
 def speed_figures(
-    trainer: DictConfig,
+    trainer: TrainerConfig,
     strategy: Strategy,
     flops_per_step: int | None,
     results: dict[str, Any],
@@ -114,6 +115,30 @@ def speed_figures(
         trainer.peak_tflops, strategy.devices[0], trainer.precision, matmul_precision
     )
     return throughput_figures(flops_per_step, results["step_time_ms"], strategy.job_devices, peak)
+
+
+def run_summary(
+    job: JobConfig,
+    strategy: Strategy,
+    results: dict[str, Any],
+    flops_per_step: int | None,
+    matmul_precision: str,
+) -> dict[str, Any]:
+    """summary.json's figures: what ran, the loop's `results`, and the speed and resources
+    behind them."""
+    parallel = job.cfg.parallel
+    return {
+        "strategy": strategy.name,
+        **({"chosen_by": parallel.chosen_by} if parallel.chosen_by else {}),
+        "devices": parallel.devices,
+        "world_size": strategy.data_shards,
+        "global_batch": job.trainer.batch_size,
+        "matmul_precision": matmul_precision,
+        **results,
+        **speed_figures(job.trainer, strategy, flops_per_step, results, matmul_precision),
+        **cpu_share(strategy),
+        **strategy.report(),
+    }
 
 
 def cpu_share(strategy: Strategy) -> dict[str, Any]:
@@ -130,3 +155,15 @@ def cpu_share(strategy: Strategy) -> dict[str, Any]:
     if hasattr(os, "sched_getaffinity"):  # which cores: a concurrent sweep gives each job its own
         share["cpu_affinity"] = sorted(os.sched_getaffinity(0))
     return share
+
+
+def reset_peak_memory(strategy: Strategy) -> None:
+    """A multirun runs its jobs in one process: each job's peak memory must count from its
+    start. torch's reset does not initialise CUDA itself and fails with "Invalid device
+    argument" on a process that has not touched the GPU yet (seen with parallel=single on an
+    H200)."""
+    cuda_devices = {device for device in strategy.devices if device.type == "cuda"}
+    if cuda_devices:
+        torch.cuda.init()
+    for device in cuda_devices:
+        torch.cuda.reset_peak_memory_stats(device)

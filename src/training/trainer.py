@@ -33,8 +33,8 @@ from src.components.blocks import CompiledSums
 from src.components.data import tokens_per_sample
 from src.components.optimizer import block_matrices, build_optimizer
 from src.components.schedules import lr_schedule
-from src.components.state_dicts import tied_keys
-from src.config.base import plain_config, typed
+from src.config.base import plain_config
+from src.config.job import JobConfig, job_config
 from src.config.trainer import TrainerConfig
 from src.observe.performance import profiling, step_flops
 from src.observe.tensor_memory import TensorPeak
@@ -47,6 +47,7 @@ from src.training.build import (
     build_blueprint,
     build_wrapped_model,
     checkpoint_to_load,
+    model_description,
     set_numerics,
 )
 from src.training.ema import EMA
@@ -63,13 +64,13 @@ from src.training.loop import (
 from src.training.monitoring import Monitoring
 from src.training.resume import log_resumed_schedule
 from src.training.step import Stepper, forward_backward
-from src.training.summary import cpu_share, speed_figures, write_summary
+from src.training.summary import reset_peak_memory, run_summary, write_summary
 
 log = logging.getLogger(__name__)
 
 
 def train(
-    cfg: DictConfig,
+    cfg: JobConfig | DictConfig,
     run_dir: Path,
     strategy: Strategy,
     blueprint: Blueprint | None = None,
@@ -83,32 +84,25 @@ def train(
 class Trainer:
     """The run of one process: its parts, built once on entering, and its train state.
 
+    `cfg`: the job's config, typed (a composed one is typed here: the tests' way in).
     `blueprint`: the up-front build on the meta device, if done already (else done here).
     `stop`: the stop handler this process holds, if any (None: `train` installs one)."""
 
     def __init__(
         self,
-        cfg: DictConfig,
+        cfg: JobConfig | DictConfig,
         run_dir: Path,
         strategy: Strategy,
         blueprint: Blueprint | None = None,
         stop: StopOnSignal | None = None,
     ):
-        self.cfg, self.run_dir, self.strategy, self.stop = cfg, run_dir, strategy, stop
-        self.blueprint = blueprint or build_blueprint(cfg, run_dir, strategy)
-        self.settings: TrainerConfig = typed(TrainerConfig, cfg.trainer)
-        self.resolved = plain_config(cfg)
+        self.job = job_config(cfg)
+        self.cfg, self.run_dir, self.strategy, self.stop = self.job.cfg, run_dir, strategy, stop
+        self.blueprint = blueprint or build_blueprint(self.job, run_dir, strategy)
+        self.settings: TrainerConfig = self.job.trainer
+        self.resolved = plain_config(self.cfg)
         self.task = self.blueprint.task
-        # What an export needs to rebuild the model besides its config (src/checkpoint/export.py).
-        data = self.blueprint.data
-        self.model_description = {
-            "model_args": {"input_shape": list(data.input_shape), "num_classes": data.num_classes},
-            "tied_keys": tied_keys(self.blueprint.meta_model),
-            # The weight average's parameter indices name these (`export.averaged_weights`).
-            "parameter_keys": [name for name, _ in self.blueprint.meta_model.named_parameters()],
-            # A sharded checkpoint's tensors read back in the order its ranks wrote them.
-            "state_dict_keys": list(self.blueprint.meta_model.state_dict()),
-        }
+        self.model_description = model_description(self.blueprint)
         self.step = 0  # the last step trained
         self.tracker_ids: dict[str, str | None] = {}  # each logger's run to continue
         self.data_position: dict[int, list[int]] | None = None  # a stream's, to go on from
@@ -136,24 +130,23 @@ class Trainer:
 
     def build(self) -> None:
         """Every part of the run, restored from the checkpoint to resume from."""
-        cfg, strategy, blueprint = self.cfg, self.strategy, self.blueprint
-        self.matmul_precision = set_numerics(cfg.trainer, strategy.device_type)
+        cfg, settings = self.cfg, self.settings
+        strategy, blueprint = self.strategy, self.blueprint
+        self.matmul_precision = set_numerics(settings, strategy.device_type)
         self.flops_per_step = step_flops(
-            blueprint.meta_model, self.task, blueprint.data, cfg.trainer.batch_size
+            blueprint.meta_model, self.task, blueprint.data, settings.batch_size
         )
         data = blueprint.data
         if not cfg.data.augment:  # augmented samples are made on the host, by the loader
             data = keep_on_device(data, strategy.devices[0])
         self.model, self.optimizer, self.ema, state = self.build_model_and_optimizer()
-        if cfg.trainer.compile:
+        if settings.compile:
             self.task = CompiledSums(self.task)
         self.stepper = Stepper(self.settings, strategy, self.model, self.optimizer)
         # On CPU, beside the process's resident peak; not around compiled blocks, whose
         # graphs dynamo would build for the tracker's dispatch mode.
         counted = (
-            cfg.trainer.count_tensor_memory
-            and strategy.device_type == "cpu"
-            and not cfg.trainer.compile
+            settings.count_tensor_memory and strategy.device_type == "cpu" and not settings.compile
         )
         self.tensor_peak = TensorPeak(self.model, self.optimizer, counted)
         if state is not None:
@@ -163,9 +156,8 @@ class Trainer:
         )
         if strategy.is_main and data.tokenizer is not None:
             data.tokenizer.save(tokenizer_dir(self.run_dir))
-        settings = self.settings
         self.batches, self.val, self.test = input_batches(
-            cfg, settings, strategy, data, self.step, self.data_position
+            self.job, strategy, data, self.step, self.data_position
         )
         self.lr_at = lr_schedule(cfg.optimizer, settings.max_steps)
         self.speed = Throughput(
@@ -207,7 +199,7 @@ class Trainer:
         cfg, strategy, blueprint = self.cfg, self.strategy, self.blueprint
         state, in_shards = checkpoint_to_load(blueprint, strategy)
         model = build_wrapped_model(
-            cfg, strategy, blueprint.data, None if in_shards else state, blueprint.init_from
+            self.job, strategy, blueprint.data, None if in_shards else state, blueprint.init_from
         )
         optimizer = build_optimizer(
             cfg.optimizer,
@@ -216,7 +208,7 @@ class Trainer:
         )
         ema = EMA(self.settings, strategy.trained_parameters(model))
         if state is None:
-            if cfg.trainer.resume and strategy.is_main:
+            if self.settings.resume and strategy.is_main:
                 run_dir = self.run_dir
                 log.info("trainer.resume=auto: no checkpoint in %s yet, starting afresh", run_dir)
             return model, optimizer, ema, None
@@ -254,7 +246,7 @@ class Trainer:
         self.step = state["step"]
         set_rng_state(state["rng"])
         if self.strategy.is_main:
-            log_resumed_schedule(self.cfg, state, self.blueprint.checkpoint)
+            log_resumed_schedule(self.job, state, self.blueprint.checkpoint)
         if state.get("loss_scaling"):  # older checkpoints have none
             self.stepper.scaling.load_state_dict(state["loss_scaling"])
         # Checkpoints written before the other loggers hold the W&B run's id alone.
@@ -328,7 +320,9 @@ class Trainer:
                     break
             if settings.test:
                 self.run_test(history)
-        summary = self.summary(self.final_figures())
+        summary = run_summary(
+            self.job, strategy, self.final_figures(), self.flops_per_step, self.matmul_precision
+        )
         self.tracker.log_model(best_dir(self.run_dir), self.monitoring.summary())
         self.finished = True
         self.tracker.finish(summary, 0)
@@ -399,34 +393,3 @@ class Trainer:
             # What a checkpoint costs the training (trainer.async_checkpoint: staging only).
             "checkpoint_blocked_s": statistics.median(self.checkpointing.blocked_s or [0.0]),
         }
-
-    def summary(self, results: dict[str, Any]) -> dict[str, Any]:
-        """summary.json's figures: what ran, the loop's results, and the speed and resources
-        behind them."""
-        cfg, strategy = self.cfg, self.strategy
-        return {
-            "strategy": strategy.name,
-            **({"chosen_by": cfg.parallel.chosen_by} if cfg.parallel.chosen_by else {}),
-            "devices": cfg.parallel.devices,
-            "world_size": strategy.data_shards,
-            "global_batch": cfg.trainer.batch_size,
-            "matmul_precision": self.matmul_precision,
-            **results,
-            **speed_figures(
-                cfg.trainer, strategy, self.flops_per_step, results, self.matmul_precision
-            ),
-            **cpu_share(strategy),
-            **strategy.report(),
-        }
-
-
-def reset_peak_memory(strategy: Strategy) -> None:
-    """A multirun runs its jobs in one process: each job's peak memory must count from its
-    start. torch's reset does not initialise CUDA itself and fails with "Invalid device
-    argument" on a process that has not touched the GPU yet (seen with parallel=single on an
-    H200)."""
-    cuda_devices = {device for device in strategy.devices if device.type == "cuda"}
-    if cuda_devices:
-        torch.cuda.init()
-    for device in cuda_devices:
-        torch.cuda.reset_peak_memory_stats(device)
