@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from src.components.data import Data, Split, synthetic_classification
+from src.components.data import synthetic_classification
+from src.components.data_contract import Data, Split
 
 
 def halves_and_values(seed: int, **settings: Any) -> Data:

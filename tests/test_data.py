@@ -23,14 +23,13 @@ from helpers import (
 
 from src.components.batch_order import Loading, SplitSamples, ValBatches, train_batches
 from src.components.data import (
-    Split,
     synthetic_classification,
     synthetic_regression,
     synthetic_segmentation,
     synthetic_tokens,
     tokens,
-    tokens_per_sample,
 )
+from src.components.data_contract import Split, tokens_per_sample
 
 
 def test_synthetic_data_is_a_function_of_the_seed():

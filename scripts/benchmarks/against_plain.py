@@ -21,7 +21,8 @@ from benchmarks.workload import (
     template_speed,
     timed_steps,
 )
-from src.components.data import Data, build_data
+from src.components.data import build_data
+from src.components.data_contract import Data
 
 # The `single` comparison's workload (issue 29): MLP 784-1024-1024-10, batch 256, SGD.
 SINGLE_WORKLOAD = (

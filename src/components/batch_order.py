@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from src.components import batches
 from src.components.batches import Tree
-from src.components.data import Batch, Split, Stream
+from src.components.data_contract import Batch, Split, Stream
 
 
 def batches_per_epoch(num_samples: int, batch_size: int) -> int:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from src.components.data import Batch, Data, Split, Stream, StreamReader
+from src.components.data_contract import Batch, Data, Split, Stream, StreamReader
 from src.components.text import check_vocabulary, text_files, text_suffix
 from src.components.tokenizer import Tokenizer, build_tokenizer
 from src.components.tokenizing import document_tokens

@@ -32,7 +32,8 @@ from typing import IO, Any
 
 import numpy as np
 
-from src.components.data import Data, check_fraction, check_test_fraction
+from src.components.data import check_fraction, check_test_fraction
+from src.components.data_contract import Data
 from src.components.token_files import (
     TokenFile,
     TokenWindows,

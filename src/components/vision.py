@@ -24,7 +24,8 @@ from PIL import Image
 from torchvision import datasets
 from torchvision.transforms import v2
 
-from src.components.data import Data, Split, carved
+from src.components.data import carved
+from src.components.data_contract import Data, Split
 
 log = logging.getLogger(__name__)
 

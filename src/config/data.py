@@ -1,4 +1,4 @@
-"""Schemas of `conf/data/`. A dataset builder returns `src.components.data.Data` (train/val/test
+"""Schemas of `conf/data/`. A dataset builder returns `src.components.data_contract.Data` (train/val/test
 sets plus their shapes). The loader settings are the loop's, not the builder's:
 `data_builder_config` leaves them out."""
 

@@ -20,7 +20,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from src.components.blocks import prepare_blocks
-from src.components.data import Split, build_data, first_samples
+from src.components.data import build_data
+from src.components.data_contract import Split, first_samples
 from src.components.model_contract import build_model
 from src.components.optimizer import block_matrices, build_optimizer
 from src.components.precision import LossScaling, autocast

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from src.components.data import Data, meta_samples
+from src.components.data_contract import Data, meta_samples
 from src.config.trainer import TrainerConfig
 from src.observe.tracking import Trackers
 from src.parallel.base import Strategy

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 
 from src.components.averaged_weights import AveragedWeights
 from src.components.blocks import prepare_blocks
-from src.components.data import Data, first_samples
+from src.components.data_contract import Data, first_samples
 from src.components.model_contract import build_model
 from src.components.optimizer import block_matrices, build_optimizer
 from src.components.precision import autocast

@@ -34,7 +34,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from src.components.data import Data, build_data
+from src.components.data import build_data
+from src.components.data_contract import Data
 from src.components.model_contract import settle_model_settings
 from src.components.optimizer import settle_optimizer_settings
 from src.config.base import ConfigError

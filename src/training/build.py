@@ -21,7 +21,8 @@ from torch import nn
 
 from src.checkpoint.store import is_sharded, load_checkpoint, resume_path
 from src.components.blocks import prepare_blocks
-from src.components.data import Data, build_data, first_samples
+from src.components.data import build_data
+from src.components.data_contract import Data, first_samples
 from src.components.model_contract import build_model as build_model_of
 from src.components.state_dicts import tied_keys
 from src.config.job import JobConfig, job_config

@@ -18,7 +18,7 @@ from src.checkpoint.writer import resolved_format
 from src.components import models
 from src.components.batches import Tree, describe
 from src.components.blocks import saved_ops
-from src.components.data import Data, Stream, meta_samples
+from src.components.data_contract import Data, Stream, meta_samples
 from src.components.model_contract import settle_model_settings
 from src.components.optimizer import block_matrices, build_optimizer, settle_optimizer_settings
 from src.components.schedules import lr_schedule

@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 from src.checkpoint.export import load_weights
 from src.checkpoint.store import load_checkpoint
 from src.components.batch_order import ValBatches
-from src.components.data import Data, Split
+from src.components.data_contract import Data, Split
 from src.components.precision import autocast
 from src.components.state_dicts import check_weights_fit
 from src.config.base import ConfigError, plain_config

@@ -9,7 +9,7 @@ import torch
 from omegaconf import DictConfig
 
 from src.components.batch_order import Loading, ValBatches, loading_for, train_batches
-from src.components.data import Data
+from src.components.data_contract import Data
 from src.config.job import JobConfig
 from src.parallel.base import Strategy, usable_cores
 from src.training.step import TimedBatches

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import Dataset
 
 from src.components.batch_order import ValBatches
-from src.components.data import Split, StreamReader
+from src.components.data_contract import Split, StreamReader
 from src.components.precision import LossScaling, autocast
 from src.components.tasks import Task
 from src.config.trainer import TrainerConfig

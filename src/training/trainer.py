@@ -30,7 +30,7 @@ from torch import nn
 from src.checkpoint.store import best_dir, rng_state, set_rng_state
 from src.checkpoint.writer import CheckpointWriter, gathered, resolved_format
 from src.components.blocks import CompiledSums
-from src.components.data import tokens_per_sample
+from src.components.data_contract import tokens_per_sample
 from src.components.optimizer import block_matrices, build_optimizer
 from src.components.schedules import lr_schedule
 from src.config.base import plain_config
