@@ -40,7 +40,7 @@ from helpers import (
     wait_until,
 )
 
-import src.parallel.ddp
+import src.parallel.dp_replicate.apply
 from src.components.models import MLP
 from src.config.base import ConfigError
 from src.launch.as_rank import adopt_slurm_environment, first_node
@@ -403,7 +403,7 @@ class TorchDDP2_13(torch.nn.Module):
 @pytest.mark.parametrize("torch_ddp", [TorchDDPBefore2_13, TorchDDP2_13])
 @pytest.mark.parametrize("broadcast", [True, False])
 def test_ddp_passes_only_arguments_the_installed_torch_knows(monkeypatch, torch_ddp, broadcast):
-    monkeypatch.setattr(src.parallel.ddp, "DistributedDataParallel", torch_ddp)
+    monkeypatch.setattr(src.parallel.dp_replicate.apply, "DistributedDataParallel", torch_ddp)
     strategy = build_strategy(parallel_config("ddp", broadcast_buffers=broadcast), "cpu")
     replica = strategy.replicate(MLP(input_shape=(4,), num_classes=2, hidden=4, depth=1), None)
     assert replica.syncs_buffers is broadcast

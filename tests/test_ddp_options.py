@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from helpers import TINY_SGD, assert_same_training, parallel_config, reference_run, run_train
 
-import src.parallel.ddp
+import src.parallel.dp_replicate.apply
 from src.components.models import MLP
 from src.parallel import build_strategy
 
@@ -27,14 +27,14 @@ class RecordingDDP:
 
 @pytest.mark.parametrize("option", ["ddp", "hybrid"])
 def test_each_option_reaches_distributed_data_parallel(monkeypatch, option):
-    monkeypatch.setattr(src.parallel.ddp, "DistributedDataParallel", RecordingDDP)
+    monkeypatch.setattr(src.parallel.dp_replicate.apply, "DistributedDataParallel", RecordingDDP)
     strategy = build_strategy(parallel_config(option, **OPTIONS), "cpu")
     replica = strategy.replicate(MLP(input_shape=(4,), num_classes=2, hidden=4, depth=1), None)
     assert OPTIONS.items() <= replica.options.items()
 
 
 def test_torchs_bucket_size_is_kept_unless_set(monkeypatch):
-    monkeypatch.setattr(src.parallel.ddp, "DistributedDataParallel", RecordingDDP)
+    monkeypatch.setattr(src.parallel.dp_replicate.apply, "DistributedDataParallel", RecordingDDP)
     replica = build_strategy(parallel_config("ddp"), "cpu").replicate(MLP((4,), 2, 4, 1), None)
     assert "bucket_cap_mb" not in replica.options
 

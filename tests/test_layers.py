@@ -109,7 +109,9 @@ def test_the_reading_finds_imports_of_modules_and_packages():
     graph = project_graph()
     assert "src.runtime.ranks" in graph["src.launch.as_rank"]
     assert "src.parallel" in graph["src.training.checks"]  # the package
-    assert "src.components.batches" in graph["src.components.data_contract"]  # from src.components import
+    assert (
+        "src.components.batches" in graph["src.components.data_contract"]
+    )  # from src.components import
 
 
 def test_one_module_spells_out_the_run_folders_file_names():

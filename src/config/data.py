@@ -1,5 +1,5 @@
-"""Schemas of `conf/data/`. A dataset builder returns `src.components.data_contract.Data` (train/val/test
-sets plus their shapes). The loader settings are the loop's, not the builder's:
+"""Schemas of `conf/data/`. A dataset builder returns `src.components.data_contract.Data`
+(train/val/test sets plus their shapes). The loader settings are the loop's, not the builder's:
 `data_builder_config` leaves them out."""
 
 from __future__ import annotations

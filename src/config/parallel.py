@@ -149,7 +149,7 @@ class PipelineConfig(StagesConfig, ParallelConfig):
 @dataclass
 class ReducerConfig:
     """DistributedDataParallel's own options, as torch's error messages name them: a layout of
-    dp_replicate alone runs DDP (src/parallel/ddp.py); any other refuses them set."""
+    dp_replicate alone runs DDP (src/parallel/dp_replicate/); any other refuses them set."""
 
     broadcast_buffers: bool = True
     """Copy rank 0's buffers (e.g. BatchNorm running statistics) to every rank before each

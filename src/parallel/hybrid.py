@@ -4,8 +4,9 @@ runs the model cut into `parallel.stages` stages over its own devices.
 `parallel.devices / parallel.stages` processes per node; process p drives GPUs
 p * stages .. p * stages + stages - 1 (on CPU: `stages` CPU stages), where its copy of the model
 is cut into stages as in `model_parallel` (`StageCut`: same split points, same micro-batching).
-DDP wraps each process's `Pipeline` as one multi-device module (`device_ids=None`) and averages
-its gradients across the processes, as it does for whole replicas.
+`replicated.Replicated` wraps each process's `Pipeline` under DDP as one multi-device module
+(`device_ids=None`), which averages its gradients across the processes as it does for whole
+replicas.
 """
 
 from __future__ import annotations
@@ -17,18 +18,22 @@ from src.config.parallel import MeshConfig
 from src.parallel.stage_cut import StageCut
 
 
-def stage_cut(cfg: MeshConfig, processes: int, runs_ddp: bool) -> StageCut | None:
-    """The cut of `parallel.stages` stages in each of the job's `processes`, None for one
-    stage; ConfigError, in one line, where it cannot run: beside tp, pp or dp_shard (a
-    pipeline across processes is `parallel.pp`), or in a job of one process."""
-    if cfg.stages == 1:
-        return None
-    if not runs_ddp:
+def check_no_stage_cut(cfg: MeshConfig) -> None:
+    """ConfigError, in one line, for the stage cut beside tp, pp, cp or dp_shard (a mesh's
+    layout, whose pipeline across processes is `parallel.pp`)."""
+    if cfg.stages != 1:
         raise ConfigError(
             f"parallel.stages={cfg.stages} cuts each process's model over its own devices under "
             "dp_replicate alone (DDP); with tp, pp or dp_shard set, use parallel.pp for pipeline "
             "stages, or set parallel.stages=1"
         )
+
+
+def stage_cut(cfg: MeshConfig, processes: int) -> StageCut | None:
+    """The cut of `parallel.stages` stages in each of the job's `processes` replicas, None for
+    one stage; ConfigError, in one line, in a job of one process."""
+    if cfg.stages == 1:
+        return None
     if processes == 1:
         raise ConfigError(
             f"parallel={cfg.name} with parallel.devices={cfg.devices} and parallel.stages="

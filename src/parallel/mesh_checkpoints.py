@@ -1,5 +1,6 @@
 """How a layout's checkpoints hold single's tensors, in single's row order, whatever the layout
-(`Mesh` takes these methods from `SingleLayoutCheckpoints`).
+(`Mesh` and `Replicated` hand their checkpoint methods to a `SingleLayoutCheckpoints`, which
+their `wrap` builds).
 
 `sharded` (the default where the layout shards: dp_shard, tp or pp): every process writes its
 own shards through DCP, the pieces of the fused qkv rows that tensor parallel regrouped placed
@@ -9,11 +10,12 @@ torch 2.14, whose DCP cannot place those pieces (`dcp_places_rows`), each rank o
 mesh gathers it whole and DCP writes it once, and reading one, each rank copies its rows out.
 `full`: every process gathers the DTensors whole, the regrouping undone
 (`tp/apply.single_layout`), and rank 0 writes them. Under DDP the model is wrapped; its
-plain model (`unwrap`) gives the names, so that the keys are single's.
+plain model (`Replicated.unwrap`) is what these methods are given, so that the keys are single's.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,8 +23,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from src.checkpoint.store import dcp_places_rows, renamed, rows_placed
+from src.components.state_dicts import tied_keys
 from src.parallel.dp_shard.apply import parameter_names
-from src.parallel.layout import Layout
 from src.parallel.pp.run import PipelineRun
 from src.parallel.tp.apply import single_layout, tp_layout
 from src.parallel.tp.registry import RowOrder
@@ -52,26 +54,23 @@ def like(parameter: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(full, parameter.device_mesh, parameter.placements)
 
 
+@dataclass(frozen=True)
 class SingleLayoutCheckpoints:
-    """The checkpoint methods of `Mesh`, from what its `wrap` found: the pipeline this process
-    runs (None: the whole model), the qkv tensors tensor parallel regrouped, the whole model's
-    parameter names in order."""
+    """The checkpoint methods of `Mesh` and `Replicated`, from what their `wrap` made of the
+    model: the whole model's parameter names in order and its tied names (`{name: the name
+    single's optimizer uses}`), the qkv tensors tensor parallel regrouped, and the pipeline this
+    process runs (None: the whole model). Each method takes the plain model (DDP's unwrapped)."""
 
-    layout: Layout
-    shards: bool  # FSDP2 shards the model over dp_shard (set, even of one rank)
-    pipeline: PipelineRun | None
-    row_orders: dict[str, RowOrder]
-    parameter_order: list[str]
-    tied: dict[str, str]  # the whole model's tied names: {name: the name single's optimizer uses}
-    unwrap: Any  # Mesh's: the plain model
+    parameter_order: tuple[str, ...] = ()
+    tied: dict[str, str] = field(default_factory=dict)
+    row_orders: dict[str, RowOrder] = field(default_factory=dict)
+    pipeline: PipelineRun | None = None
 
-    @property
-    def default_checkpoint_format(self) -> str:
-        """`sharded` where the layout shards (dp_shard set, as under fsdp) or no rank holds the
-        whole model (tp, pp), else `full` (ddp, hybrid)."""
-        layout = self.layout
-        splits = layout.tp * layout.pp * layout.dp_shard > 1
-        return "sharded" if splits or self.shards else "full"
+    @classmethod
+    def of(cls, model: nn.Module) -> SingleLayoutCheckpoints:
+        """Those of plain `model`, before any wrapper renames or splits it (no regrouped rows,
+        no pipeline yet)."""
+        return cls(tuple(name for name, _ in model.named_parameters()), tied_keys(model))
 
     def trains(self, name: str) -> bool:
         """Whether this process trains (and holds) the state_dict entry `name`: under pp, only
@@ -179,7 +178,7 @@ class SingleLayoutCheckpoints:
             name: single_layout(name, full_tensor(value), self.row_orders)
             if self.trains(name)
             else value
-            for name, value in self.unwrap(model).state_dict().items()
+            for name, value in model.state_dict().items()
         }
         return self.pipeline.gathered(state) if self.pipeline else state
 
@@ -194,7 +193,7 @@ class SingleLayoutCheckpoints:
 
     def optimized_names(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
         """Single's name of each of `optimizer`'s parameters (`single_name`), in its order."""
-        return [self.single_name(name) for name in parameter_names(self.unwrap(model), optimizer)]
+        return [self.single_name(name) for name in parameter_names(model, optimizer)]
 
     def optimizer_state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
@@ -220,12 +219,11 @@ class SingleLayoutCheckpoints:
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
         """Single's optimizer state: under pp, the entries of this rank's parameters only."""
-        plain = self.unwrap(model)
         local = {name: index for index, name in enumerate(self.optimized_names(model, optimizer))}
         names = dict(enumerate(self.single_order(model, optimizer)))
         parameters = {
             self.single_name(name): parameter
-            for name, parameter in plain.named_parameters()
+            for name, parameter in model.named_parameters()
             if self.trains(name)
         }
         own = {index: name for index, name in names.items() if name in local}

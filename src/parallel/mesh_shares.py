@@ -1,16 +1,18 @@
-"""What the planner needs of a layout (`Mesh` takes these methods from `LayoutShares`): each
+"""What the planner prices a mesh's layout with (`Mesh.cost_model()`: a `LayoutShares`): each
 device's share of the model's state and work, and what each rank sends per step, from the
-layout's degrees whichever preset named them: dp_replicate alone DDP's (`ddp.py`: a replica and
-its buckets; under the stage cut, its stages: `stage_cut.py`), else tp's split (`tp/costs.py`),
-cp's share of the sequence and its ring (`cp/costs.py`), the pipeline's stages
-(`pipeline_schedules.py`), ep's experts and exchanges (`ep/costs.py`) and FSDP2's shards
-(over dp_shard x cp) and working set (`dp_shard/costs.py`).
+layout's degrees and what `Mesh.check_model` learnt of the model (`ModelSplit`): tp's split
+(`tp/costs.py`), cp's share of the sequence and its ring (`cp/costs.py`), the pipeline's
+stages (`pp/costs.py`), ep's experts and exchanges (`ep/costs.py`), FSDP2's shards (over
+dp_shard x cp) and working set (`dp_shard/costs.py`) and HSDP's replicas' all-reduce
+(`dp_replicate/costs.py`). dp_replicate alone is not a mesh: `replicated.ReplicaCosts`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+from src.components.batches import Tree
 from src.config.parallel import MeshConfig
 from src.parallel.cp.costs import (
     ring_activations_kept,
@@ -18,7 +20,7 @@ from src.parallel.cp.costs import (
     ring_traffic,
     ring_working_set,
 )
-from src.parallel.ddp import bucket_bytes, bucketed_all_reduce, replica_traffic
+from src.parallel.dp_replicate.costs import bucketed_all_reduce, replica_traffic
 from src.parallel.dp_shard.costs import (
     sharded_messages,
     sharded_share,
@@ -37,30 +39,40 @@ from src.parallel.layout import Layout
 from src.parallel.pp.costs import schedule_bubble, stage_messages, stage_traffic
 from src.parallel.pp.schedules import stage_ranks
 from src.parallel.shares import DeviceShare, Messages, ModelSizes
-from src.parallel.stage_cut import StageCut
 from src.parallel.tp.costs import TPSplit, tp_kept, tp_kept_bytes, tp_messages, tp_traffic
 
 
+@dataclass(frozen=True)
+class ModelSplit:
+    """What `Mesh.check_model` learns of the model (on the meta device), once: where the
+    pipeline's stages 1.. start and a micro-batch's inputs to trace them with (pp), what tensor
+    parallel splits (tp), the experts (ep), and each attention's keys and values per sample
+    (cp). A layout without the degree leaves its part empty."""
+
+    stage_points: tuple[int, ...] = ()
+    pipeline_inputs: Tree = None
+    tp: TPSplit | None = None
+    experts: ExpertSplit | None = None
+    key_values: tuple[int, ...] | list[int] = ()
+
+
+@dataclass(frozen=True)
 class LayoutShares:
-    """The planner's methods of `Mesh`, from its settings and what `check_model` found: where
-    the pipeline's stages 1.. start, what tensor parallel splits."""
+    """The planner's figures of a mesh's `layout` under its settings `cfg`, for the model as
+    `split`; `fsdp`: FSDP2 wraps the model (of one rank too: its parameters are DTensors),
+    `shards`: it shards it over dp_shard x cp (set, even of one rank)."""
 
     cfg: MeshConfig
+    layout: Layout
+    split: ModelSplit
     device_type: str
     precision: str
-    layout: Layout
-    runs_ddp: bool  # dp_replicate alone: torch's DDP
-    shards: bool  # FSDP2 shards the model over dp_shard (set, even of one rank)
-    fsdp: bool  # FSDP2 wraps the model (of one rank too: its parameters are DTensors)
-    stage_cut: StageCut | None
-    stage_points: tuple[int, ...] = ()
-    split: TPSplit | None = None
-    ep_split: ExpertSplit | None = None
-    key_values: tuple[int, ...] | list[int] = ()  # each attention's per sample, under cp
+    fsdp: bool
+    shards: bool
 
     def stage_blocks(self, blocks: int) -> list[list[tuple[int, int]]]:
         """Each pp rank's stages, as [start, end) ranges of the model's `blocks` blocks."""
-        bounds = [0, *self.stage_points, blocks]
+        bounds = [0, *self.split.stage_points, blocks]
         owner = stage_ranks(self.cfg.schedule, self.layout.pp, self.cfg.stages_per_rank)
         return [
             [(bounds[s], bounds[s + 1]) for s, held_by in enumerate(owner) if held_by == rank]
@@ -76,30 +88,28 @@ class LayoutShares:
 
     def kept_bytes(self, sizes: ModelSizes, blocks: list[int]) -> int:
         """The parameter bytes of `blocks` one tp rank holds (before FSDP shards them)."""
-        return tp_kept_bytes(self.split, self.layout.tp, sizes, blocks)
+        return tp_kept_bytes(self.split.tp, self.layout.tp, sizes, blocks)
 
     def fsdp_units(self, sizes: ModelSizes) -> list[int]:
         """The bytes of each FSDP unit as one tp rank gathers it (of the experts, its ep
         rank's), in forward order."""
         return [
-            ep_gathered_bytes(self.ep_split, unit, self.kept_bytes(sizes, unit))
+            ep_gathered_bytes(self.split.experts, unit, self.kept_bytes(sizes, unit))
             for unit in units_in_forward_order(sizes)
         ]
 
     def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
-        """Under DDP, rank 0's replica (its stages under the stage cut) on its share of the
-        batch, with the reducer's buckets. Else one share per pp rank (the first of its tp and
-        data-parallel peers, which hold as much): its stages' blocks on its data-parallel share
-        of the batch, in micro-batches (all kept for backward, as GPipe does: 1F1B keeps
-        fewer), its state split by tp and then by dp_shard, plus what FSDP holds while the
-        model runs (`running_share`)."""
+        """One share per pp rank (the first of its tp and data-parallel peers, which hold as
+        much): its stages' blocks on its data-parallel share of the batch, in micro-batches (all
+        kept for backward, as GPipe does: 1F1B keeps fewer), its state split by tp and then by
+        dp_shard, plus what FSDP holds while the model runs (`running_share`)."""
         layout, count = self.layout, len(sizes.block_parameter_bytes)
-        if self.runs_ddp:
-            return self.replica_shares(sizes, micro_batch // layout.dp)
         shares = []
         ranks = zip(self.stage_blocks(count), self.rank_blocks(count), strict=True)
         for pp_rank, (ranges, blocks) in enumerate(ranks):
-            state_kept, flops_kept, activations_kept = tp_kept(self.split, layout.tp, sizes, blocks)
+            state_kept, flops_kept, activations_kept = tp_kept(
+                self.split.tp, layout.tp, sizes, blocks
+            )
             shares.append(
                 DeviceShare(
                     f"{self.device_type}:{pp_rank * layout.dp * layout.tp}",
@@ -123,22 +133,13 @@ class LayoutShares:
         those tensor parallel's styles make DTensors (`TPSplit.distributed_share`)."""
         if self.fsdp:
             return 1.0
-        return self.split.distributed_share(blocks) if self.split is not None else 0.0
+        return self.split.tp.distributed_share(blocks) if self.split.tp is not None else 0.0
 
     def dtensor_layers(self, blocks: list[int]) -> int:
         """The layers of `blocks` that tensor parallel runs on DTensors (`TPSplit`)."""
-        if self.split is None:
+        if self.split.tp is None:
             return 0
-        return sum(self.split.distributed_layers[b] for b in blocks)
-
-    def replica_shares(self, sizes: ModelSizes, samples: int) -> list[DeviceShare]:
-        """A DDP replica fed `samples` per micro-step: the whole model, or its stages under the
-        stage cut, each with the reducer's buckets (`ddp.bucket_bytes`)."""
-        if self.stage_cut is not None:
-            buckets = not self.cfg.gradient_as_bucket_view
-            return self.stage_cut.device_shares(self.device_type, sizes, samples, buckets)
-        buckets = bucket_bytes(self.cfg, sizes.parameter_bytes)
-        return [DeviceShare(f"{self.device_type}:0", samples, extra_bytes={"gradients": buckets})]
+        return sum(self.split.tp.distributed_layers[b] for b in blocks)
 
     def running_share(self, sizes: ModelSizes, blocks: list[int], samples: int) -> dict[str, Any]:
         """What FSDP (`dp_shard.costs.sharded_share`, where it shards; ep's experts copied where it
@@ -153,7 +154,7 @@ class LayoutShares:
             share = sharded_share(
                 units, unit_blocks, held, staged, shards, self.precision, self.device_type
             )
-        copied = ep_copied_bytes(self.ep_split, self.precision)
+        copied = ep_copied_bytes(self.split.experts, self.precision)
         running = summed(
             share.get("running_bytes", {}), copied, self.ring_working_set(samples, backward=True)
         )
@@ -161,7 +162,7 @@ class LayoutShares:
             share.get("forward_bytes", {}),
             copied,
             self.ring_working_set(samples, backward=False),
-            ep_forward_buffers(self.ep_split, samples, self.precision),
+            ep_forward_buffers(self.split.experts, samples, self.precision),
         )
         return {**share, "running_bytes": running, "forward_bytes": forward}
 
@@ -170,33 +171,30 @@ class LayoutShares:
         layout = self.layout
         if layout.cp == 1:
             return {}
-        return ring_working_set(self.key_values, samples, layout.cp, layout.tp, backward)
+        return ring_working_set(self.split.key_values, samples, layout.cp, layout.tp, backward)
 
     def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
         """What the busiest rank sends per step over tp (`tp/costs.tp_traffic`), across the
-        pipeline's stage boundaries (`pipeline_schedules.stage_traffic`) and over data parallel
-        (FSDP's `sharded_traffic`, the replicas' `ddp.replica_traffic`). Not counted: the
+        pipeline's stage boundaries (`pp/costs.py`'s `stage_traffic`) and over data parallel
+        (FSDP's `sharded_traffic`, HSDP's replicas' `replica_traffic`). Not counted: the
         sequence-parallel layout changes at the embedding and head, and loss_parallel's
         per-token reductions."""
         layout, samples = self.layout, micro_batch // self.layout.dp
-        if self.runs_ddp:
-            stages = (
-                self.stage_cut.step_traffic(sizes, samples, accumulate) if self.stage_cut else {}
-            )
-            return {**stages, **replica_traffic(sizes.parameter_bytes, layout.dp)}
         ranks = self.rank_blocks(len(sizes.block_parameter_bytes))
         staged = layout.pp > 1
         traffic: dict[str, int] = {}
-        if self.split is not None:
+        if self.split.tp is not None:
             sp = self.cfg.sequence_parallel
             tokens = accumulate * samples
-            traffic.update(tp_traffic(self.split, layout.tp, ranks, tokens, self.precision, sp))
+            traffic.update(tp_traffic(self.split.tp, layout.tp, ranks, tokens, self.precision, sp))
         if layout.cp > 1:
-            traffic.update(ring_traffic(self.key_values, samples, accumulate, layout.cp, layout.tp))
+            traffic.update(
+                ring_traffic(self.split.key_values, samples, accumulate, layout.cp, layout.tp)
+            )
         if staged:
-            traffic.update(stage_traffic(self.stage_points, sizes, samples, accumulate))
-        if self.ep_split is not None:
-            traffic.update(ep_traffic(self.ep_split, accumulate * samples, self.precision))
+            traffic.update(stage_traffic(self.split.stage_points, sizes, samples, accumulate))
+        if self.split.experts is not None:
+            traffic.update(ep_traffic(self.split.experts, accumulate * samples, self.precision))
         held = max(self.kept_bytes(sizes, blocks) for blocks in ranks)
         if self.shards:
             traffic.update(
@@ -210,25 +208,26 @@ class LayoutShares:
 
     def step_messages(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> list[Messages]:
         """The busiest rank's messages per step over tp, pp and data parallel (as
-        `step_traffic` counts their bytes); DDP's: its bucketed all-reduce, once per step
-        (no_sync skips the others; the stage cut's copies stay in the process)."""
+        `step_traffic` counts their bytes)."""
         layout, samples = self.layout, micro_batch // self.layout.dp
-        if self.runs_ddp:
-            return [bucketed_all_reduce(sizes.parameter_bytes, layout.dp)]
         ranks = self.rank_blocks(len(sizes.block_parameter_bytes))
         staged = layout.pp > 1
         parts = self.cfg.microbatches if staged else 1
         runs = accumulate * parts  # the forward and backward passes a rank runs per step
         messages: list[Messages] = []
-        if self.split is not None:
+        if self.split.tp is not None:
             sp, part = self.cfg.sequence_parallel, samples // parts
-            messages += tp_messages(self.split, layout.tp, ranks, part, runs, self.precision, sp)
+            messages += tp_messages(self.split.tp, layout.tp, ranks, part, runs, self.precision, sp)
         if layout.cp > 1:
-            messages += ring_messages(self.key_values, samples, accumulate, layout.cp, layout.tp)
+            messages += ring_messages(
+                self.split.key_values, samples, accumulate, layout.cp, layout.tp
+            )
         if staged:
-            messages += stage_messages(self.stage_points, sizes, samples // parts, runs, layout.pp)
-        if self.ep_split is not None:
-            messages += ep_messages(self.ep_split, samples, runs, self.precision)
+            messages += stage_messages(
+                self.split.stage_points, sizes, samples // parts, runs, layout.pp
+            )
+        if self.split.experts is not None:
+            messages += ep_messages(self.split.experts, samples, runs, self.precision)
         held = max(self.kept_bytes(sizes, blocks) for blocks in ranks)
         if self.shards:  # under pp a rank's stages are one unit, gathered once per micro-step
             units = [self.kept_bytes(sizes, ranks[0])] if staged else self.fsdp_units(sizes)
@@ -241,8 +240,7 @@ class LayoutShares:
         return messages
 
     def idle_fraction(self) -> float:
-        if self.stage_cut is not None:
-            return self.stage_cut.idle_fraction()
+        """The pipeline schedule's bubble (none without pp)."""
         if self.layout.pp == 1:
             return 0.0
         return schedule_bubble(self.layout.pp, self.cfg.stages_per_rank, self.cfg.microbatches)

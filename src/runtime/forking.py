@@ -61,7 +61,11 @@ RANK_SERVER_IMPORTS = ("torch._dynamo", "src.launch.job")  # what it imports, se
 # What each rank would import on its way, after these (the mesh strategies, with DTensor's
 # experimental parts and pipelining; DCP's state dicts): imported by the server, once for all its
 # ranks (docs/performance.md has the figure).
-RANKS_IMPORT = ("src.parallel.mesh", "torch.distributed.checkpoint.state_dict")
+RANKS_IMPORT = (
+    "src.parallel.mesh",
+    "src.parallel.replicated",
+    "torch.distributed.checkpoint.state_dict",
+)
 
 
 def import_rank_modules() -> None:

@@ -1,5 +1,5 @@
-"""The data-parallel degree `dp_replicate` alone (`parallel=ddp`, `hybrid`), run by torch's
-DistributedDataParallel: its checks, `apply_ddp`, its memory share and its traffic.
+"""How the data-parallel degree `dp_replicate` alone (`parallel=ddp`, `hybrid`) runs: torch's
+DistributedDataParallel, its checks and `apply_ddp` with the reducer's options.
 
 Each rank runs the loop on `global batch / replicas` samples; DDP averages the gradients across
 ranks during backward (bucketed all-reduce overlapping with it), so every replica takes the same
@@ -22,7 +22,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from src.config.base import ConfigError
 from src.config.parallel import MeshConfig, ReducerConfig
-from src.parallel.shares import Messages, ring_bytes
 
 # The reducer's options as the schema defaults them: set otherwise, they ask for DDP.
 REDUCER_DEFAULTS = {option.name: option.default for option in fields(ReducerConfig)}
@@ -75,30 +74,6 @@ def release_reducer(replica: DistributedDataParallel | None) -> None:
     GIL."""
     if replica is not None:
         replica.reducer = replica.logger = replica.process_group = None
-
-
-def bucket_bytes(cfg: MeshConfig, parameter_bytes: int) -> int:
-    """What the reducer's buckets add to a replica of `parameter_bytes`: a second copy of the
-    gradients, none when the gradients are views into them."""
-    return 0 if cfg.gradient_as_bucket_view else parameter_bytes
-
-
-def replica_traffic(shard_bytes: int, replicas: int, reductions: int = 1) -> dict[str, int]:
-    """What each of `replicas` sends per step: a ring all-reduce of its `shard_bytes` of
-    gradients, `reductions` times."""
-    return {"gradient all-reduce": reductions * ring_bytes(shard_bytes, replicas)}
-
-
-# DDP's buckets (torch's defaults): the first, reduced as soon as backward starts, is small.
-FIRST_BUCKET_BYTES, BUCKET_BYTES = 2**20, 25 * 2**20
-
-
-def bucketed_all_reduce(size: int, ranks: int, times: int = 1) -> Messages:
-    """`size` bytes of gradients all-reduced in DDP's buckets `times` per step, while backward
-    computes."""
-    buckets = 1 + max(0, -(-(size - FIRST_BUCKET_BYTES) // BUCKET_BYTES))
-    each = size // buckets
-    return Messages("all_reduce", times * buckets, each, ranks, overlapped=True, wrapper="ddp")
 
 
 def reducer_options(cfg: MeshConfig) -> dict[str, Any]:
