@@ -75,12 +75,10 @@ Now and then:
                                  every measure in one gather)
     strategy.report()            strategy-specific figures for summary.json (e.g. bubble)
     strategy.teardown()
-For the planner (`src/planning/planner.py`), after check_batch and check_model, touching no device:
-    strategy.device_shares(sizes, micro_batch)   what each device holds and runs in a step
-    strategy.step_traffic(sizes, micro_batch, accumulate)   bytes sent per step, by transfer
-    strategy.idle_fraction()                     share of the step a device waits (bubble)
-    strategy.step_messages(sizes, micro_batch, accumulate)  the messages between processes a
-                                                 rank sends per step, for the predicted time
+For the planner (`src/planning/planner.py`), after check_batch and check_model:
+    strategy.cost_model()        what prices its layout (`CostModel`: each device's share of a
+                                 step, the bytes and messages sent, the idle share), touching
+                                 no device; None: it runs, but cannot be planned
 """
 
 from __future__ import annotations
@@ -144,6 +142,26 @@ def dcp_state_dict(
         return {"model": get_model_state_dict(model, options=StateDictOptions())}
     model_state, optimizer_state = get_state_dict(model, optimizer, options=StateDictOptions())
     return {"model": model_state, "optimizer": optimizer_state}
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    """What the planner prices a strategy's layout with, once the strategy's `check_model` ran."""
+
+    def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
+        """What each device holds and runs in a step of `micro_batch` samples."""
+
+    def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
+        """Bytes sent per optimizer step (`accumulate` micro-steps), by transfer: what each rank
+        sends for collectives, what crosses all stage boundaries for pipelines, what the output
+        device exchanges for dp."""
+
+    def idle_fraction(self) -> float:
+        """Share of a step each device waits for others (a pipeline's bubble)."""
+
+    def step_messages(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> list[Messages]:
+        """The messages between processes a rank takes part in per optimizer step (one
+        process sends none: its devices share its memory, `step_traffic` says how much)."""
 
 
 @runtime_checkable
@@ -219,17 +237,7 @@ class PlannedStrategy(Protocol):
 
     def check_model(self, model: nn.Module, inputs: Tree) -> None: ...
 
-    def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]: ...
-
-    def step_traffic(
-        self, sizes: ModelSizes, micro_batch: int, accumulate: int
-    ) -> dict[str, int]: ...
-
-    def idle_fraction(self) -> float: ...
-
-    def step_messages(
-        self, sizes: ModelSizes, micro_batch: int, accumulate: int
-    ) -> list[Messages]: ...
+    def cost_model(self) -> CostModel | None: ...
 
 
 class Strategy:
@@ -455,21 +463,6 @@ class Strategy:
     def teardown(self) -> None:
         pass
 
-    def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
-        """What each device holds and runs in a step of `micro_batch` samples (all of them)."""
-        return [DeviceShare(f"{self.device_type}:0", micro_batch)]
-
-    def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
-        """Bytes sent per optimizer step (`accumulate` micro-steps), by transfer: what each rank
-        sends for collectives, what crosses all stage boundaries for pipelines, what the output
-        device exchanges for dp."""
-        return {}
-
-    def idle_fraction(self) -> float:
-        """Share of a step each device waits for others (a pipeline's bubble)."""
-        return 0.0
-
-    def step_messages(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> list[Messages]:
-        """The messages between processes a rank takes part in per optimizer step (one
-        process sends none: its devices share its memory, `step_traffic` says how much)."""
-        return []
+    def cost_model(self) -> CostModel | None:
+        """None: the strategy runs, and the planner says in one line that it cannot plan it."""
+        return None

@@ -24,7 +24,7 @@ from src.components.batches import Tree, move
 from src.config.base import ConfigError
 from src.config.parallel import DistributedConfig
 from src.parallel.base import LossFn, Strategy, usable_cores
-from src.parallel.mechanisms.sync_batchnorm import convert_sync_batchnorm
+from src.parallel.replicas.sync_batchnorm import convert_sync_batchnorm
 from src.runtime.ranks import Ranks
 
 log = logging.getLogger(__name__)

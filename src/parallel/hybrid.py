@@ -14,7 +14,7 @@ import torch
 
 from src.config.base import ConfigError
 from src.config.parallel import MeshConfig
-from src.parallel.stage_cut import StageCut
+from src.parallel.stages.cut import StageCut
 
 
 def stage_cut(cfg: MeshConfig, processes: int, runs_ddp: bool) -> StageCut | None:

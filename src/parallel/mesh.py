@@ -175,7 +175,7 @@ class Mesh(SingleLayoutCheckpoints, LayoutShares, Distributed):
         if self.layout.ep > 1:
             self.ep_split = expert_split(model, inputs, self.layout)
         if self.stage_cut is not None:
-            self.stage_cut.plan(model, inputs)
+            self.stage_cut.choose_cuts(model, inputs)
         if self.layout.pp > 1:
             # What the tracer runs (an nn.Sequential is cut without: no inputs may be given).
             if inputs is not None:

@@ -41,7 +41,7 @@ from src.parallel.pipeline_schedules import (
     stage_traffic,
 )
 from src.parallel.shares import DeviceShare, Messages, ModelSizes
-from src.parallel.stage_cut import StageCut
+from src.parallel.stages.cut import StageCut
 from src.parallel.tp.costs import TPSplit, tp_kept, tp_kept_bytes, tp_messages, tp_traffic
 
 
@@ -61,6 +61,10 @@ class LayoutShares:
     split: TPSplit | None = None
     ep_split: ExpertSplit | None = None
     key_values: tuple[int, ...] | list[int] = ()  # each attention's per sample, under cp
+
+    def cost_model(self) -> LayoutShares:
+        """`Mesh`'s `CostModel`: the methods below, on the strategy itself."""
+        return self
 
     def stage_blocks(self, blocks: int) -> list[list[tuple[int, int]]]:
         """Each pp rank's stages, as [start, end) ranges of the model's `blocks` blocks."""
@@ -140,7 +144,7 @@ class LayoutShares:
         stage cut, each with the reducer's buckets (`ddp.bucket_bytes`)."""
         if self.stage_cut is not None:
             buckets = not self.cfg.gradient_as_bucket_view
-            return self.stage_cut.device_shares(self.device_type, sizes, samples, buckets)
+            return self.stage_cut.costs(self.device_type, buckets).device_shares(sizes, samples)
         buckets = bucket_bytes(self.cfg, sizes.parameter_bytes)
         return [DeviceShare(f"{self.device_type}:0", samples, extra_bytes={"gradients": buckets})]
 
@@ -185,7 +189,9 @@ class LayoutShares:
         layout, samples = self.layout, micro_batch // self.layout.dp
         if self.runs_ddp:
             stages = (
-                self.stage_cut.step_traffic(sizes, samples, accumulate) if self.stage_cut else {}
+                self.stage_cut.costs(self.device_type).step_traffic(sizes, samples, accumulate)
+                if self.stage_cut
+                else {}
             )
             return {**stages, **replica_traffic(sizes.parameter_bytes, layout.dp)}
         ranks = self.rank_blocks(len(sizes.block_parameter_bytes))
@@ -246,7 +252,7 @@ class LayoutShares:
 
     def idle_fraction(self) -> float:
         if self.stage_cut is not None:
-            return self.stage_cut.idle_fraction()
+            return self.stage_cut.costs(self.device_type).idle_fraction()
         if self.layout.pp == 1:
             return 0.0
         return schedule_bubble(self.layout.pp, self.cfg.stages_per_rank, self.cfg.microbatches)

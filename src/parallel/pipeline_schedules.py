@@ -37,9 +37,9 @@ from torch.distributed.pipelining.schedules import (
 from src.components.averaged_weights import local
 from src.components.batches import Tree, batch_size, meta_resized
 from src.config.base import ConfigError
-from src.parallel.mechanisms.stage_pipeline import boundary_bytes
 from src.parallel.pipeline_cut import META, Tie, cut_model, place
 from src.parallel.shares import Messages, ModelSizes
+from src.parallel.stages.costs import boundary_bytes
 from src.runtime.torch_private import pipeline_warmup_skips_own_rank
 
 ONE_STAGE = ("GPipe", "1F1B")  # one stage per rank
