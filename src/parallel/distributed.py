@@ -23,7 +23,8 @@ from torch import nn
 from src.components.batches import Tree, move
 from src.config.base import ConfigError
 from src.config.parallel import DistributedConfig
-from src.parallel.base import LossFn, Strategy, usable_cores
+from src.parallel.base import LossFn, Strategy
+from src.parallel.devices import usable_cores
 from src.parallel.replicas.sync_batchnorm import convert_sync_batchnorm
 from src.runtime.ranks import Ranks
 

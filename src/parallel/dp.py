@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from src.components.batches import Tree, move
-from src.parallel.base import LossFn, Strategy, process_peak_memory_mb
+from src.parallel.base import LossFn, Strategy
+from src.parallel.devices import process_peak_memory_mb
 from src.parallel.replicas.apply import DataParallel
 from src.parallel.replicas.costs import ReplicaCosts
 

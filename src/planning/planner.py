@@ -42,7 +42,8 @@ from src.config.parallel import AUTO, Offload, at_least_one
 from src.config.plan import PlanConfig
 from src.config.trainer import Accelerator, TrainerConfig
 from src.parallel import build_strategy
-from src.parallel.base import CostModel, Strategy, resolve_device_type, usable_cores
+from src.parallel.base import CostModel, Strategy
+from src.parallel.devices import resolve_device_type, usable_cores
 from src.parallel.shares import ModelSizes
 from src.planning.memory_trace import (
     TracedShare,

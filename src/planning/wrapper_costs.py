@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.parallel import DistributedDataParallel
 
 from src.components.optimizer import adamw
-from src.parallel.base import usable_cores
+from src.parallel.devices import usable_cores
 from src.parallel.pipeline_schedules import apply_pp
 from src.parallel.replicas.apply import DataParallel
 from src.planning.timing import best_times_s, typical_time_s, typical_times_s

@@ -15,7 +15,8 @@ import torch
 from omegaconf import DictConfig
 
 from src.observe.performance import device_peak_tflops, throughput_figures
-from src.parallel.base import Strategy, usable_cores
+from src.parallel.base import Strategy
+from src.parallel.devices import usable_cores
 from src.runtime.files import json_text
 from src.runtime.ranks import Ranks
 from src.runtime.run_folder import metrics_file, summary_file
