@@ -296,7 +296,7 @@ def replica_threads_s(
     device: torch.device, counts: tuple[int, ...] = REPLICA_COUNTS
 ) -> dict[str, float]:
     """By replicas (`counts`): a micro-step's seconds under dp's replicas run in threads of this
-    process (`mechanisms.replicas.DataParallel` on CPU) beyond the same step of the module
+    process (`replicas.apply.DataParallel` on CPU) beyond the same step of the module
     itself over the whole batch."""
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(REPLICA_WIDTH, REPLICA_WIDTH), nn.ReLU()) for _ in "abcd"]
