@@ -1,10 +1,10 @@
 """What `model_parallel` and `hybrid` compose: a model cut into stages on one process's
 devices. `StageCut` checks the pipeline's settings before any work, chooses the split points on
 the meta model, builds the `Pipeline` (`pipeline.py`) and gives the planner its `StageCosts`
-(`costs.py`). An nn.Sequential is cut between its children; any other model by torch's tracer at its
-blocks, as parallel.pp cuts it (`pipeline_cut.cut_at`). `model_parallel` is a `StageCut` on the
-process's `parallel.devices` devices; `hybrid` (`hybrid.py`) is DDP over one on each process's
-`parallel.stages` devices.
+(`costs.py`). An nn.Sequential is cut between its children; any other model by torch's tracer
+at its blocks, as parallel.pp cuts it (`pipeline_cut.cut_at`). `model_parallel` is a `StageCut`
+on the process's `parallel.devices` devices; `hybrid` (`hybrid.py`) is DDP over one on each
+process's `parallel.stages` devices.
 """
 
 from __future__ import annotations
