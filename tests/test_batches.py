@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten
 
 from src.components.batch_order import SplitSamples, ValBatches, train_batches
 from src.config.base import ConfigError
-from src.parallel.mechanisms.stage_pipeline import Pipeline
+from src.parallel.stages.pipeline import Pipeline
 from src.training.build import check_config
 
 DICTS = (

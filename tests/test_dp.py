@@ -30,8 +30,7 @@ from src.components.tasks import loss_sum
 from src.observe.report import markdown_table
 from src.observe.sweep_rows import Row
 from src.parallel import build_strategy
-from src.parallel.dp_criterion import parallel_criterion
-from src.parallel.mechanisms.replicas import DataParallel, gather
+from src.parallel.replicas.apply import DataParallel, gather, parallel_criterion
 
 CPU = torch.device("cpu")
 UNEVEN = (*TINY_SGD, "trainer.batch_size=25")  # 13+12 on 2 devices, 9+9+7 on 3

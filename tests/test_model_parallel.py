@@ -28,8 +28,9 @@ from src.components.models import GPT, MLP
 from src.components.tasks import loss_sum
 from src.parallel import build_strategy
 from src.parallel.base import ConfigError
-from src.parallel.mechanisms.stage_pipeline import Pipeline, bubble_fraction, gpipe_ticks
 from src.parallel.pp.cut import balanced_split_points, parameter_count
+from src.parallel.stages.costs import bubble_fraction
+from src.parallel.stages.pipeline import Pipeline, gpipe_ticks
 
 # TINY's MLP: three 32->32 hidden blocks of 1056 parameters, then a 330-parameter head.
 TINY_MLP = {"input_shape": (32,), "num_classes": 10, "hidden": 32, "depth": 3}
@@ -138,7 +139,7 @@ def test_the_automatic_split_avoids_a_boundary_that_is_not_tensors():
 
     def planned(**settings) -> list[int]:
         stage_cut = build_strategy(pipeline_config(**settings), "cpu").stage_cut
-        stage_cut.plan(model, inputs)
+        stage_cut.choose_cuts(model, inputs)
         return stage_cut.split_points
 
     assert planned(devices=2) == [1]

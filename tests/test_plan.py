@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, TrainRun, options, run_plan, run_train
+from helpers import ROOT, TINY_SGD, TrainRun, options, run_plan, run_train
 from hydra import initialize_config_dir
 from torch.distributed._tools.mem_tracker import _MemRefType
 
@@ -297,6 +297,31 @@ def test_bad_plan_settings_are_one_line_and_exit_2(command, message, tmp_path):
     output = (result.stdout + result.stderr).splitlines()  # train.py logs its error line
     error_lines = [line for line in output if "error" in line.lower()]
     assert len(error_lines) == 1 and message in error_lines[0]
+
+
+def test_a_strategy_without_a_cost_model_trains_but_plan_py_refuses_it_in_one_line(tmp_path):
+    """`Strategy.cost_model` None (`tests/odd_strategies.py`): train.py runs it; plan.py, asked
+    for it alone, names it and its class in one line and exits 2."""
+    unpriced = ("parallel=single", "parallel._target_=tests.odd_strategies.Unpriced")
+    run_train(*TINY_SGD, *unpriced, "trainer.max_steps=2", run_dir=tmp_path)
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2
+    result = run_plan(*TINY_MLP, *unpriced)
+    assert result.returncode == 2
+    named = "parallel=single (tests.odd_strategies.Unpriced) has no cost model"
+    assert [line for line in result.stderr.splitlines() if "cost model" in line] == [
+        f"plan.py: error: {named} (Strategy.cost_model returns None): it trains, but cannot be "
+        "planned"
+    ]
+
+
+def test_planning_leaves_a_strategy_without_a_cost_model_out_in_one_line(compose_config, caplog):
+    """As parallel=auto does among the other strategies."""
+    cfg = compose_config(*TINY_MLP)
+    unpriced = cfg.parallel.copy()
+    unpriced._target_ = "tests.odd_strategies.Unpriced"
+    assert [plan.strategy for plan in plan_all(cfg, [unpriced, cfg.parallel])] == ["single"]
+    left_out = [r.message for r in caplog.records if "cost model" in r.message]
+    assert len(left_out) == 1 and left_out[0].startswith("left out: parallel=single (tests.")
 
 
 def test_no_devices_is_refused_before_any_strategy_is_planned(compose_config):

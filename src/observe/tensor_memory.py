@@ -59,7 +59,7 @@ class StorageTracker(MemTracker):
     storage (compressed sparse layouts, MKL-DNN) is left out, with one warning per layout."""
 
     thread_safe = True
-    """dp's replica threads run under it too (`mechanisms.replicas.parallel_apply`): the count of
+    """dp's replica threads run under it too (`replicas.apply.parallel_apply`): the count of
     what is alive, which their ops and storages freed in any thread update, changes under a lock
     (shared unlocked, a module-hooked MemTracker's peak once failed now and then with 'dictionary
     changed size during iteration', 0254e07; two threads could also add one storage twice)."""

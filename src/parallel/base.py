@@ -3,7 +3,9 @@
 The trainer (`src/training/`) calls only what is below and never asks which strategy it holds.
 Three Protocols name each caller's part: `TrainingStrategy` (the trainer and its loop),
 `CheckpointedStrategy` (`src/checkpoint/store.py`) and `PlannedStrategy` (the planner); `Strategy`
-implements all three, with defaults for a strategy of one process.
+implements all three, with defaults for a strategy of one process. What a layout costs is not
+the strategy's to compute: `cost_model` hands the planner an object that does (`CostModel`), so a
+strategy without one still runs.
 
 Before any work (in the launching process):
     strategy = Strategy(cfg.parallel, device_type, precision, ranks)
@@ -70,36 +72,30 @@ Now and then:
     strategy.synchronize()       wait for queued device work (timing)
     strategy.local_peak_memory_mb(*cpu_mb)  (labels, megabytes by measure) for this process's
                                  devices: for each measure, the allocator's peak on CUDA,
-                                 its value (`process_peak_memory_mb`: the resident peak) on CPU
+                                 its value (`devices.process_peak_memory_mb`) on CPU
     strategy.peak_memory_mb(*cpu_mb)   the same for every device the job used (all processes,
                                  every measure in one gather)
     strategy.report()            strategy-specific figures for summary.json (e.g. bubble)
     strategy.teardown()
-For the planner (`src/planning/planner.py`), after check_batch and check_model, touching no device:
-    strategy.device_shares(sizes, micro_batch)   what each device holds and runs in a step
-    strategy.step_traffic(sizes, micro_batch, accumulate)   bytes sent per step, by transfer
-    strategy.idle_fraction()                     share of the step a device waits (bubble)
-    strategy.step_messages(sizes, micro_batch, accumulate)  the messages between processes a
-                                                 rank sends per step, for the predicted time
+For the planner (`src/planning/planner.py`), after check_batch and check_model:
+    strategy.cost_model()        what prices its layout (`CostModel`: each device's share of a
+                                 step, the bytes and messages sent, the idle share), touching
+                                 no device; None: it runs, but cannot be planned
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import resource
-import sys
-import warnings
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
+from src.checkpoint.dcp_state import dcp_state_dict, read_dcp, set_dcp_state
 from src.components.batches import Tree
 from src.config.base import ConfigError
 from src.config.parallel import ParallelConfig
-from src.config.trainer import Accelerator
 from src.parallel.shares import DeviceShare, Messages, ModelSizes
 from src.runtime.ranks import Ranks
 
@@ -107,43 +103,24 @@ LossFn = Callable[[Tree, Tree], torch.Tensor]
 """A task's `sums`: (outputs, targets) -> a 1-D tensor of sums."""
 
 
-def resolve_device_type(accelerator: Accelerator) -> str:
-    """'auto' becomes cuda when a GPU is visible, else cpu."""
-    if accelerator == Accelerator.cuda and not torch.cuda.is_available():
-        raise ConfigError("trainer.accelerator=cuda but no GPU is visible; use auto or cpu")
-    if accelerator == Accelerator.auto:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return Accelerator(accelerator).value
+@runtime_checkable
+class CostModel(Protocol):
+    """What the planner prices a strategy's layout with, once the strategy's `check_model` ran."""
 
+    def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
+        """What each device holds and runs in a step of `micro_batch` samples."""
 
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity where the OS reports one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
+        """Bytes sent per optimizer step (`accumulate` micro-steps), by transfer: what each rank
+        sends for collectives, what crosses all stage boundaries for pipelines, what the output
+        device exchanges for dp."""
 
+    def idle_fraction(self) -> float:
+        """Share of a step each device waits for others (a pipeline's bubble)."""
 
-def process_peak_memory_mb() -> float:
-    """Peak resident memory of this process (Linux reports KiB, macOS bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (2**20 if sys.platform == "darwin" else 2**10)
-
-
-def dcp_state_dict(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None = None
-) -> dict[str, Any]:
-    """DCP's state_dict APIs for a plain, DDP or FSDP2 model (or one of DTensor parameters):
-    `model` and `optimizer` (unless None) keyed by parameter name, each process's own shards."""
-    # DCP is imported where used: importing it costs a run's start-up about a fifth of
-    # `import torch`, and only sharded checkpoints need it.
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_state_dict,
-    )
-
-    if optimizer is None:
-        return {"model": get_model_state_dict(model, options=StateDictOptions())}
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=StateDictOptions())
-    return {"model": model_state, "optimizer": optimizer_state}
+    def step_messages(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> list[Messages]:
+        """The messages between processes a rank takes part in per optimizer step (one
+        process sends none: its devices share its memory, `step_traffic` says how much)."""
 
 
 @runtime_checkable
@@ -219,17 +196,7 @@ class PlannedStrategy(Protocol):
 
     def check_model(self, model: nn.Module, inputs: Tree) -> None: ...
 
-    def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]: ...
-
-    def step_traffic(
-        self, sizes: ModelSizes, micro_batch: int, accumulate: int
-    ) -> dict[str, int]: ...
-
-    def idle_fraction(self) -> float: ...
-
-    def step_messages(
-        self, sizes: ModelSizes, micro_batch: int, accumulate: int
-    ) -> list[Messages]: ...
+    def cost_model(self) -> CostModel | None: ...
 
 
 class Strategy:
@@ -388,41 +355,11 @@ class Strategy:
         model alone, to evaluate it): DCP reads each process's shards of the tensors it is given,
         however many processes wrote them. Another `key` reads the optimizer state saved under
         it (`ema`: the weight average's) into `optimizer`, and the model not again."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-            set_state_dict,
-        )
-
-        from src.checkpoint.sharded_progress import LoadPlannerShowingProgress
-
         state = dcp_state_dict(model, optimizer)  # the shapes and shards to fill
         saved = self.as_saved(state)
-        read = saved if key == "optimizer" else {key: saved["optimizer"]}
-        with warnings.catch_warnings():
-            # One process without a process group reads every shard itself, as meant here; DCP
-            # warns that it assumes so on every such load (eval.py, resume under single).
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            showing = LoadPlannerShowingProgress(f"reading checkpoint {os.path.basename(path)}")
-            dcp.load(read, checkpoint_id=path, planner=showing)  # into them (or views of them)
-            showing.finish()
+        read_dcp(saved if key == "optimizer" else {key: saved["optimizer"]}, path)
         self.place_loaded(state, saved)
-        if optimizer is None:
-            set_model_state_dict(model, state["model"], options=StateDictOptions())
-            return
-        if key != "optimizer":
-            options = StateDictOptions()
-            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
-            return
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-            options=StateDictOptions(),
-        )
+        set_dcp_state(model, optimizer, state, key)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
@@ -455,21 +392,6 @@ class Strategy:
     def teardown(self) -> None:
         pass
 
-    def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
-        """What each device holds and runs in a step of `micro_batch` samples (all of them)."""
-        return [DeviceShare(f"{self.device_type}:0", micro_batch)]
-
-    def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
-        """Bytes sent per optimizer step (`accumulate` micro-steps), by transfer: what each rank
-        sends for collectives, what crosses all stage boundaries for pipelines, what the output
-        device exchanges for dp."""
-        return {}
-
-    def idle_fraction(self) -> float:
-        """Share of a step each device waits for others (a pipeline's bubble)."""
-        return 0.0
-
-    def step_messages(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> list[Messages]:
-        """The messages between processes a rank takes part in per optimizer step (one
-        process sends none: its devices share its memory, `step_traffic` says how much)."""
-        return []
+    def cost_model(self) -> CostModel | None:
+        """None: the strategy runs, and the planner says in one line that it cannot plan it."""
+        return None

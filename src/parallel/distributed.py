@@ -23,9 +23,9 @@ from torch import nn
 from src.components.batches import Tree, move
 from src.config.base import ConfigError
 from src.config.parallel import DistributedConfig
-from src.parallel.base import LossFn, Strategy, usable_cores
-from src.parallel.mechanisms.sync_batchnorm import convert_sync_batchnorm
-from src.parallel.shares import DeviceShare, Messages, ModelSizes
+from src.parallel.base import LossFn, Strategy
+from src.parallel.devices import usable_cores
+from src.parallel.replicas.sync_batchnorm import convert_sync_batchnorm
 from src.runtime.ranks import Ranks
 
 log = logging.getLogger(__name__)
@@ -144,20 +144,6 @@ class Distributed(Strategy):
         if self.device_type == "cuda" and self.cfg.nodes > 1:
             labels = [f"rank{self.rank}:{label}" for label in labels]
         return labels, megabytes
-
-    # The planner's four questions, answered by `cost_model()` (Mesh's `LayoutShares`,
-    # Replicated's `ReplicaCosts`) until the planner asks `cost_model()` itself (issue #58).
-    def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
-        return self.cost_model().device_shares(sizes, micro_batch)
-
-    def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
-        return self.cost_model().step_traffic(sizes, micro_batch, accumulate)
-
-    def idle_fraction(self) -> float:
-        return self.cost_model().idle_fraction()
-
-    def step_messages(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> list[Messages]:
-        return self.cost_model().step_messages(sizes, micro_batch, accumulate)
 
     def teardown(self) -> None:
         # A failing rank (an exception on its way through `train`) leaves its group open until

@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from src.components.batches import Tree, move
-from src.parallel.base import LossFn, Strategy, process_peak_memory_mb
-from src.parallel.mechanisms.replicas import DataParallel
-from src.parallel.shares import DeviceShare, Messages, ModelSizes
+from src.parallel.base import LossFn, Strategy
+from src.parallel.devices import process_peak_memory_mb
+from src.parallel.replicas.apply import DataParallel
+from src.parallel.replicas.costs import ReplicaCosts
 
 log = logging.getLogger(__name__)
 
@@ -59,46 +60,5 @@ class DP(Strategy):
         others = peaks[1:]
         return {"output_device_memory_ratio": peaks[0] / (sum(others) / len(others))}
 
-    def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
-        """On CPU, one process holding every replica (they share the parameters); on GPUs, the
-        output device runs its part and holds the gathered outputs and their gradient, the
-        others a parameter replica and their part of the batch."""
-        parts = min(self.cfg.devices, micro_batch)
-        if self.device_type == "cpu":
-            share = DeviceShare(
-                "cpu:0", micro_batch, parts=parts, gather=self.gather_outputs, devices=parts
-            )
-            return [share]
-        chunk = -(-micro_batch // parts)
-        gathered = 2 * micro_batch * sizes.block_output_bytes[-1] if self.gather_outputs else 0
-        output_device = DeviceShare("cuda:0", chunk, extra_bytes={"activations": gathered})
-        replicas = [DeviceShare(f"cuda:{i}", chunk, replica_only=True) for i in range(1, parts)]
-        return [output_device, *replicas]
-
-    def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
-        """From the output device, per micro-step: the inputs scattered, the parameters
-        broadcast to each replica and their gradients reduced back; with the gather, the
-        outputs gathered and their gradients scattered back."""
-        replicas = min(self.cfg.devices, micro_batch) - 1
-        others = replicas / (replicas + 1)
-        traffic = {
-            "input scatter": int(accumulate * others * micro_batch * sizes.input_bytes),
-            "parameter broadcast + gradient reduce": 2
-            * accumulate
-            * replicas
-            * sizes.parameter_bytes,
-        }
-        if self.gather_outputs:
-            outputs = micro_batch * sizes.block_output_bytes[-1]
-            traffic["output gather + gradient scatter"] = int(2 * accumulate * others * outputs)
-        return traffic
-
-    def step_messages(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> list[Messages]:
-        """On CPU, no message but the replicas' threads: what running them costs beyond the
-        module's own work, per micro-step (the calibration's `dp`; dp_criterion's second round
-        of threads, for the loss alone, adds next to nothing). GPUs' replicas run side by side,
-        their traffic a copy (`step_traffic`)."""
-        replicas = min(self.cfg.devices, micro_batch)
-        if self.device_type != "cpu" or replicas < 2:
-            return []
-        return [Messages("", accumulate, 0, replicas, wrapper="dp")]
+    def cost_model(self) -> ReplicaCosts:
+        return ReplicaCosts(self.device_type, self.cfg.devices, self.gather_outputs)

@@ -12,33 +12,13 @@ exact mean over the batch for any split.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 import torch
 from torch import nn
 
-from src.components.batches import Tree, batch_size
+from src.components.batches import Tree
 from src.parallel.base import LossFn
 from src.parallel.dp import DP
-from src.parallel.mechanisms.replicas import parallel_apply, scatter
-
-
-def parallel_criterion(
-    fn: LossFn, outputs: Sequence[Any], targets: Tree, devices: Sequence[torch.device]
-) -> torch.Tensor:
-    """Sum of `fn(outputs[i], targets' part i)` over the parts, each computed on `devices[i]` in
-    its own thread, added on `devices[0]`. `outputs` are a replicated model's per-device outputs
-    (tensors, tuples or dicts), `targets` the whole batch's (a tensor, tuple or dict), split as
-    the inputs were."""
-    parts = scatter(targets, devices)
-    if len(parts) != len(outputs):
-        raise ValueError(
-            f"{batch_size(targets)} targets split into {len(parts)} parts for {len(outputs)} "
-            "outputs"
-        )
-    losses = parallel_apply([fn] * len(parts), list(zip(outputs, parts, strict=True)), devices)
-    return torch.stack([loss.to(devices[0]) for loss in losses]).sum(0)
+from src.parallel.replicas.apply import parallel_criterion
 
 
 class DPCriterion(DP):

@@ -15,7 +15,7 @@ import torch
 
 from src.config.base import ConfigError
 from src.config.parallel import MeshConfig
-from src.parallel.stage_cut import StageCut
+from src.parallel.stages.cut import StageCut
 
 
 def check_no_stage_cut(cfg: MeshConfig) -> None:

@@ -70,6 +70,10 @@ class LayoutShares:
     fsdp: bool
     shards: bool
 
+    def cost_model(self) -> LayoutShares:
+        """`Mesh`'s `CostModel`: the methods below, on the strategy itself."""
+        return self
+
     def stage_blocks(self, blocks: int) -> list[list[tuple[int, int]]]:
         """Each pp rank's stages, as [start, end) ranges of the model's `blocks` blocks."""
         bounds = [0, *self.split.stage_points, blocks]

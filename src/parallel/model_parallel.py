@@ -1,7 +1,7 @@
 """`parallel=model_parallel`: the block stack cut into `parallel.devices` stages, one per device,
 driven by one process (a `StageCut`). `parallel.microbatches=1` runs the naive schedule (one
 stage busy at a time); M > 1 pipelines M micro-batches through the stages in GPipe order
-(`mechanisms/stage_pipeline.py`)."""
+(`stages/pipeline.py`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from torch import nn
 from src.components.batches import Tree
 from src.config.parallel import PipelineConfig
 from src.parallel.base import LossFn, Strategy
-from src.parallel.shares import DeviceShare, ModelSizes
-from src.parallel.stage_cut import StageCut
+from src.parallel.stages.costs import StageCosts
+from src.parallel.stages.cut import StageCut
 from src.runtime.ranks import Ranks
 
 
@@ -31,7 +31,7 @@ class ModelParallel(Strategy):
         self.stage_cut.check_samples(micro_batch, batch)
 
     def check_model(self, model: nn.Module, inputs: Tree) -> None:
-        self.stage_cut.plan(model, inputs)
+        self.stage_cut.choose_cuts(model, inputs)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return self.stage_cut.pipeline(model, self.devices)
@@ -45,11 +45,5 @@ class ModelParallel(Strategy):
     def report(self) -> dict[str, Any]:
         return self.stage_cut.layout
 
-    def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
-        return self.stage_cut.device_shares(self.device_type, sizes, micro_batch, False)
-
-    def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
-        return self.stage_cut.step_traffic(sizes, micro_batch, accumulate)
-
-    def idle_fraction(self) -> float:
-        return self.stage_cut.idle_fraction()
+    def cost_model(self) -> StageCosts:
+        return self.stage_cut.costs(self.device_type)

@@ -31,7 +31,7 @@ from src.parallel.ep.apply import check_degrees, check_experts, resolved_ep
 from src.parallel.layout import DIMENSIONS, Layout
 from src.parallel.mesh_checkpoints import SingleLayoutCheckpoints
 from src.parallel.shares import DeviceShare, Messages, ModelSizes
-from src.parallel.stage_cut import StageCut
+from src.parallel.stages.costs import StageCosts
 from src.parallel.tp.apply import checked_styles
 from src.runtime.ranks import Ranks
 
@@ -46,27 +46,25 @@ class ReplicaCosts:
     cfg: MeshConfig
     device_type: str
     replicas: int
-    stage_cut: StageCut | None
+    stages: StageCosts | None  # the stage cut's, each stage with the buckets' gradient copy
 
     def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
         samples = micro_batch // self.replicas
-        if self.stage_cut is not None:
-            buckets = not self.cfg.gradient_as_bucket_view
-            return self.stage_cut.device_shares(self.device_type, sizes, samples, buckets)
+        if self.stages is not None:
+            return self.stages.device_shares(sizes, samples)
         buckets = bucket_bytes(self.cfg, sizes.parameter_bytes)
         return [DeviceShare(f"{self.device_type}:0", samples, extra_bytes={"gradients": buckets})]
 
     def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
         samples = micro_batch // self.replicas
-        cut = self.stage_cut
-        stages = cut.step_traffic(sizes, samples, accumulate) if cut is not None else {}
+        stages = self.stages.step_traffic(sizes, samples, accumulate) if self.stages else {}
         return {**stages, **replica_traffic(sizes.parameter_bytes, self.replicas)}
 
     def step_messages(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> list[Messages]:
         return [bucketed_all_reduce(sizes.parameter_bytes, self.replicas)]
 
     def idle_fraction(self) -> float:
-        return self.stage_cut.idle_fraction() if self.stage_cut is not None else 0.0
+        return self.stages.idle_fraction() if self.stages is not None else 0.0
 
 
 class Replicated(Distributed):
@@ -101,12 +99,15 @@ class Replicated(Distributed):
     def check_model(self, model: nn.Module, inputs: Tree) -> None:
         check_experts(model, self.layout.ep)
         if self.stage_cut is not None:
-            self.stage_cut.plan(model, inputs)
+            self.stage_cut.choose_cuts(model, inputs)
         # tp's options without tp: refused as under any layout of tp 1.
         checked_styles(model, inputs, 1, self.cfg.sequence_parallel, self.cfg.loss_parallel)
 
     def cost_model(self) -> ReplicaCosts:
-        return ReplicaCosts(self.cfg, self.device_type, self.layout.dp, self.stage_cut)
+        buckets = not self.cfg.gradient_as_bucket_view
+        cut = self.stage_cut
+        stages = cut.costs(self.device_type, buckets) if cut is not None else None
+        return ReplicaCosts(self.cfg, self.device_type, self.layout.dp, stages)
 
     def local_devices(self) -> list[torch.device]:
         if self.stage_cut is not None:

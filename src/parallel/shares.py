@@ -257,3 +257,23 @@ def tied_groups(parts: list[list[nn.Parameter]]) -> list[list[int]]:
 def ring_bytes(size: int, ranks: int) -> int:
     """Bytes each rank sends in a ring all-reduce of `size` bytes."""
     return 2 * (ranks - 1) * size // ranks
+
+
+@dataclass(frozen=True)
+class OneDevice:
+    """What `single` costs (its `CostModel`): the whole model and batch on one device, nothing
+    sent, nothing waited for."""
+
+    device_type: str
+
+    def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
+        return [DeviceShare(f"{self.device_type}:0", micro_batch)]
+
+    def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
+        return {}
+
+    def idle_fraction(self) -> float:
+        return 0.0
+
+    def step_messages(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> list[Messages]:
+        return []

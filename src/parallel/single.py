@@ -7,6 +7,7 @@ from torch import nn
 
 from src.components.batches import Tree, move
 from src.parallel.base import ConfigError, LossFn, Strategy
+from src.parallel.shares import OneDevice
 from src.runtime.ranks import Ranks
 
 
@@ -27,3 +28,6 @@ class Single(Strategy):
     def apply(self, model: nn.Module, inputs: Tree, targets: Tree, fn: LossFn) -> torch.Tensor:
         device = self.devices[0]
         return fn(model(move(inputs, device)), move(targets, device))
+
+    def cost_model(self) -> OneDevice:
+        return OneDevice(self.device_type)

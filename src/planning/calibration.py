@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from src.parallel.base import usable_cores
+from src.parallel.devices import usable_cores
 from src.parallel.shares import COLLECTIVES
 from src.planning.timing import best_time_s, typical_time_s
 from src.planning.work import WorkCounter, size_class

@@ -10,9 +10,10 @@ and at the optimizer step. Then its share of one evaluation batch (the forward a
 sums under no_grad, the optimizer state still held) gives the evaluation's peak. Which blocks,
 how many samples and parts each device runs, and what a strategy adds (DDP's gradient buckets;
 FSDP's gathered units, only while the model runs; a pipeline's boundary traffic) comes from the
-strategy itself, through `Strategy.device_shares` and `Strategy.step_traffic`
-(`src/parallel/base.py`), asked once for the training micro-batch and once for the evaluation
-batch; the planner never asks which strategy it holds.
+strategy's `CostModel` (`Strategy.cost_model`, `src/parallel/base.py`: its `device_shares` and
+`step_traffic`), asked once for the training micro-batch and once for the evaluation batch; the
+planner never asks which strategy it holds. A strategy without a cost model still trains, but is
+not planned: the planner says so in one line (`NoCostModel`).
 
 Predictions are held to measured peaks (`src/launch/memory_check.py`, `scripts/benchmark.py --only
 plan`). What it does not see: allocator caching and fragmentation, CUDA/NCCL workspaces, and
@@ -44,7 +45,8 @@ from src.config.parallel import AUTO, Offload, at_least_one
 from src.config.plan import PlanConfig
 from src.config.trainer import Accelerator
 from src.parallel import build_strategy
-from src.parallel.base import resolve_device_type, usable_cores
+from src.parallel.base import CostModel, Strategy
+from src.parallel.devices import resolve_device_type, usable_cores
 from src.parallel.shares import ModelSizes
 from src.planning.device_memory import TracedShare, device_plan
 from src.planning.memory_trace import (
@@ -64,6 +66,22 @@ STRATEGIES = sorted(
     for path in (Path(__file__).resolve().parents[2] / "conf" / "parallel").glob("*.yaml")
     if path.stem != AUTO
 )
+
+
+class NoCostModel(ConfigError):
+    """A strategy the planner cannot price: it runs, but `Strategy.cost_model` gives None."""
+
+
+def cost_model_of(strategy: Strategy) -> CostModel:
+    """`strategy`'s cost model, or NoCostModel's one line naming its class."""
+    costs = strategy.cost_model()
+    if costs is None:
+        kind = type(strategy)
+        raise NoCostModel(
+            f"parallel={strategy.name} ({kind.__module__}.{kind.__qualname__}) has no cost model "
+            "(Strategy.cost_model returns None): it trains, but cannot be planned"
+        )
+    return costs
 
 
 def check_plan_settings(plan: PlanConfig) -> None:
@@ -127,8 +145,9 @@ def plan_all(
     """A `Plan` for each of `parallels` (a `parallel` config each) with the rest of `cfg`;
     `progress` is told of each one as it is done; `speed` is the devices' (default:
     `measured_speed`). Devices whose share of a step is the same
-    (ddp's and fsdp's replicas at one device count, say) are traced once. `cfg`: composed, or
-    typed already."""
+    (ddp's and fsdp's replicas at one device count, say) are traced once. A strategy without a
+    cost model is left out, in one logged line (`NoCostModel`), raised when it leaves none.
+    `cfg`: composed, or typed already."""
     job = job_config(cfg)
     cfg = job.cfg
     settle_model_settings(cfg)
@@ -138,13 +157,21 @@ def plan_all(
     traces: dict[tuple, TracedShare] = {}
     plans = []
     started = time.perf_counter()
+    unplanned: list[NoCostModel] = []
     for index, parallel in enumerate(parallels, 1):
-        plans.append(plan_one(job, parallel, data, sizes, traces, speed))
+        try:
+            plans.append(plan_one(job, parallel, data, sizes, traces, speed))
+        except NoCostModel as error:
+            unplanned.append(error)
         if progress:
             progress(
                 f"planned {parallel.name} on {parallel.devices} device(s) "
                 f"({index}/{len(parallels)}, {time.perf_counter() - started:.0f} s)"
             )
+    if unplanned and not plans:
+        raise unplanned[0]
+    for error in unplanned:
+        log.warning("left out: %s", error)
     return plans
 
 
@@ -156,7 +183,8 @@ def plan_one(
     traces: dict[tuple, TracedShare] | None = None,
     speed: DeviceSpeed | None = None,
 ) -> Plan:
-    """`parallel`'s plan; `traces` holds the shares traced so far, by `share_key`."""
+    """`parallel`'s plan; `traces` holds the shares traced so far, by `share_key`. Raises
+    NoCostModel for a strategy the planner cannot price."""
     plan = Plan(parallel.name, parallel.devices, parallel)
     cfg, trainer = job.cfg, job.trainer
     traces = {} if traces is None else traces
@@ -167,24 +195,27 @@ def plan_one(
         strategy.check_accumulate(trainer.accumulate)
         model, inputs = meta_model_and_inputs(cfg, data, 2)
         strategy.check_model(model, inputs)
-        shares = strategy.device_shares(sizes, micro_batch)
+        costs = cost_model_of(strategy)
+        shares = costs.device_shares(sizes, micro_batch)
         check_traceable(model, shares)
+    except NoCostModel:
+        raise
     except ConfigError as error:
         plan.problem = str(error)
         return plan
     eval_batch = min(trainer.eval_batch, len(data.val))  # the largest
-    eval_shares = strategy.device_shares(sizes, eval_batch)
+    eval_shares = costs.device_shares(sizes, eval_batch)
     for share, eval_share in zip(shares, eval_shares, strict=True):
         key = (share_key(share), share_key(eval_share))
         if key not in traces:
             traces[key] = trace_share(job, data, share, eval_share)
         offloaded = parallel.get("offload") == Offload.cpu
         plan.device_plans.append(device_plan(traces[key], share, eval_share, offloaded))
-    plan.traffic = strategy.step_traffic(sizes, micro_batch, trainer.accumulate)
+    plan.traffic = costs.step_traffic(sizes, micro_batch, trainer.accumulate)
     plan.fits = plan.needed <= cfg.plan.device_memory_gb * 2**30
     speed = speed or measured_speed(strategy.device_type, cfg.plan)
-    plan.messages = strategy.step_messages(sizes, micro_batch, trainer.accumulate)
-    plan.step_time_s = step_time_s(plan, strategy, speed, usable_cores())
+    plan.messages = costs.step_messages(sizes, micro_batch, trainer.accumulate)
+    plan.step_time_s = step_time_s(plan, strategy, costs, speed, usable_cores())
     return plan
 
 

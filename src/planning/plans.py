@@ -63,7 +63,7 @@ class Plan:
     device_plans: list[DevicePlan] = field(default_factory=list)
     traffic: dict[str, int] = field(default_factory=dict)
     messages: list[Messages] = field(default_factory=list)
-    """Between processes, per step (`Strategy.step_messages`)."""
+    """Between processes, per step (`CostModel.step_messages`)."""
     step_time_s: float = math.nan
     fits: bool = False
     problem: str | None = None  # why it cannot run (the ConfigError it raises)

@@ -13,7 +13,7 @@ import math
 import torch
 from omegaconf import DictConfig
 
-from src.parallel.base import PlannedStrategy
+from src.parallel.base import CostModel, PlannedStrategy
 from src.parallel.shares import Messages
 from src.planning.calibration import Calibration, calibration
 from src.planning.plans import DevicePlan, Plan
@@ -187,11 +187,13 @@ def measured_speed(device_type: str, settings: DictConfig) -> DeviceSpeed:
     return DeviceSpeed(settings)
 
 
-def step_time_s(plan: Plan, strategy: PlannedStrategy, speed: DeviceSpeed, cores: int) -> float:
+def step_time_s(
+    plan: Plan, strategy: PlannedStrategy, costs: CostModel, speed: DeviceSpeed, cores: int
+) -> float:
     """The predicted time of a step: the busiest device's compute, stretched by its pipeline's
-    idle share, plus the messages it waits for (`plan.messages`; those that run during backward
-    only as far as they outlast it, where the device `overlaps`); within one process, traffic
-    is a copy in memory.
+    idle share (`costs.idle_fraction`), plus the messages it waits for (`plan.messages`; those
+    that run during backward only as far as they outlast it, where the device `overlaps`);
+    within one process, traffic is a copy in memory.
 
     GPUs run side by side. On CPU a one-process strategy's devices (see `DeviceShare.devices`)
     share its cores, so they run one after another, at the rate of all its threads; each of
@@ -209,7 +211,7 @@ def step_time_s(plan: Plan, strategy: PlannedStrategy, speed: DeviceSpeed, cores
     else:
         busiest = max(plan.device_plans, key=compute_s)
         share = compute_s(busiest) / (busiest.devices if strategy.device_type != "cpu" else 1)
-        idle = strategy.idle_fraction() if busiest.devices == 1 else 0.0
+        idle = costs.idle_fraction() if busiest.devices == 1 else 0.0
         compute = share * turns / (1 - idle)
     compute += speed.fixed_step_s(threads) * turns
     if processes == 1:

@@ -35,9 +35,9 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.parallel import DistributedDataParallel
 
 from src.components.optimizer import adamw
-from src.parallel.base import usable_cores
-from src.parallel.mechanisms.replicas import DataParallel
+from src.parallel.devices import usable_cores
 from src.parallel.pp.schedules import apply_pp
+from src.parallel.replicas.apply import DataParallel
 from src.planning.timing import best_times_s, typical_time_s, typical_times_s
 from src.planning.work import WorkCounter
 
@@ -296,7 +296,7 @@ def replica_threads_s(
     device: torch.device, counts: tuple[int, ...] = REPLICA_COUNTS
 ) -> dict[str, float]:
     """By replicas (`counts`): a micro-step's seconds under dp's replicas run in threads of this
-    process (`mechanisms.replicas.DataParallel` on CPU) beyond the same step of the module
+    process (`replicas.apply.DataParallel` on CPU) beyond the same step of the module
     itself over the whole batch."""
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(REPLICA_WIDTH, REPLICA_WIDTH), nn.ReLU()) for _ in "abcd"]

@@ -23,7 +23,7 @@ overrides its private members: the planner's trace (`src/planning/memory_trace.p
 (`src/observe/tensor_memory.py`) its `_track`, `_update_and_maybe_create_winfos`, `_update_snap`,
 `_update_peak_stats` and `_mod_tracker`; `tests/test_plan.py`'s peaks, planned and measured, and
 `tests/test_tensor_memory.py` fail if those change. dp's replica threads run under the caller's
-dispatch modes (`src/parallel/mechanisms/replicas.py`, torch's private `_push_mode`);
+dispatch modes (`src/parallel/replicas/apply.py`, torch's private `_push_mode`);
 `tests/test_dp.py`'s threads test fails if that changes. optimizer=muon
 (`src/components/muon.py`) repeats torch.optim.Muon's per-matrix step around a gather, calling
 torch's private `_zeropower_via_newtonschulz` and `_adjust_lr` (torch.optim._muon);

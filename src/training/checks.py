@@ -28,7 +28,8 @@ from src.config.parallel import Offload
 from src.config.trainer import Recomputation, TrainerConfig
 from src.observe.tracking import check_tracker
 from src.parallel import build_strategy
-from src.parallel.base import Strategy, resolve_device_type
+from src.parallel.base import Strategy
+from src.parallel.devices import resolve_device_type
 from src.runtime.ranks import Ranks
 
 log = logging.getLogger(__name__)

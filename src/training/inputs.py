@@ -11,7 +11,8 @@ from omegaconf import DictConfig
 from src.components.batch_order import Loading, ValBatches, loading_for, train_batches
 from src.components.data_contract import Data
 from src.config.job import JobConfig
-from src.parallel.base import Strategy, usable_cores
+from src.parallel.base import Strategy
+from src.parallel.devices import usable_cores
 from src.training.step import TimedBatches
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,8 @@ from src.components.tasks import Task
 from src.config.trainer import TrainerConfig
 from src.observe.report import rate_text
 from src.observe.tracking import Trackers
-from src.parallel.base import TrainingStrategy, process_peak_memory_mb
+from src.parallel.base import TrainingStrategy
+from src.parallel.devices import process_peak_memory_mb
 from src.runtime.files import json_text, write_atomically
 from src.runtime.progress import bar_line
 from src.training.step import evaluate, reduced_figures

@@ -16,7 +16,8 @@ import torch
 from src.config.job import JobConfig
 from src.config.trainer import TrainerConfig
 from src.observe.performance import device_peak_tflops, throughput_figures
-from src.parallel.base import Strategy, usable_cores
+from src.parallel.base import Strategy
+from src.parallel.devices import usable_cores
 from src.runtime.files import json_text
 from src.runtime.ranks import Ranks
 from src.runtime.run_folder import metrics_file, summary_file

@@ -39,7 +39,8 @@ from src.config.trainer import TrainerConfig
 from src.observe.performance import profiling, step_flops
 from src.observe.tensor_memory import TensorPeak
 from src.observe.tracking import Trackers, build_tracker
-from src.parallel.base import Strategy, process_peak_memory_mb
+from src.parallel.base import Strategy
+from src.parallel.devices import process_peak_memory_mb
 from src.runtime.run_folder import metrics_file, tokenizer_dir
 from src.runtime.stopping import Interrupted, StopOnSignal, agree_to_stop
 from src.training.build import (

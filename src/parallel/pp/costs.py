@@ -3,8 +3,8 @@ bubble), and the activations and gradients sent across the stages' boundaries.""
 
 from __future__ import annotations
 
-from src.parallel.mechanisms.stage_pipeline import boundary_bytes
 from src.parallel.shares import Messages, ModelSizes
+from src.parallel.stages.costs import boundary_bytes
 
 
 def schedule_bubble(pp: int, stages_per_rank: int, microbatches: int) -> float:

@@ -1,7 +1,7 @@
 """Where a pipeline cuts a model, in one place: `cut_at` gives the stages' modules and the stage
 that holds each parameter and buffer name, whatever the model; for stages over processes
 (parallel.pp) `cut_model` also picks the split points, and for those on one process's devices
-(model_parallel, hybrid) `src/parallel/stage_cut.py` does.
+(model_parallel, hybrid) `src/parallel/stages/cut.py` does.
 
 An `nn.Sequential` is cut between its children: each stage an `nn.Sequential` of the model's own
 blocks (tensor parallel and FSDP, which replace parameters on the modules, reach them). Any other
@@ -19,7 +19,7 @@ A tensor the model uses on several stages (an embedding's weight tied to the hea
 stays one tensor on its first stage (`Cut.stage_of`); `Cut.uses` says which stages use each
 name, and `Cut.ties` lists those tensors: each stage's process or device runs on a copy of its
 own, whose gradients the strategy sums with the first's, as Megatron-LM does for its first and
-last stage (`tied.TiedCopy`, `stage_pipeline.Pipeline.run_stage`).
+last stage (`tied.TiedCopy`, `stages.pipeline.Pipeline.run_stage`).
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ every replica whole; the outputs are gathered by torch's rules on both device ty
 concatenated (0-dim ones stacked into a vector), `None` stays `None`, tuples, lists and dicts
 keep their structure, and replicas returning dicts with different keys are an error.
 
+`parallel_criterion` runs a loss the same way, each part on its replica's device, so that the
+outputs need not be gathered (`parallel=dp_criterion`).
+
 `parallel_apply` is ours on both device types: torch's re-enters autocast in its worker threads
 with the device's default dtype (float16 on CUDA), which turns a bf16 run into an fp16 one, and it
 refuses to run without an accelerator.
@@ -41,6 +44,9 @@ from torch._utils import ExceptionWrapper
 from torch.nn.parallel._functions import Gather
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from src.components.batches import Tree, batch_size
+from src.parallel.base import LossFn
 
 
 def scatter(batch: Any, devices: Sequence[torch.device]) -> list[Any]:
@@ -206,3 +212,20 @@ class DataParallel(nn.Module):
         with running_as_replicas(self.module, replicas):
             outputs = parallel_apply(replicas, args, devices, kwargs_parts)
         return gather(outputs, self.devices[0]) if self.gather_outputs else outputs
+
+
+def parallel_criterion(
+    fn: LossFn, outputs: Sequence[Any], targets: Tree, devices: Sequence[torch.device]
+) -> torch.Tensor:
+    """Sum of `fn(outputs[i], targets' part i)` over the parts, each computed on `devices[i]` in
+    its own thread, added on `devices[0]`. `outputs` are a replicated model's per-device outputs
+    (tensors, tuples or dicts), `targets` the whole batch's (a tensor, tuple or dict), split as
+    the inputs were."""
+    parts = scatter(targets, devices)
+    if len(parts) != len(outputs):
+        raise ValueError(
+            f"{batch_size(targets)} targets split into {len(parts)} parts for {len(outputs)} "
+            "outputs"
+        )
+    losses = parallel_apply([fn] * len(parts), list(zip(outputs, parts, strict=True)), devices)
+    return torch.stack([loss.to(devices[0]) for loss in losses]).sum(0)

@@ -2,7 +2,7 @@
 
 `Pipeline` wraps a model without copying it, so the parameters and state_dict keys stay those
 of `single`: each stage of an `nn.Sequential` is a slice that shares the original blocks; any
-other model's are torch's traced stages, bound to its tensors (`src/parallel/pipeline_cut.py`,
+other model's are torch's traced stages, bound to its tensors (`src/parallel/pp/cut.py`,
 the cut parallel.pp makes too). Its forward
 takes the targets and the loss function too, so that the loss is computed on the last stage
 where the outputs are; `model_parallel` calls it directly and `hybrid` wraps it in DDP
@@ -13,7 +13,7 @@ list or dict of tensors (nested too, `src/components/batches.py`): each is split
 leaf by leaf, and each micro-batch's structure moves to the next stage's device as it is. Anything
 else (a Python number, a string, ...) cannot be moved; `unmovable_boundaries` finds such block
 boundaries with a forward pass on the meta device before any work, so that the strategy refuses
-split points there and keeps the automatic split away from them (`src/parallel/stage_cut.py`).
+split points there and keeps the automatic split away from them (`cut.py`).
 """
 
 from __future__ import annotations
@@ -30,14 +30,9 @@ from torch.utils._pytree import tree_flatten
 from src.components.batches import Tree, batch_size, meta_resized, move, split
 from src.parallel.base import LossFn
 from src.parallel.pp.cut import Cut, balanced_split_points, parameter_count
-from src.parallel.shares import DeviceShare, ModelSizes
+from src.parallel.stages.costs import bubble_fraction
 
 log = logging.getLogger(__name__)
-
-
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """Share of stage time spent idle in a GPipe schedule: (S - 1) / (M + S - 1)."""
-    return (stages - 1) / (microbatches + stages - 1)
 
 
 def gpipe_ticks(stages: int, microbatches: int) -> Iterator[list[tuple[int, int]]]:
@@ -96,7 +91,7 @@ class Pipeline(nn.Module):
     """`model` cut at `split_points` (balanced by parameter count when None), stage i on
     `devices[i]`; forward returns the sum of `fn` over `microbatches` micro-batches. An
     nn.Sequential is cut here, into slices of its own blocks; any other model comes with its
-    `cut` (`pipeline_cut.cut_at`: stages traced by torch for each micro-batch shape, sharing the
+    `cut` (`pp.cut.cut_at`: stages traced by torch for each micro-batch shape, sharing the
     model's tensors, which are on their stages' devices already)."""
 
     def __init__(
@@ -122,7 +117,7 @@ class Pipeline(nn.Module):
             return
         if split_points is None:  # every block boundary taken to be cuttable
             split_points = balanced_split_points([parameter_count(b) for b in model], len(devices))
-        # The strategy has checked its settings (`stage_cut.py`); this guards the module's use.
+        # The strategy has checked its settings (`stages/cut.py`); this guards the module's use.
         bounds = [0, *(split_points or []), len(model)]
         if len(bounds) != len(devices) + 1 or any(b <= a for a, b in itertools.pairwise(bounds)):
             raise ValueError(
@@ -190,36 +185,6 @@ class Pipeline(nn.Module):
             "microbatches": self.microbatches,
             "bubble_fraction": bubble_fraction(len(self.devices), self.microbatches),
         }
-
-
-def stage_shares(
-    device_type: str,
-    split_points: Sequence[int],
-    sizes: ModelSizes,
-    samples: int,
-    microbatches: int,
-    gradient_buckets: bool,
-) -> list[DeviceShare]:
-    """One share per stage on GPUs; on CPU one for the process holding all of them. With
-    `gradient_buckets` (DDP over pipelines), a second copy of each stage's gradients."""
-    bounds = [0, *split_points, len(sizes.block_parameter_bytes)]
-    stages = list(itertools.pairwise(bounds)) if device_type == "cuda" else [(0, bounds[-1])]
-    return [
-        DeviceShare(
-            f"{device_type}:{index}",
-            samples,
-            blocks=(start, end),
-            parts=min(microbatches, samples),
-            extra_bytes={"gradients": sizes.blocks_bytes(start, end) if gradient_buckets else 0},
-            devices=1 if device_type == "cuda" else len(split_points) + 1,
-        )
-        for index, (start, end) in enumerate(stages)
-    ]
-
-
-def boundary_bytes(split_points: Sequence[int], sizes: ModelSizes, samples: int) -> int:
-    """Activations sent forward across every stage boundary and their gradients sent back."""
-    return sum(2 * samples * sizes.block_output_bytes[point - 1] for point in split_points)
 
 
 def log_layout(layout: dict[str, Any]) -> None:

@@ -1,10 +1,10 @@
 """What `model_parallel` and `hybrid` compose: a model cut into stages on one process's
-devices. `StageCut` checks the pipeline's settings before any work, plans the split points on the
-meta model, builds the `Pipeline` (`mechanisms/stage_pipeline.py`) and gives the planner its
-figures. An nn.Sequential is cut between its children; any other model by torch's tracer at its
-blocks, as parallel.pp cuts it (`pipeline_cut.cut_at`). `model_parallel` is a `StageCut` on the
-process's `parallel.devices` devices; `hybrid` (`hybrid.py`) is DDP over one on each process's
-`parallel.stages` devices.
+devices. `StageCut` checks the pipeline's settings before any work, chooses the split points on
+the meta model, builds the `Pipeline` (`pipeline.py`) and gives the planner its `StageCosts`
+(`costs.py`). An nn.Sequential is cut between its children; any other model by torch's tracer
+at its blocks, as parallel.pp cuts it (`pp.cut.cut_at`). `model_parallel` is a `StageCut`
+on the process's `parallel.devices` devices; `hybrid` (`hybrid.py`) is DDP over one on each
+process's `parallel.stages` devices.
 """
 
 from __future__ import annotations
@@ -19,18 +19,16 @@ from src.components.batches import Tree, meta_resized
 from src.components.model_contract import blocks_of
 from src.config.parallel import StagesConfig
 from src.parallel.base import ConfigError
-from src.parallel.mechanisms.deferred_batchnorm import defer_batchnorm
-from src.parallel.mechanisms.stage_pipeline import (
+from src.parallel.pp.cut import META, balanced_split_points, cut_at, parameter_count, place
+from src.parallel.shares import Segments
+from src.parallel.stages.costs import StageCosts
+from src.parallel.stages.deferred_batchnorm import defer_batchnorm
+from src.parallel.stages.pipeline import (
     Pipeline,
-    boundary_bytes,
-    bubble_fraction,
     describe_value,
     log_layout,
-    stage_shares,
     unmovable_boundaries,
 )
-from src.parallel.pp.cut import META, balanced_split_points, cut_at, parameter_count, place
-from src.parallel.shares import DeviceShare, ModelSizes, Segments
 
 
 class StageCut:
@@ -40,11 +38,11 @@ class StageCut:
     def __init__(self, cfg: StagesConfig, stages: int, stages_setting: str):
         self.cfg, self.stages, self.stages_setting = cfg, stages, stages_setting
         self.check_split_points(cfg.split_points)
-        self.split_points = cfg.split_points  # until `plan` has looked at the model
+        self.split_points = cfg.split_points  # until `choose_cuts` has looked at the model
         self.segment_points = cfg.split_points  # the same, as the planner's `Segments` count
         self.layout: dict[str, Any] = {}
         self.microbatch_samples = 1  # the largest micro-batch's (`check_samples`)
-        self.example: Tree = None  # a micro-batch of inputs (meta), to trace stages with (`plan`)
+        self.example: Tree = None  # a micro-batch of inputs (meta), traced by `choose_cuts`
 
     def check_samples(self, samples: int, batch: str) -> None:
         """ConfigError when `samples` (what one pipeline gets per micro-step, described by
@@ -56,10 +54,10 @@ class StageCut:
             )
         self.microbatch_samples = -(-samples // self.cfg.microbatches)  # tensor_split's first
 
-    def plan(self, model: nn.Module, inputs: Tree) -> None:
+    def choose_cuts(self, model: nn.Module, inputs: Tree) -> None:
         """Settle the split points on `model` (meta) fed `inputs` (meta). An nn.Sequential is
         cut between its children; any other model before its blocks by torch's tracer
-        (`pipeline_cut.cut_at`, as parallel.pp cuts it), tried here so that a model it cannot
+        (`pp.cut.cut_at`, as parallel.pp cuts it), tried here so that a model it cannot
         cut is refused before any work."""
         self.example = meta_resized(inputs, self.microbatch_samples)
         self.split_points = self.settled_points(model, inputs)
@@ -67,17 +65,17 @@ class StageCut:
         self.segment_points = [point + first for point in self.split_points]
 
     def settled_points(self, model: nn.Module, inputs: Tree) -> list[int]:
-        """`plan`'s split points, checked: where they cut an nn.Sequential, or where torch's
+        """`choose_cuts`' split points, checked: where they cut an nn.Sequential, or where torch's
         tracer cuts any other model."""
         if isinstance(model, nn.Sequential):
-            return self.plan_split_points(list(model), unmovable_boundaries(model, inputs))
+            return self.split_points_for(list(model), unmovable_boundaries(model, inputs))
         if self.cfg.deferred_batchnorm:
             raise ConfigError(
                 "parallel.deferred_batchnorm defers the BatchNorms of an nn.Sequential's blocks "
                 f"only; {type(model).__name__} is cut by torch's tracer, whose stages cannot "
                 "defer them: set parallel.deferred_batchnorm=false"
             )
-        points = self.plan_split_points(blocks_of(model), {})
+        points = self.split_points_for(blocks_of(model), {})
         cut_at(model, points, self.example, [META] * self.stages, self.stages_setting)
         return points
 
@@ -110,7 +108,7 @@ class StageCut:
                 f"(index {blocks - 1}); every stage needs at least one block"
             )
 
-    def plan_split_points(self, blocks: list[nn.Module], unmovable: dict[int, Any]) -> list[int]:
+    def split_points_for(self, blocks: list[nn.Module], unmovable: dict[int, Any]) -> list[int]:
         """Where stages 1.. start for a model of `blocks` (built on the meta device), none where
         the block before returns what cannot change devices (`unmovable`: block index: that
         value): `parallel.split_points` when given, else the split balanced by parameter count.
@@ -154,23 +152,8 @@ class StageCut:
         log_layout(self.layout)
         return pipeline
 
-    def device_shares(
-        self, device_type: str, sizes: ModelSizes, samples: int, gradient_buckets: bool
-    ) -> list[DeviceShare]:
-        """The stages of a pipeline fed `samples` per micro-step; with `gradient_buckets` each
-        keeps a second copy of its gradients (DDP's buckets)."""
-        return stage_shares(
-            device_type,
-            self.segment_points,
-            sizes,
-            samples,
-            self.cfg.microbatches,
-            gradient_buckets,
-        )
-
-    def step_traffic(self, sizes: ModelSizes, samples: int, accumulate: int) -> dict[str, int]:
-        traffic = boundary_bytes(self.segment_points, sizes, samples)
-        return {"stage activations": accumulate * traffic}
-
-    def idle_fraction(self) -> float:
-        return bubble_fraction(self.stages, self.cfg.microbatches)
+    def costs(self, device_type: str, gradient_buckets: bool = False) -> StageCosts:
+        """What the cut costs on `device_type` devices (after `choose_cuts`); with
+        `gradient_buckets` each stage keeps a second copy of its gradients (DDP's buckets)."""
+        points = tuple(self.segment_points or ())
+        return StageCosts(device_type, self.stages, points, self.cfg.microbatches, gradient_buckets)
