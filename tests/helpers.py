@@ -35,10 +35,10 @@ def options(group: str) -> list[str]:
     return sorted(path.stem for path in (ROOT / "conf" / group).glob("*.yaml"))
 
 
-# The N-D layouts on a DeviceMesh (src/parallel/mesh.py), tested in test_mesh.py, test_cp.py and
-# test_ep.py: each one needs a model with tensor-parallel styles, enough blocks for its stages,
-# attention (cp) or experts (ep), and 4 processes for the 2-D presets, so the sweeps over every
-# strategy leave them out.
+# The N-D layouts on a DeviceMesh (src/parallel/strategies/mesh.py), tested in test_mesh.py,
+# test_cp.py and test_ep.py: each one needs a model with tensor-parallel styles, enough blocks for
+# its stages, attention (cp) or experts (ep), and 4 processes for the 2-D presets, so the sweeps
+# over every strategy leave them out.
 MESH_LAYOUTS = ("tp", "pp", "cp", "fsdp_tp", "fsdp_cp_tp", "fsdp_tp_pp", "mesh", "ep")
 STRATEGIES = [option for option in options("parallel") if option not in ("auto", *MESH_LAYOUTS)]
 

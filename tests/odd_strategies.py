@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from src.parallel.single import Single
+from src.parallel.strategies.single import Single
 
 
 class Unpriced(Single):

@@ -84,7 +84,8 @@ from src.parallel import build_strategy
 from src.runtime.torch_private import exit_without_teardown
 
 with exit_without_teardown():
-    config = MeshConfig(_target_="src.parallel.mesh.Mesh", name="fsdp", devices=1, dp_shard=-1)
+    mesh = "src.parallel.strategies.mesh.Mesh"
+    config = MeshConfig(_target_=mesh, name="fsdp", devices=1, dp_shard=-1)
     strategy = build_strategy(config, "cpu", sys.argv[1])
     strategy.setup()
     model = strategy.wrap(MLP(input_shape=(32,), num_classes=10, hidden=32, depth=3))

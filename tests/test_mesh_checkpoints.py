@@ -1,4 +1,4 @@
-"""Sharded (DCP) checkpoints of the mesh layouts (src/parallel/mesh.py) through the real
+"""Sharded (DCP) checkpoints of the mesh layouts (src/parallel/strategies/mesh.py) through the real
 `train.py`: fsdp 2 x tp 2 and pp 2 save single's tensors in shards, which export as single's
 state_dict and resume, resharded, under single, ddp, fsdp and pp; single's resume under fsdp 2 x
 tp 2. Each resumed run ends as the uninterrupted single run."""

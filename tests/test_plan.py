@@ -262,7 +262,7 @@ def test_auto_may_choose_a_mesh_layout(compose_config):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         resolved = resolve_auto(cfg)
     assert resolved.parallel.name in ("tp", "pp")
-    assert resolved.parallel._target_ == "src.parallel.mesh.Mesh"
+    assert resolved.parallel._target_ == "src.parallel.strategies.mesh.Mesh"
 
 
 def test_train_with_parallel_auto_records_the_choice(tmp_path):

@@ -57,7 +57,7 @@ class ParallelConfig:
     """How the work is spread over devices: `_target_` is the strategy class (src/parallel/),
     built with these settings and the device type; `name` labels the runs."""
 
-    _target_: str = "src.parallel.single.Single"
+    _target_: str = "src.parallel.strategies.single.Single"
     name: str = "single"
     devices: int = 1
     """Devices per node: GPUs on CUDA; replicas, processes or stages on CPU."""
@@ -169,10 +169,10 @@ class ReducerConfig:
 
 @dataclass
 class MeshConfig(StagesConfig, ReducerConfig, DistributedConfig):
-    """An N-D layout on one DeviceMesh (src/parallel/mesh.py): degrees whose product is the
-    number of processes (parallel.devices / parallel.stages x parallel.nodes); -1 takes the ranks
-    the others leave. ddp, fsdp, hybrid, tp, pp, cp, fsdp_tp, fsdp_cp_tp, fsdp_tp_pp, ep and mesh
-    are presets of it."""
+    """An N-D layout on one DeviceMesh (src/parallel/strategies/mesh.py): degrees whose product
+    is the number of processes (parallel.devices / parallel.stages x parallel.nodes); -1 takes
+    the ranks the others leave. ddp, fsdp, hybrid, tp, pp, cp, fsdp_tp, fsdp_cp_tp, fsdp_tp_pp, ep
+    and mesh are presets of it."""
 
     dp_replicate: int = 1
     """Data-parallel replicas: torch's DDP when no other degree is set, else FSDP2's (HSDP with

@@ -1,11 +1,9 @@
-"""The strategy classes, each in a module of its own: `single`, `dp`, `dp_criterion`,
-`model_parallel`, `replicated.Replicated` for dp_replicate alone (ddp, hybrid) and `mesh.Mesh` for
-every other layout of one process per rank, whose presets (fsdp, tp, pp, cp, fsdp_tp, fsdp_cp_tp,
-fsdp_tp_pp, ep, mesh) set its degrees. Each degree's mechanism has a module of its own:
-`dp_replicate/` (DDP's), `dp_shard/` (FSDP2 over the
-data-parallel dimensions), `hybrid.py` (the in-process stage cut), `tp/` (tp),
-`cp/` (cp), `pp/` (pp). `build_strategy` imports only the
-class asked for."""
+"""Parallelism: a folder per degree, each holding how it is applied and what it costs
+(`dp_replicate/`, `dp_shard/`, `tp/`, `cp/`, `pp/`, `ep/`, and the in-process `replicas/` and
+`stages/`), and `strategies/`, the classes that compose them behind the loop's interface
+(`base.py`). `build_strategy` makes the class `parallel._target_` names, importing only it:
+`replicated.Replicated` for dp_replicate alone (ddp, hybrid), `mesh.Mesh` for every other
+layout of one process per rank (fsdp, tp, pp, cp, fsdp_tp, fsdp_cp_tp, fsdp_tp_pp, ep, mesh)."""
 
 from __future__ import annotations
 
@@ -42,7 +40,10 @@ def build_strategy(
 
 # The classes of one process per rank, whichever of them a preset names: its degrees as set
 # (-1 among them) choose. DDP alone is not a mesh: no DeviceMesh, no DTensors.
-REPLICATED, MESH = "src.parallel.replicated.Replicated", "src.parallel.mesh.Mesh"
+REPLICATED, MESH = (
+    "src.parallel.strategies.replicated.Replicated",
+    "src.parallel.strategies.mesh.Mesh",
+)
 LAYOUT_CLASSES = (REPLICATED, MESH)
 
 

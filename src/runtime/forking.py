@@ -62,8 +62,8 @@ RANK_SERVER_IMPORTS = ("torch._dynamo", "src.launch.job")  # what it imports, se
 # experimental parts and pipelining; DCP's state dicts): imported by the server, once for all its
 # ranks (docs/performance.md has the figure).
 RANKS_IMPORT = (
-    "src.parallel.mesh",
-    "src.parallel.replicated",
+    "src.parallel.strategies.mesh",
+    "src.parallel.strategies.replicated",
     "torch.distributed.checkpoint.state_dict",
 )
 

@@ -17,8 +17,8 @@ from torch import nn
 
 from src.components.batches import Tree
 from src.parallel.base import LossFn
-from src.parallel.dp import DP
 from src.parallel.replicas.apply import parallel_criterion
+from src.parallel.strategies.dp import DP
 
 
 class DPCriterion(DP):

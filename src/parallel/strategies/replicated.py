@@ -22,16 +22,16 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from src.config.parallel import MeshConfig
-from src.parallel import hybrid
 from src.parallel.base import LossFn, Tree
-from src.parallel.distributed import Distributed
 from src.parallel.dp_replicate.apply import apply_ddp, check_accumulate, release_reducer
 from src.parallel.dp_replicate.costs import bucket_bytes, bucketed_all_reduce, replica_traffic
 from src.parallel.ep.apply import check_degrees, check_experts, resolved_ep
 from src.parallel.layout import DIMENSIONS, Layout
-from src.parallel.mesh_checkpoints import SingleLayoutCheckpoints
 from src.parallel.shares import DeviceShare, Messages, ModelSizes
 from src.parallel.stages.costs import StageCosts
+from src.parallel.strategies import hybrid
+from src.parallel.strategies.distributed import Distributed
+from src.parallel.strategies.mesh_checkpoints import SingleLayoutCheckpoints
 from src.parallel.tp.apply import checked_styles
 from src.runtime.ranks import Ranks
 

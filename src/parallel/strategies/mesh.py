@@ -41,7 +41,6 @@ from src.config.parallel import MeshConfig
 from src.parallel.base import LossFn, Tree
 from src.parallel.cp.apply import apply_cp, check_attention, check_sequence_length, shard_positions
 from src.parallel.cp.ring import check_torch_ring, ring_attention
-from src.parallel.distributed import Distributed
 from src.parallel.dp_replicate.apply import check_reducer_options
 from src.parallel.dp_shard.apply import (
     apply_fsdp,
@@ -54,15 +53,16 @@ from src.parallel.dp_shard.apply import (
 from src.parallel.dtensors import by_mesh, clip_by_whole_norm, held_bytes
 from src.parallel.ep.apply import apply_ep, check_degrees, check_experts, resolved_ep
 from src.parallel.ep.costs import expert_split
-from src.parallel.hybrid import check_no_stage_cut
 from src.parallel.layout import DIMENSIONS, Layout
-from src.parallel.mesh_checkpoints import SingleLayoutCheckpoints, summed
-from src.parallel.mesh_shares import LayoutShares, ModelSplit
 from src.parallel.pp.cut import cut_model
 from src.parallel.pp.run import PipelineRun
 from src.parallel.pp.schedules import check_schedule
 from src.parallel.pp.stages import stage_parts
 from src.parallel.pp.tied import tied_copies
+from src.parallel.strategies.distributed import Distributed
+from src.parallel.strategies.hybrid import check_no_stage_cut
+from src.parallel.strategies.mesh_checkpoints import SingleLayoutCheckpoints, summed
+from src.parallel.strategies.mesh_shares import LayoutShares, ModelSplit
 from src.parallel.tp.apply import (
     apply_tp,
     check_beside_pipeline,
