@@ -28,8 +28,8 @@ from src.components.models import GPT, MLP
 from src.components.tasks import loss_sum
 from src.parallel import build_strategy
 from src.parallel.base import ConfigError
+from src.parallel.pp.costs import schedule_bubble
 from src.parallel.pp.cut import balanced_split_points, parameter_count
-from src.parallel.stages.costs import bubble_fraction
 from src.parallel.stages.pipeline import Pipeline, gpipe_ticks
 
 # TINY's MLP: three 32->32 hidden blocks of 1056 parameters, then a 330-parameter head.
@@ -89,7 +89,7 @@ def test_gpipe_ticks_run_every_micro_batch_through_every_stage_in_order():
         assert tick == stage + micro
     busy = sum(len(tick) for tick in ticks)
     idle = 1 - busy / (stages * len(ticks))
-    assert idle == pytest.approx(bubble_fraction(stages, microbatches))
+    assert idle == pytest.approx(schedule_bubble(stages, 1, microbatches))
 
 
 @pytest.mark.equivalence

@@ -1,10 +1,13 @@
-"""What pipeline parallel costs, for the planner: the share of a step each rank waits (the
-bubble), and the activations and gradients sent across the stages' boundaries."""
+"""What pipeline parallel costs, for the planner: which blocks each rank holds, the share of a
+step each rank waits (the bubble), and the activations and gradients sent across the stages'
+boundaries (the in-process stage cut's too)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from src.parallel.pp.schedules import stage_ranks
 from src.parallel.shares import Messages, ModelSizes
-from src.parallel.stages.costs import boundary_bytes
 
 
 def schedule_bubble(pp: int, stages_per_rank: int, microbatches: int) -> float:
@@ -42,3 +45,26 @@ def stage_messages(
     boundaries = -(-2 * len(points) // pp)
     each = boundary_bytes(points, sizes, samples) // (2 * len(points))  # one way, one boundary
     return [Messages("send", 2 * runs * boundaries, each, 2, wrapper="pp")]
+
+
+def boundary_bytes(split_points: Sequence[int], sizes: ModelSizes, samples: int) -> int:
+    """Activations sent forward across every stage boundary and their gradients sent back."""
+    return sum(2 * samples * sizes.block_output_bytes[point - 1] for point in split_points)
+
+
+def stage_blocks(
+    points: tuple[int, ...], blocks: int, schedule: str, pp: int, stages_per_rank: int
+) -> list[list[tuple[int, int]]]:
+    """Each of `pp` ranks' stages, as [start, end) ranges of the model's `blocks` blocks cut
+    before `points`, as `schedule` places them."""
+    bounds = [0, *points, blocks]
+    owner = stage_ranks(schedule, pp, stages_per_rank)
+    return [
+        [(bounds[s], bounds[s + 1]) for s, held_by in enumerate(owner) if held_by == rank]
+        for rank in range(pp)
+    ]
+
+
+def rank_blocks(stages: list[list[tuple[int, int]]]) -> list[list[int]]:
+    """The blocks each rank holds, of its `stage_blocks`."""
+    return [[b for start, end in ranges for b in range(start, end)] for ranges in stages]

@@ -8,12 +8,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from src.parallel.pp.costs import boundary_bytes, schedule_bubble
 from src.parallel.shares import DeviceShare, Messages, ModelSizes
-
-
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """Share of stage time spent idle in a GPipe schedule: (S - 1) / (M + S - 1)."""
-    return (stages - 1) / (microbatches + stages - 1)
 
 
 def stage_shares(
@@ -39,11 +35,6 @@ def stage_shares(
         )
         for index, (start, end) in enumerate(stages)
     ]
-
-
-def boundary_bytes(split_points: Sequence[int], sizes: ModelSizes, samples: int) -> int:
-    """Activations sent forward across every stage boundary and their gradients sent back."""
-    return sum(2 * samples * sizes.block_output_bytes[point - 1] for point in split_points)
 
 
 @dataclass(frozen=True)
@@ -74,7 +65,7 @@ class StageCosts:
         return {"stage activations": accumulate * traffic}
 
     def idle_fraction(self) -> float:
-        return bubble_fraction(self.stages, self.microbatches)
+        return schedule_bubble(self.stages, 1, self.microbatches)  # GPipe's
 
     def step_messages(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> list[Messages]:
         """None: the stages share one process, their traffic a copy (`step_traffic`)."""

@@ -29,8 +29,8 @@ from torch.utils._pytree import tree_flatten
 
 from src.components.batches import Tree, batch_size, meta_resized, move, split
 from src.parallel.base import LossFn
+from src.parallel.pp.costs import schedule_bubble
 from src.parallel.pp.cut import Cut, balanced_split_points, parameter_count
-from src.parallel.stages.costs import bubble_fraction
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ class Pipeline(nn.Module):
             "stage_parameters": self.stage_parameters,
             "stage_devices": [str(d) for d in self.devices],
             "microbatches": self.microbatches,
-            "bubble_fraction": bubble_fraction(len(self.devices), self.microbatches),
+            "bubble_fraction": schedule_bubble(len(self.devices), 1, self.microbatches),
         }
 
 

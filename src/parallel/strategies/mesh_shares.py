@@ -36,8 +36,13 @@ from src.parallel.ep.costs import (
     ep_traffic,
 )
 from src.parallel.layout import Layout
-from src.parallel.pp.costs import schedule_bubble, stage_messages, stage_traffic
-from src.parallel.pp.schedules import stage_ranks
+from src.parallel.pp.costs import (
+    rank_blocks,
+    schedule_bubble,
+    stage_blocks,
+    stage_messages,
+    stage_traffic,
+)
 from src.parallel.shares import DeviceShare, Messages, ModelSizes
 from src.parallel.tp.costs import TPSplit, tp_kept, tp_kept_bytes, tp_messages, tp_traffic
 
@@ -76,19 +81,14 @@ class LayoutShares:
 
     def stage_blocks(self, blocks: int) -> list[list[tuple[int, int]]]:
         """Each pp rank's stages, as [start, end) ranges of the model's `blocks` blocks."""
-        bounds = [0, *self.split.stage_points, blocks]
-        owner = stage_ranks(self.cfg.schedule, self.layout.pp, self.cfg.stages_per_rank)
-        return [
-            [(bounds[s], bounds[s + 1]) for s, held_by in enumerate(owner) if held_by == rank]
-            for rank in range(self.layout.pp)
-        ]
+        cfg = self.cfg
+        return stage_blocks(
+            self.split.stage_points, blocks, cfg.schedule, self.layout.pp, cfg.stages_per_rank
+        )
 
     def rank_blocks(self, blocks: int) -> list[list[int]]:
         """The blocks each pp rank holds."""
-        return [
-            [b for start, end in ranges for b in range(start, end)]
-            for ranges in self.stage_blocks(blocks)
-        ]
+        return rank_blocks(self.stage_blocks(blocks))
 
     def kept_bytes(self, sizes: ModelSizes, blocks: list[int]) -> int:
         """The parameter bytes of `blocks` one tp rank holds (before FSDP shards them)."""
