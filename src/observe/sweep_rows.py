@@ -182,6 +182,7 @@ def predicted(configs: list[DictConfig]) -> list[tuple[float | None, float | Non
     predates the planner). What `plan_all` shares between its plans is shared here too, but a
     job that fails leaves the others their predictions."""
     from src.components.data import build_data
+    from src.config.job import job_config
     from src.planning.memory_trace import model_sizes
     from src.planning.planner import MB, plan_one
 
@@ -195,7 +196,7 @@ def predicted(configs: list[DictConfig]) -> list[tuple[float | None, float | Non
     figures: list[tuple[float | None, float | None]] = []
     for config in configs:
         try:
-            plan = plan_one(config, config.parallel, data, sizes, traces)
+            plan = plan_one(job_config(config), config.parallel, data, sizes, traces)
         except Exception:  # noqa: BLE001 - the table goes on without the prediction
             log.debug("no prediction for this job", exc_info=True)
             plan = None
