@@ -4,7 +4,7 @@ layout's degrees and what `Mesh.check_model` learnt of the model (`ModelSplit`):
 (`tp/costs.py`), cp's share of the sequence and its ring (`cp/costs.py`), the pipeline's
 stages (`pp/costs.py`), ep's experts and exchanges (`ep/costs.py`), FSDP2's shards (over
 dp_shard x cp) and working set (`dp_shard/costs.py`) and HSDP's replicas' all-reduce
-(`dp_replicate/costs.py`). dp_replicate alone is not a mesh: `replicated.ReplicaCosts`.
+(`dp_replicate/costs.py`). dp_replicate alone is not a mesh: `replicated.DDPCosts`.
 """
 
 from __future__ import annotations

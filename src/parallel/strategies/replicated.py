@@ -7,7 +7,7 @@ degrees of dp_replicate alone whichever layout preset names them, and `Mesh` for
 Each process reads `global batch / replicas` samples; DDP averages the gradients during backward
 (`dp_replicate/apply.py`); checkpoints hold single's tensors, as a mesh's do
 (`mesh_checkpoints.py`); the planner prices the replica, or its stages, and the all-reduce
-(`ReplicaCosts`).
+(`DDPCosts`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from src.runtime.ranks import Ranks
 
 
 @dataclass(frozen=True)
-class ReplicaCosts:
+class DDPCosts:
     """What the planner prices `replicas` DDP replicas with: rank 0's replica (its stages under
     the stage cut) on its share of the batch with the reducer's buckets, and the gradients'
     all-reduce once per step (no_sync skips the other micro-steps; the stage cut's copies stay
@@ -103,11 +103,11 @@ class Replicated(Distributed):
         # tp's options without tp: refused as under any layout of tp 1.
         checked_styles(model, inputs, 1, self.cfg.sequence_parallel, self.cfg.loss_parallel)
 
-    def cost_model(self) -> ReplicaCosts:
+    def cost_model(self) -> DDPCosts:
         buckets = not self.cfg.gradient_as_bucket_view
         cut = self.stage_cut
         stages = cut.costs(self.device_type, buckets) if cut is not None else None
-        return ReplicaCosts(self.cfg, self.device_type, self.layout.dp, stages)
+        return DDPCosts(self.cfg, self.device_type, self.layout.dp, stages)
 
     def local_devices(self) -> list[torch.device]:
         if self.stage_cut is not None:
