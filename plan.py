@@ -50,17 +50,17 @@ def main(overrides: list[str]) -> int:
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         try:
-            cfg = compose(config_name="config", overrides=overrides)
-            if cfg.plan.compare:
-                print(compared_step_times(Path(cfg.plan.compare)))
+            # Typed once, here: a setting out of range stops it now.
+            job = job_config(compose(config_name="config", overrides=overrides))
+            if job.plan.compare:
+                print(compared_step_times(Path(job.plan.compare)))
                 return 0
-            job = job_config(cfg)  # typed once, here: a setting out of range stops it now
             every = not names_a_strategy(overrides)
             parallels = candidate_parallels(job, every)
             plans = plan_all(job, parallels, progress if len(parallels) > 1 else None)
-            print(format_table(plans, cfg.plan.device_memory_gb, brief=every))
+            print(format_table(plans, job.plan.device_memory_gb, brief=every))
             if len(plans) > 1:
-                print(measured_speed(planned_device_type(cfg), cfg.plan).describe())
+                print(measured_speed(planned_device_type(job), job.plan).describe())
                 print(recommendation(plans))
         except (ConfigCompositionException, OverrideParseException) as error:
             print(f"plan.py: error: {composition_error_line(error)}", file=sys.stderr)

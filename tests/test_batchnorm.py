@@ -29,9 +29,9 @@ from odd_models import BatchNormMLP
 from src.components.tasks import loss_sum
 from src.config.parallel import PipelineConfig
 from src.parallel import build_strategy
-from src.parallel.replicas.sync_batchnorm import convert_sync_batchnorm
 from src.parallel.stages.deferred_batchnorm import defer_batchnorm
 from src.parallel.stages.pipeline import Pipeline
+from src.parallel.sync_batchnorm import convert_sync_batchnorm
 
 BATCHNORM = (*TINY_SGD, "model._target_=tests.odd_models.BatchNormMLP")
 SIZES = {"input_shape": (8,), "num_classes": 3, "hidden": 6, "depth": 2}

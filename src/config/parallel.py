@@ -169,10 +169,11 @@ class ReducerConfig:
 
 @dataclass
 class MeshConfig(StagesConfig, ReducerConfig, DistributedConfig):
-    """An N-D layout on one DeviceMesh (src/parallel/strategies/mesh.py): degrees whose product
-    is the number of processes (parallel.devices / parallel.stages x parallel.nodes); -1 takes
-    the ranks the others leave. ddp, fsdp, hybrid, tp, pp, cp, fsdp_tp, fsdp_cp_tp, fsdp_tp_pp, ep
-    and mesh are presets of it."""
+    """An N-D layout of one process per rank: degrees whose product is the number of processes
+    (parallel.devices / parallel.stages x parallel.nodes); -1 takes the ranks the others leave.
+    ddp, fsdp, hybrid, tp, pp, cp, fsdp_tp, fsdp_cp_tp, fsdp_tp_pp, ep and mesh are presets of
+    it: dp_replicate alone runs as DDP (src/parallel/strategies/replicated.py), any other layout
+    on one DeviceMesh (src/parallel/strategies/mesh.py)."""
 
     dp_replicate: int = 1
     """Data-parallel replicas: torch's DDP when no other degree is set, else FSDP2's (HSDP with

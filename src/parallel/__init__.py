@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 from src.config.base import typed
 from src.config.parallel import MeshConfig, ParallelConfig
 from src.parallel.base import ConfigError, Strategy
+from src.parallel.layout import DIMENSIONS
 
 if TYPE_CHECKING:
     from src.runtime.ranks import Ranks
@@ -50,7 +51,8 @@ LAYOUT_CLASSES = (REPLICATED, MESH)
 def layout_class(settings: MeshConfig) -> str:
     """`Replicated` for dp_replicate alone (`ddp`, `hybrid`, or `tp` of one rank beside it),
     `Mesh` for any other layout."""
-    replicas_only = settings.dp_shard == settings.tp == settings.pp == settings.cp == 1
+    others = (name for name in DIMENSIONS if name != "dp_replicate")
+    replicas_only = all(getattr(settings, name) == 1 for name in others)
     return REPLICATED if replicas_only else MESH
 
 

@@ -190,7 +190,7 @@ def plan_one(
     traces = {} if traces is None else traces
     micro_batch = trainer.batch_size // trainer.accumulate
     try:
-        strategy = build_strategy(parallel, planned_device_type(cfg), trainer.precision)
+        strategy = build_strategy(parallel, planned_device_type(job), trainer.precision)
         strategy.check_batch(micro_batch)
         strategy.check_accumulate(trainer.accumulate)
         model, inputs = meta_model_and_inputs(cfg, data, 2)
@@ -212,18 +212,18 @@ def plan_one(
         offloaded = parallel.get("offload") == Offload.cpu
         plan.device_plans.append(device_plan(traces[key], share, eval_share, offloaded))
     plan.traffic = costs.step_traffic(sizes, micro_batch, trainer.accumulate)
-    plan.fits = plan.needed <= cfg.plan.device_memory_gb * 2**30
-    speed = speed or measured_speed(strategy.device_type, cfg.plan)
+    plan.fits = plan.needed <= job.plan.device_memory_gb * 2**30
+    speed = speed or measured_speed(strategy.device_type, job.plan)
     plan.messages = costs.step_messages(sizes, micro_batch, trainer.accumulate)
     plan.step_time_s = step_time_s(plan, strategy, costs, speed, usable_cores())
     return plan
 
 
-def planned_device_type(cfg: DictConfig) -> str:
+def planned_device_type(job: JobConfig) -> str:
     """cpu or cuda: `plan.accelerator`, or where the run would train."""
-    if cfg.plan.accelerator != Accelerator.auto:
-        return cfg.plan.accelerator.value
-    return resolve_device_type(cfg.trainer.accelerator)
+    if job.plan.accelerator != Accelerator.auto:
+        return job.plan.accelerator.value
+    return resolve_device_type(job.trainer.accelerator)
 
 
 # ----------------------------------------------------------------------------------------- table

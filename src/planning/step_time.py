@@ -11,8 +11,8 @@ import functools
 import math
 
 import torch
-from omegaconf import DictConfig
 
+from src.config.plan import PlanConfig
 from src.parallel.base import CostModel, PlannedStrategy
 from src.parallel.shares import Messages
 from src.planning.calibration import Calibration, calibration
@@ -33,7 +33,7 @@ class DeviceSpeed:
     """Whether messages run beside compute: a GPU's collectives have engines and streams of
     their own; gloo's threads on CPU take turns on the cores the compute runs on."""
 
-    def __init__(self, settings: DictConfig):
+    def __init__(self, settings: PlanConfig):
         self.settings = settings
 
     def compute_s(self, device: DevicePlan, threads: int) -> float:
@@ -179,11 +179,11 @@ def calibrated_speed(device_type: str, refresh: bool) -> CalibratedSpeed:
     return CalibratedSpeed(calibration(device_type, refresh))
 
 
-def measured_speed(device_type: str, settings: DictConfig) -> DeviceSpeed:
+def measured_speed(device_type: str, settings: PlanConfig) -> DeviceSpeed:
     """The speed to plan `device_type` with: calibrated where this machine has it (the CPU, a
     visible GPU), else from the settings."""
     if device_type == "cpu" or torch.cuda.is_available():
-        return calibrated_speed(device_type, bool(settings.get("calibrate", False)))
+        return calibrated_speed(device_type, settings.calibrate)
     return DeviceSpeed(settings)
 
 

@@ -141,7 +141,7 @@ def wrapped_model(
     1-D mesh in `meshes` (tp before fsdp, as the mesh layouts apply them)."""
     model = tiny_model(device, width)
     if "tp" in wrappers:
-        model = parallelize_module(model, meshes["tp"], tp_styles())
+        model = parallelize_module(model, meshes["tp"], calibration_styles())
     if "fsdp" in wrappers:
         for block in model:
             fully_shard(block, mesh=meshes["fsdp"])
@@ -151,7 +151,7 @@ def wrapped_model(
     return model
 
 
-def tp_styles() -> dict[str, ParallelStyle]:
+def calibration_styles() -> dict[str, ParallelStyle]:
     """Each block of the tiny model a Colwise/Rowwise pair."""
     styles: dict[str, ParallelStyle] = {f"{block}.0": ColwiseParallel() for block in range(BLOCKS)}
     return styles | {f"{block}.2": RowwiseParallel() for block in range(BLOCKS)}
@@ -216,7 +216,7 @@ def wrapper_message_s(
         meshes.update(fsdp=mesh["dp"], tp=mesh["tp"])
     # tp's layers cost their DTensor dispatch (`tp_layer_s`) with no message sent; with more
     # processes than cores, each in turns.
-    layers_s = len(tp_styles()) * tp_layer_s * max(1.0, processes / usable_cores())
+    layers_s = len(calibration_styles()) * tp_layer_s * max(1.0, processes / usable_cores())
     timed = measured_together(processes)
     steps = [wrapped_step(wrappers, meshes, device) for wrappers in [(), *timed]]
     bucket = [wrapped_step(wrappers, meshes, device, BUCKET_WIDTH) for wrappers in ((), ("ddp",))]
@@ -273,7 +273,7 @@ def dtensor_costs_s(mesh: DeviceMesh, device: torch.device) -> dict[str, float]:
     plain_s, split_s, pass_s, tp_pass_s = best_times_s(works, device, REPEATS)
     return {
         "op": max(0.0, (split_s - plain_s) / counter.ops),
-        "layer": max(0.0, (tp_pass_s - pass_s) / len(tp_styles())),
+        "layer": max(0.0, (tp_pass_s - pass_s) / len(calibration_styles())),
     }
 
 

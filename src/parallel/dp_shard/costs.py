@@ -113,12 +113,6 @@ def unit_spans(blocks: list[list[int]]) -> list[bool]:
     return [max(b) - min(b) >= len(b) for b in blocks]
 
 
-def unit_bytes(sizes: ModelSizes) -> list[int]:
-    """The parameter bytes of each sharding unit, in forward order."""
-    units = units_in_forward_order(sizes)
-    return [sum(sizes.block_parameter_bytes[b] for b in blocks) for blocks in units]
-
-
 def working_set(
     gathered: list[int], reduced: list[int], spans: list[bool], shards: int, device_type: str
 ) -> tuple[int, int]:

@@ -46,15 +46,19 @@ def resolved_ep(ep: int, dp_shard: int) -> int:
     return dp_shard if ep == -1 else ep
 
 
-def check_degrees(layout: Layout, runs_ddp: bool) -> None:
+def check_no_experts_under_ddp(ep: int) -> None:
+    """ConfigError, in one line, for ep beside dp_replicate alone, which has no ranks to lend."""
+    if ep != 1:
+        raise ConfigError(
+            f"parallel.ep={ep} borrows its ranks from parallel.dp_shard, and DDP "
+            "(parallel.dp_replicate alone) has none; use parallel.dp_shard (parallel=ep)"
+        )
+
+
+def check_degrees(layout: Layout) -> None:
     """ConfigError, in one line, for an ep that the layout cannot lend its ranks."""
     if layout.ep == 1:
         return
-    if runs_ddp:
-        raise ConfigError(
-            f"parallel.ep={layout.ep} borrows its ranks from parallel.dp_shard, and DDP "
-            "(parallel.dp_replicate alone) has none; use parallel.dp_shard (parallel=ep)"
-        )
     if layout.dp_shard % layout.ep:
         raise ConfigError(
             f"parallel.ep={layout.ep} must divide parallel.dp_shard={layout.dp_shard}, whose "

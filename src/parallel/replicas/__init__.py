@@ -5,7 +5,5 @@ how it runs and what it costs.
   apply, gather: `DataParallel`), and the loss computed beside each replica
   (`parallel_criterion`);
 - `costs.py`: each device's share, the bytes scattered, broadcast and gathered, the replicas'
-  threads (`ReplicaCosts`);
-- `sync_batchnorm.py`: BatchNorm with statistics over every data-parallel rank's share
-  (`parallel.sync_batchnorm`, for the strategies of a process per rank).
+  threads (`ReplicaCosts`).
 """

@@ -155,5 +155,6 @@ class StageCut:
     def costs(self, device_type: str, gradient_buckets: bool = False) -> StageCosts:
         """What the cut costs on `device_type` devices (after `choose_cuts`); with
         `gradient_buckets` each stage keeps a second copy of its gradients (DDP's buckets)."""
-        points = tuple(self.segment_points or ())
+        assert self.segment_points is not None, "choose_cuts first: the cut has no split points"
+        points = tuple(self.segment_points)
         return StageCosts(device_type, self.stages, points, self.cfg.microbatches, gradient_buckets)

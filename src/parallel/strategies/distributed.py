@@ -1,11 +1,11 @@
-"""The process-group part of `Mesh` (every layout of one process per rank): the group and its
-ranks.
+"""The process-group part of `Mesh` and `Replicated` (every layout of one process per rank): the
+group and its ranks.
 
 Each process drives its `local_devices()` (`cuda:<local rank>` among the GPUs it sees, or the
-CPU; under the stage cut, `Mesh` gives it its stages' devices) and joins a torch.distributed process
-group: NCCL on CUDA, gloo on CPU, unless `parallel.backend` says otherwise. The ranks are the
-job's `strategy.ranks` (`src/launch/as_rank.py` reads them once from the environment that torchrun,
-srun or `launch` set); a job of one process has none.
+CPU; under the stage cut, `Replicated` gives it its stages' devices) and joins a
+torch.distributed process group: NCCL on CUDA, gloo on CPU, unless `parallel.backend` says
+otherwise. The ranks are the job's `strategy.ranks` (`src/launch/as_rank.py` reads them once
+from the environment that torchrun, srun or `launch` set); a job of one process has none.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from src.config.base import ConfigError
 from src.config.parallel import DistributedConfig
 from src.parallel.base import LossFn, Strategy
 from src.parallel.devices import usable_cores
-from src.parallel.replicas.sync_batchnorm import convert_sync_batchnorm
+from src.parallel.sync_batchnorm import convert_sync_batchnorm
 from src.runtime.ranks import Ranks
 
 log = logging.getLogger(__name__)

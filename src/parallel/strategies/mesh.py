@@ -54,13 +54,14 @@ from src.parallel.dtensors import by_mesh, clip_by_whole_norm, held_bytes
 from src.parallel.ep.apply import apply_ep, check_degrees, check_experts, resolved_ep
 from src.parallel.ep.costs import expert_split
 from src.parallel.layout import DIMENSIONS, Layout
+from src.parallel.pp.costs import schedule_bubble
 from src.parallel.pp.cut import cut_model
 from src.parallel.pp.run import PipelineRun
 from src.parallel.pp.schedules import check_schedule
 from src.parallel.pp.stages import stage_parts
 from src.parallel.pp.tied import tied_copies
+from src.parallel.stages.hybrid import check_no_stage_cut
 from src.parallel.strategies.distributed import Distributed
-from src.parallel.strategies.hybrid import check_no_stage_cut
 from src.parallel.strategies.mesh_checkpoints import SingleLayoutCheckpoints, summed
 from src.parallel.strategies.mesh_shares import LayoutShares, ModelSplit
 from src.parallel.tp.apply import (
@@ -90,7 +91,7 @@ class Mesh(Distributed):
         model_split = cfg.tp != 1 or cfg.pp != 1
         self.fsdp = self.layout.dp * self.layout.cp > 1 or not model_split  # FSDP2 wraps it
         self.shards = self.fsdp and cfg.dp_shard * cfg.cp != 1  # and shards it
-        check_degrees(self.layout, runs_ddp=False)
+        check_degrees(self.layout)
         check_reducer_options(cfg, self.layout.label())
         if self.layout.pp > 1:
             check_schedule(cfg.schedule, self.layout.pp, cfg.stages_per_rank, cfg.microbatches)
@@ -172,7 +173,7 @@ class Mesh(Distributed):
             )
         return tuple(cut.points), example
 
-    def checked_sequences(self, model: nn.Module, inputs: Tree) -> tuple[int, ...] | list[int]:
+    def checked_sequences(self, model: nn.Module, inputs: Tree) -> tuple[int, ...]:
         """Under cp, each attention's keys and values per sample (none without cp)."""
         if self.layout.cp == 1:
             return ()
@@ -180,7 +181,7 @@ class Mesh(Distributed):
         # First: a model without attention has no sequence to cut.
         key_values = check_attention(model, inputs)
         check_sequence_length(inputs.shape[1], self.layout.cp)
-        return key_values
+        return tuple(key_values)
 
     def cost_model(self) -> LayoutShares:
         """The planner's figures of this layout for the model `check_model` saw."""
@@ -362,7 +363,9 @@ class Mesh(Distributed):
                 "schedule": self.cfg.schedule,
                 "stages": self.layout.pp * self.cfg.stages_per_rank,
                 "microbatches": self.cfg.microbatches,
-                "bubble_fraction": self.cost_model().idle_fraction(),
+                "bubble_fraction": schedule_bubble(
+                    self.layout.pp, self.cfg.stages_per_rank, self.cfg.microbatches
+                ),
                 "idle_fraction_per_rank": self.pipeline.idle_fractions(),
                 "held_bytes_per_rank": self.pipeline.every_rank(self.held_bytes),
             }

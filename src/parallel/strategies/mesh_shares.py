@@ -58,7 +58,7 @@ class ModelSplit:
     pipeline_inputs: Tree = None
     tp: TPSplit | None = None
     experts: ExpertSplit | None = None
-    key_values: tuple[int, ...] | list[int] = ()
+    key_values: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -74,10 +74,6 @@ class LayoutShares:
     precision: str
     fsdp: bool
     shards: bool
-
-    def cost_model(self) -> LayoutShares:
-        """`Mesh`'s `CostModel`: the methods below, on the strategy itself."""
-        return self
 
     def stage_blocks(self, blocks: int) -> list[list[tuple[int, int]]]:
         """Each pp rank's stages, as [start, end) ranges of the model's `blocks` blocks."""
@@ -159,10 +155,10 @@ class LayoutShares:
                 units, unit_blocks, held, staged, shards, self.precision, self.device_type
             )
         copied = ep_copied_bytes(self.split.experts, self.precision)
-        running = summed(
+        running = added_bytes(
             share.get("running_bytes", {}), copied, self.ring_working_set(samples, backward=True)
         )
-        forward = summed(
+        forward = added_bytes(
             share.get("forward_bytes", {}),
             copied,
             self.ring_working_set(samples, backward=False),
@@ -250,7 +246,7 @@ class LayoutShares:
         return schedule_bubble(self.layout.pp, self.cfg.stages_per_rank, self.cfg.microbatches)
 
 
-def summed(*parts: dict[str, int]) -> dict[str, int]:
+def added_bytes(*parts: dict[str, int]) -> dict[str, int]:
     """Bytes by category, added up over `parts`."""
     total: dict[str, int] = {}
     for part in parts:

@@ -7,14 +7,13 @@ degrees of dp_replicate alone whichever layout preset names them, and `Mesh` for
 Each process reads `global batch / replicas` samples; DDP averages the gradients during backward
 (`dp_replicate/apply.py`); checkpoints hold single's tensors, as a mesh's do
 (`mesh_checkpoints.py`); the planner prices the replica, or its stages, and the all-reduce
-(`DDPCosts`).
+(`dp_replicate/costs.py`'s `DDPCosts`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
-from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -24,47 +23,14 @@ from torch.nn.parallel import DistributedDataParallel
 from src.config.parallel import MeshConfig
 from src.parallel.base import LossFn, Tree
 from src.parallel.dp_replicate.apply import apply_ddp, check_accumulate, release_reducer
-from src.parallel.dp_replicate.costs import bucket_bytes, bucketed_all_reduce, replica_traffic
-from src.parallel.ep.apply import check_degrees, check_experts, resolved_ep
+from src.parallel.dp_replicate.costs import DDPCosts
+from src.parallel.ep.apply import check_no_experts_under_ddp, resolved_ep
 from src.parallel.layout import DIMENSIONS, Layout
-from src.parallel.shares import DeviceShare, Messages, ModelSizes
-from src.parallel.stages.costs import StageCosts
-from src.parallel.strategies import hybrid
+from src.parallel.stages import hybrid
 from src.parallel.strategies.distributed import Distributed
 from src.parallel.strategies.mesh_checkpoints import SingleLayoutCheckpoints
 from src.parallel.tp.apply import checked_styles
 from src.runtime.ranks import Ranks
-
-
-@dataclass(frozen=True)
-class DDPCosts:
-    """What the planner prices `replicas` DDP replicas with: rank 0's replica (its stages under
-    the stage cut) on its share of the batch with the reducer's buckets, and the gradients'
-    all-reduce once per step (no_sync skips the other micro-steps; the stage cut's copies stay
-    in the process)."""
-
-    cfg: MeshConfig
-    device_type: str
-    replicas: int
-    stages: StageCosts | None  # the stage cut's, each stage with the buckets' gradient copy
-
-    def device_shares(self, sizes: ModelSizes, micro_batch: int) -> list[DeviceShare]:
-        samples = micro_batch // self.replicas
-        if self.stages is not None:
-            return self.stages.device_shares(sizes, samples)
-        buckets = bucket_bytes(self.cfg, sizes.parameter_bytes)
-        return [DeviceShare(f"{self.device_type}:0", samples, extra_bytes={"gradients": buckets})]
-
-    def step_traffic(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> dict[str, int]:
-        samples = micro_batch // self.replicas
-        stages = self.stages.step_traffic(sizes, samples, accumulate) if self.stages else {}
-        return {**stages, **replica_traffic(sizes.parameter_bytes, self.replicas)}
-
-    def step_messages(self, sizes: ModelSizes, micro_batch: int, accumulate: int) -> list[Messages]:
-        return [bucketed_all_reduce(sizes.parameter_bytes, self.replicas)]
-
-    def idle_fraction(self) -> float:
-        return self.stages.idle_fraction() if self.stages is not None else 0.0
 
 
 class Replicated(Distributed):
@@ -79,7 +45,7 @@ class Replicated(Distributed):
         self.layout = Layout.of(
             self.world_size, **{name: getattr(cfg, name) for name in DIMENSIONS}
         )
-        check_degrees(replace(self.layout, ep=resolved_ep(cfg.ep, 1)), runs_ddp=True)
+        check_no_experts_under_ddp(resolved_ep(cfg.ep, 1))
         self.stage_cut = hybrid.stage_cut(cfg, self.world_size)
         self.saved = SingleLayoutCheckpoints()  # `wrap` gives it the model's names
 
@@ -97,7 +63,6 @@ class Replicated(Distributed):
         check_accumulate(self.cfg, accumulate)
 
     def check_model(self, model: nn.Module, inputs: Tree) -> None:
-        check_experts(model, self.layout.ep)
         if self.stage_cut is not None:
             self.stage_cut.choose_cuts(model, inputs)
         # tp's options without tp: refused as under any layout of tp 1.
