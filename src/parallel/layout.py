@@ -12,7 +12,9 @@ under `single`.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
+from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -87,6 +89,16 @@ class Layout:
         """Which data-parallel share of the batch `rank` reads."""
         where = self.coordinates(rank)
         return where["dp_replicate"] * self.dp_shard + where["dp_shard"]
+
+    @classmethod
+    def of_settings(cls, world_size: int, settings: Any) -> Layout:
+        """The layout `parallel.<degree>` settings give `world_size` ranks (`of`'s checks)."""
+        return cls.of(world_size, **{name: getattr(settings, name) for name in DIMENSIONS})
+
+    def named_by(self, preset: str) -> bool:
+        """Whether the preset's name says this layout already: its one degree (`fsdp` for
+        fsdp4), or `single` for one rank, so that reports and sweep tables keep the name."""
+        return re.sub(r"\d+", "", self.label()) in (preset, "single")
 
     def label(self) -> str:
         """A strategy name for reports: `fsdp2xtp2`, `ddp2xpp2`, `cp2` (degrees above 1 only)."""

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 from dataclasses import replace
 from typing import Any
 
@@ -53,7 +52,7 @@ from src.parallel.dp_shard.apply import (
 from src.parallel.dtensors import by_mesh, clip_by_whole_norm, held_bytes
 from src.parallel.ep.apply import apply_ep, check_degrees, check_experts, resolved_ep
 from src.parallel.ep.costs import expert_split
-from src.parallel.layout import DIMENSIONS, Layout
+from src.parallel.layout import Layout
 from src.parallel.pp.costs import schedule_bubble
 from src.parallel.pp.cut import cut_model
 from src.parallel.pp.run import PipelineRun
@@ -82,8 +81,7 @@ class Mesh(Distributed):
     def __init__(self, cfg, device_type: str, precision: str = "fp32", ranks: Ranks | None = None):
         super().__init__(cfg, device_type, precision, ranks)
         check_no_stage_cut(cfg)
-        degrees = {name: getattr(cfg, name) for name in DIMENSIONS}
-        layout = Layout.of(self.world_size, **degrees)
+        layout = Layout.of_settings(self.world_size, cfg)
         self.layout = replace(layout, ep=resolved_ep(cfg.ep, layout.dp_shard))
         # The degrees as set decide, -1 among them (a degree of one rank is still the preset's
         # mechanism: fsdp on one process shards). tp and pp leave data parallel out when it has
@@ -346,18 +344,12 @@ class Mesh(Distributed):
         label = self.layout.label()
         return f"{label}-{self.cfg.schedule}" if self.layout.pp > 1 else label
 
-    def names_its_layout(self) -> bool:
-        """Whether the preset's name says the layout already: one data-parallel degree over
-        every process (`fsdp` for fsdp4) or a job of one process (`single`), so that reports
-        and sweep tables keep the preset's name."""
-        one_degree = re.sub(r"\d+", "", self.layout.label())
-        return self.data_parallel_only and one_degree in (self.name, "single")
-
     def report(self) -> dict[str, Any]:
         """The layout's name unless the preset's says it; for a pipeline, its schedule's
         theoretical bubble, each pp rank's measured idle fraction (`StageClock`) and the bytes
         of parameters and buffers it holds (`held_bytes`; both collectives of the pp ranks)."""
-        figures: dict[str, Any] = {} if self.names_its_layout() else {"layout": self.layout_name()}
+        named = self.data_parallel_only and self.layout.named_by(self.name)
+        figures: dict[str, Any] = {} if named else {"layout": self.layout_name()}
         if self.pipeline is not None:
             figures["pipeline"] = {
                 "schedule": self.cfg.schedule,

@@ -13,7 +13,6 @@ Each process reads `global batch / replicas` samples; DDP averages the gradients
 from __future__ import annotations
 
 import contextlib
-import re
 from typing import Any
 
 import torch
@@ -25,7 +24,7 @@ from src.parallel.base import LossFn, Tree
 from src.parallel.dp_replicate.apply import apply_ddp, check_accumulate, release_reducer
 from src.parallel.dp_replicate.costs import DDPCosts
 from src.parallel.ep.apply import check_no_experts_under_ddp, resolved_ep
-from src.parallel.layout import DIMENSIONS, Layout
+from src.parallel.layout import Layout
 from src.parallel.stages import hybrid
 from src.parallel.strategies.distributed import Distributed
 from src.parallel.strategies.mesh_checkpoints import SingleLayoutCheckpoints
@@ -42,9 +41,7 @@ class Replicated(Distributed):
         super().__init__(cfg, device_type, precision, ranks)
         self.processes_per_node = cfg.devices // cfg.stages
         self.world_size = self.processes_per_node * cfg.nodes
-        self.layout = Layout.of(
-            self.world_size, **{name: getattr(cfg, name) for name in DIMENSIONS}
-        )
+        self.layout = Layout.of_settings(self.world_size, cfg)
         check_no_experts_under_ddp(resolved_ep(cfg.ep, 1))
         self.stage_cut = hybrid.stage_cut(cfg, self.world_size)
         self.saved = SingleLayoutCheckpoints()  # `wrap` gives it the model's names
@@ -129,5 +126,4 @@ class Replicated(Distributed):
         (`ddp`, or `single` for one process), so that reports and sweep tables keep it."""
         if self.stage_cut is not None:
             return self.stage_cut.layout
-        label = self.layout.label()
-        return {} if re.sub(r"\d+", "", label) in (self.name, "single") else {"layout": label}
+        return {} if self.layout.named_by(self.name) else {"layout": self.layout.label()}
