@@ -144,13 +144,13 @@ def test_cp_takes_transformers_models_of_full_causal_layers_and_refuses_sliding_
 
 
 @pytest.mark.equivalence
-def test_a_transformers_llama_in_pipeline_stages_trains_like_single_from_torch_2_15(tmp_path):
-    """torch 2.15's tracer cuts it at its layers, and it trains like single; 2.14's traces a
-    rotary embedding stage that cannot run: refused in one line, before any work."""
+def test_a_transformers_llama_in_pipeline_stages_trains_like_single_or_is_refused(tmp_path):
+    """torch 2.15's tracer cuts it at its layers, as 2.14's does with transformers 5.25, and it
+    trains like single; 2.14's with transformers 5.23 traced a rotary embedding stage that cannot
+    run: refused in one line, before any work."""
     result = run_train(*LLAMA, *PP, run_dir=tmp_path, check=False)
-    if TORCH < (2, 15):
+    if result.returncode == 2 and TORCH < (2, 15):
         output = result.stdout + result.stderr
-        assert result.returncode == 2, output
         assert "parallel.pp: torch's pipeline tracer cannot cut LlamaForCausalLM" in output
         return
     assert result.returncode == 0, result.stderr[-3000:]
