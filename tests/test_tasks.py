@@ -21,7 +21,7 @@ from helpers import (
     summary,
 )
 
-from src.components.tasks import Regression, Segmentation
+from src.components.tasks import Classification, Regression, Segmentation
 
 SEGMENTATION = (
     *TINY_SGD,
@@ -57,6 +57,16 @@ def test_segmentation_sums_of_parts_give_the_whole_batchs_figures():
         truth, guess = targets[kept] == c, predicted[kept] == c
         ious.append((truth & guess).sum() / (truth | guess).sum())
     assert figures["mean_iou"] == pytest.approx(torch.stack(ious).mean().item())
+
+
+def test_classification_counts_argmax_s_predictions_ties_and_nan_included():
+    """The accuracy takes max's indices (faster on CPUs): the prediction stays argmax's, the
+    first maximum, where logits tie (a zero-initialised head) or one is NaN."""
+    logits = torch.tensor([[0.0, 0.0, 0.0], [1.0, 3.0, 3.0], [2.0, float("nan"), 5.0]])
+    assert logits.argmax(-1).tolist() == [0, 1, 1]
+    correct = Classification().sums(logits, torch.tensor([0, 1, 1]))[1]
+    assert correct.item() == 3
+    assert Classification().sums(logits, torch.tensor([1, 2, 2]))[1].item() == 0
 
 
 def test_regression_is_mean_squared_and_absolute_error():
