@@ -893,13 +893,25 @@ def test_a_stream_without_datasets_names_the_package(tmp_path, files, compose_co
         ),
         (["trainer.monitor=val/nosuch"], CHECK, "trainer.monitor=val/nosuch is never logged"),
         (
+            [f"model._target_={ODD}.LoopMLP", "+model.width=8"],
+            CHECK,
+            f"model: {ODD}.LoopMLP needs 'layers', which its config does not give: add "
+            "+model.layers=<value>",
+        ),
+        (
             ["parallel=ddp", "parallel.devices=2", "parallel.nodes=2:3", "trainer.batch_size=18"],
             CHECK,
             "on 2 node(s) of parallel.nodes=2:3: the global micro-batch (trainer.batch_size / "
             "trainer.accumulate = 18) does not split evenly over 4 processes",
         ),
     ],
-    ids=["hydra", "ddp-nodes-without-rendezvous", "monitor", "elastic-fewer-nodes"],
+    ids=[
+        "hydra",
+        "ddp-nodes-without-rendezvous",
+        "monitor",
+        "model-setting-missing",
+        "elastic-fewer-nodes",
+    ],
 )
 def test_train_py_reports_bad_input_in_one_line(tmp_path, overrides, stage, message):
     run_dir = tmp_path / "run"

@@ -37,6 +37,17 @@ def parameter_names(target: Any) -> set[str] | None:
     return {p.name for p in parameters if p.kind != inspect.Parameter.VAR_POSITIONAL}
 
 
+def missing_arguments(target: Any, given: Collection[str]) -> list[str]:
+    """The arguments `target` needs (no default; passable by name) that `given` leaves out, in
+    signature order."""
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [
+        p.name
+        for p in inspect.signature(target).parameters.values()
+        if p.kind in named and p.default is inspect.Parameter.empty and p.name not in given
+    ]
+
+
 def check_arguments(group: str, name: str, target: Any, settings: Iterable[str]) -> set[str] | None:
     """The keyword arguments `target` (named `name`, built from `group`'s `settings`) takes, None
     where it takes any; a setting it does not take is a ConfigError naming it."""
