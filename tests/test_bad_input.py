@@ -899,6 +899,19 @@ def test_a_stream_without_datasets_names_the_package(tmp_path, files, compose_co
             "+model.layers=<value>",
         ),
         (
+            # the default data's inputs are vectors; ddp: refused before any rank starts
+            ["model=timm", "parallel=ddp", "parallel.devices=2"],
+            CHECK,
+            "model=timm takes images shaped (channels, height, width), but the data's inputs "
+            "are shaped [32]",
+        ),
+        (
+            ["model=hf_image_classifier"],
+            CHECK,
+            "model=hf_image_classifier takes images shaped (channels, height, width), but the "
+            "data's inputs are shaped [32]",
+        ),
+        (
             ["parallel=ddp", "parallel.devices=2", "parallel.nodes=2:3", "trainer.batch_size=18"],
             CHECK,
             "on 2 node(s) of parallel.nodes=2:3: the global micro-batch (trainer.batch_size / "
@@ -910,6 +923,8 @@ def test_a_stream_without_datasets_names_the_package(tmp_path, files, compose_co
         "ddp-nodes-without-rendezvous",
         "monitor",
         "model-setting-missing",
+        "timm-without-images",
+        "hf-image-classifier-without-images",
         "elastic-fewer-nodes",
     ],
 )
