@@ -899,6 +899,18 @@ def test_a_stream_without_datasets_names_the_package(tmp_path, files, compose_co
             "+model.layers=<value>",
         ),
         (
+            ["data._target_=tests.nosuch.builder"],
+            CHECK,
+            "data._target_=tests.nosuch.builder does not import: No module named 'tests.nosuch'",
+        ),
+        (
+            ["data._target_=tests.odd_data.vectors"],
+            CHECK,
+            "data: tests.odd_data.vectors takes no 'image_shape'; it takes input_dim, "
+            "num_classes, num_samples, seed; a data builder gets every setting of its data "
+            "option: take them, or **settings",
+        ),
+        (
             # the default data's inputs are vectors; ddp: refused before any rank starts
             ["model=timm", "parallel=ddp", "parallel.devices=2"],
             CHECK,
@@ -923,6 +935,8 @@ def test_a_stream_without_datasets_names_the_package(tmp_path, files, compose_co
         "ddp-nodes-without-rendezvous",
         "monitor",
         "model-setting-missing",
+        "data-builder-import",
+        "data-builder-setting",
         "timm-without-images",
         "hf-image-classifier-without-images",
         "elastic-fewer-nodes",
