@@ -911,6 +911,22 @@ def test_a_stream_without_datasets_names_the_package(tmp_path, files, compose_co
             "option: take them, or **settings",
         ),
         (
+            ["task._target_=tests.nosuch.Task"],
+            CHECK,
+            "task._target_=tests.nosuch.Task does not import: No module named 'tests.nosuch'",
+        ),
+        (
+            [
+                "model=fcn",
+                "data=synthetic_segmentation",
+                "task=segmentation",
+                "task._target_=tests.odd_tasks.BrierScore",
+            ],
+            CHECK,
+            "task: tests.odd_tasks.BrierScore takes no 'ignore_index'; it takes no settings; a "
+            "task gets every setting of its task option: take them, or **settings",
+        ),
+        (
             # the default data's inputs are vectors; ddp: refused before any rank starts
             ["model=timm", "parallel=ddp", "parallel.devices=2"],
             CHECK,
@@ -937,6 +953,8 @@ def test_a_stream_without_datasets_names_the_package(tmp_path, files, compose_co
         "model-setting-missing",
         "data-builder-import",
         "data-builder-setting",
+        "task-class-import",
+        "task-class-setting",
         "timm-without-images",
         "hf-image-classifier-without-images",
         "elastic-fewer-nodes",

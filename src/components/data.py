@@ -11,9 +11,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from src.components.data_contract import Data, Split
-from src.components.targets import check_arguments, import_target
+from src.components.targets import check_target
 from src.components.token_files import TokenWindows, largest_token, stream_ranges, token_files
-from src.config.base import ConfigError
 from src.config.data import data_builder_config
 from src.runtime.progress import PhaseProgress
 
@@ -24,26 +23,10 @@ def build_data(settings: DictConfig, seed: int) -> Data:
     """The `Data` that the data settings' builder (`_target_`) returns, its training part cut
     to `data.train_samples` when set."""
     builder = data_builder_config(settings)
-    check_builder(builder)
+    check_target("data", builder, "a data builder")
     data = instantiate(builder, seed=seed)
     count = settings.get("train_samples")  # absent from the configs of older checkpoints
     return data if count is None else data.first_train_samples(count)
-
-
-def check_builder(builder: DictConfig) -> None:
-    """`data._target_` imports and takes every setting it is given (`data=synthetic
-    data._target_=mine.build` hands `build` synthetic's): else one line before any work, as
-    for `model._target_`, rather than Hydra's error from the call."""
-    name = builder["_target_"]
-    target = import_target(name, "data._target_")
-    settings = [key for key in builder if key != "_target_"]
-    try:
-        check_arguments("data", name, target, settings)
-    except ConfigError as error:
-        raise ConfigError(
-            f"{error}; a data builder gets every setting of its data option: take them, "
-            "or **settings"
-        ) from None
 
 
 def check_fraction(name: str, fraction: float) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from hydra.utils import _locate
@@ -60,6 +60,20 @@ def check_arguments(group: str, name: str, target: Any, settings: Iterable[str])
                 f"{', '.join(sorted(taken)) or 'no settings'}"
             )
     return taken
+
+
+def check_target(group: str, node: Mapping[str, Any], what: str) -> None:
+    """`node._target_` (`group`'s, `what` by name: "a data builder") imports and takes every
+    other setting of `node`: else one ConfigError line before any work, as for
+    `model._target_`, rather than Hydra's error from the call."""
+    name = node["_target_"]
+    target = import_target(name, f"{group}._target_")
+    try:
+        check_arguments(group, name, target, [key for key in node if key != "_target_"])
+    except ConfigError as error:
+        raise ConfigError(
+            f"{error}; {what} gets every setting of its {group} option: take them, or **settings"
+        ) from None
 
 
 def settle_settings(cfg: DictConfig, group: str, template_keys: Collection[str]) -> None:
