@@ -893,6 +893,13 @@ def test_a_stream_without_datasets_names_the_package(tmp_path, files, compose_co
         ),
         (["trainer.monitor=val/nosuch"], CHECK, "trainer.monitor=val/nosuch is never logged"),
         (
+            # an open dict that starts empty: Hydra's `+` adds a key to it
+            ["model=timm", "model.sizes.img_size=16"],
+            HYDRA,
+            "Key 'img_size' is not in struct; model.sizes has no keys yet: add one with "
+            "+model.sizes.img_size=16",
+        ),
+        (
             [f"model._target_={ODD}.LoopMLP", "+model.width=8"],
             CHECK,
             f"model: {ODD}.LoopMLP needs 'layers', which its config does not give: add "
@@ -950,6 +957,7 @@ def test_a_stream_without_datasets_names_the_package(tmp_path, files, compose_co
         "hydra",
         "ddp-nodes-without-rendezvous",
         "monitor",
+        "key-of-an-empty-dict",
         "model-setting-missing",
         "data-builder-import",
         "data-builder-setting",
