@@ -22,3 +22,9 @@ def as_dicts(split: Split) -> Split:
     half = features.shape[1] // 2
     inputs = {"left": features[:, :half], "right": features[:, half:]}
     return Split(inputs, {"label": split.targets, "value": features.mean(1)})
+
+
+def vectors(seed: int, input_dim: int, num_classes: int, num_samples: int) -> Data:
+    """A builder that names its settings rather than taking `**settings`: on top of
+    `data=synthetic`, the option's others (val_fraction, image_shape, ...) reach it too."""
+    return synthetic_classification(seed, input_dim, num_classes, num_samples, 0.1, 0.1)

@@ -893,13 +893,80 @@ def test_a_stream_without_datasets_names_the_package(tmp_path, files, compose_co
         ),
         (["trainer.monitor=val/nosuch"], CHECK, "trainer.monitor=val/nosuch is never logged"),
         (
+            # an open dict that starts empty: Hydra's `+` adds a key to it
+            ["model=timm", "model.sizes.img_size=16"],
+            HYDRA,
+            "Key 'img_size' is not in struct; model.sizes has no keys yet: add one with "
+            "+model.sizes.img_size=16",
+        ),
+        (
+            [f"model._target_={ODD}.LoopMLP", "+model.width=8"],
+            CHECK,
+            f"model: {ODD}.LoopMLP needs 'layers', which its config does not give: add "
+            "+model.layers=<value>",
+        ),
+        (
+            ["data._target_=tests.nosuch.builder"],
+            CHECK,
+            "data._target_=tests.nosuch.builder does not import: No module named 'tests.nosuch'",
+        ),
+        (
+            ["data._target_=tests.odd_data.vectors"],
+            CHECK,
+            "data: tests.odd_data.vectors takes no 'image_shape'; it takes input_dim, "
+            "num_classes, num_samples, seed; a data builder gets every setting of its data "
+            "option: take them, or **settings",
+        ),
+        (
+            ["task._target_=tests.nosuch.Task"],
+            CHECK,
+            "task._target_=tests.nosuch.Task does not import: No module named 'tests.nosuch'",
+        ),
+        (
+            [
+                "model=fcn",
+                "data=synthetic_segmentation",
+                "task=segmentation",
+                "task._target_=tests.odd_tasks.BrierScore",
+            ],
+            CHECK,
+            "task: tests.odd_tasks.BrierScore takes no 'ignore_index'; it takes no settings; a "
+            "task gets every setting of its task option: take them, or **settings",
+        ),
+        (
+            # the default data's inputs are vectors; ddp: refused before any rank starts
+            ["model=timm", "parallel=ddp", "parallel.devices=2"],
+            CHECK,
+            "model=timm takes images shaped (channels, height, width), but the data's inputs "
+            "are shaped [32]",
+        ),
+        (
+            ["model=hf_image_classifier"],
+            CHECK,
+            "model=hf_image_classifier takes images shaped (channels, height, width), but the "
+            "data's inputs are shaped [32]",
+        ),
+        (
             ["parallel=ddp", "parallel.devices=2", "parallel.nodes=2:3", "trainer.batch_size=18"],
             CHECK,
             "on 2 node(s) of parallel.nodes=2:3: the global micro-batch (trainer.batch_size / "
             "trainer.accumulate = 18) does not split evenly over 4 processes",
         ),
     ],
-    ids=["hydra", "ddp-nodes-without-rendezvous", "monitor", "elastic-fewer-nodes"],
+    ids=[
+        "hydra",
+        "ddp-nodes-without-rendezvous",
+        "monitor",
+        "key-of-an-empty-dict",
+        "model-setting-missing",
+        "data-builder-import",
+        "data-builder-setting",
+        "task-class-import",
+        "task-class-setting",
+        "timm-without-images",
+        "hf-image-classifier-without-images",
+        "elastic-fewer-nodes",
+    ],
 )
 def test_train_py_reports_bad_input_in_one_line(tmp_path, overrides, stage, message):
     run_dir = tmp_path / "run"

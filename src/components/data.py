@@ -11,6 +11,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from src.components.data_contract import Data, Split
+from src.components.targets import check_target
 from src.components.token_files import TokenWindows, largest_token, stream_ranges, token_files
 from src.config.data import data_builder_config
 from src.runtime.progress import PhaseProgress
@@ -21,7 +22,9 @@ log = logging.getLogger(__name__)
 def build_data(settings: DictConfig, seed: int) -> Data:
     """The `Data` that the data settings' builder (`_target_`) returns, its training part cut
     to `data.train_samples` when set."""
-    data = instantiate(data_builder_config(settings), seed=seed)
+    builder = data_builder_config(settings)
+    check_target("data", builder, "a data builder")
+    data = instantiate(builder, seed=seed)
     count = settings.get("train_samples")  # absent from the configs of older checkpoints
     return data if count is None else data.first_train_samples(count)
 

@@ -12,7 +12,7 @@ parallelism: the order batches are read in, for any rank and world size, is
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -21,6 +21,7 @@ from torch.utils.data import Dataset, Subset
 
 from src.components import batches
 from src.components.batches import Tree
+from src.config.base import ConfigError
 
 Batch = tuple[Tree, Tree]
 """(inputs, targets): each a tensor, or a tuple/dict of tensors."""
@@ -160,3 +161,16 @@ def tokens_per_sample(dataset: Split | Dataset | Stream) -> int | None:
     if torch.is_tensor(inputs) and inputs.dtype in TOKEN_DTYPES:
         return inputs[0].numel()
     return None
+
+
+def check_image_inputs(option: str, input_shape: Sequence[int]) -> None:
+    """`option`'s model (a library's image model) takes images, channels first. Other inputs are
+    refused by name here: the library's forward fails on them only inside its own code, which
+    the up-front check on the meta device leaves to training (in launched ranks, after a
+    traceback)."""
+    if len(input_shape) != 3:
+        raise ConfigError(
+            f"{option} takes images shaped (channels, height, width), but the data's inputs are "
+            f"shaped {list(input_shape)}; use an image data set (data=cifar10, mnist, "
+            "image_folder, ...) or data=synthetic with data.image_shape=[3,32,32]"
+        )

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from src.components.data_contract import check_image_inputs
 from src.config.base import ConfigError, first_line
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -71,6 +72,7 @@ def image_classifier(
     """A transformers image classifier for images of `input_shape` (channels, height, width)
     and `num_classes` classes: `pretrained`'s weights (its head replaced where its classes
     differ), or random ones from `config` (vit, convnext, ... or a folder) with `sizes`."""
+    check_image_inputs("model=hf_image_classifier", input_shape)
     transformers = transformers_module()
     model_config = hf_config(transformers, pretrained or config, sizes or {}, pretrained is None)
     model_config.num_labels = num_classes

@@ -21,7 +21,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from src.components.targets import check_arguments, import_target, settle_settings
+from src.components.targets import (
+    check_arguments,
+    import_target,
+    missing_arguments,
+    settle_settings,
+)
 from src.config.base import ConfigError
 
 # Settings of `model` that are the template's, not the constructor's.
@@ -47,13 +52,27 @@ def model_arguments(
 ) -> dict:
     """The keyword arguments `target` (`model._target_`'s) is called with: its config's
     settings, and the data's `input_shape` and `num_classes` where it names them or takes any
-    (`**kwargs`). A setting it does not take is a ConfigError naming it."""
+    (`**kwargs`). A setting it does not take, or one it needs that is not given, is a
+    ConfigError naming it."""
     plain = OmegaConf.to_container(model_cfg) if isinstance(model_cfg, DictConfig) else model_cfg
     settings = {k: v for k, v in plain.items() if k not in TEMPLATE_KEYS}
     taken = check_arguments("model", model_cfg["_target_"], target, settings)
     data = {"input_shape": tuple(input_shape), "num_classes": num_classes}
     # A constructor that takes **kwargs hands them on (a subclass's `**sizes` to its parent's).
-    return {**{k: v for k, v in data.items() if taken is None or k in taken}, **settings}
+    arguments = {**{k: v for k, v in data.items() if taken is None or k in taken}, **settings}
+    check_given(model_cfg["_target_"], target, arguments)
+    return arguments
+
+
+def check_given(name: str, target: Any, arguments: dict) -> None:
+    """Every argument `target` needs is in `arguments`: a missing one is refused in one line
+    here, before any work, rather than as a TypeError from the constructor in training."""
+    missing = missing_arguments(target, arguments)
+    if missing:
+        raise ConfigError(
+            f"model: {name} needs {missing[0]!r}, which its config does not give: add "
+            f"+model.{missing[0]}=<value>"
+        )
 
 
 def build_model(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from hydra.utils import _locate
@@ -37,6 +37,17 @@ def parameter_names(target: Any) -> set[str] | None:
     return {p.name for p in parameters if p.kind != inspect.Parameter.VAR_POSITIONAL}
 
 
+def missing_arguments(target: Any, given: Collection[str]) -> list[str]:
+    """The arguments `target` needs (no default; passable by name) that `given` leaves out, in
+    signature order."""
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [
+        p.name
+        for p in inspect.signature(target).parameters.values()
+        if p.kind in named and p.default is inspect.Parameter.empty and p.name not in given
+    ]
+
+
 def check_arguments(group: str, name: str, target: Any, settings: Iterable[str]) -> set[str] | None:
     """The keyword arguments `target` (named `name`, built from `group`'s `settings`) takes, None
     where it takes any; a setting it does not take is a ConfigError naming it."""
@@ -49,6 +60,20 @@ def check_arguments(group: str, name: str, target: Any, settings: Iterable[str])
                 f"{', '.join(sorted(taken)) or 'no settings'}"
             )
     return taken
+
+
+def check_target(group: str, node: Mapping[str, Any], what: str) -> None:
+    """`node._target_` (`group`'s, `what` by name: "a data builder") imports and takes every
+    other setting of `node`: else one ConfigError line before any work, as for
+    `model._target_`, rather than Hydra's error from the call."""
+    name = node["_target_"]
+    target = import_target(name, f"{group}._target_")
+    try:
+        check_arguments(group, name, target, [key for key in node if key != "_target_"])
+    except ConfigError as error:
+        raise ConfigError(
+            f"{error}; {what} gets every setting of its {group} option: take them, or **settings"
+        ) from None
 
 
 def settle_settings(cfg: DictConfig, group: str, template_keys: Collection[str]) -> None:

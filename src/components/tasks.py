@@ -18,6 +18,17 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from src.components.targets import check_target
+
+
+def build_task(settings: DictConfig) -> Task:
+    """The task `task._target_` names, built with the task option's settings (checked first:
+    `check_target`)."""
+    check_target("task", settings, "a task")
+    return instantiate(settings)
 
 
 class Task(Protocol):

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from src.components.data_contract import check_image_inputs
 from src.config.base import ConfigError, first_line
 
 
@@ -25,6 +26,7 @@ def create(
     """timm's `name` for images of `input_shape` (channels first) and `num_classes` classes;
     `sizes`: more keyword arguments of its constructor (img_size=32 for a ViT on CIFAR);
     `pretrained`: a local weights file (its head is replaced where its classes differ)."""
+    check_image_inputs("model=timm", input_shape)
     try:
         import timm
     except ImportError:

@@ -195,7 +195,8 @@ def composition_error_line(error: Exception) -> str:
     first, *rest = str(error).splitlines()
     if isinstance(error, MissingConfigException):  # the rest: Hydra's search path
         return f"{first}; choose one of {', '.join(error.options)}" if error.options else first
-    # Hydra's hints: a link to its docs, and `+key=value`, which a typed schema refuses anyway.
+    # Hydra's hints: a link to its docs, and `+key=value`, which a typed schema refuses anyway
+    # (an empty open dict takes it: `missing_key_hint` passes it on there).
     parts = [first] + [line for line in rest if line and not line.startswith(("See ", "To "))]
     if isinstance(error, OverrideParseException) and error.override not in first:
         parts.insert(0, f"Error parsing override '{error.override}'")
@@ -205,7 +206,21 @@ def composition_error_line(error: Exception) -> str:
     line = ": ".join(part.rstrip(".") for part in parts)
     node, key = getattr(cause, "parent_node", None), getattr(cause, "key", None)
     if isinstance(node, DictConfig) and isinstance(key, str) and key not in node:
-        keys = [str(k) for k in node]
-        close = difflib.get_close_matches(key, keys, n=1)
-        line += f"; did you mean {close[0]}?" if close else f"; the keys there: {', '.join(keys)}"
+        full_key = str(getattr(cause, "full_key", key))
+        line += missing_key_hint(node, full_key, rest)
     return line
+
+
+def missing_key_hint(node: DictConfig, full_key: str, hydra_hints: list[str]) -> str:
+    """What to write instead of `full_key`, whose last key `node` lacks: the closest key there,
+    or all of them; for a node with none yet (an open dict such as `model.sizes`, which `+`
+    extends), Hydra's own `+key=value`."""
+    path, _, key = full_key.rpartition(".")
+    keys = [str(k) for k in node]
+    close = difflib.get_close_matches(key, keys, n=1)
+    if close:
+        return f"; did you mean {close[0]}?"
+    if keys:
+        return f"; the keys there: {', '.join(keys)}"
+    appends = [hint.split()[-1] for hint in hydra_hints if hint.startswith("To append")]
+    return f"; {path or 'it'} has no keys yet" + (f": add one with {appends[0]}" if appends else "")

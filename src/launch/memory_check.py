@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from src.components.blocks import prepare_blocks
@@ -25,6 +24,7 @@ from src.components.data_contract import Split, first_samples
 from src.components.model_contract import build_model
 from src.components.optimizer import block_matrices, build_optimizer
 from src.components.precision import LossScaling, autocast
+from src.components.tasks import build_task
 from src.config.job import job_config
 from src.launch.launcher import launch
 from src.observe.tensor_memory import StorageTracker, peak_mb
@@ -64,7 +64,7 @@ def step_peaks_mb(
     strategy.check_model(*meta_model_and_inputs(cfg, data, 2))
     strategy.setup()
     micro_batch = trainer.batch_size // trainer.accumulate // strategy.data_shards
-    task = instantiate(cfg.task)
+    task = build_task(cfg.task)
     torch.manual_seed(cfg.seed)
     # Sliced here, copied while tracked: a slice of an in-memory set made under the tracker
     # would count the whole set's storage.

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -24,6 +23,7 @@ from src.components.data_contract import Data, first_samples
 from src.components.model_contract import build_model
 from src.components.optimizer import block_matrices, build_optimizer
 from src.components.precision import autocast
+from src.components.tasks import build_task
 from src.config.base import ConfigError
 from src.config.job import JobConfig
 from src.parallel.shares import (
@@ -151,7 +151,7 @@ def trace_share(
     are never higher: it holds no optimizer state). The evaluation runs as the loop's does: the
     model in eval mode, under no_grad, beside the optimizer state (the gradients are gone)."""
     cfg, trainer = job.cfg, job.trainer
-    task = instantiate(cfg.task)
+    task = build_task(cfg.task)
     sample_inputs, sample_targets = first_samples(data.train, 1)
     with FakeTensorMode(allow_non_fake_inputs=True):
         # Its state is counted in fp32 by `device_memory.in_categories`.

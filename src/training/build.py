@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
 
@@ -25,6 +24,7 @@ from src.components.data import build_data
 from src.components.data_contract import Data, first_samples
 from src.components.model_contract import build_model as build_model_of
 from src.components.state_dicts import tied_keys
+from src.components.tasks import build_task
 from src.config.job import JobConfig, job_config
 from src.config.trainer import TrainerConfig
 from src.parallel.base import Strategy
@@ -94,7 +94,7 @@ def build_checked_parts(job: JobConfig, strategy: Strategy) -> tuple[Data, Any, 
         data = build_data(cfg.data, cfg.seed)
     check_data(job, data, strategy.data_shards)
     with blame("task"):
-        task = instantiate(cfg.task)
+        task = build_task(cfg.task)
     model = build_model(cfg, data, torch.device("meta"))
     check_model(job, strategy, model, task, data)
     return data, task, model
