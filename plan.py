@@ -58,6 +58,8 @@ def main(overrides: list[str]) -> int:
             every = not names_a_strategy(overrides)
             parallels = candidate_parallels(job, every)
             plans = plan_all(job, parallels, progress if len(parallels) > 1 else None)
+            if len(plans) == 1 and plans[0].problem:  # asked alone: train.py's line and exit
+                raise ConfigError(plans[0].problem)
             print(format_table(plans, job.plan.device_memory_gb, brief=every))
             if len(plans) > 1:
                 print(measured_speed(planned_device_type(job), job.plan).describe())

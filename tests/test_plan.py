@@ -286,8 +286,12 @@ def test_train_with_parallel_auto_records_the_choice(tmp_path):
     [
         (["plan.py", "plan.strategies=[ddp,zero3]"], "plan.strategies: unknown strategy 'zero3'"),
         (["train.py", "parallel=auto", "plan.device_memory_gb=0"], "must be above 0, got 0.0"),
+        (
+            ["plan.py", "parallel=single", "parallel.devices=2"],
+            "parallel=single uses one device, got parallel.devices=2",
+        ),
     ],
-    ids=["plan.py", "train.py"],
+    ids=["plan.py", "train.py", "plan.py-one-that-cannot-run"],
 )
 def test_bad_plan_settings_are_one_line_and_exit_2(command, message, tmp_path):
     script, *overrides = command
